@@ -1,0 +1,23 @@
+"""NumPy reference of pallas-cache: the oracle the JAX implementation is tested against.
+
+Imperative, int64, no JAX. ``ReferenceCache`` implements every operation of SPEC.md;
+``ReferencePolicy`` the fetch policy and its balanced split.
+"""
+
+from .cache import (  # noqa: F401
+    ERR_EXPERT_ID,
+    ERR_LAYER,
+    ERR_PREFILL_BUSY,
+    ERR_PREFILL_NOT_BEGUN,
+    ERR_SLOT,
+    FORGOTTEN,
+    SMALL_BANK_FEAT_BYTES,
+    ForgetPlan,
+    PrefillDoesNotFit,
+    RebuildRejected,
+    ReferenceCache,
+    ReferencePlan,
+    ReferencePrefillPlan,
+    ReferenceStats,
+)
+from .policy import ReferencePolicy  # noqa: F401
