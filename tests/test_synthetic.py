@@ -1,0 +1,195 @@
+"""The synthetic generator delivers the statistics its knobs promise, and the statistics are right.
+
+The statistics tests use hand-counted traces, so a naive statistic (counting padding, counting
+duplicates twice in the reuse rate, averaging unrouted layers as zeros, NaN entropy for E == 1)
+fails. The generator tests measure what its knobs promise, so a naive generator (fresh draws that
+may repeat the previous token's experts, duplicate experts within a call, an unseeded RNG, a skew
+that ignores the layer) fails.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+
+from pallas_cache.synthetic import (DEFAULT_PRESET_TOKENS, PRESETS, SyntheticParams,
+                                    layer_exponents, synthetic_trace, trace_statistics)
+from pallas_cache.trace import Trace
+
+TOKENS = 2000
+
+
+@pytest.fixture(scope="module")
+def mixtral():
+    return synthetic_trace("mixtral-like", num_tokens=TOKENS, seed=0)
+
+
+@pytest.fixture(scope="module")
+def fine_grained():
+    return synthetic_trace("fine-grained", num_tokens=600, seed=0)
+
+
+# ---- statistics on hand-counted traces --------------------------------------------------------
+
+
+def test_entropy_and_working_set_hand_counted():
+    # Layer 0: experts 0 and 1 twice each -> p = (1/2, 1/2, 0, 0) -> H = ln 2, / ln 4 = 0.5.
+    # Layer 1: never routed (padding only) -> absent. Layer 2: all on expert 3 -> 0.0.
+    trace = Trace(routes=[[0, 1], [1, 0], [-1, -1], [3, 3], [3, -1]], layers=[0, 0, 1, 2, 2],
+                  num_layers=3, num_experts=4)
+    stats = trace_statistics(trace)
+    assert stats.routed_layers.tolist() == [0, 2]
+    assert stats.routes.tolist() == [4, 3]
+    assert np.allclose(stats.norm_entropy, [0.5, 0.0])
+    assert stats.mean_norm_entropy == pytest.approx(0.25)   # not 1/6: layer 1 is not a zero
+    assert stats.working_set.tolist() == [2, 1]
+    assert stats.working_set_mean == 1.5 and stats.working_set_max == 2
+
+
+def test_entropy_of_a_flat_router_is_one_and_of_a_single_expert_layer_zero():
+    flat = Trace(routes=[[0, 1], [2, 3]], layers=[0, 0], num_layers=1, num_experts=4)
+    assert trace_statistics(flat).norm_entropy.tolist() == [pytest.approx(1.0)]
+    single = Trace(routes=[[0], [0]], layers=[0, 0], num_layers=1, num_experts=1)
+    assert trace_statistics(single).norm_entropy.tolist() == [0.0]  # not NaN (SPEC 10)
+
+
+def test_reuse_rate_hand_counted_with_duplicates_padding_and_sequences():
+    # Layer 0, sequence a: {0,1} -> {1,2} (1 of 2 reused) -> {1,1,-1} = {1} (1 of 1) -> {3} (0/1)
+    # Layer 1, sequence a: {0} -> {0, 2} (1 of 2).
+    # Sequence b, layer 0: its first call has no predecessor (a's calls are another sequence).
+    trace = Trace(
+        routes=[[0, 1, -1], [0, -1, -1], [1, 2, -1], [0, 2, -1], [1, 1, -1], [3, -1, -1],
+                [0, 1, -1]],
+        layers=[0, 1, 0, 1, 0, 0, 0], sequence=[0, 0, 0, 0, 0, 0, 1], sequence_names=("a", "b"),
+        token_idx=[0, 0, 1, 1, 2, 3, 0], num_layers=2, num_experts=4)
+    stats = trace_statistics(trace)
+    # Pooled: (1 + 1 + 0 + 1) reused of (2 + 1 + 1 + 2) distinct experts.
+    assert stats.mean_reuse_rate == pytest.approx(3 / 6)
+    assert stats.reuse_rate.tolist() == [pytest.approx(2 / 4), pytest.approx(1 / 2)]
+
+
+def test_statistics_of_an_all_padding_trace_is_an_error():
+    with pytest.raises(ValueError, match="no non-padding route"):
+        trace_statistics(Trace(routes=[[-1]], layers=[0], num_layers=1, num_experts=2))
+
+
+# ---- generator: shape and determinism ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_presets_have_their_geometry_and_a_laptop_sized_default(name):
+    params = PRESETS[name]
+    trace = synthetic_trace(name, num_tokens=40, seed=3)
+    assert (trace.num_layers, trace.num_experts, trace.top_k) == \
+        (params.num_layers, params.num_experts, params.top_k)
+    assert trace.num_calls == 40 * params.num_layers and trace.is_dense()
+    assert trace.layers.tolist()[: params.num_layers] == list(range(params.num_layers))
+    # top-k routing: distinct experts per call, no padding, all in range.
+    routes = trace.routes
+    assert routes.min() >= 0 and routes.max() < params.num_experts
+    assert (np.diff(np.sort(routes, axis=1), axis=1) > 0).all()
+    assert params.num_tokens == DEFAULT_PRESET_TOKENS == 512
+    assert synthetic_trace(name).num_calls == 512 * params.num_layers
+
+
+def test_same_seed_same_trace_different_seed_different_trace():
+    a = synthetic_trace("mixtral-like", num_tokens=200, seed=11)
+    b = synthetic_trace("mixtral-like", num_tokens=200, seed=11)
+    c = synthetic_trace("mixtral-like", num_tokens=200, seed=12)
+    assert a == b
+    assert not np.array_equal(a.routes, c.routes)
+    assert not np.array_equal(layer_exponents(PRESETS["mixtral-like"], 11),
+                              layer_exponents(PRESETS["mixtral-like"], 12))
+    # More tokens from the same seed extend the trace rather than redraw it.
+    longer = synthetic_trace("mixtral-like", num_tokens=300, seed=11)
+    assert np.array_equal(longer.routes[: a.num_calls], a.routes)
+
+
+# ---- generator: the statistics the knobs promise ----------------------------------------------
+
+
+def test_mixtral_like_is_near_flat_with_mixtral_reuse(mixtral):
+    stats = trace_statistics(mixtral)
+    assert 0.95 <= stats.mean_norm_entropy <= 0.99
+    assert 0.33 <= stats.mean_reuse_rate <= 0.42
+    assert stats.working_set_max == 8
+
+
+def test_fine_grained_is_clearly_skewed(mixtral, fine_grained):
+    stats = trace_statistics(fine_grained)
+    assert stats.mean_norm_entropy < trace_statistics(mixtral).mean_norm_entropy - 0.05
+    assert stats.mean_norm_entropy < 0.9
+    # Skew concentrates mass: a uniform router would give the hottest 1/8 of experts 1/8 of it.
+    histogram = np.sort(fine_grained.routing_histogram(), axis=1)[:, ::-1]
+    head_share = histogram[:, :16].sum(axis=1) / histogram.sum(axis=1)
+    assert head_share.mean() > 0.4
+    assert abs(stats.mean_reuse_rate - PRESETS["fine-grained"].reuse) < 0.03
+
+
+@pytest.mark.parametrize("reuse", [0.0, 0.5, 0.8, 1.0])
+def test_reuse_knob_is_the_measured_previous_token_reuse(reuse):
+    params = SyntheticParams(num_layers=4, num_experts=16, top_k=4, num_tokens=1500, skew=0.5,
+                             reuse=reuse)
+    measured = trace_statistics(synthetic_trace(params, seed=1)).mean_reuse_rate
+    # With independent fresh draws, reuse=0 would measure about K/E = 0.25: the exact knob is
+    # what makes 0 mean "never reused".
+    assert measured == pytest.approx(reuse, abs=0.03)
+
+
+def test_reuse_when_fresh_experts_run_short_falls_back_to_dropped_ones():
+    # E = 3 < 2K = 4: a call keeping nothing must still route 2 distinct experts, so at least
+    # one of the previous two comes back.
+    params = SyntheticParams(num_layers=2, num_experts=3, top_k=2, num_tokens=300, reuse=0.0)
+    trace = synthetic_trace(params, seed=0)
+    assert (np.diff(np.sort(trace.routes, axis=1), axis=1) > 0).all()
+    assert trace_statistics(trace).mean_reuse_rate == pytest.approx(0.5, abs=1e-12)
+    full = synthetic_trace(SyntheticParams(num_layers=1, num_experts=3, top_k=3, num_tokens=5))
+    assert (full.routes == [0, 1, 2]).all()
+
+
+def test_skew_knob_orders_entropy_and_spread_varies_it_across_layers():
+    base = SyntheticParams(num_layers=12, num_experts=32, top_k=2, num_tokens=1500, reuse=0.2)
+    entropies = [trace_statistics(synthetic_trace(dataclasses.replace(base, skew=s))
+                                  ).mean_norm_entropy for s in (0.0, 0.8, 1.6)]
+    assert entropies[0] > 0.98 and entropies[0] > entropies[1] + 0.05 > entropies[2] + 0.1
+
+    same = trace_statistics(synthetic_trace(dataclasses.replace(base, skew=1.0)))
+    spread = trace_statistics(synthetic_trace(dataclasses.replace(base, skew=1.0,
+                                                                  skew_spread=0.9)))
+    assert np.ptp(spread.norm_entropy) > 2 * np.ptp(same.norm_entropy)
+    assert np.ptp(layer_exponents(dataclasses.replace(base, skew=1.0))) == 0.0
+
+
+def test_per_layer_skew_is_applied_to_its_layer():
+    params = SyntheticParams(num_layers=3, num_experts=16, top_k=1, num_tokens=2000,
+                             skew=(0.0, 3.0, 0.0))
+    entropy = trace_statistics(synthetic_trace(params, seed=2)).norm_entropy
+    assert entropy[0] > 0.97 and entropy[2] > 0.97 and entropy[1] < 0.5
+    assert layer_exponents(params).tolist() == [0.0, 3.0, 0.0]
+
+
+# ---- generator: validation --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("changes,message", [
+    (dict(top_k=9), "top_k=9 exceeds num_experts=8"),
+    (dict(num_layers=0), "num_layers must be a positive integer"),
+    (dict(reuse=1.5), r"reuse must be a probability in \[0, 1\], got 1.5"),
+    (dict(reuse=math.nan), "reuse must be a probability"),
+    (dict(skew=-1.0), "skew must be a finite Zipf exponent"),
+    (dict(skew=(1.0, 2.0)), "skew has 2 per-layer values but num_layers=32"),
+    (dict(skew_spread=-0.1), "skew_spread must be a finite number >= 0"),
+])
+def test_bad_knobs_are_refused_with_the_value(changes, message):
+    with pytest.raises(ValueError, match=message):
+        dataclasses.replace(PRESETS["mixtral-like"], **changes)
+
+
+def test_bad_preset_and_seed_are_refused():
+    with pytest.raises(KeyError, match="unknown synthetic preset 'mixtral'"):
+        synthetic_trace("mixtral")
+    with pytest.raises(ValueError, match="seed must be a non-negative integer"):
+        synthetic_trace("mixtral-like", seed=-1)

@@ -1,0 +1,334 @@
+"""Trace readers: replay order, padding, geometry, and errors that say where and what.
+
+Each test is written to fail on the naive implementation of its rule: reading records in file
+order instead of replay order, sorting sequences by label instead of first appearance, dropping
+padding or all-padding calls, trusting inferred geometry, or letting json/numpy errors escape.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pallas_cache.trace import Trace, TraceError, load_trace, save_trace
+
+
+def write_jsonl(path, records):
+    """Write records (dicts, or raw strings written verbatim) one per line."""
+    with open(path, "w", encoding="utf-8") as handle:
+        for record in records:
+            handle.write((record if isinstance(record, str) else json.dumps(record)) + "\n")
+    return path
+
+
+def rec(layer, token, experts, **extra):
+    return {"layer": layer, "token_idx": token, "experts": experts, **extra}
+
+
+# ---- JSONL: order, padding, geometry ---------------------------------------------------------
+
+
+def test_jsonl_calls_are_in_replay_order_not_file_order(tmp_path):
+    # Written layer-major and tokens descending, as a per-layer dump would be.
+    path = write_jsonl(tmp_path / "t.jsonl", [
+        rec(1, 1, [6, 7]), rec(0, 1, [4, 5]), rec(1, 0, [2, 3]), rec(0, 0, [0, 1]),
+    ])
+    trace = load_trace(path)
+    assert trace.layers.tolist() == [0, 1, 0, 1]
+    assert trace.token_idx.tolist() == [0, 0, 1, 1]
+    assert trace.routes.tolist() == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert trace.layers.dtype == np.int32 and trace.routes.dtype == np.int32
+
+
+def test_jsonl_sequences_keep_first_appearance_order_and_tokens_sort_numerically(tmp_path):
+    # "b" appears first in the file, so its calls come first although "a" < "b"; token 10 comes
+    # after token 9 (numeric, not string order).
+    path = write_jsonl(tmp_path / "t.jsonl", [
+        rec(0, 10, [1], sequence="b"), rec(0, 0, [0], sequence="a"),
+        rec(0, 9, [2], sequence="b"), rec(0, 1, [3], sequence="a"),
+    ])
+    trace = load_trace(path)
+    assert trace.sequence_names == ("b", "a")
+    assert trace.sequence.tolist() == [0, 0, 1, 1]
+    assert trace.token_idx.tolist() == [9, 10, 0, 1]
+    assert trace.routes[:, 0].tolist() == [2, 1, 0, 3]
+
+
+def test_jsonl_problem_id_names_the_sequence_and_sequence_key_wins(tmp_path):
+    path = write_jsonl(tmp_path / "t.jsonl", [
+        rec(0, 0, [0], problem_id=7), rec(0, 0, [1], problem_id=3),
+        rec(0, 1, [2], problem_id=7, sequence="s"),
+    ])
+    trace = load_trace(path)
+    assert trace.sequence_names == (7, 3, "s")
+    assert trace.routes[:, 0].tolist() == [0, 1, 2]
+
+
+def test_jsonl_records_without_a_sequence_form_one_sequence_and_extra_keys_are_ignored(tmp_path):
+    path = write_jsonl(tmp_path / "t.jsonl", [
+        rec(0, 0, [0], weights=[0.5], note="x"), rec(0, 1, [1], sequence=None),
+    ])
+    trace = load_trace(path)
+    assert trace.sequence_names == (None,)
+    assert trace.sequence.tolist() == [0, 0]
+
+
+def test_jsonl_pads_short_records_and_keeps_missing_records_absent(tmp_path):
+    path = write_jsonl(tmp_path / "t.jsonl", [
+        rec(0, 0, [3, 1, 2]), rec(2, 0, [5]),          # layer 1 of token 0 is missing
+        rec(0, 1, []), rec(1, 1, [0, -1]),             # an empty call stays a call
+    ])
+    trace = load_trace(path)
+    assert trace.layers.tolist() == [0, 2, 0, 1]
+    assert trace.routes.tolist() == [[3, 1, 2], [5, -1, -1], [-1, -1, -1], [0, -1, -1]]
+    assert trace.top_k == 3 and trace.num_calls == 4 and len(trace) == 4
+    assert trace.num_layers == 3 and trace.num_experts == 6   # inferred: max + 1
+
+
+def test_declared_geometry_overrides_inference(tmp_path):
+    path = write_jsonl(tmp_path / "t.jsonl", [rec(1, 0, [2])])
+    trace = load_trace(path, num_layers=4, num_experts=16)
+    assert (trace.num_layers, trace.num_experts) == (4, 16)
+    assert trace.routing_histogram().shape == (4, 16)
+
+
+def test_blank_lines_are_skipped_and_do_not_shift_line_numbers(tmp_path):
+    path = write_jsonl(tmp_path / "t.jsonl", [rec(0, 0, [0]), "", "  ", '{"layer": 0}'])
+    with pytest.raises(TraceError, match=r"t\.jsonl:4: field 'token_idx': missing"):
+        load_trace(path)
+
+
+# ---- JSONL: errors ---------------------------------------------------------------------------
+
+BAD_LINES = [
+    ("not json", {"layer": 0, "token_idx": 0, "experts": [0]}, "{oops", r"not valid JSON"),
+    ("array", None, "[1, 2]", r"expected a JSON object"),
+    ("no layer", None, '{"token_idx": 0, "experts": [0]}', r"field 'layer': missing"),
+    ("no experts", None, '{"layer": 0, "token_idx": 0}', r"field 'experts': missing"),
+    ("layer string", None, '{"layer": "0", "token_idx": 0, "experts": [0]}',
+     r"field 'layer': expected an integer, got str"),
+    ("layer bool", None, '{"layer": true, "token_idx": 0, "experts": [0]}',
+     r"field 'layer': expected an integer, got bool"),
+    ("token float", None, '{"layer": 0, "token_idx": 1.0, "experts": [0]}',
+     r"field 'token_idx': expected an integer, got float"),
+    ("experts not list", None, '{"layer": 0, "token_idx": 0, "experts": 3}',
+     r"field 'experts': expected a list"),
+    ("expert float", None, '{"layer": 0, "token_idx": 0, "experts": [1, 2.0]}',
+     r"field 'experts': entry 1 is 2.0"),
+    ("expert below -1", None, '{"layer": 0, "token_idx": 0, "experts": [-2]}',
+     r"field 'experts': expert -2 is below -1"),
+    ("negative layer", None, '{"layer": -1, "token_idx": 0, "experts": [0]}',
+     r"field 'layer': layer -1 is negative"),
+    ("negative token", None, '{"layer": 0, "token_idx": -3, "experts": [0]}',
+     r"field 'token_idx': token_idx -3 is negative"),
+    ("bad sequence", None, '{"layer": 0, "token_idx": 0, "experts": [0], "sequence": [1]}',
+     r"field 'sequence': expected a string or integer"),
+]
+
+
+@pytest.mark.parametrize("name,_unused,line,message", BAD_LINES, ids=[b[0] for b in BAD_LINES])
+def test_malformed_line_names_file_line_and_field(tmp_path, name, _unused, line, message):
+    path = write_jsonl(tmp_path / "bad.jsonl", [rec(0, 0, [0]), line])
+    with pytest.raises(TraceError, match=r"bad\.jsonl:2: " + message):
+        load_trace(path)
+
+
+def test_expert_at_or_above_declared_num_experts_is_refused(tmp_path):
+    path = write_jsonl(tmp_path / "t.jsonl", [rec(0, 0, [0]), rec(0, 1, [7, 8])])
+    assert load_trace(path).num_experts == 9  # inferred geometry accepts it
+    with pytest.raises(TraceError, match=r"t\.jsonl:2: field 'experts': expert 8 is outside "
+                                         r"\[-1, 8\) \(num_experts=8\)"):
+        load_trace(path, num_experts=8)
+
+
+def test_layer_at_or_above_declared_num_layers_is_refused(tmp_path):
+    path = write_jsonl(tmp_path / "t.jsonl", [rec(0, 0, [0]), rec(2, 0, [0])])
+    with pytest.raises(TraceError, match=r"t\.jsonl:2: field 'layer': layer 2 is outside "
+                                         r"\[0, 2\)"):
+        load_trace(path, num_layers=2)
+
+
+def test_duplicate_record_names_both_lines(tmp_path):
+    path = write_jsonl(tmp_path / "t.jsonl", [rec(0, 0, [0]), rec(1, 0, [1]), rec(0, 0, [2])])
+    with pytest.raises(TraceError, match=r"t\.jsonl:3: .*duplicate record.*line 1"):
+        load_trace(path)
+    # The same (token, layer) in two sequences is not a duplicate.
+    path = write_jsonl(tmp_path / "u.jsonl", [rec(0, 0, [0], sequence=1),
+                                              rec(0, 0, [0], sequence=2)])
+    assert load_trace(path).num_calls == 2
+
+
+def test_invalid_utf8_is_a_trace_error_with_line(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(b'{"layer": 0, "token_idx": 0, "experts": [0]}\n{"layer": "\xff"}\n')
+    with pytest.raises(TraceError, match=r"t\.jsonl:2: not valid JSON"):
+        load_trace(path)
+
+
+@pytest.mark.parametrize("lines", [[], ["", "   "]], ids=["empty", "blank"])
+def test_empty_jsonl_is_refused(tmp_path, lines):
+    path = write_jsonl(tmp_path / "t.jsonl", lines)
+    with pytest.raises(TraceError, match=r"t\.jsonl: the trace is empty"):
+        load_trace(path)
+
+
+def test_all_padding_without_declared_experts_cannot_infer_geometry(tmp_path):
+    path = write_jsonl(tmp_path / "t.jsonl", [rec(0, 0, [-1])])
+    with pytest.raises(TraceError, match=r"num_experts cannot be inferred"):
+        load_trace(path)
+    assert load_trace(path, num_experts=4).routes.tolist() == [[-1]]
+
+
+def test_missing_file_and_unknown_suffix_are_trace_errors(tmp_path):
+    with pytest.raises(TraceError, match=r"nope\.jsonl: cannot open"):
+        load_trace(tmp_path / "nope.jsonl")
+    with pytest.raises(TraceError, match=r"nope\.npz: cannot open"):
+        load_trace(tmp_path / "nope.npz")
+    (tmp_path / "t.csv").write_text("1,2\n")
+    with pytest.raises(TraceError, match=r"unknown trace format '\.csv'"):
+        load_trace(tmp_path / "t.csv")
+
+
+def test_bad_declared_geometry_is_a_value_error(tmp_path):
+    path = write_jsonl(tmp_path / "t.jsonl", [rec(0, 0, [0])])
+    with pytest.raises(ValueError, match="num_experts must be a positive integer"):
+        load_trace(path, num_experts=0)
+
+
+# ---- NumPy arrays ----------------------------------------------------------------------------
+
+
+def test_npy_is_token_major_then_layer_and_keeps_all_padding_cells(tmp_path):
+    routes = np.array([[[0, 1], [2, -1]], [[-1, -1], [3, 0]]], dtype=np.int16)  # [T=2, L=2, K=2]
+    np.save(tmp_path / "t.npy", routes)
+    trace = load_trace(tmp_path / "t.npy")
+    assert trace.layers.tolist() == [0, 1, 0, 1]
+    assert trace.token_idx.tolist() == [0, 0, 1, 1]
+    assert trace.routes.tolist() == [[0, 1], [2, -1], [-1, -1], [3, 0]]
+    assert (trace.num_layers, trace.num_experts, trace.top_k) == (2, 4, 2)
+    assert trace.routes.dtype == np.int32
+
+
+def test_npz_prefers_routes_then_experts_then_the_first_array(tmp_path):
+    a = np.zeros((1, 1, 1), np.int32)
+    b = np.ones((1, 1, 1), np.int32)
+    np.savez(tmp_path / "r.npz", other=a, routes=b)
+    np.savez(tmp_path / "e.npz", other=a, experts=b)
+    np.savez(tmp_path / "f.npz", first=b, second=a)
+    for name in ("r", "e", "f"):
+        assert load_trace(tmp_path / f"{name}.npz").routes.tolist() == [[1]], name
+
+
+@pytest.mark.parametrize("array,message", [
+    (np.zeros((2, 2, 2), np.float32), r"expected an integer array.*float32"),
+    (np.zeros((2, 2), np.int32), r"expected shape \[tokens, layers, top_k\], got 2-D"),
+    (np.zeros((0, 2, 2), np.int32), r"the trace is empty"),
+    (np.array([[[0, -2]]]), r"token=0, layer=0, k=1\]: expert -2 is outside"),
+], ids=["float", "2-D", "empty", "below -1"])
+def test_bad_arrays_name_file_array_and_index(tmp_path, array, message):
+    np.savez(tmp_path / "bad.npz", routes=array)
+    with pytest.raises(TraceError, match=r"bad\.npz: array 'routes'(: |\[)" + message):
+        load_trace(tmp_path / "bad.npz")
+
+
+def test_array_against_declared_geometry(tmp_path):
+    routes = np.array([[[0], [1]], [[5], [2]]])  # [T=2, L=2, K=1]
+    np.save(tmp_path / "t.npy", routes)
+    with pytest.raises(TraceError, match=r"\[token=1, layer=0, k=0\]: expert 5 is outside "
+                                         r"\[-1, 4\)"):
+        load_trace(tmp_path / "t.npy", num_experts=4)
+    with pytest.raises(TraceError, match=r"2 layers in the array but num_layers=1"):
+        load_trace(tmp_path / "t.npy", num_layers=1)
+    assert load_trace(tmp_path / "t.npy", num_layers=3, num_experts=6).num_layers == 3
+
+
+def test_corrupt_and_pickled_arrays_are_trace_errors(tmp_path):
+    (tmp_path / "junk.npy").write_bytes(b"not numpy at all")
+    with pytest.raises(TraceError, match=r"junk\.npy: not a readable NumPy"):
+        load_trace(tmp_path / "junk.npy")
+    np.save(tmp_path / "obj.npy", np.array([[[0]]], dtype=object), allow_pickle=True)
+    with pytest.raises(TraceError, match=r"obj\.npy: not a readable NumPy"):
+        load_trace(tmp_path / "obj.npy")
+    np.savez(tmp_path / "none.npz")
+    with pytest.raises(TraceError, match=r"holds no arrays"):
+        load_trace(tmp_path / "none.npz")
+
+
+# ---- the Trace type --------------------------------------------------------------------------
+
+
+def test_trace_views_for_a_replay():
+    trace = Trace(routes=[[1, 1, -1], [0, 2, -1]], layers=[1, 0], num_layers=2, num_experts=3)
+    layers, routes = trace.to_array()
+    assert layers.dtype == np.int32 and routes.dtype == np.int32
+    assert [(layer, r.tolist()) for layer, r in trace] == [(1, [1, 1, -1]), (0, [0, 2, -1])]
+    assert trace.flat_ids().tolist() == [[4, 4, -1], [0, 2, -1]]
+    # Duplicates counted, padding not (SPEC 5.2 step 9).
+    assert trace.routing_histogram().tolist() == [[1, 0, 1], [0, 2, 0]]
+    with pytest.raises(ValueError):
+        routes[0, 0] = 5  # read-only: a replay cannot corrupt the trace
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(routes=np.zeros((0, 2), int), layers=np.zeros(0, int)), "the trace is empty"),
+    (dict(routes=[[3]], layers=[0]), r"expert 3 at call 0, route 0 is outside \[-1, 3\)"),
+    (dict(routes=[[0]], layers=[2]), r"layer 2 at call 0 is outside \[0, 2\)"),
+    (dict(routes=[[0.0]], layers=[0]), "expected an integer array"),
+    (dict(routes=[[0], [1]], layers=[0]), r"expected shape \(2,\)"),
+], ids=["empty", "expert", "layer", "float", "shape"])
+def test_trace_constructor_validates(kwargs, message):
+    with pytest.raises(TraceError, match=message):
+        Trace(num_layers=2, num_experts=3, **kwargs)
+
+
+def test_dense_views_and_num_tokens():
+    trace = Trace.from_dense(np.arange(12).reshape(3, 2, 2) % 5)
+    assert trace.is_dense() and trace.num_tokens == 3
+    assert np.array_equal(trace.to_dense(), np.arange(12).reshape(3, 2, 2) % 5)
+    sparse = Trace(routes=[[0], [1]], layers=[0, 0], num_layers=2, num_experts=2,
+                   token_idx=[0, 1])
+    assert not sparse.is_dense() and sparse.num_tokens == 2
+    with pytest.raises(TraceError, match="not a full"):
+        sparse.to_dense()
+
+
+@st.composite
+def traces(draw):
+    num_layers = draw(st.integers(1, 4))
+    num_experts = draw(st.integers(1, 6))
+    top_k = draw(st.integers(1, 3))
+    calls = draw(st.integers(1, 12))
+    # Unique, canonical (sequence, token, layer) keys, so the loader's order equals ours.
+    keys = draw(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 5),
+                                   st.integers(0, num_layers - 1)),
+                         min_size=calls, max_size=calls, unique=True))
+    keys.sort()
+    routes = draw(st.lists(st.lists(st.integers(-1, num_experts - 1), min_size=top_k,
+                                    max_size=top_k), min_size=calls, max_size=calls))
+    return Trace(routes=routes, layers=[k[2] for k in keys], token_idx=[k[1] for k in keys],
+                 sequence=[k[0] for k in keys], sequence_names=("s0", "s1", "s2"),
+                 num_layers=num_layers, num_experts=num_experts)
+
+
+@given(traces())
+def test_jsonl_round_trip(tmp_path_factory, trace):
+    path = tmp_path_factory.mktemp("rt") / "t.jsonl"
+    save_trace(trace, path)
+    loaded = load_trace(path, num_layers=trace.num_layers, num_experts=trace.num_experts)
+    # Sequences that never appear are not written, so compare through the names.
+    assert [trace.sequence_names[s] for s in trace.sequence] == \
+        [loaded.sequence_names[s] for s in loaded.sequence]
+    assert np.array_equal(loaded.routes, trace.routes)
+    assert np.array_equal(loaded.layers, trace.layers)
+    assert np.array_equal(loaded.token_idx, trace.token_idx)
+
+
+@pytest.mark.parametrize("suffix", [".npy", ".npz", ".jsonl"])
+def test_dense_round_trip(tmp_path, suffix):
+    trace = Trace.from_dense(np.array([[[0, -1], [2, 1]], [[1, 0], [-1, -1]]]), num_experts=3)
+    save_trace(trace, tmp_path / f"t{suffix}")
+    assert load_trace(tmp_path / f"t{suffix}", num_experts=3) == trace
