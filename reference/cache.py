@@ -667,19 +667,21 @@ class ReferenceCache:
             entry_count=0,
             gather_banks=gather_banks,
         )
-        if not self._layer_ok(layer):
-            plan.error = ERR_LAYER
+        # Refusals: every failing check sets its bit (the buffer checks need a valid layer).
+        layer_ok = self._layer_ok(layer)
+        held = self.prefill_layer[buffer_id] if layer_ok else -1
+        if not layer_ok:
+            plan.error |= ERR_LAYER
+        if not self.prefill_open:
+            plan.error |= ERR_PREFILL_NOT_BEGUN
+        # Reusing a buffer a running multiply still reads would silently corrupt it: refused.
+        if held >= 0 and held != layer and not self.prefill_released[buffer_id]:
+            plan.error |= ERR_PREFILL_BUSY
+        if plan.error:
             return plan
         # Re-staging what the buffer already holds is a no-op, so a caller can prefetch ahead.
-        if self.prefill_layer[buffer_id] == layer:
+        if held == layer:
             plan.already_loaded = True
-            return plan
-        # Reusing a buffer a running multiply still reads would silently corrupt it: refused.
-        if self.prefill_layer[buffer_id] >= 0 and not self.prefill_released[buffer_id]:
-            plan.error = ERR_PREFILL_BUSY
-            return plan
-        if not self.prefill_open:
-            plan.error = ERR_PREFILL_NOT_BEGUN
             return plan
 
         # A row is resident only if its snapshot slot is at or above 2E: the buffers own every

@@ -162,7 +162,7 @@ def busy_cache():
         (lambda c: c.forget_slot(12), ERR_SLOT),
         (lambda c: c.forget_slot(-1), ERR_SLOT),
         (lambda c: c.prefetch_prefill_layer(0, (1 << 20,)), ERR_PREFILL_NOT_BEGUN),
-        (lambda c: c.prefetch_prefill_layer(7, (1 << 20,)), ERR_LAYER),
+        (lambda c: c.prefetch_prefill_layer(7, (1 << 20,)), ERR_LAYER | ERR_PREFILL_NOT_BEGUN),
     ],
 )
 def test_a_value_error_sets_its_bit_and_changes_nothing(call, error):

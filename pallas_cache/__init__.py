@@ -1,0 +1,112 @@
+"""pallas_cache: the GPU expert slot cache of offloaded MoE inference, as pure JAX functions.
+
+Expert weights live in host RAM; a pool of ``S`` device slots holds the experts in use, shared by
+all layers (global LRU). Each MoE layer call asks the cache which routed experts are resident,
+which must be copied in (and where, evicting whom), and -- in the hybrid mode -- which misses the
+CPU computes instead. The library computes that metadata only; it never moves weights.
+
+The state is an immutable pytree and every operation a pure function, so a whole decode step is
+one compiled program::
+
+    import pallas_cache as pc
+    state = pc.init(num_layers=8, num_experts=16, cache_size=64)
+    state, plan = pc.ensure_hybrid(state, layer, expert_ids, pc.FetchPolicy.fraction(0.4))
+
+See SPEC.md for the contract and docs/design.md for the choices made where it is silent.
+"""
+
+from pallas_cache.backend import BACKENDS, promotion_decision, select_victims
+from pallas_cache.errors import (
+    ERR_EXPERT_ID,
+    ERR_LAYER,
+    ERR_PREFILL_BUSY,
+    ERR_PREFILL_NOT_BEGUN,
+    ERR_SLOT,
+    CacheError,
+    check,
+    checked,
+    raise_on_error,
+)
+from pallas_cache.ops import (
+    CopyPlan,
+    EnsurePlan,
+    ForgetPlan,
+    MaterializePlan,
+    ensure,
+    ensure_hybrid,
+    forget_slot,
+    materialize_layer,
+)
+from pallas_cache.policy import Admission, FetchOrder, FetchPolicy
+from pallas_cache.prefill import (
+    SMALL_BANK_FEAT_BYTES,
+    PrefillPlan,
+    begin_prefill,
+    prefetch_prefill_layer,
+    prefill_overlap_fits,
+    release_prefill_layer,
+)
+from pallas_cache.state import CacheState, PrefillDoesNotFit, RebuildRejected, init, rebuild, reset
+from pallas_cache.stats import (
+    CacheStats,
+    LayerRoutingSkew,
+    RoutingSkewReport,
+    layer_stats,
+    per_layer_stats,
+    reset_routing,
+    reset_stats,
+    routing_histogram,
+    routing_skew,
+    set_collect_routing,
+    stats,
+)
+
+__all__ = [
+    "BACKENDS",
+    "ERR_EXPERT_ID",
+    "ERR_LAYER",
+    "ERR_PREFILL_BUSY",
+    "ERR_PREFILL_NOT_BEGUN",
+    "ERR_SLOT",
+    "SMALL_BANK_FEAT_BYTES",
+    "Admission",
+    "CacheError",
+    "CacheState",
+    "CacheStats",
+    "CopyPlan",
+    "EnsurePlan",
+    "FetchOrder",
+    "FetchPolicy",
+    "ForgetPlan",
+    "LayerRoutingSkew",
+    "MaterializePlan",
+    "PrefillDoesNotFit",
+    "PrefillPlan",
+    "RebuildRejected",
+    "RoutingSkewReport",
+    "begin_prefill",
+    "check",
+    "checked",
+    "ensure",
+    "ensure_hybrid",
+    "forget_slot",
+    "init",
+    "layer_stats",
+    "materialize_layer",
+    "per_layer_stats",
+    "prefetch_prefill_layer",
+    "prefill_overlap_fits",
+    "promotion_decision",
+    "raise_on_error",
+    "rebuild",
+    "reset",
+    "reset_routing",
+    "reset_stats",
+    "routing_histogram",
+    "routing_skew",
+    "select_victims",
+    "set_collect_routing",
+    "stats",
+]
+
+__version__ = "0.1.0"

@@ -1,0 +1,77 @@
+"""Keeping the int32 LRU clock from wrapping (SPEC 5.12, docs/design.md).
+
+JAX computes in int32 unless ``jax_enable_x64`` is on, and a library must not require that flag.
+A decode loop of 48 layers at 100 tokens/s advances the clock by 2**31 in about five days, after
+which ``usage`` comparisons would silently invert and the LRU would evict the newest slots.
+
+Only the *order* of stamps matters to every decision (victims by ascending usage, misses by
+descending recency, REUSE comparing a miss's recency against its victim's usage), so when the
+clock reaches ``state.rebase_threshold`` every live stamp is replaced by its dense rank (1-based)
+among all live stamps, ``usage``, ``recency`` and ``step`` ranked together:
+
+* live = ``usage >= 1``, ``recency >= 0``, and ``step``; dead values keep their sentinel
+  (usage 0 for never-filled or prefill-emptied slots, the smallest int32 for forgotten slots,
+  recency -1 for never-routed experts);
+* equal stamps stay equal and every pairwise order (usage/usage, recency/recency, recency/usage)
+  is unchanged, so the next call decides exactly as it would have without the rebase;
+* every occupied slot keeps ``usage >= 1`` and ``step`` becomes the largest rank.
+
+The check runs at the start of each clock-advancing call, before ``step += 1``, and only when the
+call is accepted (a refused call leaves the state unchanged). The NumPy reference implements the
+same renumbering at the same threshold.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_cache.state import CacheState
+
+__all__ = ["dense_rank_stamps", "rebase_if_due"]
+
+_INT32_MIN = jnp.iinfo(jnp.int32).min
+
+
+def dense_rank_stamps(usage, recency, step):
+    """Renumber every live stamp to its dense rank among all live stamps (see module doc).
+
+    Args:
+      usage: int32[S]; live where ``>= 1``.
+      recency: int32[L, E]; live where ``>= 0``.
+      step: int32[]; always live.
+
+    Returns:
+      ``(usage, recency, step)`` with live stamps replaced by ranks ``1..n`` and dead ones kept.
+    """
+    values = jnp.concatenate([usage, recency.reshape(-1), step[None]])
+    live = jnp.concatenate([usage >= 1, recency.reshape(-1) >= 0, jnp.ones((1,), jnp.bool_)])
+    # Dead values sort first (every live stamp is >= 0) and are never counted.
+    key = jnp.where(live, values, _INT32_MIN)
+    order = jnp.argsort(key)
+    sorted_key = key[order]
+    sorted_live = live[order]
+    first_of_value = jnp.concatenate([jnp.ones((1,), jnp.bool_), sorted_key[1:] != sorted_key[:-1]])
+    rank_sorted = jnp.cumsum(first_of_value & sorted_live, dtype=jnp.int32)
+    rank = jnp.zeros_like(values).at[order].set(rank_sorted)
+    renumbered = jnp.where(live, rank, values)
+    num_slots = usage.shape[0]
+    return (
+        renumbered[:num_slots],
+        renumbered[num_slots:-1].reshape(recency.shape),
+        renumbered[-1],
+    )
+
+
+def rebase_if_due(state: CacheState, accepted) -> CacheState:
+    """The state with its stamps renumbered if the call is accepted and ``step`` reached the
+    threshold; otherwise the state itself. Traced: the renumbering runs under ``lax.cond``."""
+    due = accepted & (state.step >= state.rebase_threshold)
+
+    def rebase(stamps):
+        return dense_rank_stamps(*stamps)
+
+    usage, recency, step = lax.cond(
+        due, rebase, lambda stamps: stamps, (state.usage, state.recency, state.step)
+    )
+    return state.replace(usage=usage, recency=recency, step=step)

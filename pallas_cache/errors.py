@@ -1,0 +1,199 @@
+"""Every error rule of the library, in one place (SPEC 6, docs/design.md).
+
+Two kinds of misuse, handled two ways:
+
+* **Static misuse** -- a float array of expert ids, a policy of the wrong rank, an unknown enum,
+  bank sizes that are not positive ints -- is known from Python values, dtypes and shapes, so it
+  raises ``TypeError``/``ValueError`` at call or trace time, naming the offending value. The
+  ``as_*`` coercers below implement it.
+* **Value errors** -- an expert id outside ``[-1, E)``, a layer outside ``[0, L)``, a slot outside
+  ``[0, S)``, prefill misuse -- depend on traced values, which a jitted decode loop cannot
+  inspect without a host sync. The op then returns the **input state unchanged** and a plan whose
+  ``error`` field carries the bits below (an empty plan otherwise: -1 slots, zero counts). Nothing
+  is ever half-applied. :func:`check` turns the bits into a readable exception eagerly;
+  :func:`checked` is the ``jax.experimental.checkify`` form that raises under ``jit``.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import checkify
+
+__all__ = [
+    "ERR_EXPERT_ID",
+    "ERR_LAYER",
+    "ERR_SLOT",
+    "ERR_PREFILL_NOT_BEGUN",
+    "ERR_PREFILL_BUSY",
+    "ERROR_NAMES",
+    "CacheError",
+    "check",
+    "checked",
+    "describe",
+    "raise_on_error",
+]
+
+ERR_EXPERT_ID = 1  # a route outside [-1, E)
+ERR_LAYER = 2  # a layer outside [0, L)
+ERR_SLOT = 4  # forget_slot with a slot outside [0, S)
+ERR_PREFILL_NOT_BEGUN = 8  # staging a layer without begin_prefill
+ERR_PREFILL_BUSY = 16  # staging into a buffer that holds another, unreleased layer
+
+ERROR_NAMES = {
+    ERR_EXPERT_ID: ("ERR_EXPERT_ID", "an expert id outside [-1, num_experts)"),
+    ERR_LAYER: ("ERR_LAYER", "a layer outside [0, num_layers)"),
+    ERR_SLOT: ("ERR_SLOT", "a slot outside [0, cache_size)"),
+    ERR_PREFILL_NOT_BEGUN: (
+        "ERR_PREFILL_NOT_BEGUN", "a prefill layer staged without begin_prefill"),
+    ERR_PREFILL_BUSY: (
+        "ERR_PREFILL_BUSY",
+        "a prefill buffer still holds another layer that was not released",
+    ),
+}
+
+
+def describe(bits: int) -> str:
+    """The names and meanings of the error bits set in ``bits``, ``'no error'`` for 0."""
+    bits = int(bits)
+    if bits == 0:
+        return "no error"
+    parts = [f"{name} ({meaning})" for bit, (name, meaning) in ERROR_NAMES.items() if bits & bit]
+    unknown = bits & ~sum(ERROR_NAMES)
+    if unknown:
+        parts.append(f"unknown bits {unknown:#x}")
+    return ", ".join(parts)
+
+
+class CacheError(ValueError):
+    """A cache op was refused; the state it returned is the state it was given.
+
+    Attributes:
+      bits: the OR of the error bits of every refused call in the plan (a batched plan from a
+        ``vmap`` reports the union over the batch).
+    """
+
+    def __init__(self, bits: int):
+        self.bits = int(bits)
+        super().__init__(
+            f"pallas_cache refused the call and returned the state unchanged: {describe(bits)} "
+            f"(error bits {self.bits:#x})"
+        )
+
+
+def check(plan):
+    """Raise :class:`CacheError` if ``plan.error`` has any bit set; otherwise return ``plan``.
+
+    Eager (host) check: it reads the error back from the device, so call it outside ``jit``. A
+    batched plan (from a ``vmap``) raises if any member failed. Use :func:`checked` inside
+    ``jit``.
+    """
+    bits = np.asarray(jax.device_get(plan.error)).astype(np.int64).ravel()
+    union = int(np.bitwise_or.reduce(bits)) if bits.size else 0
+    if union:
+        raise CacheError(union)
+    return plan
+
+
+raise_on_error = check
+
+
+def checked(plan):
+    """The ``checkify`` form of :func:`check`, for use under ``jit``; returns ``plan``.
+
+    Wrap the jitted function with ``jax.experimental.checkify.checkify`` and the error (with its
+    bits) surfaces from ``err.throw()``::
+
+        f = checkify.checkify(jax.jit(lambda s, ids: pc.checked(pc.ensure(s, 0, ids)[1])))
+        err, plan = f(state, ids)
+        err.throw()
+    """
+    error = jnp.asarray(plan.error)
+    checkify.check(
+        jnp.all(error == 0),
+        "pallas_cache refused the call and returned the state unchanged: error bits {} "
+        "(1 ERR_EXPERT_ID, 2 ERR_LAYER, 4 ERR_SLOT, 8 ERR_PREFILL_NOT_BEGUN, 16 ERR_PREFILL_BUSY)",
+        jnp.bitwise_or.reduce(error.ravel()) if error.ndim else error,
+    )
+    return plan
+
+
+# ---- static misuse: coercion of user inputs, raising at call/trace time ----------------------
+
+
+def _is_integer_dtype(dtype) -> bool:
+    return jnp.issubdtype(dtype, jnp.integer)
+
+
+def as_routes(expert_ids) -> jax.Array:
+    """Routes of any shape and any integer dtype, as int32. Floats and bools raise TypeError.
+
+    Ids are not range-checked here: that is a value error (ERR_EXPERT_ID), known only on device.
+    """
+    dtype = getattr(expert_ids, "dtype", None)
+    if dtype is None:
+        expert_ids = np.asarray(expert_ids)
+        dtype = expert_ids.dtype
+        if expert_ids.size == 0:  # an empty list has a float dtype in NumPy; it holds no ids
+            return jnp.zeros(expert_ids.shape, jnp.int32)
+    if not _is_integer_dtype(dtype):
+        raise TypeError(
+            f"expert_ids must have an integer dtype (layer-local ids, -1 = padding), "
+            f"got dtype {np.dtype(dtype).name}"
+        )
+    return jnp.asarray(expert_ids).astype(jnp.int32)
+
+
+def as_host_int(name: str, value) -> int:
+    """A Python/NumPy integer (not a bool) as an ``int``, else TypeError naming the value.
+
+    For values that must be known on the host: geometry, caps, a report's layer."""
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be an integer, got the bool {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        kind = type(value).__name__
+        raise TypeError(f"{name} must be an integer, got {value!r} ({kind})") from None
+
+
+def as_index(name: str, value) -> jax.Array:
+    """A scalar integer index (layer, slot) that may be traced, as an int32 scalar.
+
+    Python ints, NumPy integers and integer arrays of shape ``()`` are accepted; floats and bools
+    raise TypeError, other shapes ValueError. The range is a value error, checked on device.
+    """
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be an integer, got the bool {value!r}")
+    if isinstance(value, int):
+        if not -(2**31) <= value < 2**31:
+            raise ValueError(f"{name} {value} does not fit in int32")
+        return jnp.asarray(value, jnp.int32)
+    dtype = getattr(value, "dtype", None)
+    if dtype is None or not _is_integer_dtype(dtype):
+        raise TypeError(f"{name} must be an integer scalar, got {value!r}")
+    if np.shape(value) != ():
+        raise ValueError(f"{name} must be a scalar, got shape {np.shape(value)}")
+    return jnp.asarray(value).astype(jnp.int32)
+
+
+# ---- value errors: the bits an op sets, computed on device -----------------------------------
+
+
+def layer_bits(layer: jax.Array, num_layers: int) -> jax.Array:
+    """ERR_LAYER if ``layer`` is outside ``[0, num_layers)``, else 0 (int32 scalar)."""
+    return jnp.where((layer < 0) | (layer >= num_layers), ERR_LAYER, 0).astype(jnp.int32)
+
+
+def route_bits(routes: jax.Array, num_experts: int) -> jax.Array:
+    """ERR_EXPERT_ID if any route is outside ``[-1, num_experts)``, else 0 (int32 scalar)."""
+    bad = jnp.any((routes < -1) | (routes >= num_experts))
+    return jnp.where(bad, ERR_EXPERT_ID, 0).astype(jnp.int32)
+
+
+def slot_bits(slot: jax.Array, cache_size: int) -> jax.Array:
+    """ERR_SLOT if ``slot`` is outside ``[0, cache_size)``, else 0 (int32 scalar)."""
+    return jnp.where((slot < 0) | (slot >= cache_size), ERR_SLOT, 0).astype(jnp.int32)

@@ -1,0 +1,168 @@
+"""How many misses a hybrid step fetches, and which ones (SPEC 5.3-5.5).
+
+A :class:`FetchPolicy` is a pytree of two traced int32 scalars, so changing the fraction never
+recompiles and a ``vmap`` can sweep it. The float a user passes to :meth:`FetchPolicy.fraction` is
+turned into a 16-bit fixed-point fraction ``f / 65536`` on the host, once: no float ever enters
+the on-device decision, so the JAX code, the Pallas kernels and the NumPy reference cannot
+disagree by a rounding.
+
+The split balances the two sides of a hybrid step: fetching ``F`` of ``M`` misses costs about
+``F * (1 - q)`` (link time, while the CPU idles) against ``(M - F) * q`` (CPU time), and ``F`` is
+the integer near ``q * M`` that minimises the larger of the two.
+
+:class:`FetchOrder` says which misses win the scarce fetches; :class:`Admission` says whether a
+step may fetch more than the split (the seed-000 promotion and its alternative). Both are static
+arguments of the ops (Python values fixed at trace time; ``static_argnames`` under ``jit``), and
+both accept their string values (``"recency"``, ``"reuse"``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import numbers
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_cache import errors
+
+__all__ = ["Admission", "FetchOrder", "FetchPolicy", "ONE"]
+
+ONE = 65536  # the fixed-point 1.0 of fraction16
+_INT32_MAX = int(np.iinfo(np.int32).max)
+
+
+class FetchOrder(enum.Enum):
+    """Which misses get the fetches when the split caps them (SPEC 5.4)."""
+
+    RECENCY = "recency"  # most recently routed first (pre-call recency), ties to the lower id
+    LOWEST_ID = "lowest_id"  # ascending expert id
+
+    @classmethod
+    def coerce(cls, value) -> "FetchOrder":
+        return _coerce_enum(cls, value, "order")
+
+
+class Admission(enum.Enum):
+    """Whether a hybrid step may fetch beyond the split (SPEC 5.5)."""
+
+    PROMOTE_ONE = "promote_one"  # the seed-000 rule: one recurring miss into an empty slot
+    NONE = "none"  # the plain split
+    REUSE = "reuse"  # admit further misses while they are more recent than their victims
+
+    @classmethod
+    def coerce(cls, value) -> "Admission":
+        return _coerce_enum(cls, value, "admission")
+
+
+def _coerce_enum(cls, value, what):
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, str):
+        try:
+            return cls(value.lower())
+        except ValueError:
+            pass
+    choices = ", ".join(f"{cls.__name__}.{m.name}" for m in cls)
+    raise ValueError(f"unknown {what} {value!r}; expected one of {choices}")
+
+
+@dataclasses.dataclass(frozen=True)
+class FetchPolicy:
+    """How many of a hybrid step's misses cross the link (SPEC 5.3).
+
+    Attributes:
+      fraction16: int32[]. The fetch fraction as ``f / 65536``, ``0 <= f <= 65536``; 0 selects the
+        fixed-cap rule.
+      cap: int32[]. With ``fraction16 == 0``: at most this many misses are fetched. Ignored
+        otherwise (a fraction and a cap are not combined).
+
+    Build one with :meth:`fraction`, :meth:`fixed_cap` or :meth:`full`; stack several with
+    ``jax.tree.map(lambda *x: jnp.stack(x), *policies)`` to vmap over them.
+    """
+
+    fraction16: jax.Array
+    cap: jax.Array
+
+    @classmethod
+    def fraction(cls, q) -> "FetchPolicy":
+        """The balanced split at fetch fraction ``q``.
+
+        ``f = clamp(round_half_even(q * 65536), 0, 65536)``, computed on the host; ``q`` above 1
+        clamps to 1 (fetch everything). Raises TypeError for a non-number (bools included) and
+        ValueError for NaN or a negative ``q``.
+        """
+        if isinstance(q, (bool, np.bool_)) or not isinstance(q, numbers.Real):
+            kind = type(q).__name__
+            raise TypeError(f"fetch fraction must be a real number, got {q!r} ({kind})")
+        q = float(q)
+        if math.isnan(q):
+            raise ValueError(f"fetch fraction must not be NaN, got {q!r}")
+        if q < 0:
+            raise ValueError(f"fetch fraction must be >= 0, got {q!r}")
+        # q * 65536 is exact in float64 (a power-of-two scale), so round() -- half to even on
+        # the exact value -- is exactly the rule; inf clamps to one.
+        f = ONE if math.isinf(q) else min(max(round(q * ONE), 0), ONE)
+        return cls(fraction16=jnp.asarray(f, jnp.int32), cap=jnp.asarray(0, jnp.int32))
+
+    @classmethod
+    def fixed_cap(cls, n) -> "FetchPolicy":
+        """Fetch at most ``n >= 0`` misses per step (fraction 0).
+
+        Raises TypeError for a non-int (bools included) and ValueError for ``n < 0``."""
+        n = errors.as_host_int("fetch cap", n)
+        if n < 0:
+            raise ValueError(f"fetch cap must be >= 0, got {n}")
+        cap = jnp.asarray(min(n, _INT32_MAX), jnp.int32)
+        return cls(fraction16=jnp.asarray(0, jnp.int32), cap=cap)
+
+    @classmethod
+    def full(cls) -> "FetchPolicy":
+        """Fetch every miss, the same count as ``ensure``: the split at fraction 1
+        (``F = M``; with ``F >= 1`` whenever anything missed, no admission rule changes it)."""
+        return cls(fraction16=jnp.asarray(ONE, jnp.int32), cap=jnp.asarray(0, jnp.int32))
+
+    def validate(self) -> "FetchPolicy":
+        """Static check at call/trace time: both fields integer scalars (inside any vmap)."""
+        for name in ("fraction16", "cap"):
+            value = getattr(self, name)
+            shape = np.shape(value)
+            if shape != ():
+                raise ValueError(
+                    f"FetchPolicy.{name} must be a scalar per cache, got shape {shape} "
+                    f"(vmap over a stacked policy instead of passing a batch)"
+                )
+            dtype = value.dtype if hasattr(value, "dtype") else np.asarray(value).dtype
+            if not jnp.issubdtype(dtype, jnp.integer):
+                raise TypeError(
+                    f"FetchPolicy.{name} must be an integer, got dtype {np.dtype(dtype).name}")
+        return self
+
+    def split(self, num_missing: jax.Array) -> jax.Array:
+        """``F``, the number of the ``M = num_missing`` distinct misses to fetch (int32 scalar).
+
+        Fixed cap (``f == 0``): ``min(M, cap)``. Fraction (``f > 0``): with
+        ``M * f = lo * 65536 + r`` (``0 <= r < 65536``), the cost comparison of SPEC 5.3,
+        ``max(lo*(65536-f), (M-lo)*f) <= max((lo+1)*(65536-f), (M-lo-1)*f)``, reduces to
+        ``r <= 65536 - f`` (both maxima take their first/second term respectively, because
+        ``lo <= M*f/65536 < lo + 1``); so ``F = lo`` if ``r <= 65536 - f`` else ``lo + 1``. That
+        form never multiplies anything as large as ``M * f``: ``M`` is split into
+        ``M = a * 65536 + b`` and ``b * f < 2**32`` is formed in uint32, so every ``M`` that fits
+        in int32 is exact.
+        """
+        m = jnp.asarray(num_missing, jnp.int32)
+        f = jnp.asarray(self.fraction16, jnp.int32)
+        a = m >> 16
+        b = (m & (ONE - 1)).astype(jnp.uint32)
+        bf = b * f.astype(jnp.uint32)  # <= 65535 * 65536 < 2**32
+        lo = a * f + (bf >> 16).astype(jnp.int32)  # a * f <= 32767 * 65536 < 2**31
+        r = (bf & (ONE - 1)).astype(jnp.int32)
+        balanced = jnp.minimum(jnp.where(r <= ONE - f, lo, lo + 1), m)
+        capped = jnp.minimum(m, self.cap)
+        return jnp.where(f > 0, balanced, capped).astype(jnp.int32)
+
+
+jax.tree_util.register_dataclass(FetchPolicy, data_fields=["fraction16", "cap"], meta_fields=[])

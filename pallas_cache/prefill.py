@@ -1,0 +1,293 @@
+"""Prefill double buffers: staging layer ``l + 1`` while layer ``l`` computes (SPEC 5.11).
+
+The two staging buffers **borrow** slots ``[0, 2E)`` of the decode pool: buffer ``b = layer % 2``
+is slots ``[b*E, (b+1)*E)``, and position ``e`` of a buffer holds expert ``e``. Borrowed is not
+owned: those slots are rewritten every other layer within a chunk, so
+
+* an expert counts as already on the device (a *hit*, gathered device-side) only if its slot in
+  the chunk's snapshot is ``>= 2E``; anything below, ``-1`` included, is a miss by definition;
+* staging a layer invalidates its buffer: occupants lose residency, the slots become empty with
+  usage 0 (the next decode miss takes them first instead of evicting a live resident);
+* nothing staged is ever registered as resident.
+
+The plan is fixed-size (docs/design.md): gathers, miss runs and host-transfer entries are
+``-1``-padded arrays with counts. ``bank_feat_bytes`` (per-expert row size of each weight bank) is
+static, so which banks are small (< 256 KiB: one whole-layer entry, never gathered) is decided at
+trace time. Byte counts can exceed int32, so they are computed on the host by
+:meth:`PrefillPlan.entry_bytes`.
+
+Refusals set error bits and leave the state unchanged: ERR_LAYER, ERR_PREFILL_NOT_BEGUN (no
+``begin_prefill``), ERR_PREFILL_BUSY (the buffer holds another layer that was not released;
+reusing it would overwrite bytes a running multiply reads). A pool with ``S < 2E`` cannot lend the
+buffers at all; that is static and raises :class:`PrefillDoesNotFit`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import numbers
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from pallas_cache import errors
+from pallas_cache.state import CacheState, PrefillDoesNotFit
+
+__all__ = [
+    "SMALL_BANK_FEAT_BYTES",
+    "PrefillPlan",
+    "begin_prefill",
+    "prefetch_prefill_layer",
+    "prefill_overlap_fits",
+    "release_prefill_layer",
+]
+
+# Per-expert row size below which a bank ships its whole layer as one transfer entry: a batched
+# host-to-device copy that mixes sub-256 KiB entries with large ones turns synchronous.
+SMALL_BANK_FEAT_BYTES = 256 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillPlan:
+    """What staging one layer costs (docs/design.md "Prefill plans"). All int32 / bool.
+
+    Attributes:
+      layer: int32[]. The layer asked for.
+      buffer_id: int32[]. ``layer % 2``.
+      already_loaded: bool[]. The buffer already held this layer: nothing moves.
+      gather_dst_slots, gather_src_slots: int32[E]. Hit rows copied device-side, buffer slot
+        ``b*E + e`` <- snapshot slot; in ascending expert order, -1 past ``gather_count``. Used
+        only for the banks in ``gather_banks``.
+      gather_count: int32[].
+      run_starts, run_lens: int32[E]. The misses (ascending ids) as maximal runs of consecutive
+        ids; -1 past ``run_count``.
+      run_count: int32[].
+      entry_bank, entry_dst_slot, entry_src_row, entry_rows: int32[B*E]. Host-transfer entries,
+        banks in the caller's order: a small bank one whole-layer entry ``(bank, b*E, 0, E)``, any
+        other bank one entry per miss run ``(bank, b*E + start, start, len)``; -1 past
+        ``entry_count``. ``src_row`` is layer-local.
+      entry_whole_layer: bool[B*E]. True for a small bank's whole-layer entry.
+      entry_count: int32[].
+      gather_banks: int32[B]. Banks with rows ``>= 256 KiB``, in order, -1 padded.
+      error: int32[]. 0 or error bits (then runs, entries and gathers are empty).
+    """
+
+    layer: jax.Array
+    buffer_id: jax.Array
+    already_loaded: jax.Array
+    gather_dst_slots: jax.Array
+    gather_src_slots: jax.Array
+    gather_count: jax.Array
+    run_starts: jax.Array
+    run_lens: jax.Array
+    run_count: jax.Array
+    entry_bank: jax.Array
+    entry_dst_slot: jax.Array
+    entry_src_row: jax.Array
+    entry_rows: jax.Array
+    entry_whole_layer: jax.Array
+    entry_count: jax.Array
+    gather_banks: jax.Array
+    error: jax.Array
+
+    def entry_bytes(self, bank_feat_bytes) -> np.ndarray:
+        """int64[B*E] on the host: ``rows * bank_feat_bytes[bank]`` per entry, -1 in padding."""
+        feat = np.asarray(_as_bank_sizes(bank_feat_bytes), np.int64)
+        bank = np.asarray(jax.device_get(self.entry_bank)).astype(np.int64)
+        rows = np.asarray(jax.device_get(self.entry_rows)).astype(np.int64)
+        if feat.size == 0:
+            return np.full(bank.shape, -1, np.int64)
+        return np.where(bank >= 0, rows * feat[np.clip(bank, 0, feat.size - 1)], -1)
+
+
+jax.tree_util.register_dataclass(
+    PrefillPlan, data_fields=[f.name for f in dataclasses.fields(PrefillPlan)], meta_fields=[]
+)
+
+
+def _as_bank_sizes(bank_feat_bytes) -> tuple:
+    """A tuple of positive Python ints, else TypeError/ValueError naming the value (static)."""
+    if isinstance(bank_feat_bytes, (str, bytes)) or not isinstance(bank_feat_bytes, (tuple, list)):
+        raise TypeError(
+            f"bank_feat_bytes must be a tuple of positive ints (one per weight bank), "
+            f"got {bank_feat_bytes!r}"
+        )
+    sizes = []
+    for size in bank_feat_bytes:
+        if isinstance(size, (bool, np.bool_)) or not isinstance(size, numbers.Integral):
+            raise TypeError(
+                f"bank_feat_bytes entries must be ints, got {size!r} in {bank_feat_bytes!r}")
+        if size <= 0:
+            raise ValueError(
+                f"bank_feat_bytes entries must be positive, got {size!r} in {bank_feat_bytes!r}")
+        sizes.append(int(size))
+    return tuple(sizes)
+
+
+def prefill_overlap_fits(state: CacheState) -> bool:
+    """Whether the pool can lend the two buffers their ``2E`` slots (``S >= 2E``). Static."""
+    return state.cache_size >= 2 * state.num_experts
+
+
+def _require_fit(state: CacheState):
+    if not prefill_overlap_fits(state):
+        raise PrefillDoesNotFit(state.cache_size, state.num_experts)
+
+
+def begin_prefill(state: CacheState) -> CacheState:
+    """Open a prefill chunk: both buffers empty and released, ``slot_for_id`` snapshotted.
+
+    The chunk classifies every row against this snapshot, so the classification is stable for
+    the whole chunk. Raises :class:`PrefillDoesNotFit` when ``S < 2E``. Jittable.
+    """
+    _require_fit(state)
+    return state.replace(
+        prefill_layer=jnp.full((2,), -1, jnp.int32),
+        prefill_released=jnp.ones((2,), jnp.bool_),
+        prefill_open=jnp.ones((), jnp.bool_),
+        prefill_snapshot=state.slot_for_id,
+    )
+
+
+def _compact(mask, values, size):
+    """``values[mask]`` packed to the front of an int32[size] array, -1 after."""
+    position = jnp.cumsum(mask, dtype=jnp.int32) - 1
+    return jnp.full((size,), -1, jnp.int32).at[jnp.where(mask, position, size)].set(
+        values, mode="drop")
+
+
+def prefetch_prefill_layer(state: CacheState, layer, bank_feat_bytes):
+    """Stage ``layer`` into buffer ``layer % 2`` and say what that costs (SPEC 5.11).
+
+    Args:
+      state: the cache, with a chunk opened by :func:`begin_prefill`.
+      layer: int, possibly traced.
+      bank_feat_bytes: static tuple of positive ints, each weight bank's per-expert row size in
+        bytes; ``entry_bank`` and ``gather_banks`` index it.
+
+    Returns:
+      ``(state, PrefillPlan)``. If the buffer already holds ``layer``, ``already_loaded`` and
+      nothing else changes. Otherwise: ``prefill_hit_rows += hits``, ``prefill_rows += E``, the
+      buffer's slots are invalidated, and the buffer now holds ``layer``, not released.
+
+    Raises:
+      PrefillDoesNotFit: ``S < 2E``. TypeError/ValueError: bad ``bank_feat_bytes`` or layer type.
+    """
+    _require_fit(state)
+    return _prefetch_prefill_layer(state, errors.as_index("layer", layer),
+                                   banks=_as_bank_sizes(bank_feat_bytes))
+
+
+@functools.partial(jax.jit, static_argnames=("banks",))
+def _prefetch_prefill_layer(state: CacheState, layer, banks: tuple):
+    L, E, S = state.num_layers, state.num_experts, state.cache_size
+    buffer_id = jnp.remainder(layer, 2)
+    held = state.prefill_layer[buffer_id]
+    layer_error = errors.layer_bits(layer, L)
+    # All failing checks set their bits (docs/design.md). "Busy" asks about the layer's buffer,
+    # which only an in-range layer has; "not begun" does not depend on the layer.
+    busy = (layer_error == 0) & (held >= 0) & (held != layer) & ~state.prefill_released[buffer_id]
+    error = (
+        layer_error
+        | jnp.where(state.prefill_open, 0, errors.ERR_PREFILL_NOT_BEGUN)
+        | jnp.where(busy, errors.ERR_PREFILL_BUSY, 0)
+    ).astype(jnp.int32)
+    accepted = error == 0
+    already_loaded = accepted & (held == layer)
+    stage = accepted & ~already_loaded
+
+    layer_c = jnp.clip(layer, 0, L - 1)
+    buffer_base = buffer_id * E
+    experts = lax.iota(jnp.int32, E)
+    snapshot_row = state.prefill_snapshot[layer_c]
+    hit = stage & (snapshot_row >= 2 * E)  # below 2E is the buffers' own range: a miss
+    miss = stage & ~hit
+
+    # Runs of consecutive missing ids: a run starts at a miss whose predecessor is not a miss.
+    previous_miss = jnp.concatenate([jnp.zeros((1,), jnp.bool_), miss[:-1]])
+    starts = miss & ~previous_miss
+    run_index = jnp.cumsum(starts, dtype=jnp.int32) - 1
+    run_count = jnp.sum(starts, dtype=jnp.int32)
+    run_starts = _compact(starts, experts, E)
+    run_lens = jnp.zeros((E,), jnp.int32).at[jnp.where(miss, run_index, E)].add(1, mode="drop")
+    run_lens = jnp.where(lax.iota(jnp.int32, E) < run_count, run_lens, -1)
+
+    # Host-transfer entries, bank by bank in the caller's order (the bank loop is static).
+    num_entries = len(banks) * E
+    entry_bank = jnp.full((num_entries,), -1, jnp.int32)
+    entry_dst = entry_src = entry_rows = entry_bank
+    entry_whole = jnp.zeros((num_entries,), jnp.bool_)
+    entry_count = jnp.int32(0)
+    for bank, feat in enumerate(banks):
+        if feat < SMALL_BANK_FEAT_BYTES:  # the whole layer as one entry, even with no misses
+            count = stage.astype(jnp.int32)
+            index = jnp.where(stage, entry_count, num_entries)[None]
+            entry_bank = entry_bank.at[index].set(bank, mode="drop")
+            entry_dst = entry_dst.at[index].set(buffer_base, mode="drop")
+            entry_src = entry_src.at[index].set(0, mode="drop")
+            entry_rows = entry_rows.at[index].set(E, mode="drop")
+            entry_whole = entry_whole.at[index].set(True, mode="drop")
+        else:  # one entry per miss run
+            count = run_count
+            run = lax.iota(jnp.int32, E)
+            index = jnp.where(run < run_count, entry_count + run, num_entries)
+            entry_bank = entry_bank.at[index].set(bank, mode="drop")
+            entry_dst = entry_dst.at[index].set(buffer_base + run_starts, mode="drop")
+            entry_src = entry_src.at[index].set(run_starts, mode="drop")
+            entry_rows = entry_rows.at[index].set(run_lens, mode="drop")
+        entry_count = entry_count + count
+
+    gather_banks = [bank for bank, feat in enumerate(banks) if feat >= SMALL_BANK_FEAT_BYTES]
+    gather_banks = jnp.asarray(gather_banks + [-1] * (len(banks) - len(gather_banks)), jnp.int32)
+
+    # Invalidate the buffer's slots: occupants lose residency, slots empty with usage 0.
+    slots = lax.iota(jnp.int32, S)
+    in_buffer = stage & (slots >= buffer_base) & (slots < buffer_base + E)
+    occupant = state.id_of_slot
+    slot_for_id = state.slot_for_id.reshape(-1).at[
+        jnp.where(in_buffer & (occupant >= 0), occupant, L * E)].set(-1, mode="drop").reshape(L, E)
+    new_state = state.replace(
+        slot_for_id=slot_for_id,
+        id_of_slot=jnp.where(in_buffer, -1, occupant),
+        usage=jnp.where(in_buffer, 0, state.usage),
+        prefill_layer=jnp.where(stage & (jnp.arange(2) == buffer_id), layer, state.prefill_layer),
+        prefill_released=state.prefill_released & ~(stage & (jnp.arange(2) == buffer_id)),
+        prefill_hit_rows=state.prefill_hit_rows + jnp.sum(hit, dtype=jnp.int32),
+        prefill_rows=state.prefill_rows + jnp.where(stage, E, 0),
+    )
+    plan = PrefillPlan(
+        layer=layer,
+        buffer_id=buffer_id,
+        already_loaded=already_loaded,
+        gather_dst_slots=_compact(hit, buffer_base + experts, E),
+        gather_src_slots=_compact(hit, snapshot_row, E),
+        gather_count=jnp.sum(hit, dtype=jnp.int32),
+        run_starts=run_starts,
+        run_lens=run_lens,
+        run_count=run_count,
+        entry_bank=entry_bank,
+        entry_dst_slot=entry_dst,
+        entry_src_row=entry_src,
+        entry_rows=entry_rows,
+        entry_whole_layer=entry_whole,
+        entry_count=entry_count.astype(jnp.int32),
+        gather_banks=gather_banks,
+        error=error,
+    )
+    return new_state, plan
+
+
+def release_prefill_layer(state: CacheState, layer) -> CacheState:
+    """Mark ``layer``'s buffer released, so the next layer of its parity may reuse it.
+
+    A layer that is not the one its buffer holds (out of range included) is ignored. Returns the
+    state only (docs/design.md).
+    """
+    layer = errors.as_index("layer", layer)
+    buffer_id = jnp.remainder(layer, 2)
+    holds = (layer >= 0) & (layer < state.num_layers) & (state.prefill_layer[buffer_id] == layer)
+    return state.replace(
+        prefill_released=state.prefill_released | (holds & (jnp.arange(2) == buffer_id)))

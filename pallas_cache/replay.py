@@ -1,0 +1,294 @@
+"""Replay a routing trace through many cache configurations at once, to size a cache.
+
+The question every user of an offloaded MoE asks first is "how big must the cache be, and which
+policy, for my model and my traffic?". The answer is a replay: feed the trace's layer-calls, in
+order, to the cache and count what it would have fetched. This module runs that replay as
+compiled JAX, for a whole grid of configurations:
+
+- **One compiled program per cache size.** The pool size is a shape, so each size compiles on its
+  own. Within a size, configurations that share the static options (``order``, ``admission``) are
+  one ``jax.vmap`` over their stacked :class:`~pallas_cache.policy.FetchPolicy` (a traced pytree,
+  so a new fraction never recompiles), and the few static groups are scans inside the same jitted
+  program. Each scan walks the trace in chunks (a fixed-length ``lax.scan``; the host loop over
+  chunks only drives the progress bar), so long traces compile once.
+- **Several devices**: the configuration axis is sharded across them with ``jax.sharding`` (a
+  1-D mesh named ``"configs"``, padded to a multiple of the device count).
+- **The bounds** next to each result: Belady's offline optimum for the same pool and the
+  stationary per-layer oracle of SPEC 5.10 (both from :mod:`pallas_cache.belady`).
+
+``hit_rate`` is ``1 - missing / active``, counted per layer-call over distinct experts, exactly as
+the cache's own stats (SPEC 5.9). The padding calls of the last chunk are layer ``-1`` calls,
+which the cache refuses with ``ERR_LAYER`` and which therefore change nothing and count nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import sys
+import time
+from typing import Callable, Iterable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from . import belady as belady_lib
+from .ops import ensure_hybrid
+from .policy import Admission, FetchOrder, FetchPolicy
+from .state import init
+from .trace import Trace
+
+__all__ = ["ReplayConfig", "ReplayResult", "parse_policy", "replay", "config_grid"]
+
+#: Layer-calls per compiled chunk: long enough that dispatch is noise, short enough for progress.
+DEFAULT_CHUNK_CALLS = 2048
+
+
+def parse_policy(text: str) -> FetchPolicy:
+    """``"full"``, ``"fraction:Q"`` or ``"cap:N"`` -> :class:`FetchPolicy` (raises ValueError)."""
+    kind, _, value = str(text).partition(":")
+    try:
+        if kind == "full" and not value:
+            return FetchPolicy.full()
+        if kind == "fraction" and value:
+            return FetchPolicy.fraction(float(value))
+        if kind == "cap" and value:
+            return FetchPolicy.fixed_cap(int(value))
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"bad policy {text!r}: {error}") from None
+    raise ValueError(f"bad policy {text!r}: expected full, fraction:Q (0 <= Q <= 1) or cap:N")
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplayConfig:
+    """One cache configuration of a sweep.
+
+    Attributes:
+      cache_size: ``S``, device slots shared by all layers (``>= E``).
+      policy: ``"full"``, ``"fraction:Q"`` or ``"cap:N"`` (see :func:`parse_policy`).
+      order: ``"recency"`` or ``"lowest_id"``.
+      admission: ``"promote_one"``, ``"none"`` or ``"reuse"``.
+    """
+
+    cache_size: int
+    policy: str = "fraction:0.4"
+    order: str = "recency"
+    admission: str = "promote_one"
+
+    def __post_init__(self):
+        parse_policy(self.policy)
+        FetchOrder.coerce(self.order)
+        Admission.coerce(self.admission)
+        if isinstance(self.cache_size, bool) or not isinstance(self.cache_size, (int, np.integer)):
+            raise TypeError(f"cache_size must be an int, got {self.cache_size!r}")
+
+
+def config_grid(cache_sizes: Iterable[int], policies: Iterable[str], orders: Iterable[str] = ("recency",),
+                admissions: Iterable[str] = ("promote_one",)) -> list[ReplayConfig]:
+    """The cartesian product, cache size slowest, as a list of configurations."""
+    return [
+        ReplayConfig(int(size), policy, order, admission)
+        for size in cache_sizes for policy in policies for order in orders for admission in admissions
+    ]
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplayResult:
+    """What one configuration did over the whole trace.
+
+    Attributes:
+      calls: layer-calls replayed. routes: non-padding routes (duplicates counted).
+      active / missing / fetched: the cache's counters (distinct experts per call).
+      cpu_routes: routes the CPU computed (hybrid misses not fetched; duplicates counted).
+      empty_slots: slots never filled (or emptied) at the end of the trace.
+      hit_rate: ``1 - missing / active``. belady_hit_rate: the offline optimum at this size.
+      oracle_hit_rate: the stationary per-layer oracle at this size (mean over routed layers).
+    """
+
+    cache_size: int
+    policy: str
+    order: str
+    admission: str
+    calls: int
+    routes: int
+    active: int
+    missing: int
+    fetched: int
+    cpu_routes: int
+    empty_slots: int
+    hit_rate: float
+    belady_hit_rate: float | None
+    oracle_hit_rate: float | None
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _stack(trees):
+    return jax.tree.map(lambda *leaves: jnp.stack(leaves), *trees)
+
+
+@functools.lru_cache(maxsize=64)
+def _make_program(static_keys):
+    """One jitted program advancing every static group of one cache size over a chunk.
+
+    Cached by its static groups, so a second replay of the same shapes compiles nothing."""
+
+    def run(groups, layers, routes):
+        out = []
+        for (order, admission), (states, cpu_routes, policies) in zip(static_keys, groups):
+
+            def one_cache(state, cpu, policy, order=order, admission=admission):
+                def body(carry, call):
+                    state, cpu = carry
+                    layer, route = call
+                    state, plan = ensure_hybrid(state, layer, route, policy, order=order,
+                                                admission=admission, backend="xla")
+                    return (state, cpu + jnp.sum(plan.cpu, dtype=jnp.int32)), None
+
+                (state, cpu), _ = lax.scan(body, (state, cpu), (layers, routes))
+                return state, cpu
+
+            states, cpu_routes = jax.vmap(one_cache)(states, cpu_routes, policies)
+            out.append((states, cpu_routes, policies))
+        return tuple(out)
+
+    return jax.jit(run, donate_argnums=0)
+
+
+def _shard(tree, mesh):
+    if mesh is None:
+        return tree
+    return jax.device_put(tree, NamedSharding(mesh, PartitionSpec("configs")))
+
+
+def replay(
+    trace: Trace,
+    configs: Sequence[ReplayConfig],
+    *,
+    chunk_calls: int = DEFAULT_CHUNK_CALLS,
+    bounds: bool = True,
+    devices: Sequence[jax.Device] | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> list[ReplayResult]:
+    """Replay ``trace`` through every configuration and return one result per configuration.
+
+    Args:
+      trace: the routing trace (see :mod:`pallas_cache.trace`, :mod:`pallas_cache.synthetic`).
+      configs: the configurations, any mix of sizes and options; results come back in this order.
+      chunk_calls: layer-calls per compiled scan chunk.
+      bounds: also compute Belady's optimum and the stationary oracle per cache size.
+      devices: devices to shard the configuration axis over (default: all local devices of the
+        default backend; one device means no sharding).
+      progress: called with a one-line status after each chunk (``None``: a bar on stderr when
+        the replay runs longer than about two seconds; pass ``lambda s: None`` to silence).
+
+    Returns:
+      ``list[ReplayResult]``, aligned with ``configs``.
+    """
+    configs = list(configs)
+    if not configs:
+        raise ValueError("replay needs at least one configuration")
+    for config in configs:
+        if config.cache_size < trace.num_experts:
+            raise ValueError(
+                f"cache_size {config.cache_size} cannot hold one layer of {trace.num_experts} experts"
+            )
+    devices = list(devices) if devices is not None else jax.devices()
+    mesh = Mesh(np.array(devices), ("configs",)) if len(devices) > 1 else None
+    width = len(devices) if mesh is not None else 1
+    report = progress if progress is not None else _StderrBar()
+
+    layers, routes = trace.to_array()
+    num_calls = layers.shape[0]
+    num_chunks = -(-num_calls // chunk_calls)
+    padded = num_chunks * chunk_calls
+    layers = np.concatenate([layers.astype(np.int32), np.full(padded - num_calls, -1, np.int32)])
+    routes = np.concatenate(
+        [routes.astype(np.int32), np.full((padded - num_calls, routes.shape[1]), -1, np.int32)])
+    num_routes = int((routes >= 0).sum())
+
+    results: dict[int, ReplayResult] = {}
+    sizes = sorted({c.cache_size for c in configs})
+    total_work = num_chunks * len(sizes)
+    done = 0
+    for size in sizes:
+        by_key: dict[tuple, list[int]] = {}
+        for index, config in enumerate(configs):
+            if config.cache_size == size:
+                key = (FetchOrder.coerce(config.order), Admission.coerce(config.admission))
+                by_key.setdefault(key, []).append(index)
+        keys = tuple(by_key)
+        groups = []
+        for key in keys:
+            members = by_key[key]
+            count = -(-len(members) // width) * width  # pad to a multiple of the devices
+            padded_members = members + [members[-1]] * (count - len(members))
+            state = init(trace.num_layers, trace.num_experts, size)
+            states = _stack([state] * count)
+            policies = _stack([parse_policy(configs[i].policy) for i in padded_members])
+            groups.append(_shard((states, jnp.zeros(count, jnp.int32), policies), mesh))
+        groups = tuple(groups)
+        program = _make_program(keys)
+        for chunk in range(num_chunks):
+            window = slice(chunk * chunk_calls, (chunk + 1) * chunk_calls)
+            groups = program(groups, jnp.asarray(layers[window]), jnp.asarray(routes[window]))
+            done += 1
+            report(f"cache_size={size} calls {min((chunk + 1) * chunk_calls, num_calls)}/{num_calls}"
+                   f" [{done}/{total_work}]")
+
+        if bounds:
+            optimum = belady_lib.belady(trace, size).hit_rate
+            oracle = belady_lib.stationary_oracle(trace, size).mean_hit_rate
+        else:
+            optimum = oracle = None
+        for key, (states, cpu_routes, _) in zip(keys, groups):
+            states, cpu_routes = jax.device_get((states, cpu_routes))
+            for row, index in enumerate(by_key[key]):
+                calls, active, missing, fetched = (int(v) for v in states.stats[row].sum(axis=0))
+                config = configs[index]
+                results[index] = ReplayResult(
+                    cache_size=size,
+                    policy=config.policy,
+                    order=FetchOrder.coerce(config.order).value,
+                    admission=Admission.coerce(config.admission).value,
+                    calls=calls,
+                    routes=num_routes,
+                    active=active,
+                    missing=missing,
+                    fetched=fetched,
+                    cpu_routes=int(cpu_routes[row]),
+                    empty_slots=int((states.id_of_slot[row] < 0).sum()),
+                    hit_rate=1.0 - missing / active if active else 1.0,
+                    belady_hit_rate=optimum,
+                    oracle_hit_rate=oracle,
+                )
+    if hasattr(report, "close"):
+        report.close()
+    return [results[i] for i in range(len(configs))]
+
+
+class _StderrBar:
+    """A one-line progress bar on stderr that only appears once a replay has run ~2 seconds."""
+
+    def __init__(self, after_seconds: float = 2.0):
+        self.start = time.perf_counter()
+        self.after = after_seconds
+        self.shown = False
+
+    def __call__(self, status: str):
+        if time.perf_counter() - self.start < self.after:
+            return
+        done, total = (int(x) for x in status.rsplit("[", 1)[1].rstrip("]").split("/"))
+        filled = int(30 * done / total)
+        sys.stderr.write(f"\r[{'#' * filled}{'.' * (30 - filled)}] {status}   ")
+        sys.stderr.flush()
+        self.shown = True
+
+    def close(self):
+        if self.shown:
+            sys.stderr.write("\n")
+            sys.stderr.flush()

@@ -1,0 +1,89 @@
+"""The seed-000 scenario table, computed by the library (SPEC 5.5).
+
+The PR that introduced the PROMOTE_ONE admission rule justified it with two scenarios at fetch
+fraction 0.4, ``L=8, E=16, S=64``, top-8 routing and 256 decode steps per active layer:
+
+- *one active layer*: experts 0..6 pre-resident (one fixed-cap-7 call), then routes 0..7 every
+  step. Without the rule expert 7 is a single miss that the split rounds to zero fetches, forever.
+- *all layers, cold cache*: every layer routes 0..7 every step. Without the rule each layer
+  settles one expert short, computing it on the CPU while 8 slots stay empty.
+
+Both run here as one compiled ``lax.scan`` per scenario and admission rule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from .ops import ensure_hybrid
+from .policy import Admission, FetchPolicy
+from .state import init
+
+NUM_LAYERS, NUM_EXPERTS, CACHE_SIZE, TOP_K, STEPS = 8, 16, 64, 8, 256
+
+
+@dataclasses.dataclass(frozen=True)
+class ScenarioCounts:
+    """Counters of one scenario under one admission rule."""
+
+    fetches: int  # copy entries over the whole run (after the warm-up call)
+    cpu_routes: int  # routes assigned to the CPU
+    empty_slots: int  # slots still empty at the end
+
+
+@jax.jit
+def _run(state, layers, admission_is_promote):
+    routes = jnp.arange(TOP_K, dtype=jnp.int32)
+    policy = FetchPolicy.fraction(0.4)
+
+    def body(carry, layer):
+        state, fetches, cpu = carry
+
+        def step(admission):
+            return lambda s: ensure_hybrid(s, layer, routes, policy, admission=admission)
+
+        state, plan = lax.cond(
+            admission_is_promote, step(Admission.PROMOTE_ONE), step(Admission.NONE), state)
+        return (state, fetches + plan.copy.count, cpu + jnp.sum(plan.cpu, dtype=jnp.int32)), None
+
+    (state, fetches, cpu), _ = lax.scan(body, (state, jnp.int32(0), jnp.int32(0)), layers)
+    return state, fetches, cpu
+
+
+def one_active_layer(admission) -> ScenarioCounts:
+    """Layer 0 only, experts 0..6 pre-resident, then routes 0..7 for 256 steps."""
+    admission = Admission.coerce(admission)
+    state = init(NUM_LAYERS, NUM_EXPERTS, CACHE_SIZE)
+    state, _ = ensure_hybrid(state, 0, jnp.arange(7), FetchPolicy.fixed_cap(7), admission=admission)
+    layers = jnp.zeros(STEPS, jnp.int32)
+    state, fetches, cpu = _run(state, layers, admission is Admission.PROMOTE_ONE)
+    return ScenarioCounts(int(fetches), int(cpu), int(jnp.sum(state.id_of_slot < 0)))
+
+
+def all_layers_cold(admission) -> ScenarioCounts:
+    """All 8 layers route 0..7, token by token, from a cold cache for 256 steps each."""
+    admission = Admission.coerce(admission)
+    state = init(NUM_LAYERS, NUM_EXPERTS, CACHE_SIZE)
+    layers = jnp.tile(jnp.arange(NUM_LAYERS, dtype=jnp.int32), STEPS)
+    state, fetches, cpu = _run(state, layers, admission is Admission.PROMOTE_ONE)
+    return ScenarioCounts(int(fetches), int(cpu), int(jnp.sum(state.id_of_slot < 0)))
+
+
+def seed000_table() -> list[tuple[str, int, int]]:
+    """The five rows of the seed-000 table: ``(scenario, NONE value, PROMOTE_ONE value)``."""
+    one = {a: one_active_layer(a) for a in (Admission.NONE, Admission.PROMOTE_ONE)}
+    cold = {a: all_layers_cold(a) for a in (Admission.NONE, Admission.PROMOTE_ONE)}
+    n, p = Admission.NONE, Admission.PROMOTE_ONE
+    return [
+        ("One active layer, 7 experts initially resident: additional fetches",
+         one[n].fetches, one[p].fetches),
+        ("Same scenario: CPU-assigned routes", one[n].cpu_routes, one[p].cpu_routes),
+        ("All 8 layers active with fixed top-8, empty cache: total fetches",
+         cold[n].fetches, cold[p].fetches),
+        ("Same scenario: CPU-assigned routes", cold[n].cpu_routes, cold[p].cpu_routes),
+        ("Same scenario: empty slots after 256 steps", cold[n].empty_slots, cold[p].empty_slots),
+    ]

@@ -1,0 +1,228 @@
+"""The cache state: one immutable pytree of int32 arrays.
+
+Why a pytree and not an object: every operation is a pure function ``op(state, ...) -> (state,
+plan)`` so that a whole decode step (routing, cache bookkeeping, the copies and the multiply) can
+be traced into one compiled program, scanned over layers with a *traced* layer index, and vmapped
+over a batch of independent caches (a sweep over fetch fractions or cache sizes). An object with
+methods that mutate Python attributes can do none of that.
+
+The geometry (``L`` layers, ``E`` experts per layer, ``S`` slots) is read from the array shapes,
+so the pytree has no static fields: two caches of the same geometry share a compiled function, and
+a change of geometry is a change of shapes (``rebuild``), which is a recompilation anyway.
+
+Everything is int32 (bools for flags); ``jax_enable_x64`` is never needed. The LRU clock stays in
+range by the rebase of ``clock.py``. The counters (``stats``, prefill row counters,
+``routing_freq``) are int32 as well: they wrap after 2**31 routes per layer, so open a new window
+with ``reset_stats`` (a metrics scrape does that) well before.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_cache import errors
+
+__all__ = [
+    "CacheState",
+    "PrefillDoesNotFit",
+    "RebuildRejected",
+    "init",
+    "rebuild",
+    "reset",
+]
+
+# The default clock threshold of SPEC 5.12: far below the int32 wrap, far above any test.
+DEFAULT_REBASE_THRESHOLD = 2**30
+_INT32_MAX = int(np.iinfo(np.int32).max)
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheState:
+    """The whole cache, as arrays (SPEC 3). Build one with :func:`init`.
+
+    Attributes:
+      slot_for_id: int32[L, E]. Expert -> slot holding it, -1 = not resident.
+      id_of_slot: int32[S]. Slot -> flat id ``layer * E + expert`` it holds, -1 = empty.
+      usage: int32[S]. The step that last touched each slot (hit or fill). 0 for a slot that was
+        never filled or was emptied by a prefill, the smallest int32 for a slot dropped by
+        ``forget_slot`` (the very first victim).
+      step: int32[]. The clock: +1 at the start of every ensure / ensure_hybrid /
+        materialize_layer call, so the first call of a fresh cache runs at step 1.
+      recency: int32[L, E]. The step at which each expert was last routed to by a hybrid call,
+        resident or not; -1 = never.
+      stats: int32[L, 4]. Per-layer counters (calls, active, missing, fetched) of the current
+        window; the global counters are the column sums.
+      routing_freq: int32[L, E]. Routing histogram (duplicates counted), only grown while
+        ``collect_routing`` is on.
+      collect_routing: bool[]. Whether ensure calls add to ``routing_freq``.
+      prefill_layer: int32[2]. The layer each prefill staging buffer holds, -1 = none.
+      prefill_released: bool[2]. Whether the consumer is done reading each buffer.
+      prefill_open: bool[]. Whether ``begin_prefill`` opened a chunk.
+      prefill_snapshot: int32[L, E]. ``slot_for_id`` as it stood at ``begin_prefill`` (the chunk
+        classifies hits against it); all -1 while no chunk is open.
+      prefill_hit_rows: int32[]. Prefill rows served from the cache in this stats window.
+      prefill_rows: int32[]. All prefill rows staged in this stats window.
+      rebase_threshold: int32[]. When ``step`` reaches it, the clock is renumbered (clock.py).
+    """
+
+    slot_for_id: jax.Array
+    id_of_slot: jax.Array
+    usage: jax.Array
+    step: jax.Array
+    recency: jax.Array
+    stats: jax.Array
+    routing_freq: jax.Array
+    collect_routing: jax.Array
+    prefill_layer: jax.Array
+    prefill_released: jax.Array
+    prefill_open: jax.Array
+    prefill_snapshot: jax.Array
+    prefill_hit_rows: jax.Array
+    prefill_rows: jax.Array
+    rebase_threshold: jax.Array
+
+    # Geometry from shapes. Negative axes, so a batched (stacked) state reports the geometry of
+    # its members, and the same code works inside and outside a vmap.
+    @property
+    def num_layers(self) -> int:
+        return self.slot_for_id.shape[-2]
+
+    @property
+    def num_experts(self) -> int:
+        return self.slot_for_id.shape[-1]
+
+    @property
+    def cache_size(self) -> int:
+        return self.id_of_slot.shape[-1]
+
+    def replace(self, **changes) -> "CacheState":
+        return dataclasses.replace(self, **changes)
+
+
+jax.tree_util.register_dataclass(
+    CacheState,
+    data_fields=[f.name for f in dataclasses.fields(CacheState)],
+    meta_fields=[],
+)
+
+
+class RebuildRejected(ValueError):
+    """``rebuild`` refused a pool that cannot hold one layer; nothing changed (SPEC 5.8).
+
+    Attributes:
+      requested: the cache size that was asked for.
+      minimum: the smallest acceptable cache size (``E``).
+    """
+
+    def __init__(self, requested: int, minimum: int):
+        self.requested = requested
+        self.minimum = minimum
+        super().__init__(
+            f"expert cache of {requested} slots cannot hold one layer of {minimum} experts; "
+            f"the old cache is unchanged"
+        )
+
+
+class PrefillDoesNotFit(ValueError):
+    """The pool has fewer than ``2 * E`` slots, so it cannot lend the two prefill buffers their
+    slots (SPEC 5.11). Raised at call/trace time: geometry is static."""
+
+    def __init__(self, cache_size: int, num_experts: int):
+        self.cache_size = cache_size
+        self.num_experts = num_experts
+        super().__init__(
+            f"cache of {cache_size} slots cannot lend {2 * num_experts} slots to the two "
+            f"prefill buffers (num_experts={num_experts}); prefill overlap must be off"
+        )
+
+
+def _positive_int(name: str, value) -> int:
+    """A Python/NumPy integer >= 1, else TypeError/ValueError naming the value."""
+    as_int = errors.as_host_int(name, value)
+    if as_int < 1:
+        raise ValueError(f"{name} must be >= 1, got {as_int}")
+    return as_int
+
+
+def _empty_state(num_layers, num_experts, cache_size, rebase_threshold, collect_routing):
+    """The cold state of a geometry; ``reset`` and ``rebuild`` reuse it so the three agree."""
+    L, E, S = num_layers, num_experts, cache_size
+    return CacheState(
+        slot_for_id=jnp.full((L, E), -1, jnp.int32),
+        id_of_slot=jnp.full((S,), -1, jnp.int32),
+        usage=jnp.zeros((S,), jnp.int32),
+        step=jnp.zeros((), jnp.int32),
+        recency=jnp.full((L, E), -1, jnp.int32),
+        stats=jnp.zeros((L, 4), jnp.int32),
+        routing_freq=jnp.zeros((L, E), jnp.int32),
+        collect_routing=jnp.asarray(collect_routing, jnp.bool_),
+        prefill_layer=jnp.full((2,), -1, jnp.int32),
+        prefill_released=jnp.ones((2,), jnp.bool_),
+        prefill_open=jnp.zeros((), jnp.bool_),
+        prefill_snapshot=jnp.full((L, E), -1, jnp.int32),
+        prefill_hit_rows=jnp.zeros((), jnp.int32),
+        prefill_rows=jnp.zeros((), jnp.int32),
+        rebase_threshold=jnp.asarray(rebase_threshold, jnp.int32),
+    )
+
+
+def init(num_layers: int, num_experts: int, cache_size: int, *,
+         rebase_threshold: int = DEFAULT_REBASE_THRESHOLD) -> CacheState:
+    """A cold cache (SPEC 5.1).
+
+    Args:
+      num_layers: ``L``, MoE layers (>= 1).
+      num_experts: ``E``, experts per layer (>= 1).
+      cache_size: ``S``, device slots shared by all layers; must hold one layer (``S >= E``).
+      rebase_threshold: the clock value at which stamps are renumbered (SPEC 5.12); lower it
+        only to test the rebase.
+
+    Returns:
+      A ``CacheState`` with empty maps, usage 0, step 0, recency -1, zero counters, routing
+      collection off and no prefill chunk open.
+
+    Raises:
+      TypeError: a non-integer argument. ValueError: an argument < 1, or ``S < E``.
+    """
+    L = _positive_int("num_layers", num_layers)
+    E = _positive_int("num_experts", num_experts)
+    S = _positive_int("cache_size", cache_size)
+    threshold = _positive_int("rebase_threshold", rebase_threshold)
+    if S < E:
+        raise ValueError(f"cache_size {S} cannot hold one layer of {E} experts")
+    if threshold > _INT32_MAX:
+        raise ValueError(f"rebase_threshold must fit in int32, got {threshold}")
+    return _empty_state(L, E, S, threshold, collect_routing=False)
+
+
+def reset(state: CacheState) -> CacheState:
+    """A cold start with the same geometry (SPEC 5.8).
+
+    Maps emptied, usage 0, step 0, recency -1, counters, histogram and prefill bookkeeping
+    cleared. The routing-collection switch and the rebase threshold are settings, not state, and
+    are kept. Jittable.
+    """
+    return _empty_state(state.num_layers, state.num_experts, state.cache_size,
+                        state.rebase_threshold, state.collect_routing)
+
+
+def rebuild(state: CacheState, cache_size: int) -> CacheState:
+    """A new pool of ``cache_size`` slots for the same model (SPEC 5.8).
+
+    Everything resident is dropped (slot ids index an allocation that no longer exists), and the
+    counters, histogram and prefill bookkeeping are cleared, as in :func:`reset`. Not jittable in
+    ``cache_size``: it is a shape.
+
+    Raises:
+      RebuildRejected: ``cache_size < E``; the caller keeps the old state, which is untouched.
+      TypeError: ``cache_size`` is not an integer.
+    """
+    requested = errors.as_host_int("cache_size", cache_size)
+    if requested < state.num_experts:
+        raise RebuildRejected(requested=requested, minimum=state.num_experts)
+    return _empty_state(state.num_layers, state.num_experts, requested,
+                        state.rebase_threshold, state.collect_routing)

@@ -1,0 +1,323 @@
+"""Applying plans to weights (pallas_cache.apply) and the compiled decode loop of the example.
+
+Two levels:
+
+* ``apply_copy_plan`` / ``moe_combine`` unit tests on hand-made plans: exactly the counted rows
+  are written, padding never wraps to the last slot, NaN in an unread slot cannot leak, and the
+  functions behave the same eagerly, under ``jit`` (with the pool donated) and inside ``scan``.
+* End to end: ``examples/decode_loop.py`` decodes a token stream with the whole loop compiled, and
+  every step of the cached hybrid path must equal the dense MoE, for the policies full,
+  fraction 0.4 and cap 1, with a tight (``S == E``) and a roomy (``S == 3E``) cache. The same
+  comparison must *fail* when a plan is deliberately corrupted, which shows the check has teeth.
+
+Compiles are the cost here (a few seconds each on CPU): the policy is traced, so the three
+policies share one compile per cache size, and the corrupted runs add one compile each.
+"""
+
+import dataclasses
+import importlib.util
+import pathlib
+import sys
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import pallas_cache as pc
+from pallas_cache.apply import (
+    apply_copy_plan,
+    host_memory_kind,
+    moe_combine,
+    moe_dense,
+    put_host_bank,
+)
+
+
+def _load_example():
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "decode_loop.py"
+    spec = importlib.util.spec_from_file_location("decode_loop_example", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the file runs
+    spec.loader.exec_module(module)
+    return module
+
+
+decode_loop = _load_example()
+
+S, E, ROW = 6, 4, 3
+SENTINEL = -7.0  # what an untouched pool slot holds
+
+
+def _bank():
+    """Host bank: every row distinct, and none equal to the sentinel."""
+    return jnp.arange(E * ROW, dtype=jnp.float32).reshape(E, ROW) + 100.0
+
+
+def _pool():
+    return jnp.full((S, ROW), SENTINEL, jnp.float32)
+
+
+def _copy(dst, src, count):
+    return pc.CopyPlan(dst_slots=jnp.asarray(dst, jnp.int32), src_rows=jnp.asarray(src, jnp.int32),
+                       count=jnp.asarray(count, jnp.int32))
+
+
+def _expected(pool, bank, writes):
+    expected = np.array(pool)
+    for slot, row in writes:
+        expected[slot] = np.asarray(bank)[row]
+    return expected
+
+
+# --- apply_copy_plan -----------------------------------------------------------------------------
+
+def test_copies_exactly_the_counted_entries():
+    pool, bank = _pool(), _bank()
+    new_pool = apply_copy_plan(pool, bank, _copy([3, 0, -1, -1], [2, 1, -1, -1], 2))
+    np.testing.assert_array_equal(new_pool, _expected(pool, bank, [(3, 2), (0, 1)]))
+
+
+def test_entries_past_count_write_nothing_even_if_they_look_valid():
+    pool, bank = _pool(), _bank()
+    new_pool = apply_copy_plan(pool, bank, _copy([1, 2, 4, 5], [0, 1, 2, 3], 1))
+    np.testing.assert_array_equal(new_pool, _expected(pool, bank, [(1, 0)]))
+
+
+def test_padding_entry_never_wraps_to_the_last_slot():
+    # A -1 inside count (or a -1 source) must be dropped, not written to slot S-1 / read from row
+    # E-1 by negative indexing.
+    pool, bank = _pool(), _bank()
+    new_pool = apply_copy_plan(pool, bank, _copy([2, -1, 4, -1], [1, 3, -1, -1], 4))
+    np.testing.assert_array_equal(new_pool, _expected(pool, bank, [(2, 1)]))
+    assert np.all(np.asarray(new_pool[S - 1]) == SENTINEL)
+
+
+def test_zero_count_is_the_identity():
+    pool, bank = _pool(), _bank()
+    new_pool = apply_copy_plan(pool, bank, _copy([0, 1, 2, 3], [0, 1, 2, 3], 0))
+    np.testing.assert_array_equal(new_pool, pool)
+
+
+def test_accepts_an_ensure_plan_and_fills_every_resident_slot():
+    state, plan = jax.jit(pc.ensure)(pc.init(2, E, S), 1, jnp.array([3, 0, 3, -1], jnp.int32))
+    new_pool = np.asarray(jax.jit(apply_copy_plan)(_pool(), _bank(), plan))
+    slot_for_id, bank = np.asarray(state.slot_for_id), np.asarray(_bank())
+    assert int(plan.copy.count) == 2
+    written = {int(slot_for_id[1, expert]) for expert in (0, 3)}
+    assert len(written) == 2
+    for expert in (0, 3):
+        np.testing.assert_array_equal(new_pool[slot_for_id[1, expert]], bank[expert])
+    for slot in set(range(S)) - written:  # and nothing else was written
+        assert np.all(new_pool[slot] == SENTINEL)
+
+
+def test_pytree_weights_and_a_whole_model_bank_with_traced_layer():
+    num_layers = 3
+    bank = {
+        "w": jnp.arange(num_layers * E * 2 * 2, dtype=jnp.float32).reshape(num_layers, E, 2, 2),
+        "b": jnp.arange(num_layers * E, dtype=jnp.int32).reshape(num_layers, E),
+    }
+    pool = {"w": jnp.zeros((S, 2, 2), jnp.float32), "b": jnp.full((S,), -1, jnp.int32)}
+    copy = _copy([5, 1, -1], [2, 0, -1], 2)
+
+    @jax.jit
+    def apply_at(pool, layer):
+        return apply_copy_plan(pool, bank, copy, layer=layer)
+
+    for layer in range(num_layers):
+        got = apply_at(pool, layer)
+        want = jax.tree.map(lambda p, b: p.at[jnp.array([5, 1])].set(b[layer][jnp.array([2, 0])]),
+                            pool, bank)
+        jax.tree.map(np.testing.assert_array_equal, got, want)
+
+
+def test_jit_with_donation_and_scan_match_the_eager_loop():
+    plans = [_copy([0, 1, -1], [3, 2, -1], 2), _copy([4, -1, -1], [0, -1, -1], 1),
+             _copy([1, 5, 2], [1, 1, 0], 3), _copy([-1, -1, -1], [-1, -1, -1], 0)]
+    bank = _bank()
+
+    eager = _pool()
+    for plan in plans:
+        eager = apply_copy_plan(eager, bank, plan)
+
+    donated_step = jax.jit(apply_copy_plan, donate_argnums=0)
+    jitted = _pool()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # backends without donation warn
+        for plan in plans:
+            jitted = donated_step(jitted, bank, plan)
+
+    stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *plans)
+    scanned, _ = jax.jit(lambda pool: lax.scan(
+        lambda pool, plan: (apply_copy_plan(pool, bank, plan), None), pool, stacked))(_pool())
+
+    np.testing.assert_array_equal(jitted, eager)
+    np.testing.assert_array_equal(scanned, eager)
+    # the sequence really wrote something, including the overwrite of slot 1 by row 1
+    np.testing.assert_array_equal(eager[1], bank[1])
+    np.testing.assert_array_equal(eager[4], bank[0])
+
+
+def test_vmap_over_a_batch_of_pools_and_plans():
+    plans = [_copy([1, -1], [2, -1], 1), _copy([0, 3], [1, 3], 2)]
+    stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *plans)
+    pools = jnp.stack([_pool(), _pool()])
+    batched = jax.jit(jax.vmap(apply_copy_plan, in_axes=(0, None, 0)))(pools, _bank(), stacked)
+    for i, plan in enumerate(plans):
+        np.testing.assert_array_equal(batched[i], apply_copy_plan(_pool(), _bank(), plan))
+    assert not np.array_equal(batched[0], batched[1])
+
+
+def test_host_bank_placement_gives_identical_results():
+    bank = jnp.arange(2 * E * ROW, dtype=jnp.float32).reshape(2, E, ROW)
+    host_bank = put_host_bank(bank)
+    kind = host_memory_kind()
+    assert host_bank.sharding.memory_kind == (kind or jax.devices()[0].default_memory().kind)
+    copy = _copy([2, 0, -1], [3, 1, -1], 2)
+    step = jax.jit(lambda pool, b, layer: apply_copy_plan(pool, b, copy, layer=layer))
+    for layer in range(2):
+        np.testing.assert_array_equal(step(_pool(), host_bank, layer), step(_pool(), bank, layer))
+    # the pool stays in device memory
+    assert step(_pool(), host_bank, 1).sharding.memory_kind == _pool().sharding.memory_kind
+    kept_on_device = put_host_bank(bank, prefer_host=False)
+    assert kept_on_device.sharding.memory_kind == jax.devices()[0].default_memory().kind
+
+
+def test_structure_mismatch_is_rejected():
+    with pytest.raises(ValueError, match="structure"):
+        apply_copy_plan({"w": _pool()}, _bank(), _copy([0], [0], 1))
+    with pytest.raises(ValueError, match="rows"):
+        apply_copy_plan(_pool(), jnp.zeros((E, ROW + 1)), _copy([0], [0], 1))
+
+
+# --- moe_combine / moe_dense ---------------------------------------------------------------------
+
+def _linear(weights, x):
+    return weights @ x
+
+
+def test_combine_sums_device_and_cpu_partials_and_ignores_padding():
+    hidden = 2
+    bank = jnp.stack([jnp.eye(hidden) * (e + 1) for e in range(E)])  # expert e scales by e+1
+    x = jnp.array([[1.0, 2.0], [3.0, -1.0]])
+    expert_ids = jnp.array([[0, 2], [1, -1]], jnp.int32)
+    gates = jnp.array([[0.25, 0.75], [0.5, 123.0]])
+    # expert 0 on device in slot 4, expert 2 on the CPU, expert 1 on device in slot 0
+    pool = jnp.full((S, hidden, hidden), jnp.nan).at[4].set(bank[0]).at[0].set(bank[1])
+    plan = pc.EnsurePlan(
+        slots=jnp.array([[4, -1], [0, -1]], jnp.int32),
+        cpu=jnp.array([[False, True], [False, False]]),
+        copy=_copy([-1], [-1], 0), active=jnp.int32(3), missing=jnp.int32(0),
+        fetched=jnp.int32(0), error=jnp.int32(0))
+
+    combined = moe_combine(x, expert_ids, gates, plan, pool, bank, _linear)
+    want = np.array([[1.0, 2.0], [3.0, -1.0]]) * np.array([[0.25 * 1 + 0.75 * 3], [0.5 * 2]])
+    np.testing.assert_allclose(combined, want, rtol=1e-6)
+    np.testing.assert_allclose(moe_dense(x, expert_ids, gates, bank, _linear), want, rtol=1e-6)
+    assert np.all(np.isfinite(np.asarray(combined)))  # the NaN slots were never read into a sum
+
+
+def test_combine_detects_a_route_pointing_at_the_wrong_slot():
+    hidden = 2
+    bank = jnp.stack([jnp.eye(hidden) * (e + 1) for e in range(E)])
+    pool = jnp.zeros((S, hidden, hidden)).at[1].set(bank[3]).at[2].set(bank[0])
+    x = jnp.array([[1.0, 1.0]])
+    expert_ids = jnp.array([[3]], jnp.int32)
+    gates = jnp.ones((1, 1))
+
+    def plan_with_slot(slot):
+        return pc.EnsurePlan(slots=jnp.array([[slot]], jnp.int32), cpu=jnp.array([[False]]),
+                             copy=_copy([-1], [-1], 0), active=jnp.int32(1),
+                             missing=jnp.int32(0), fetched=jnp.int32(0), error=jnp.int32(0))
+
+    dense = moe_dense(x, expert_ids, gates, bank, _linear)
+    np.testing.assert_allclose(moe_combine(x, expert_ids, gates, plan_with_slot(1), pool, bank,
+                                           _linear), dense)
+    assert not np.allclose(moe_combine(x, expert_ids, gates, plan_with_slot(2), pool, bank,
+                                       _linear), dense)
+
+
+# --- the compiled decode loop of examples/decode_loop.py -----------------------------------------
+
+CONFIG = decode_loop.ModelConfig()
+NUM_STEPS = 200
+TOLERANCE = 1e-5
+POLICIES = {
+    "full": pc.FetchPolicy.full(),
+    "fraction:0.4": pc.FetchPolicy.fraction(0.4),
+    "cap:1": pc.FetchPolicy.fixed_cap(1),
+}
+
+
+@pytest.fixture(scope="module")
+def model():
+    params = decode_loop.init_params(7, CONFIG)
+    params = dataclasses.replace(params, experts=put_host_bank(params.experts))
+    tokens = decode_loop.make_tokens(8, NUM_STEPS, CONFIG)
+    assert np.any(np.asarray(tokens) < 0), "the stream should contain padding rows"
+    return params, tokens
+
+
+def _assert_matches_dense(result):
+    error = np.abs(np.asarray(result.cached) - np.asarray(result.dense))
+    worst_step = int(np.argmax(error.max(axis=(1, 2))))
+    assert error.max() <= TOLERANCE, f"cached != dense, worst step {worst_step}: {error.max():.3g}"
+
+
+@pytest.mark.parametrize("cache_size", [CONFIG.num_experts, 3 * CONFIG.num_experts],
+                         ids=["S=E", "S=3E"])
+def test_every_step_of_the_cached_loop_equals_the_dense_moe(model, cache_size):
+    params, tokens = model
+    L = CONFIG.num_layers
+    for name, policy in POLICIES.items():
+        result = decode_loop.decode(params, tokens, cache_size, policy, config=CONFIG)
+        _assert_matches_dense(result)
+        counters = pc.stats(result.state)
+        assert int(result.state.step) == NUM_STEPS * L
+        # the run exercised what it claims to: fetches beyond the pool size (so evictions)...
+        assert counters.fetched > cache_size, name
+        assert int(jnp.sum(result.fetched)) == counters.fetched
+        # ...and CPU routes exactly when the policy caps fetches
+        cpu_routes = int(jnp.sum(result.cpu_routes))
+        if name == "full":
+            assert cpu_routes == 0 and counters.fetched == counters.missing
+        else:
+            assert cpu_routes > 0 and counters.fetched < counters.missing, name
+        # every resident slot of the final pool holds the bytes of the expert the state names
+        id_of_slot = np.asarray(result.state.id_of_slot)
+        for leaf_name, bank_leaf in params.experts.items():
+            pool_leaf, bank_leaf = np.asarray(result.pool[leaf_name]), np.asarray(bank_leaf)
+            for slot in np.flatnonzero(id_of_slot >= 0):
+                layer, expert = divmod(int(id_of_slot[slot]), CONFIG.num_experts)
+                np.testing.assert_array_equal(pool_leaf[slot], bank_leaf[layer, expert])
+        # outputs are not trivially zero: the experts did contribute
+        assert float(jnp.max(jnp.abs(result.dense - params.embed[jnp.maximum(tokens, 0)]))) > 0.1
+
+
+def _route_reads_its_neighbours_slot(plan):
+    """Route (0, 0) reads the slot of route (0, 1) -- another expert -- when both are on device."""
+    slots = plan.slots
+    both_on_device = (slots[0, 0] >= 0) & (slots[0, 1] >= 0)
+    return dataclasses.replace(
+        plan, slots=slots.at[0, 0].set(jnp.where(both_on_device, slots[0, 1], slots[0, 0])))
+
+
+def _last_copy_dropped(plan):
+    """The last fetched expert is never copied: its slot keeps the bytes of the evicted one."""
+    copy = plan.copy
+    return dataclasses.replace(plan, copy=dataclasses.replace(
+        copy, count=jnp.maximum(copy.count - 1, 0)))
+
+
+@pytest.mark.parametrize("tamper", [_route_reads_its_neighbours_slot, _last_copy_dropped],
+                         ids=["wrong-slot", "dropped-copy"])
+def test_a_corrupted_plan_is_caught_by_the_same_comparison(model, tamper):
+    params, tokens = model
+    result = decode_loop.decode(params, tokens, CONFIG.num_experts, pc.FetchPolicy.full(),
+                                config=CONFIG, tamper=tamper)
+    with pytest.raises(AssertionError, match="cached != dense"):
+        _assert_matches_dense(result)
+    assert decode_loop.max_error(result) > 1e-2
