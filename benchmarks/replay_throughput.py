@@ -80,7 +80,7 @@ def main(argv=None):
         single = replay_rate(trace, one, args.repeats)
         batched = replay_rate(trace, many, args.repeats)
         rows.append((preset, size, trace.num_calls, ref, single, batched * 64,
-                     single / ref, batched * 64 / single / 64))
+                     single / ref, batched * 64 / single))
         print(rows[-1], flush=True)
 
     header = ("| preset | S | calls | reference calls/s | compiled calls/s (1 config) | "

@@ -15,6 +15,13 @@ one compiled program::
 See SPEC.md for the contract and docs/design.md for the choices made where it is silent.
 """
 
+from pallas_cache.apply import (
+    apply_copy_plan,
+    host_memory_kind,
+    moe_combine,
+    moe_dense,
+    put_host_bank,
+)
 from pallas_cache.backend import BACKENDS, promotion_decision, select_victims
 from pallas_cache.errors import (
     ERR_EXPERT_ID,
@@ -27,6 +34,7 @@ from pallas_cache.errors import (
     checked,
     raise_on_error,
 )
+from pallas_cache.inspect import CacheDiff, CacheView, SlotEntry, SlotRow, describe, diff
 from pallas_cache.ops import (
     CopyPlan,
     EnsurePlan,
@@ -70,9 +78,11 @@ __all__ = [
     "ERR_SLOT",
     "SMALL_BANK_FEAT_BYTES",
     "Admission",
+    "CacheDiff",
     "CacheError",
     "CacheState",
     "CacheStats",
+    "CacheView",
     "CopyPlan",
     "EnsurePlan",
     "FetchOrder",
@@ -84,19 +94,28 @@ __all__ = [
     "PrefillPlan",
     "RebuildRejected",
     "RoutingSkewReport",
+    "SlotEntry",
+    "SlotRow",
+    "apply_copy_plan",
     "begin_prefill",
     "check",
     "checked",
+    "describe",
+    "diff",
     "ensure",
     "ensure_hybrid",
     "forget_slot",
+    "host_memory_kind",
     "init",
     "layer_stats",
     "materialize_layer",
+    "moe_combine",
+    "moe_dense",
     "per_layer_stats",
     "prefetch_prefill_layer",
     "prefill_overlap_fits",
     "promotion_decision",
+    "put_host_bank",
     "raise_on_error",
     "rebuild",
     "reset",

@@ -42,13 +42,6 @@ def resolve_backend(backend) -> str:
     return backend
 
 
-def _not_wired(backend):
-    raise NotImplementedError(
-        f"backend {backend!r} is not wired yet; the Pallas kernels live in pallas_cache/kernels/ "
-        f"and are dispatched from pallas_cache/backend.py. Use backend='xla'."
-    )
-
-
 def argmin_among(values, candidate):
     """The lowest index among ``candidate`` entries holding the smallest value, or -1 if none.
 
@@ -94,7 +87,9 @@ def select_victims(usage, step, n, *, num_out, backend="xla"):
     """
     backend = resolve_backend(backend)
     if backend != "xla":
-        _not_wired(backend)
+        from pallas_cache.kernels.victims import victims
+
+        return victims(usage, step, n, num_out=num_out, interpret=backend == "interpret")
     out = jnp.full((num_out,), -1, jnp.int32)
     if num_out == 0:
         return out
@@ -138,7 +133,10 @@ def promotion_decision(usage, id_of_slot, step, recency_row, miss_mask, fraction
     """
     backend = resolve_backend(backend)
     if backend != "xla":
-        _not_wired(backend)
+        from pallas_cache.kernels.promotion import promotion
+
+        return promotion(usage, id_of_slot, step, recency_row, miss_mask, fraction16, num_fetch,
+                         interpret=backend == "interpret")
     # The first miss in recency order: the largest recency among misses, lowest id on ties.
     expert = argmin_among(~recency_row, miss_mask)
     recurring = recency_row[jnp.maximum(expert, 0)] >= 0

@@ -23,8 +23,10 @@ same renumbering at the same threshold.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.custom_batching import custom_vmap
 
 from pallas_cache.state import CacheState
 
@@ -63,15 +65,42 @@ def dense_rank_stamps(usage, recency, step):
     )
 
 
+@custom_vmap
+def _rebase_stamps(due, usage, recency, step):
+    """``dense_rank_stamps`` under ``lax.cond(due, ...)``, with a batching rule that keeps the
+    conditional a real branch.
+
+    Under a plain ``vmap`` a ``lax.cond`` with a batched predicate becomes a ``select`` that runs
+    *both* branches for every cache, so every step of a vmapped replay would sort all stamps
+    (measured: about 100x the cost of the rest of the step on CPU). The rebase is rare, so the
+    rule below branches once on "any cache of the batch is due" and renumbers only then, keeping
+    the caches that are not due unchanged.
+    """
+    return lax.cond(due, dense_rank_stamps, lambda u, r, s: (u, r, s), usage, recency, step)
+
+
+@_rebase_stamps.def_vmap
+def _rebase_stamps_vmap(axis_size, in_batched, due, usage, recency, step):
+    due, usage, recency, step = (
+        value if batched else jnp.broadcast_to(value, (axis_size,) + jnp.shape(value))
+        for value, batched in zip((due, usage, recency, step), in_batched)
+    )
+
+    def renumber_due(stamps):
+        renumbered = jax.vmap(dense_rank_stamps)(*stamps)
+        return tuple(
+            jnp.where(due.reshape((-1,) + (1,) * (old.ndim - 1)), new, old)
+            for new, old in zip(renumbered, stamps)
+        )
+
+    stamps = lax.cond(jnp.any(due), renumber_due, lambda stamps: stamps, (usage, recency, step))
+    return stamps, (True, True, True)
+
+
 def rebase_if_due(state: CacheState, accepted) -> CacheState:
     """The state with its stamps renumbered if the call is accepted and ``step`` reached the
-    threshold; otherwise the state itself. Traced: the renumbering runs under ``lax.cond``."""
+    threshold; otherwise the state itself. Traced: the renumbering runs under ``lax.cond``, also
+    under ``vmap`` (see ``_rebase_stamps``)."""
     due = accepted & (state.step >= state.rebase_threshold)
-
-    def rebase(stamps):
-        return dense_rank_stamps(*stamps)
-
-    usage, recency, step = lax.cond(
-        due, rebase, lambda stamps: stamps, (state.usage, state.recency, state.step)
-    )
+    usage, recency, step = _rebase_stamps(due, state.usage, state.recency, state.step)
     return state.replace(usage=usage, recency=recency, step=step)

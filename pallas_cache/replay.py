@@ -5,12 +5,13 @@ policy, for my model and my traffic?". The answer is a replay: feed the trace's 
 order, to the cache and count what it would have fetched. This module runs that replay as
 compiled JAX, for a whole grid of configurations:
 
-- **One compiled program per cache size.** The pool size is a shape, so each size compiles on its
-  own. Within a size, configurations that share the static options (``order``, ``admission``) are
-  one ``jax.vmap`` over their stacked :class:`~pallas_cache.policy.FetchPolicy` (a traced pytree,
-  so a new fraction never recompiles), and the few static groups are scans inside the same jitted
-  program. Each scan walks the trace in chunks (a fixed-length ``lax.scan``; the host loop over
-  chunks only drives the progress bar), so long traces compile once.
+- **One compiled, vmapped program per cache size.** The pool size is a shape, so each size
+  compiles on its own. Within a size every configuration is one lane of a single ``jax.vmap``:
+  the :class:`~pallas_cache.policy.FetchPolicy` is a traced pytree, and the fetch order and
+  admission rule enter the cache's compiled core as data (``ops._Rules``; the public ops take
+  them as static options, which is what a decode loop wants). The scan walks the trace in
+  fixed-length chunks (the host loop over chunks only drives the progress bar), so a long trace
+  compiles once.
 - **Several devices**: the configuration axis is sharded across them with ``jax.sharding`` (a
   1-D mesh named ``"configs"``, padded to a multiple of the device count).
 - **The bounds** next to each result: Belady's offline optimum for the same pool and the
@@ -36,7 +37,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from . import belady as belady_lib
-from .ops import ensure_hybrid
+from .ops import _ensure, _Rules  # the compiled core, with order/admission as data
 from .policy import Admission, FetchOrder, FetchPolicy
 from .state import init
 from .trace import Trace
@@ -131,30 +132,30 @@ def _stack(trees):
     return jax.tree.map(lambda *leaves: jnp.stack(leaves), *trees)
 
 
-@functools.lru_cache(maxsize=64)
-def _make_program(static_keys):
-    """One jitted program advancing every static group of one cache size over a chunk.
+@functools.lru_cache(maxsize=None)
+def _program():
+    """The jitted chunk program: every configuration of one cache size over one chunk of calls.
 
-    Cached by its static groups, so a second replay of the same shapes compiles nothing."""
+    Args (of the returned function): ``(states, cpu_routes, policies, rules)`` batched over the
+    configurations, and the chunk's ``layers [C]`` and ``routes [C, K]``.
+    """
 
-    def run(groups, layers, routes):
-        out = []
-        for (order, admission), (states, cpu_routes, policies) in zip(static_keys, groups):
+    def one_cache(state, cpu_routes, policy, rules, layers, routes):
+        def call(carry, layer_routes):
+            state, cpu_routes = carry
+            layer, route = layer_routes
+            state, plan = _ensure(state, layer, route, policy, rules, backend="xla")
+            return (state, cpu_routes + jnp.sum(plan.cpu, dtype=jnp.int32)), None
 
-            def one_cache(state, cpu, policy, order=order, admission=admission):
-                def body(carry, call):
-                    state, cpu = carry
-                    layer, route = call
-                    state, plan = ensure_hybrid(state, layer, route, policy, order=order,
-                                                admission=admission, backend="xla")
-                    return (state, cpu + jnp.sum(plan.cpu, dtype=jnp.int32)), None
+        # Unrolling amortises XLA:CPU's per-iteration loop overhead (measured: ~1.4x at unroll 4).
+        (state, cpu_routes), _ = lax.scan(call, (state, cpu_routes), (layers, routes), unroll=4)
+        return state, cpu_routes
 
-                (state, cpu), _ = lax.scan(body, (state, cpu), (layers, routes))
-                return state, cpu
-
-            states, cpu_routes = jax.vmap(one_cache)(states, cpu_routes, policies)
-            out.append((states, cpu_routes, policies))
-        return tuple(out)
+    def run(configs, layers, routes):
+        states, cpu_routes, policies, rules = configs
+        states, cpu_routes = jax.vmap(one_cache, in_axes=(0, 0, 0, 0, None, None))(
+            states, cpu_routes, policies, rules, layers, routes)
+        return states, cpu_routes, policies, rules
 
     return jax.jit(run, donate_argnums=0)
 
@@ -216,26 +217,20 @@ def replay(
     total_work = num_chunks * len(sizes)
     done = 0
     for size in sizes:
-        by_key: dict[tuple, list[int]] = {}
-        for index, config in enumerate(configs):
-            if config.cache_size == size:
-                key = (FetchOrder.coerce(config.order), Admission.coerce(config.admission))
-                by_key.setdefault(key, []).append(index)
-        keys = tuple(by_key)
-        groups = []
-        for key in keys:
-            members = by_key[key]
-            count = -(-len(members) // width) * width  # pad to a multiple of the devices
-            padded_members = members + [members[-1]] * (count - len(members))
-            state = init(trace.num_layers, trace.num_experts, size)
-            states = _stack([state] * count)
-            policies = _stack([parse_policy(configs[i].policy) for i in padded_members])
-            groups.append(_shard((states, jnp.zeros(count, jnp.int32), policies), mesh))
-        groups = tuple(groups)
-        program = _make_program(keys)
+        members = [i for i, config in enumerate(configs) if config.cache_size == size]
+        count = -(-len(members) // width) * width  # pad to a multiple of the devices
+        lanes = members + [members[-1]] * (count - len(members))
+        batch = (
+            _stack([init(trace.num_layers, trace.num_experts, size)] * count),
+            jnp.zeros(count, jnp.int32),
+            _stack([parse_policy(configs[i].policy) for i in lanes]),
+            _stack([_Rules.of(True, FetchOrder.coerce(configs[i].order),
+                              Admission.coerce(configs[i].admission)) for i in lanes]),
+        )
+        batch = _shard(batch, mesh)
         for chunk in range(num_chunks):
             window = slice(chunk * chunk_calls, (chunk + 1) * chunk_calls)
-            groups = program(groups, jnp.asarray(layers[window]), jnp.asarray(routes[window]))
+            batch = _program()(batch, jnp.asarray(layers[window]), jnp.asarray(routes[window]))
             done += 1
             report(f"cache_size={size} calls {min((chunk + 1) * chunk_calls, num_calls)}/{num_calls}"
                    f" [{done}/{total_work}]")
@@ -245,27 +240,26 @@ def replay(
             oracle = belady_lib.stationary_oracle(trace, size).mean_hit_rate
         else:
             optimum = oracle = None
-        for key, (states, cpu_routes, _) in zip(keys, groups):
-            states, cpu_routes = jax.device_get((states, cpu_routes))
-            for row, index in enumerate(by_key[key]):
-                calls, active, missing, fetched = (int(v) for v in states.stats[row].sum(axis=0))
-                config = configs[index]
-                results[index] = ReplayResult(
-                    cache_size=size,
-                    policy=config.policy,
-                    order=FetchOrder.coerce(config.order).value,
-                    admission=Admission.coerce(config.admission).value,
-                    calls=calls,
-                    routes=num_routes,
-                    active=active,
-                    missing=missing,
-                    fetched=fetched,
-                    cpu_routes=int(cpu_routes[row]),
-                    empty_slots=int((states.id_of_slot[row] < 0).sum()),
-                    hit_rate=1.0 - missing / active if active else 1.0,
-                    belady_hit_rate=optimum,
-                    oracle_hit_rate=oracle,
-                )
+        states, cpu_routes = jax.device_get(batch[:2])
+        for row, index in enumerate(members):
+            calls, active, missing, fetched = (int(v) for v in states.stats[row].sum(axis=0))
+            config = configs[index]
+            results[index] = ReplayResult(
+                cache_size=size,
+                policy=config.policy,
+                order=FetchOrder.coerce(config.order).value,
+                admission=Admission.coerce(config.admission).value,
+                calls=calls,
+                routes=num_routes,
+                active=active,
+                missing=missing,
+                fetched=fetched,
+                cpu_routes=int(cpu_routes[row]),
+                empty_slots=int((states.id_of_slot[row] < 0).sum()),
+                hit_rate=1.0 - missing / active if active else 1.0,
+                belady_hit_rate=optimum,
+                oracle_hit_rate=oracle,
+            )
     if hasattr(report, "close"):
         report.close()
     return [results[i] for i in range(len(configs))]

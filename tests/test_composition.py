@@ -143,3 +143,31 @@ def test_vmap_of_the_other_ops_equals_a_loop():
         got = jax.vmap(batched_op)(batch, args)
         for i in range(2):
             chex.assert_trees_all_equal(jax.tree.map(lambda x: x[i], got), one(states[i], i))
+
+
+def test_vmap_over_caches_that_rebase_at_different_steps_equals_a_loop():
+    """The clock rebase keeps a real branch under ``vmap`` (a custom batching rule): FAILS if the
+    rule renumbers caches that are not due, or skips ones that are, when only some of the batch
+    reach their threshold on a given step."""
+    thresholds = (5, 9, 2**30)
+    routes = routing_trace(11, tokens=8)
+    policy = pc.FetchPolicy.fraction(0.4)
+
+    def run(state):
+        def step(state, xs):
+            layer, layer_routes = xs
+            state, plan = pc.ensure_hybrid(state, layer, layer_routes, policy,
+                                           admission=pc.Admission.REUSE)
+            return state, plan
+
+        layers = jnp.tile(jnp.arange(L, dtype=jnp.int32), routes.shape[0])
+        return lax.scan(step, state, (layers, routes.reshape(-1, routes.shape[-1])))
+
+    states = [pc.init(L, E, S, rebase_threshold=t) for t in thresholds]
+    batched_state, batched_plans = jax.jit(jax.vmap(run))(stack(states))
+    for i, state in enumerate(states):
+        expected_state, expected_plans = jax.jit(run)(state)
+        chex.assert_trees_all_equal(jax.tree.map(lambda x: x[i], batched_state), expected_state)
+        chex.assert_trees_all_equal(jax.tree.map(lambda x: x[i], batched_plans), expected_plans)
+    steps = np.asarray(batched_state.step)
+    assert steps[0] < steps[2] and steps[1] < steps[2], "the small thresholds did rebase"

@@ -126,3 +126,37 @@ def test_int_miss_mask_and_explicit_knobs_lower(triton_modules):
                       jnp.zeros(16, jnp.int32), jnp.ones(16, jnp.int32), jnp.int32(1),
                       jnp.int32(0))
     check_triton(text, triton_modules)
+
+
+ENSURE_SHAPES = [(s, e) for s in SIZES for e in EXPERTS if e <= s]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("size,num_experts", ENSURE_SHAPES)
+def test_ensure_hybrid_with_the_pallas_backend_lowers_to_triton(size, num_experts, mode,
+                                                                triton_modules):
+    """The whole cache step, not just the kernels: FAILS if any path of ``ensure_hybrid`` under
+    ``backend="pallas"`` falls back to interpret mode or to Mosaic GPU."""
+    import pallas_cache as pc
+
+    num_layers, top_k = 4, 8
+    state = pc.init(num_layers, num_experts, size)
+    policy = pc.FetchPolicy.fraction(0.4)
+    routes = jnp.arange(top_k, dtype=jnp.int32) % num_experts
+
+    def step(state, layer, routes, policy):
+        return pc.ensure_hybrid(state, layer, routes, policy, backend="pallas")
+
+    if mode == "plain":
+        text = lower_cuda(step, state, jnp.int32(1), routes, policy)
+    elif mode == "vmap":
+        batched = jax.tree.map(lambda x: jnp.broadcast_to(x, (BATCH, *x.shape)), (state, policy))
+        text = lower_cuda(jax.vmap(lambda s, p: step(s, jnp.int32(1), routes, p)), *batched)
+    else:
+        def decode(state):
+            def body(state, layer):
+                state, plan = step(state, layer, routes, policy)
+                return state, plan.copy.count
+            return lax.scan(body, state, jnp.arange(num_layers, dtype=jnp.int32))
+        text = lower_cuda(decode, state)
+    check_triton(text, triton_modules)

@@ -1,0 +1,171 @@
+"""The example notebook must run top to bottom and show what it says it shows.
+
+``examples/explore_cache.ipynb`` is executed once per test session with nbclient, in a kernel
+running *this* interpreter (so it sees the same pallas_cache and jax as the tests), with the
+repository root as working directory. The tests then read the outputs of named cells (cell ids):
+the describe/diff tables of the hand-stepped cache, the promotion diff of the seed-000 rule and
+the PNG of the replay plot. A separate, fast test checks that the committed notebook carries no
+outputs, so executed outputs are never committed.
+
+Needs ``nbclient``, ``nbformat``, ``ipykernel`` and ``matplotlib`` (the ``test`` extra); the
+execution tests are skipped when one is missing, the no-outputs test always runs.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOK = REPO_ROOT / "examples" / "explore_cache.ipynb"
+
+
+# --------------------------------------------------------------------------------------------
+# The committed file: valid, no outputs.
+
+
+def test_committed_notebook_has_no_outputs():
+    """Outputs and execution counts are never committed (clear them before committing)."""
+    nb = json.loads(NOTEBOOK.read_text(encoding="utf-8"))
+    assert nb["nbformat"] == 4
+    dirty = [
+        cell.get("id", index) for index, cell in enumerate(nb["cells"])
+        if cell["cell_type"] == "code" and (cell.get("outputs") or cell.get("execution_count") is not None)
+    ]
+    assert not dirty, f"{NOTEBOOK.name}: cells with committed outputs or execution counts: {dirty}"
+
+
+def test_committed_notebook_is_valid_nbformat():
+    nbformat = pytest.importorskip("nbformat")
+    nbformat.validate(nbformat.read(NOTEBOOK, as_version=4))
+
+
+# --------------------------------------------------------------------------------------------
+# Executing it.
+
+
+def _kernel_dir(tmp_path: Path) -> Path:
+    """A ``python3`` kernelspec that launches this interpreter, whatever else is installed.
+
+    ipykernel installed with pip already ships a ``python3`` kernelspec in the environment's
+    ``share/jupyter``, and jupyter_client maps its ``python`` to ``sys.executable``; but a
+    user-level ``python3`` kernelspec (``~/.local/share/jupyter``) takes precedence and may point
+    at another Python. Putting ours first on ``JUPYTER_PATH`` pins the kernel to this interpreter.
+    """
+    spec_dir = tmp_path / "kernels" / "python3"
+    spec_dir.mkdir(parents=True)
+    spec = {
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "Python 3 (pallas-cache tests)",
+        "language": "python",
+    }
+    (spec_dir / "kernel.json").write_text(json.dumps(spec), encoding="utf-8")
+    return tmp_path
+
+
+@pytest.fixture(scope="module")
+def executed(tmp_path_factory):
+    """The notebook after a full top-to-bottom run: ``{cell id: cell}``."""
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    pytest.importorskip("ipykernel")
+    pytest.importorskip("matplotlib")
+
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    with pytest.MonkeyPatch.context() as patch:
+        jupyter_path = str(_kernel_dir(tmp_path_factory.mktemp("jupyter")))
+        patch.setenv("JUPYTER_PATH", jupyter_path)
+        patch.setenv("MPLBACKEND", "Agg")  # headless, like CI; the notebook must still show its PNG
+        client = nbclient.NotebookClient(
+            nb, timeout=600, kernel_name="python3",
+            resources={"metadata": {"path": str(REPO_ROOT)}})
+        client.execute()  # raises CellExecutionError at the first failing cell
+    return {cell["id"]: cell for cell in nb.cells}
+
+
+def _text(cell) -> str:
+    """All plain-text output of a cell: streams and the text/plain of results and displays."""
+    parts = []
+    for output in cell.get("outputs", []):
+        if output["output_type"] == "stream":
+            parts.append(output["text"])
+        elif output["output_type"] in ("execute_result", "display_data"):
+            parts.append(output.get("data", {}).get("text/plain", ""))
+    return "\n".join(parts)
+
+
+def _row(change: str, slot: int, layer: int, expert: int) -> re.Pattern:
+    """A row of a diff's text table."""
+    return re.compile(rf"^\s*{change}\s+{slot}\s+{layer}\s+{expert}\s", re.MULTILINE)
+
+
+def test_every_cell_ran_without_error(executed):
+    for cell_id, cell in executed.items():
+        if cell["cell_type"] != "code":
+            continue
+        assert cell["execution_count"] is not None, f"cell {cell_id} did not run"
+        errors = [o for o in cell["outputs"] if o["output_type"] == "error"]
+        assert not errors, f"cell {cell_id} raised: {errors[0]['ename']}: {errors[0]['evalue']}"
+
+
+def test_section_1_describe_and_diff_tables(executed):
+    empty = _text(executed["a-init"])
+    assert "CacheState L=2 E=4 S=6 step=0 resident=0/6" in empty
+    assert "slot" in empty and "usage" in empty and "empty" in empty
+    # Results render as HTML tables in Jupyter too.
+    html = executed["a-init"]["outputs"][-1]["data"].get("text/html", "")
+    assert "<table>" in html
+
+    step1 = _text(executed["a-step1"])
+    assert "2 installed, 0 evicted, 0 refreshed" in step1
+    assert _row("installed", 0, 0, 1).search(step1) and _row("installed", 1, 0, 3).search(step1)
+    assert "route  3 -> slot 1" in step1  # the duplicate collapses onto one slot
+    assert "route -1 -> padding" in step1
+
+    step3 = _text(executed["a-step3"])
+    assert _row("refreshed", 1, 0, 3).search(step3)
+
+    step4 = _text(executed["a-step4"])
+    assert _row("evicted", 0, 0, 1).search(step4)  # the LRU victim
+    assert _row("installed", 0, 1, 3).search(step4)
+    assert "resident=6/6" in _text(executed["a-full"])
+
+    step5 = _text(executed["a-step5"])
+    assert "route  2 -> cpu" in step5
+    assert "cpu mask: [False, True, False]" in step5
+    assert _row("installed", 2, 0, 1).search(step5)
+
+
+def test_section_2_promotion_installs_the_recurring_expert(executed):
+    promoted = _text(executed["promotion-diff"])
+    assert "1 installed, 0 evicted, 3 refreshed" in promoted
+    assert _row("installed", 3, 0, 3).search(promoted)
+    assert "copies (slot <- host row): [(3, 3)]" in promoted
+
+    plain = _text(executed["none-diff"])
+    assert "0 installed, 0 evicted, 3 refreshed" in plain
+    assert "route  3 -> cpu" in plain
+
+    table = _text(executed["b-run"])
+    assert re.search(r"promote_one\s+2\s+1\s+0\s+4", table)  # step 2: one copy, no CPU route
+    assert re.search(r"none\s+4\s+0\s+1\s+5", table)  # step 4: still on the CPU, 5 empty slots
+    seed000 = _text(executed["b-table"])
+    assert re.search(r"CPU-assigned routes\s+2104\s+88", seed000)
+
+
+def test_section_3_replay_table_and_plot(executed):
+    table = _text(executed["c-replay"])
+    assert "synthetic:mixtral-like(tokens=64" in table
+    for policy in ("full", "fraction:0.4", "cap:1"):
+        assert policy in table
+    assert "belady" in table
+
+    images = [o for o in executed["c-plot"]["outputs"]
+              if o["output_type"] in ("display_data", "execute_result") and "image/png" in o["data"]]
+    assert images, "the plot cell showed no image/png"
+    png = images[0]["data"]["image/png"]
+    assert png.startswith("iVBORw0KGgo"), "image/png is not a base64 PNG"
