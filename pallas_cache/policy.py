@@ -91,9 +91,9 @@ class FetchPolicy:
     def fraction(cls, q) -> "FetchPolicy":
         """The balanced split at fetch fraction ``q``.
 
-        ``f = clamp(round_half_even(q * 65536), 0, 65536)``, computed on the host; ``q`` above 1
-        clamps to 1 (fetch everything). Raises TypeError for a non-number (bools included) and
-        ValueError for NaN or a negative ``q``.
+        ``f = clamp(round_half_even(q * 65536), 0, 65536)``, computed on the host: ``q`` above 1
+        fetches everything, ``q`` below 0 is fraction 0 (with cap 0: fetch nothing), as SPEC 5.3
+        writes it. Raises TypeError for a non-number (bools included) and ValueError for NaN.
         """
         if isinstance(q, (bool, np.bool_)) or not isinstance(q, numbers.Real):
             kind = type(q).__name__
@@ -101,11 +101,10 @@ class FetchPolicy:
         q = float(q)
         if math.isnan(q):
             raise ValueError(f"fetch fraction must not be NaN, got {q!r}")
-        if q < 0:
-            raise ValueError(f"fetch fraction must be >= 0, got {q!r}")
         # q * 65536 is exact in float64 (a power-of-two scale), so round() -- half to even on
-        # the exact value -- is exactly the rule; inf clamps to one.
-        f = ONE if math.isinf(q) else min(max(round(q * ONE), 0), ONE)
+        # the exact value -- is exactly the rule. Clamping q first (rounding is monotone, so it
+        # is the same clamp) keeps infinities out of round().
+        f = round(min(max(q, 0.0), 1.0) * ONE)
         return cls(fraction16=jnp.asarray(f, jnp.int32), cap=jnp.asarray(0, jnp.int32))
 
     @classmethod

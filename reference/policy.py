@@ -41,8 +41,9 @@ class ReferencePolicy:
     def fraction(cls, q) -> "ReferencePolicy":
         """The balanced split at link share ``q`` (clamped to ``[0, 1]``; NaN is refused)."""
         _require_number(q, "fetch fraction")
-        f = round(float(q) * ONE)  # Python's round() is half-to-even
-        return cls(fraction16=min(max(f, 0), ONE), cap=0)
+        # Clamping q before rounding is the same clamp (rounding is monotone) and keeps
+        # infinities out of round(), which is half-to-even in Python.
+        return cls(fraction16=round(min(max(float(q), 0.0), 1.0) * ONE), cap=0)
 
     @classmethod
     def fixed_cap(cls, n) -> "ReferencePolicy":

@@ -53,6 +53,8 @@ def test_the_fraction_is_fixed_point_rounded_half_to_even_on_the_host():
     assert ReferencePolicy.fraction(1.5 / 65536).fraction16 == 2  # 1.5 -> 2 (even)
     assert ReferencePolicy.fraction(2.0).fraction16 == 65536, "clamped"
     assert ReferencePolicy.fraction(-1.0).fraction16 == 0, "clamped"
+    assert ReferencePolicy.fraction(float("inf")).fraction16 == 65536
+    assert ReferencePolicy.fraction(float("-inf")).fraction16 == 0
 
 
 @pytest.mark.parametrize("bad", [math.nan, "0.4", None, True])

@@ -32,7 +32,7 @@ def reference_replay(trace, config):
     """The same replay, one call at a time, through the NumPy reference."""
     cache = ReferenceCache(trace.num_layers, trace.num_experts, config.cache_size)
     kind, _, value = config.policy.partition(":")
-    policy = {"full": lambda: ReferencePolicy.fixed_cap(2**31 - 1),
+    policy = {"full": ReferencePolicy.full,
               "fraction": lambda: ReferencePolicy.fraction(float(value)),
               "cap": lambda: ReferencePolicy.fixed_cap(int(value))}[kind]()
     cpu = 0
