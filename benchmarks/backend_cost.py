@@ -26,7 +26,7 @@ import numpy as np  # noqa: E402
 from jax import lax  # noqa: E402
 
 import pallas_cache as pc  # noqa: E402
-from replay_throughput import write_section  # noqa: E402
+from results_file import write_section  # noqa: E402
 
 GEOMETRIES = [(8, 16, 64), (48, 128, 2048)]
 TOP_K, CALLS = 8, 1024
@@ -73,7 +73,7 @@ def main(argv=None):
     table = "\n".join(lines)
     if args.write:
         machine = f"{platform.machine()}, {os.cpu_count()} cores, jax {jax.__version__}, cpu"
-        write_section("benchmarks/RESULTS.md", "## Backends on CPU",
+        write_section("backend_cost",
                       f"## Backends on CPU (`benchmarks/backend_cost.py`)\n\n{datetime.date.today()}, "
                       f"{machine}; ensure_hybrid fraction 0.4, top-8, {CALLS} layer-steps in one "
                       f"compiled scan, median of {args.repeats}.\n\n{table}\n")

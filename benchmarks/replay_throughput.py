@@ -30,6 +30,7 @@ import jax  # noqa: E402
 from pallas_cache.replay import ReplayConfig, replay  # noqa: E402
 from pallas_cache.synthetic import synthetic_trace  # noqa: E402
 from reference import ReferenceCache, ReferencePolicy  # noqa: E402
+from results_file import write_section  # noqa: E402
 
 PRESET_CACHE = {"mixtral-like": 64, "fine-grained": 1024}
 
@@ -98,20 +99,7 @@ def main(argv=None):
                    f"{datetime.date.today()}, {machine}; {args.tokens} tokens per preset, "
                    f"policy fraction:0.4 (64 configurations: fractions 0..63/64), median of "
                    f"{args.repeats}; compile time excluded.\n\n{table}\n")
-        write_section("benchmarks/RESULTS.md", "## Replay throughput", section)
-
-
-def write_section(path, heading, section):
-    """Replace the section that starts with ``heading`` (up to the next ``## ``) in ``path``."""
-    text = open(path).read() if os.path.exists(path) else "# Benchmark results\n\n"
-    start = text.find(heading)
-    if start < 0:
-        text = text.rstrip("\n") + "\n\n" + section
-    else:
-        end = text.find("\n## ", start + len(heading))
-        text = text[:start] + section + (text[end + 1:] if end >= 0 else "")
-    with open(path, "w") as f:
-        f.write(text)
+        write_section("replay_throughput", section)
 
 
 if __name__ == "__main__":

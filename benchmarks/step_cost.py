@@ -42,12 +42,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import pallas_cache as pc  # noqa: E402
 from reference import ReferenceCache, ReferencePolicy  # noqa: E402
+from results_file import RESULTS, write_section  # noqa: E402
 
 TOP_K = 8
 FRACTION = 0.4
 CONFIGS = (("small", 8, 16, 64), ("large", 48, 128, 2048))
-RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
-BEGIN, END = "<!-- step_cost:begin -->", "<!-- step_cost:end -->"
 
 
 def routing_trace(num_layers, num_experts, tokens, seed=0):
@@ -161,7 +160,6 @@ def write_results(rows, tokens):
     except OSError:
         load = ""
     lines = [
-        BEGIN,
         "## Step cost: reference vs jitted call vs compiled loop",
         "",
         f"`python benchmarks/step_cost.py` on {date}{load}. Machine: {machine()}.",
@@ -179,15 +177,7 @@ def write_results(rows, tokens):
         lines.append(
             f"| {name} {geometry} | {tokens[name]} | {a * 1e6:.1f} us | {b * 1e6:.1f} us | "
             f"{c * 1e6:.2f} us | {a / b:.1f}x | {ratio:.1f}x |")
-    lines.append(END)
-    section = "\n".join(lines)
-    text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        text = head + section + rest.split(END, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    RESULTS.write_text(text)
+    write_section("step_cost", "\n".join(lines))
 
 
 def main(argv=None):
