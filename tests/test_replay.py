@@ -23,7 +23,7 @@ def small_trace():
     tokens, layers, top_k, experts = 40, 3, 3, 6
     routes = np.stack([rng.permutation(experts)[:top_k] for _ in range(tokens * layers)])
     routes[rng.random(routes.shape) < 0.1] = -1  # some padding routes
-    routes[5] = routes[5, 0]  # a call with duplicates
+    routes[::5, 1] = routes[::5, 0]  # calls with duplicate routes (CPU routes count each one)
     return Trace.from_dense(routes.reshape(tokens, layers, top_k), num_layers=layers,
                             num_experts=experts)
 
