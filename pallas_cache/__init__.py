@@ -15,14 +15,14 @@ one compiled program::
 See SPEC.md for the contract and docs/design.md for the choices made where it is silent.
 """
 
-from pallas_cache.apply import (
+from pallas_cache.moe import (
     apply_copy_plan,
     host_memory_kind,
     moe_combine,
     moe_dense,
     put_host_bank,
 )
-from pallas_cache.backend import BACKENDS, promotion_decision, select_victims
+from pallas_cache.kernels.dispatch import BACKENDS, promotion_decision, select_victims
 from pallas_cache.errors import (
     ERR_EXPERT_ID,
     ERR_LAYER,
@@ -34,7 +34,7 @@ from pallas_cache.errors import (
     checked,
     raise_on_error,
 )
-from pallas_cache.inspect import CacheDiff, CacheView, SlotEntry, SlotRow, describe, diff
+from pallas_cache.host.views import CacheDiff, CacheView, SlotEntry, SlotRow, describe, diff
 from pallas_cache.ops import (
     CopyPlan,
     EnsurePlan,
@@ -55,7 +55,7 @@ from pallas_cache.prefill import (
     release_prefill_layer,
 )
 from pallas_cache.state import CacheState, PrefillDoesNotFit, RebuildRejected, init, rebuild, reset
-from pallas_cache.stats import (
+from pallas_cache.host.reports import (
     CacheStats,
     LayerRoutingSkew,
     RoutingSkewReport,

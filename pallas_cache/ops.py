@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_cache import backend as backends
+from pallas_cache.kernels import dispatch as backends
 from pallas_cache import clock, errors
 from pallas_cache.policy import Admission, FetchOrder, FetchPolicy
 from pallas_cache.state import CacheState

@@ -1,4 +1,4 @@
-"""Applying plans to weights (pallas_cache.apply) and the compiled decode loop of the example.
+"""Applying plans to weights (pallas_cache.moe) and the compiled decode loop of the example.
 
 Two levels:
 
@@ -27,7 +27,7 @@ import pytest
 from jax import lax
 
 import pallas_cache as pc
-from pallas_cache.apply import (
+from pallas_cache.moe import (
     apply_copy_plan,
     host_memory_kind,
     moe_combine,

@@ -22,9 +22,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pallas_cache.belady import belady, oracle_slots_for, stationary_oracle
-from pallas_cache.synthetic import PRESETS, SyntheticParams, synthetic_trace
-from pallas_cache.trace import Trace
+from pallas_cache.sizing.bounds import belady, oracle_slots_for, stationary_oracle
+from pallas_cache.sizing.synthetic import PRESETS, SyntheticParams, synthetic_trace
+from pallas_cache.sizing.trace import Trace
 
 # ---- independent simulators (test-only) ------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""describe / diff (pallas_cache.inspect) on real states produced by the cache operations.
+"""describe / diff (pallas_cache.host.views) on real states produced by the cache operations.
 
 The hand-worked sequence (L=2, E=4, S=5, every call a plain ``ensure``):
 
@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 import pallas_cache as pc
-from pallas_cache.inspect import SlotEntry, SlotRow, describe, diff
+from pallas_cache.host.views import SlotEntry, SlotRow, describe, diff
 
 INT32_MIN = int(np.iinfo(np.int32).min)
 

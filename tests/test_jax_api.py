@@ -20,7 +20,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import pallas_cache as pc
-from pallas_cache import backend as backends
+from pallas_cache.kernels import dispatch as backends
 from pallas_cache import clock
 from reference import ReferenceCache, ReferencePolicy
 

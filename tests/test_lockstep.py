@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 import chex
 
 import pallas_cache as pc
-from pallas_cache import backend as backends
+from pallas_cache.kernels import dispatch as backends
 from reference import PrefillDoesNotFit as RefPrefillDoesNotFit
 from reference import RebuildRejected as RefRebuildRejected
 from reference import ReferenceCache, ReferencePolicy

@@ -15,9 +15,9 @@ import math
 import numpy as np
 import pytest
 
-from pallas_cache.synthetic import (DEFAULT_PRESET_TOKENS, PRESETS, SyntheticParams,
+from pallas_cache.sizing.synthetic import (DEFAULT_PRESET_TOKENS, PRESETS, SyntheticParams,
                                     layer_exponents, synthetic_trace, trace_statistics)
-from pallas_cache.trace import Trace
+from pallas_cache.sizing.trace import Trace
 
 TOKENS = 2000
 

@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from .trace import Trace
+from pallas_cache.sizing.trace import Trace
 
 __all__ = [
     "BeladyResult",
@@ -110,7 +110,7 @@ def belady(trace: Trace | tuple[Any, Any], cache_size: int, *,
     """Replay a trace under Belady's furthest-next-use eviction: the fewest possible misses.
 
     Args:
-        trace: a :class:`~pallas_cache.trace.Trace`, or a pair ``(layers, routes)`` of integer
+        trace: a :class:`~pallas_cache.sizing.trace.Trace`, or a pair ``(layers, routes)`` of integer
             arrays ``[C]`` and ``[C, K]`` (``-1`` = padding), e.g. ``trace.to_array()``.
         cache_size: ``S``, slots in the shared pool; must be ``>= num_experts`` (the cache's own
             rule, SPEC 5.1, which also guarantees one call's experts always fit).

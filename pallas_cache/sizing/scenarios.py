@@ -19,9 +19,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .ops import ensure_hybrid
-from .policy import Admission, FetchPolicy
-from .state import init
+from pallas_cache.ops import ensure_hybrid
+from pallas_cache.policy import Admission, FetchPolicy
+from pallas_cache.state import init
 
 NUM_LAYERS, NUM_EXPERTS, CACHE_SIZE, TOP_K, STEPS = 8, 16, 64, 8, 256
 

@@ -39,7 +39,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .trace import Trace
+from pallas_cache.sizing.trace import Trace
 
 __all__ = [
     "SyntheticParams",

@@ -12,8 +12,8 @@ import argparse
 import json
 import sys
 
-from . import synthetic
-from .trace import TraceError, load_trace
+from pallas_cache.sizing import synthetic
+from pallas_cache.sizing.trace import TraceError, load_trace
 
 DEFAULT_PRESET = "mixtral-like"
 DEFAULT_POLICIES = ("full", "fraction:0.4")
@@ -140,7 +140,7 @@ def _plot(results, path: str, trace) -> None:
 
 
 def _replay(args) -> int:
-    from .replay import config_grid, replay  # jax import deferred until needed
+    from pallas_cache.sizing.replay import config_grid, replay  # jax import deferred until needed
 
     try:
         trace = _load(args)
@@ -169,7 +169,7 @@ def _replay(args) -> int:
 
 
 def _scenarios(_args) -> int:
-    from .scenarios import seed000_table
+    from pallas_cache.sizing.scenarios import seed000_table
 
     rows = seed000_table()
     width = max(len(name) for name, _, _ in rows)

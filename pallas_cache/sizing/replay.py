@@ -15,7 +15,7 @@ compiled JAX, for a whole grid of configurations:
 - **Several devices**: the configuration axis is sharded across them with ``jax.sharding`` (a
   1-D mesh named ``"configs"``, padded to a multiple of the device count).
 - **The bounds** next to each result: Belady's offline optimum for the same pool and the
-  stationary per-layer oracle of SPEC 5.10 (both from :mod:`pallas_cache.belady`).
+  stationary per-layer oracle of SPEC 5.10 (both from :mod:`pallas_cache.sizing.bounds`).
 
 ``hit_rate`` is ``1 - missing / active``, counted per layer-call over distinct experts, exactly as
 the cache's own stats (SPEC 5.9). The padding calls of the last chunk are layer ``-1`` calls,
@@ -36,11 +36,11 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from . import belady as belady_lib
-from .ops import _ensure, _Rules  # the compiled core, with order/admission as data
-from .policy import Admission, FetchOrder, FetchPolicy
-from .state import init
-from .trace import Trace
+from pallas_cache.sizing import bounds as belady_lib
+from pallas_cache.ops import _ensure, _Rules  # the compiled core, with order/admission as data
+from pallas_cache.policy import Admission, FetchOrder, FetchPolicy
+from pallas_cache.state import init
+from pallas_cache.sizing.trace import Trace
 
 __all__ = ["ReplayConfig", "ReplayResult", "parse_policy", "replay", "config_grid"]
 
@@ -178,7 +178,7 @@ def replay(
     """Replay ``trace`` through every configuration and return one result per configuration.
 
     Args:
-      trace: the routing trace (see :mod:`pallas_cache.trace`, :mod:`pallas_cache.synthetic`).
+      trace: the routing trace (see :mod:`pallas_cache.sizing.trace`, :mod:`pallas_cache.sizing.synthetic`).
       configs: the configurations, any mix of sizes and options; results come back in this order.
       chunk_calls: layer-calls per compiled scan chunk.
       bounds: also compute Belady's optimum and the stationary oracle per cache size.

@@ -1,0 +1,28 @@
+"""The offline sizing tool: routing traces in, replays of many cache configurations out.
+
+Layers: :mod:`~pallas_cache.sizing.trace` (the trace type and its readers),
+:mod:`~pallas_cache.sizing.synthetic` (seeded synthetic traces), :mod:`~pallas_cache.sizing.bounds`
+(Belady's optimum and the stationary oracle), :mod:`~pallas_cache.sizing.replay` (the compiled
+sweep), :mod:`~pallas_cache.sizing.cli` (``pallas-cache replay``) and
+:mod:`~pallas_cache.sizing.scenarios` (the seed-000 table).
+"""
+
+from pallas_cache.sizing.bounds import belady, stationary_oracle
+from pallas_cache.sizing.replay import ReplayConfig, ReplayResult, config_grid, parse_policy, replay
+from pallas_cache.sizing.synthetic import PRESETS, synthetic_trace
+from pallas_cache.sizing.trace import Trace, TraceError, load_trace
+
+__all__ = [
+    "PRESETS",
+    "ReplayConfig",
+    "ReplayResult",
+    "Trace",
+    "TraceError",
+    "belady",
+    "config_grid",
+    "load_trace",
+    "parse_policy",
+    "replay",
+    "stationary_oracle",
+    "synthetic_trace",
+]
