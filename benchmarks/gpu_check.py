@@ -1,4 +1,4 @@
-"""GPU check: the Pallas backend against the XLA backend, for equality and for speed (SPEC 7).
+"""GPU check: the Pallas backend against the XLA backend, for equality and for speed (docs/semantics.md §7).
 
 A prepared script for the one lent GPU machine (an NVIDIA H200, stock image: Python 3.12,
 jax 0.11.x, numpy; no network, no installs, no chex/hypothesis). It needs no install: it puts

@@ -12,7 +12,7 @@ one compiled program::
     state = pc.init(num_layers=8, num_experts=16, cache_size=64)
     state, plan = pc.ensure_hybrid(state, layer, expert_ids, pc.FetchPolicy.fraction(0.4))
 
-See SPEC.md for the contract and docs/design.md for the choices made where it is silent.
+See docs/semantics.md for the contract and docs/design.md for the reasons behind it.
 """
 
 from pallas_cache.moe import (

@@ -1,4 +1,4 @@
-"""Keeping the int32 LRU clock from wrapping (SPEC 5.12, docs/design.md).
+"""Keeping the int32 LRU clock from wrapping (docs/semantics.md §5.12, docs/design.md).
 
 JAX computes in int32 unless ``jax_enable_x64`` is on, and a library must not require that flag.
 A decode loop of 48 layers at 100 tokens/s advances the clock by 2**31 in about five days, after

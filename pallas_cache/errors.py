@@ -1,4 +1,4 @@
-"""Every error rule of the library, in one place (SPEC 6, docs/design.md).
+"""Every error rule of the library, in one place (docs/semantics.md §6, docs/design.md).
 
 Two kinds of misuse, handled two ways:
 

@@ -1,4 +1,4 @@
-"""Applying plans to real weights: the copy, and a reference hybrid MoE combine (SPEC 5.13).
+"""Applying plans to real weights: the copy, and a reference hybrid MoE combine (docs/semantics.md §5.13).
 
 The cache itself only computes metadata. A decode loop still has to do two things with a plan:
 

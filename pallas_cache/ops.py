@@ -5,7 +5,7 @@ vmappable over a batch of states and/or policies, usable inside ``lax.scan``; fi
 no host sync. ``order``, ``admission`` and ``backend`` are static (pass them as
 ``static_argnames`` when jitting); the policy is traced.
 
-How a step is computed (SPEC 5.2-5.5), over the ``E`` experts of the layer rather than over the
+How a step is computed (docs/semantics.md §5.2-§5.5), over the ``E`` experts of the layer rather than over the
 routes, so that duplicates and padding need no special casing:
 
 1. ``routed[e]``: expert ``e`` appears among the routes (padding ``-1`` is ignored; a mask does
@@ -20,7 +20,7 @@ routes, so that duplicates and padding need no special casing:
    a CPU route.
 
 Every write is gated by one ``accepted`` flag, computed from the inputs before anything else
-(SPEC 6, docs/design.md): a refused call returns the input state and an empty plan with the error
+(docs/semantics.md §6, docs/design.md): a refused call returns the input state and an empty plan with the error
 bits, and no op ever writes part of an update.
 """
 
@@ -77,7 +77,7 @@ class CopyPlan:
 
 @_pytree_dataclass
 class EnsurePlan:
-    """What one ensure / ensure_hybrid call decided (SPEC 4).
+    """What one ensure / ensure_hybrid call decided (docs/semantics.md §4).
 
     Attributes:
       slots: int32, the shape of ``expert_ids``. The slot each route reads its expert from; -1 for
@@ -162,7 +162,7 @@ def _misses_in_fetch_order(miss, recency_row, by_recency, n, num_out):
 
 
 def _reuse_admitted(num_fetch, experts, victims, recency_row, usage, num_out):
-    """SPEC 5.5 REUSE: how many misses, walking in recency order, are admitted.
+    """docs/semantics.md §5.5 REUSE: how many misses, walking in recency order, are admitted.
 
     The first ``num_fetch`` are; the k-th after them is admitted iff its recency is ``>= 0`` and
     ``>=`` the usage of the victim it would take (the k-th victim); the first rejection stops.
@@ -203,7 +203,7 @@ class _Rules:
 
     @classmethod
     def of(cls, hybrid: bool, order: FetchOrder, admission: Admission) -> "_Rules":
-        # Admission rules act with the recency order only (SPEC 5.5).
+        # Admission rules act with the recency order only (docs/semantics.md §5.5).
         by_recency = order is FetchOrder.RECENCY
         flags = (hybrid, by_recency, by_recency and admission is Admission.PROMOTE_ONE,
                  by_recency and admission is Admission.REUSE)
@@ -244,7 +244,7 @@ def _ensure(state: CacheState, layer, routes, policy: FetchPolicy, rules: _Rules
     recency_row = state.recency[layer_c]
     num_fetch = policy.split(num_missing)
 
-    # PROMOTE_ONE (SPEC 5.5). A fixed cap (fraction 0) never promotes, so "rule off" is passed to
+    # PROMOTE_ONE (docs/semantics.md §5.5). A fixed cap (fraction 0) never promotes, so "rule off" is passed to
     # the decision as fraction 0. The promoted expert is the first miss in recency order and its
     # slot the first victim, so installing F = 1 through the normal path fetches exactly that pair.
     promoted, _ = backends.promotion_decision(
@@ -253,7 +253,7 @@ def _ensure(state: CacheState, layer, routes, policy: FetchPolicy, rules: _Rules
     )
     num_fetch = jnp.where(promoted >= 0, 1, num_fetch)
 
-    # REUSE (SPEC 5.5) looks past the split at every miss; otherwise only the F installed ones.
+    # REUSE (docs/semantics.md §5.5) looks past the split at every miss; otherwise only the F installed ones.
     reuse = rules.reuse & (policy.fraction16 > 0)
     candidates = jnp.where(reuse, num_missing, num_fetch)
     experts = _misses_in_fetch_order(miss, recency_row, rules.by_recency, candidates, num_out)
@@ -285,7 +285,7 @@ def _ensure(state: CacheState, layer, routes, policy: FetchPolicy, rules: _Rules
     def row_update(table, row):
         return lax.dynamic_update_slice(table, row[None], (layer_c, jnp.int32(0)))
 
-    # A hybrid call stamps every routed expert, in both fetch orders (SPEC 10).
+    # A hybrid call stamps every routed expert, in both fetch orders (docs/semantics.md §10).
     stamped = routed & accepted & rules.hybrid
     recency = row_update(state.recency, jnp.where(stamped, step, recency_row))
     num_fetch = jnp.where(accepted, num_fetch, 0)
@@ -320,7 +320,7 @@ def _ensure(state: CacheState, layer, routes, policy: FetchPolicy, rules: _Rules
 
 
 def ensure(state: CacheState, layer, expert_ids, *, backend=None):
-    """Make every routed expert of ``layer`` resident, evicting by global LRU (SPEC 5.2).
+    """Make every routed expert of ``layer`` resident, evicting by global LRU (docs/semantics.md §5.2).
 
     Args:
       state: the cache.
@@ -342,7 +342,7 @@ def ensure(state: CacheState, layer, expert_ids, *, backend=None):
 
 def ensure_hybrid(state: CacheState, layer, expert_ids, policy: FetchPolicy, *,
                   order=FetchOrder.RECENCY, admission=Admission.PROMOTE_ONE, backend=None):
-    """Fetch what the split says, hand the other misses to the CPU (SPEC 5.4, 5.5).
+    """Fetch what the split says, hand the other misses to the CPU (docs/semantics.md §5.4, 5.5).
 
     Args:
       state, layer, expert_ids, backend: as in :func:`ensure`.
@@ -369,7 +369,7 @@ def ensure_hybrid(state: CacheState, layer, expert_ids, policy: FetchPolicy, *,
 
 
 def materialize_layer(state: CacheState, layer):
-    """Copy a whole layer into slots ``[0, E)``, position = expert id, for a prefill (SPEC 5.6).
+    """Copy a whole layer into slots ``[0, E)``, position = expert id, for a prefill (docs/semantics.md §5.6).
 
     Using the occupancy on entry: every slot holding an expert of this layer is emptied (usage 0),
     and every other layer's expert in ``[0, E)`` loses residency; then the clock advances and
@@ -422,7 +422,7 @@ def _materialize_layer(state: CacheState, layer):
 
 
 def forget_slot(state: CacheState, slot):
-    """Drop one slot after its copy failed (SPEC 5.7).
+    """Drop one slot after its copy failed (docs/semantics.md §5.7).
 
     The slot becomes empty, the expert it held non-resident, and its usage the smallest int32, so
     it is the very first victim. A slot that is already empty is left as it is (idempotent).

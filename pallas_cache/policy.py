@@ -1,4 +1,4 @@
-"""How many misses a hybrid step fetches, and which ones (SPEC 5.3-5.5).
+"""How many misses a hybrid step fetches, and which ones (docs/semantics.md §5.3-§5.5).
 
 A :class:`FetchPolicy` is a pytree of two traced int32 scalars, so changing the fraction never
 recompiles and a ``vmap`` can sweep it. The float a user passes to :meth:`FetchPolicy.fraction` is
@@ -36,7 +36,7 @@ _INT32_MAX = int(np.iinfo(np.int32).max)
 
 
 class FetchOrder(enum.Enum):
-    """Which misses get the fetches when the split caps them (SPEC 5.4)."""
+    """Which misses get the fetches when the split caps them (docs/semantics.md §5.4)."""
 
     RECENCY = "recency"  # most recently routed first (pre-call recency), ties to the lower id
     LOWEST_ID = "lowest_id"  # ascending expert id
@@ -47,7 +47,7 @@ class FetchOrder(enum.Enum):
 
 
 class Admission(enum.Enum):
-    """Whether a hybrid step may fetch beyond the split (SPEC 5.5)."""
+    """Whether a hybrid step may fetch beyond the split (docs/semantics.md §5.5)."""
 
     PROMOTE_ONE = "promote_one"  # the seed-000 rule: one recurring miss into an empty slot
     NONE = "none"  # the plain split
@@ -72,7 +72,7 @@ def _coerce_enum(cls, value, what):
 
 @dataclasses.dataclass(frozen=True)
 class FetchPolicy:
-    """How many of a hybrid step's misses cross the link (SPEC 5.3).
+    """How many of a hybrid step's misses cross the link (docs/semantics.md §5.3).
 
     Attributes:
       fraction16: int32[]. The fetch fraction as ``f / 65536``, ``0 <= f <= 65536``; 0 selects the
@@ -92,7 +92,7 @@ class FetchPolicy:
         """The balanced split at fetch fraction ``q``.
 
         ``f = clamp(round_half_even(q * 65536), 0, 65536)``, computed on the host: ``q`` above 1
-        fetches everything, ``q`` below 0 is fraction 0 (with cap 0: fetch nothing), as SPEC 5.3
+        fetches everything, ``q`` below 0 is fraction 0 (with cap 0: fetch nothing), as docs/semantics.md §5.3
         writes it. Raises TypeError for a non-number (bools included) and ValueError for NaN.
         """
         if isinstance(q, (bool, np.bool_)) or not isinstance(q, numbers.Real):
@@ -144,7 +144,7 @@ class FetchPolicy:
         """``F``, the number of the ``M = num_missing`` distinct misses to fetch (int32 scalar).
 
         Fixed cap (``f == 0``): ``min(M, cap)``. Fraction (``f > 0``): with
-        ``M * f = lo * 65536 + r`` (``0 <= r < 65536``), the cost comparison of SPEC 5.3,
+        ``M * f = lo * 65536 + r`` (``0 <= r < 65536``), the cost comparison of docs/semantics.md §5.3,
         ``max(lo*(65536-f), (M-lo)*f) <= max((lo+1)*(65536-f), (M-lo-1)*f)``, reduces to
         ``r <= 65536 - f`` (both maxima take their first/second term respectively, because
         ``lo <= M*f/65536 < lo + 1``); so ``F = lo`` if ``r <= 65536 - f`` else ``lo + 1``. That

@@ -1,4 +1,4 @@
-"""Prefill double buffers: staging layer ``l + 1`` while layer ``l`` computes (SPEC 5.11).
+"""Prefill double buffers: staging layer ``l + 1`` while layer ``l`` computes (docs/semantics.md §5.11).
 
 The two staging buffers **borrow** slots ``[0, 2E)`` of the decode pool: buffer ``b = layer % 2``
 is slots ``[b*E, (b+1)*E)``, and position ``e`` of a buffer holds expert ``e``. Borrowed is not
@@ -160,7 +160,7 @@ def _compact(mask, values, size):
 
 
 def prefetch_prefill_layer(state: CacheState, layer, bank_feat_bytes):
-    """Stage ``layer`` into buffer ``layer % 2`` and say what that costs (SPEC 5.11).
+    """Stage ``layer`` into buffer ``layer % 2`` and say what that costs (docs/semantics.md §5.11).
 
     Args:
       state: the cache, with a chunk opened by :func:`begin_prefill`.

@@ -35,14 +35,14 @@ __all__ = [
     "reset",
 ]
 
-# The default clock threshold of SPEC 5.12: far below the int32 wrap, far above any test.
+# The default clock threshold of docs/semantics.md §5.12: far below the int32 wrap, far above any test.
 DEFAULT_REBASE_THRESHOLD = 2**30
 _INT32_MAX = int(np.iinfo(np.int32).max)
 
 
 @dataclasses.dataclass(frozen=True)
 class CacheState:
-    """The whole cache, as arrays (SPEC 3). Build one with :func:`init`.
+    """The whole cache, as arrays (docs/semantics.md §3). Build one with :func:`init`.
 
     Attributes:
       slot_for_id: int32[L, E]. Expert -> slot holding it, -1 = not resident.
@@ -111,7 +111,7 @@ jax.tree_util.register_dataclass(
 
 
 class RebuildRejected(ValueError):
-    """``rebuild`` refused a pool that cannot hold one layer; nothing changed (SPEC 5.8).
+    """``rebuild`` refused a pool that cannot hold one layer; nothing changed (docs/semantics.md §5.8).
 
     Attributes:
       requested: the cache size that was asked for.
@@ -129,7 +129,7 @@ class RebuildRejected(ValueError):
 
 class PrefillDoesNotFit(ValueError):
     """The pool has fewer than ``2 * E`` slots, so it cannot lend the two prefill buffers their
-    slots (SPEC 5.11). Raised at call/trace time: geometry is static."""
+    slots (docs/semantics.md §5.11). Raised at call/trace time: geometry is static."""
 
     def __init__(self, cache_size: int, num_experts: int):
         self.cache_size = cache_size
@@ -172,13 +172,13 @@ def _empty_state(num_layers, num_experts, cache_size, rebase_threshold, collect_
 
 def init(num_layers: int, num_experts: int, cache_size: int, *,
          rebase_threshold: int = DEFAULT_REBASE_THRESHOLD) -> CacheState:
-    """A cold cache (SPEC 5.1).
+    """A cold cache (docs/semantics.md §5.1).
 
     Args:
       num_layers: ``L``, MoE layers (>= 1).
       num_experts: ``E``, experts per layer (>= 1).
       cache_size: ``S``, device slots shared by all layers; must hold one layer (``S >= E``).
-      rebase_threshold: the clock value at which stamps are renumbered (SPEC 5.12); lower it
+      rebase_threshold: the clock value at which stamps are renumbered (docs/semantics.md §5.12); lower it
         only to test the rebase.
 
     Returns:
@@ -200,7 +200,7 @@ def init(num_layers: int, num_experts: int, cache_size: int, *,
 
 
 def reset(state: CacheState) -> CacheState:
-    """A cold start with the same geometry (SPEC 5.8).
+    """A cold start with the same geometry (docs/semantics.md §5.8).
 
     Maps emptied, usage 0, step 0, recency -1, counters, histogram and prefill bookkeeping
     cleared. The routing-collection switch and the rebase threshold are settings, not state, and
@@ -211,7 +211,7 @@ def reset(state: CacheState) -> CacheState:
 
 
 def rebuild(state: CacheState, cache_size: int) -> CacheState:
-    """A new pool of ``cache_size`` slots for the same model (SPEC 5.8).
+    """A new pool of ``cache_size`` slots for the same model (docs/semantics.md §5.8).
 
     Everything resident is dropped (slot ids index an allocation that no longer exists), and the
     counters, histogram and prefill bookkeeping are cleared, as in :func:`reset`. Not jittable in

@@ -1,6 +1,6 @@
 """NumPy reference of pallas-cache: the oracle the JAX implementation is tested against.
 
-Imperative, int64, no JAX. ``ReferenceCache`` implements every operation of SPEC.md;
+Imperative, int64, no JAX. ``ReferenceCache`` implements every operation of docs/semantics.md;
 ``ReferencePolicy`` the fetch policy and its balanced split.
 """
 

@@ -1,10 +1,10 @@
-"""The NumPy oracle of the expert slot cache: SPEC sections 3 to 6 and 5.12, written to be read.
+"""The NumPy oracle of the expert slot cache: docs/semantics.md §3-§6 and §5.12, written to be read.
 
 This is the imperative twin of ``pallas_cache``: one method per operation, int64 arrays, plain
 loops, and each rule stated once, in a comment next to the line that implements it. It imports no
 JAX. The property tests drive both implementations with the same operations and compare every
 state field and every plan field after every step, so where this file and the JAX code disagree,
-one of them is wrong and SPEC.md says which.
+one of them is wrong and docs/semantics.md says which.
 
 Why the rules are what they are, in one place:
 
@@ -19,7 +19,7 @@ Why the rules are what they are, in one place:
   add the GPU and CPU partial results.
 - **Value errors change nothing.** A bad id, layer or slot comes back as an error bit with the
   cache exactly as it was (not even the clock moves), so a server can drop one bad request and
-  keep serving. Choices SPEC leaves open are written down in ``docs/design.md``.
+  keep serving. The reasons behind the choices are in ``docs/design.md``.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import numpy as np
 
 from .policy import ReferencePolicy
 
-# ---- error bits (SPEC 6; the same values as pallas_cache.errors) -------------------------------
+# ---- error bits (docs/semantics.md §6; the same values as pallas_cache.errors) -------------------------------
 ERR_EXPERT_ID = 1  # a route outside [-1, E)
 ERR_LAYER = 2  # a layer outside [0, L)
 ERR_SLOT = 4  # a slot outside [0, S)
@@ -41,7 +41,7 @@ ERR_PREFILL_BUSY = 16  # staging into a buffer whose layer was not released
 
 #: ``usage`` of a slot dropped by ``forget_slot``: older than anything, so it is the first victim.
 FORGOTTEN = -(2**31)
-#: Default clock value at which the stamps are renumbered (SPEC 5.12).
+#: Default clock value at which the stamps are renumbered (docs/semantics.md §5.12).
 DEFAULT_REBASE_THRESHOLD = 2**30
 #: Per-expert row size below which a bank ships its whole layer as one prefill entry.
 SMALL_BANK_FEAT_BYTES = 256 * 1024
@@ -74,7 +74,7 @@ class PrefillDoesNotFit(ValueError):
 class ReferencePlan:
     """What one ``ensure``/``ensure_hybrid``/``materialize_layer`` call asks the caller to do.
 
-    Fixed-size and -1-padded exactly like the JAX ``EnsurePlan`` (SPEC 4), so the two compare
+    Fixed-size and -1-padded exactly like the JAX ``EnsurePlan`` (docs/semantics.md §4), so the two compare
     field by field. ``dst_slots``/``src_rows``/``count`` are the copy plan (``plan.copy.*`` in JAX).
     """
 
@@ -102,7 +102,7 @@ class ForgetPlan:
 
 @dataclass
 class ReferencePrefillPlan:
-    """What staging one layer into a prefill buffer costs (SPEC 5.11), fixed-size, -1 padded.
+    """What staging one layer into a prefill buffer costs (docs/semantics.md §5.11), fixed-size, -1 padded.
 
     Gathers are device-side copies ``slot -> slot`` of rows already resident above the buffers;
     runs are the maximal runs of consecutive missing expert ids; entries are the host transfers,
@@ -138,7 +138,7 @@ class ReferencePrefillPlan:
 
 @dataclass
 class ReferenceStats:
-    """The four counters of a stats window and the rates derived from them (SPEC 5.9)."""
+    """The four counters of a stats window and the rates derived from them (docs/semantics.md §5.9)."""
 
     calls: int = 0
     active: int = 0
@@ -172,7 +172,7 @@ class ReferenceStats:
 
 @dataclass
 class LayerSkew:
-    """One layer's routing concentration (SPEC 5.10)."""
+    """One layer's routing concentration (docs/semantics.md §5.10)."""
 
     layer: int
     routed: int  # routes observed, duplicates counted
@@ -292,7 +292,7 @@ class ReferenceCache:
         return self.step
 
     def _rebase(self):
-        """Replace every live stamp by its dense rank among all live stamps (SPEC 5.12).
+        """Replace every live stamp by its dense rank among all live stamps (docs/semantics.md §5.12).
 
         Live: ``usage >= 1`` (0 is "empty", FORGOTTEN is "forgotten"), ``recency >= 0`` (-1 is
         "never routed") and ``step``. Ranks start at 1, so sentinels survive, occupied slots keep
@@ -334,13 +334,13 @@ class ReferenceCache:
     # ---- decode --------------------------------------------------------------------------------
 
     def ensure(self, layer, expert_ids) -> ReferencePlan:
-        """Make every routed expert of ``layer`` resident, evicting by global LRU (SPEC 5.2)."""
+        """Make every routed expert of ``layer`` resident, evicting by global LRU (docs/semantics.md §5.2)."""
         return self._ensure(layer, expert_ids, policy=None, order="lowest_id", admission="none")
 
     def ensure_hybrid(
         self, layer, expert_ids, policy: ReferencePolicy, order="recency", admission="promote_one"
     ) -> ReferencePlan:
-        """Fetch what the policy's split says, hand the other misses to the CPU (SPEC 5.4)."""
+        """Fetch what the policy's split says, hand the other misses to the CPU (docs/semantics.md §5.4)."""
         if not isinstance(policy, ReferencePolicy):
             raise TypeError(f"policy must be a ReferencePolicy, got {policy!r}")
         if order not in ORDERS:
@@ -402,7 +402,7 @@ class ReferenceCache:
         num_fetch = policy.split(num_missing) if hybrid else num_missing
         victims = self._ranked_victims(t)
 
-        # Admission (SPEC 5.5) only acts with the recency order and a fraction policy.
+        # Admission (docs/semantics.md §5.5) only acts with the recency order and a fraction policy.
         if hybrid and order == "recency" and policy.fraction16 > 0:
             if admission == "promote_one":
                 # A recurring miss that the split rounds down to zero fetches would otherwise run
@@ -451,7 +451,7 @@ class ReferenceCache:
                 cpu[i] = slots[i] < 0
 
         # Recency: every distinct routed expert of a hybrid call, hit, fetched or CPU, in both
-        # fetch orders (SPEC 10: the Rust port's choice).
+        # fetch orders (docs/semantics.md §10: the Rust port's choice).
         if hybrid:
             for expert in distinct:
                 self.recency[layer, expert] = t
@@ -469,7 +469,7 @@ class ReferenceCache:
         )
 
     def materialize_layer(self, layer) -> ReferencePlan:
-        """Copy a whole layer into slots ``[0, E)`` with position == expert id (SPEC 5.6).
+        """Copy a whole layer into slots ``[0, E)`` with position == expert id (docs/semantics.md §5.6).
 
         Routing ids then index the buffer directly. The bookkeeping is what matters: this layer's
         stale placements elsewhere are emptied, and any other layer's expert living in
@@ -504,7 +504,7 @@ class ReferenceCache:
         )
 
     def forget_slot(self, slot) -> ForgetPlan:
-        """Drop one slot's residency after a failed copy (SPEC 5.7).
+        """Drop one slot's residency after a failed copy (docs/semantics.md §5.7).
 
         The map records copies the caller was *asked* to make; if one failed, the next step
         would hit on garbage. The slot becomes empty and its usage the oldest possible value,
@@ -521,7 +521,7 @@ class ReferenceCache:
         self.usage[slot] = FORGOTTEN
         return ForgetPlan(old=old)
 
-    # ---- stats (SPEC 5.9) ----------------------------------------------------------------------
+    # ---- stats (docs/semantics.md §5.9) ----------------------------------------------------------------------
 
     @staticmethod
     def _stats_of(row) -> ReferenceStats:
@@ -546,7 +546,7 @@ class ReferenceCache:
         self.prefill_hit_rows = 0
         self.prefill_rows = 0
 
-    # ---- routing histogram and skew (SPEC 5.10) --------------------------------------------------
+    # ---- routing histogram and skew (docs/semantics.md §5.10) --------------------------------------------------
 
     def set_collect_routing(self, on: bool):
         if not isinstance(on, (bool, np.bool_)):
@@ -607,7 +607,7 @@ class ReferenceCache:
             per_layer=per_layer,
         )
 
-    # ---- prefill double buffers (SPEC 5.11) ------------------------------------------------------
+    # ---- prefill double buffers (docs/semantics.md §5.11) ------------------------------------------------------
 
     def prefill_overlap_fits(self) -> bool:
         """Whether the pool can lend the two buffers slots ``[0, 2E)``."""

@@ -1,4 +1,4 @@
-"""The fetch policy of the hybrid path and its balanced split (SPEC 5.3), in plain Python ints.
+"""The fetch policy of the hybrid path and its balanced split (docs/semantics.md §5.3), in plain Python ints.
 
 A hybrid step that misses ``M`` distinct experts fetches ``F`` of them over the link and computes
 the other ``M - F`` on the CPU. The split balances the two sides: with a fraction ``q`` of the

@@ -61,7 +61,7 @@ def brute_force_min_misses(trace: Trace, cache_size: int) -> int:
 
 
 def lru_misses(trace: Trace, cache_size: int) -> int:
-    """The cache's pure-offload ``ensure`` (SPEC 5.2): misses counted the same way."""
+    """The cache's pure-offload ``ensure`` (docs/semantics.md §5.2): misses counted the same way."""
     usage = [0] * cache_size
     occupant = [-1] * cache_size
     slot_of: dict[int, int] = {}

@@ -1,4 +1,4 @@
-"""Composition (SPEC 9): the ops inside ``lax.scan`` / ``fori_loop`` decode loops and under ``vmap``.
+"""Composition (docs/semantics.md §9): the ops inside ``lax.scan`` / ``fori_loop`` decode loops and under ``vmap``.
 
 A compiled decode loop over (tokens x layers) with a traced layer must produce exactly the final
 state and the stacked plans of the step-by-step Python loop, and a ``vmap`` over a batch of caches

@@ -1,4 +1,4 @@
-"""Bad input (SPEC 6, docs/design.md): clear errors, and nothing lost.
+"""Bad input (docs/semantics.md §6, docs/design.md): clear errors, and nothing lost.
 
 Value errors (known only on device) must return the input state **unchanged** -- not even the
 clock moves, and no rebase happens -- with the matching error bit in an otherwise empty plan,

@@ -171,7 +171,7 @@ def test_recency_is_stamped_in_both_fetch_orders_and_never_by_plain_ensure():
     state, _ = pc.ensure(state, 0, ids(1))
     assert int(state.recency[0, 1]) == -1, "plain ensure does not touch recency"
     state, _ = pc.ensure_hybrid(state, 0, ids(1, 2), pc.FetchPolicy.fixed_cap(0), order="lowest_id")
-    assert np.asarray(state.recency[0, 1:3]).tolist() == [2, 2], "LOWEST_ID stamps too (SPEC 10)"
+    assert np.asarray(state.recency[0, 1:3]).tolist() == [2, 2], "LOWEST_ID stamps too (docs/semantics.md §10)"
 
 
 def test_materializing_a_layer_reclaims_other_layers_slots_cleanly():
@@ -394,7 +394,7 @@ def test_routing_skew_is_absent_until_routing_is_observed_and_rounds_half_away()
     assert pc.routing_skew(one_expert).norm_entropy == 0.0, "E == 1: 0.0, not NaN"
 
 
-# ---- the seed-000 promotion (SPEC 5.5) -----------------------------------------------------
+# ---- the seed-000 promotion (docs/semantics.md §5.5) -----------------------------------------------------
 
 def one_active_layer(admission):
     state = pc.init(8, 16, 64)
@@ -543,7 +543,7 @@ def test_fraction_rounds_half_to_even_on_the_host():
     assert int(pc.FetchPolicy.fraction(1.5 / 65536).fraction16) == 2
     assert int(pc.FetchPolicy.fraction(2.5 / 65536).fraction16) == 2
     assert int(pc.FetchPolicy.fraction(7.0).fraction16) == 65536, "clamped to one"
-    assert int(pc.FetchPolicy.fraction(-0.1).fraction16) == 0, "clamped to zero (SPEC 5.3)"
+    assert int(pc.FetchPolicy.fraction(-0.1).fraction16) == 0, "clamped to zero (docs/semantics.md §5.3)"
     assert int(pc.FetchPolicy.fraction(float("-inf")).fraction16) == 0
     assert int(pc.FetchPolicy.fraction(float("inf")).fraction16) == 65536
     assert int(pc.FetchPolicy.fraction(np.float32(0.25)).fraction16) == 16384
@@ -719,7 +719,7 @@ def test_jit_and_eager_agree():
         chex.assert_trees_all_equal(eager_plan, jit_plan)
 
 
-# ---- the clock rebase (SPEC 5.12) ------------------------------------------------------------
+# ---- the clock rebase (docs/semantics.md §5.12) ------------------------------------------------------------
 
 
 def test_dense_rank_keeps_sentinels_and_every_order():
@@ -777,7 +777,7 @@ def test_a_cache_just_below_the_default_threshold_runs_across_it():
     assert_bijective(state)
 
 
-# ---- prefill double buffers (SPEC 5.11) -------------------------------------------------------
+# ---- prefill double buffers (docs/semantics.md §5.11) -------------------------------------------------------
 
 
 def one_layer_per_quarter():

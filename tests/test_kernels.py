@@ -1,4 +1,4 @@
-"""The two Pallas kernels (SPEC 5.2 step 5, 5.5, 7) in interpret mode against plain NumPy.
+"""The two Pallas kernels (docs/semantics.md §5.2 step 5, 5.5, 7) in interpret mode against plain NumPy.
 
 Every kernel call here runs the Pallas interpreter on the CPU. Shapes come from small fixed
 sets so the jitted wrappers compile once per shape and hypothesis examples reuse them. The

@@ -5,8 +5,8 @@ every policy kind, fetch order and admission rule; materialize_layer; forget_slo
 included; the prefill chunk ops; reset; rebuild, rejected targets included; stats windows;
 routing collection on and off; padding routes, duplicates, batches larger than E, bad ids and
 layers). Both implementations run it; after **every** step every state field and every plan
-field must be equal, and the SPEC 3 invariants must hold. A rebase threshold is drawn too, so
-sequences cross the int32-clock renumbering (SPEC 5.12).
+field must be equal, and the docs/semantics.md §3 invariants must hold. A rebase threshold is drawn too, so
+sequences cross the int32-clock renumbering (docs/semantics.md §5.12).
 
 Cost control (the file must stay well under three minutes on two cores with the 'ci' profile):
 compilation is the cost, so geometries come from a small fixed list, each geometry has one fixed
@@ -130,7 +130,7 @@ def ensure_plan_fields(plan):
 
 
 def assert_invariants(state):
-    """SPEC 3: the maps are mutually inverse, no slot is claimed twice, usage <= step."""
+    """docs/semantics.md §3: the maps are mutually inverse, no slot is claimed twice, usage <= step."""
     slot_for_id, id_of_slot = _np(state.slot_for_id), _np(state.id_of_slot)
     usage, step = _np(state.usage), int(_np(state.step))
     E = slot_for_id.shape[1]
@@ -147,7 +147,7 @@ def assert_invariants(state):
 
 
 def assert_plan_well_formed(plan, routes, num_experts):
-    """SPEC 4: every route assigned exactly once, duplicates alike, copy arrays -1 padded."""
+    """docs/semantics.md §4: every route assigned exactly once, duplicates alike, copy arrays -1 padded."""
     slots, cpu, flat = _np(plan.slots), _np(plan.cpu), np.asarray(routes)
     chex.assert_shape([plan.slots, plan.cpu], flat.shape)
     chex.assert_shape([plan.copy.dst_slots, plan.copy.src_rows], (min(flat.size, num_experts),))
@@ -401,7 +401,7 @@ def test_the_interpret_backend_matches_the_reference_after_every_step(data):
 
 def test_a_long_run_across_the_clock_rebase_matches_the_reference():
     """A cache started just below a (small) threshold runs across several rebases, with forgotten
-    slots, prefill-emptied slots and never-routed experts alive at the time (SPEC 5.12)."""
+    slots, prefill-emptied slots and never-routed experts alive at the time (docs/semantics.md §5.12)."""
     L, E, S = 3, 4, 9
     state = pc.init(L, E, S, rebase_threshold=20)
     ref = ReferenceCache(L, E, S, rebase_threshold=20)

@@ -7,7 +7,7 @@ import pytest
 
 from reference import ReferenceCache, ReferencePolicy
 
-# ---- the balanced split (SPEC 5.3) -----------------------------------------------------------
+# ---- the balanced split (docs/semantics.md §5.3) -----------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -76,7 +76,7 @@ def test_a_fraction_ignores_the_cap_and_the_cap_applies_only_at_zero_fraction():
     assert ReferencePolicy.full().split(8) == 8
 
 
-# ---- the seed-000 scenario table (SPEC 5.5) ---------------------------------------------------
+# ---- the seed-000 scenario table (docs/semantics.md §5.5) ---------------------------------------------------
 
 
 def one_layer_scenario(admission):

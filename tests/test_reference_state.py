@@ -77,7 +77,7 @@ def same_order(a, b):
     return np.array_equal(np.sign(a[:, None] - a[None, :]), np.sign(b[:, None] - b[None, :]))
 
 
-# ---- the int32 clock (SPEC 5.12) --------------------------------------------------------------
+# ---- the int32 clock (docs/semantics.md §5.12) --------------------------------------------------------------
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -138,7 +138,7 @@ def test_the_rebase_keeps_the_sentinels():
     assert c.recency[1, 0] == -1 and c.recency[0, 0] >= 1, "never routed stays -1"
 
 
-# ---- bad input: an error bit and nothing changed (SPEC 6) --------------------------------------
+# ---- bad input: an error bit and nothing changed (docs/semantics.md §6) --------------------------------------
 
 
 def busy_cache():
@@ -203,7 +203,7 @@ def test_static_misuse_raises_with_the_value():
         ReferenceCache(2, 8, 12).begin_prefill()
 
 
-# ---- prefill double buffers (SPEC 5.11) -------------------------------------------------------
+# ---- prefill double buffers (docs/semantics.md §5.11) -------------------------------------------------------
 
 BIG_BANK = 512 * 1024
 SMALL_BANK = 4 * 1024

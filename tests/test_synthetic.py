@@ -53,7 +53,7 @@ def test_entropy_of_a_flat_router_is_one_and_of_a_single_expert_layer_zero():
     flat = Trace(routes=[[0, 1], [2, 3]], layers=[0, 0], num_layers=1, num_experts=4)
     assert trace_statistics(flat).norm_entropy.tolist() == [pytest.approx(1.0)]
     single = Trace(routes=[[0], [0]], layers=[0, 0], num_layers=1, num_experts=1)
-    assert trace_statistics(single).norm_entropy.tolist() == [0.0]  # not NaN (SPEC 10)
+    assert trace_statistics(single).norm_entropy.tolist() == [0.0]  # not NaN (docs/semantics.md §10)
 
 
 def test_reuse_rate_hand_counted_with_duplicates_padding_and_sequences():

@@ -267,7 +267,7 @@ def test_trace_views_for_a_replay():
     assert layers.dtype == np.int32 and routes.dtype == np.int32
     assert [(layer, r.tolist()) for layer, r in trace] == [(1, [1, 1, -1]), (0, [0, 2, -1])]
     assert trace.flat_ids().tolist() == [[4, 4, -1], [0, 2, -1]]
-    # Duplicates counted, padding not (SPEC 5.2 step 9).
+    # Duplicates counted, padding not (docs/semantics.md §5.2 step 9).
     assert trace.routing_histogram().tolist() == [[1, 0, 1], [0, 2, 0]]
     with pytest.raises(ValueError):
         routes[0, 0] = 5  # read-only: a replay cannot corrupt the trace

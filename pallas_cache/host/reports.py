@@ -1,6 +1,6 @@
 """Reading the cache back: counters per window, per layer, and the routing histogram.
 
-Two questions, two tools (SPEC 5.9, 5.10):
+Two questions, two tools (docs/semantics.md §5.9, 5.10):
 
 * "Is the cache big enough?" -- :func:`stats`, and per layer :func:`layer_stats` /
   :func:`per_layer_stats`. The per-layer form exists because one thrashing layer and a uniformly
@@ -165,7 +165,7 @@ def reset_routing(state: CacheState) -> CacheState:
 
 @dataclasses.dataclass(frozen=True)
 class LayerRoutingSkew:
-    """One routed layer's concentration, from its histogram row alone (SPEC 5.10).
+    """One routed layer's concentration, from its histogram row alone (docs/semantics.md §5.10).
 
     Attributes:
       layer: the layer.

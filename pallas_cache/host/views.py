@@ -180,7 +180,7 @@ class CacheDiff:
 
     It compares two snapshots, not the events between them: over several steps, an expert that
     was evicted and later re-installed into the same slot shows as refreshed, and across a clock
-    rebase (SPEC 5.12, which renumbers every usage) every occupied slot shows as refreshed.
+    rebase (docs/semantics.md §5.12, which renumbers every usage) every occupied slot shows as refreshed.
 
     Attributes:
       step_before, step_after: the two clocks.

@@ -1,4 +1,4 @@
-"""The two decisions that have kernel implementations, behind one dispatch point (SPEC 7).
+"""The two decisions that have kernel implementations, behind one dispatch point (docs/semantics.md §7).
 
 Victim selection (the argmin over ``(usage, slot)``) and the seed-000 promotion decision are the
 only parts of a cache step that scan the whole slot pool, so they are the parts worth a kernel.
@@ -12,8 +12,8 @@ results.
 
 Why the XLA path loops instead of sorting: on CPU, XLA's sort and top-k over a 2048-slot pool cost
 hundreds of microseconds per call, while one masked argmin costs a microsecond or two; a step
-fetches a handful of misses, so ``n`` rounds of "take the minimum, knock it out" (exactly SPEC
-5.2's "``m`` repeated argmins with the claimed slot knocked out") is far cheaper and obviously
+fetches a handful of misses, so ``n`` rounds of "take the minimum, knock it out" (exactly
+docs/semantics.md §5.2's "``m`` repeated argmins with the claimed slot knocked out") is far cheaper and obviously
 right. :func:`argmin_among` is that argmin, shared with the fetch order in ``ops.py``.
 """
 
@@ -110,7 +110,7 @@ def select_victims(usage, step, n, *, num_out, backend="xla"):
 
 def promotion_decision(usage, id_of_slot, step, recency_row, miss_mask, fraction16, num_fetch,
                        *, backend="xla"):
-    """The seed-000 PROMOTE_ONE decision (SPEC 5.5); the caller has checked ``order == RECENCY``.
+    """The seed-000 PROMOTE_ONE decision (docs/semantics.md §5.5); the caller has checked ``order == RECENCY``.
 
     Fires iff ``fraction16 > 0``, ``num_fetch == 0``, some expert missed, the argmin evictable
     slot (ascending ``(usage, slot)``, ``usage != step``) is empty (``id_of_slot == -1``), and the

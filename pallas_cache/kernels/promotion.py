@@ -1,4 +1,4 @@
-"""Pallas kernel 2 (SPEC 5.5, SPEC 7): the seed-000 ``PROMOTE_ONE`` decision.
+"""Pallas kernel 2 (docs/semantics.md §5.5, §7): the seed-000 ``PROMOTE_ONE`` decision.
 
 ``promotion(usage, id_of_slot, step, recency_row, miss_mask, fraction16, num_fetch)`` returns
 ``(expert, slot)``, both ``i32[]``: the one miss to promote and the slot it goes to, or
@@ -15,7 +15,7 @@
   promoted, and a recurring miss is found even among first-time misses with lower ids).
 
 Then ``expert`` is that first miss (layer-local id) and ``slot`` that victim. The remaining
-conditions of SPEC 5.5 (order is ``RECENCY``, admission is ``PROMOTE_ONE``) are static and are
+conditions of docs/semantics.md §5.5 (order is ``RECENCY``, admission is ``PROMOTE_ONE``) are static and are
 the caller's business. The kernel checks the cheap ``O(E)`` conditions first and runs the
 ``O(S)`` pool scan under a ``lax.cond`` only when they all hold. Every ``int32`` value is handled
 exactly (validity is a separate mask, never a sentinel folded into the values).

@@ -1,4 +1,4 @@
-"""Pallas kernel 1 (SPEC 5.2 step 5, SPEC 7): victim selection.
+"""Pallas kernel 1 (docs/semantics.md §5.2 step 5, docs/semantics.md §7): victim selection.
 
 ``victims(usage, step, n, num_out=...)`` returns the first ``n`` slots in ascending
 ``(usage, slot)`` order among the *evictable* slots -- those whose ``usage != step`` (a slot

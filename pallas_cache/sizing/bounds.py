@@ -4,7 +4,7 @@ A replay says what hit rate a policy *gets* at a cache size; these say what is *
 user can tell "the policy loses residency it could keep" from "the trace leaves nothing to keep":
 
 * :func:`belady` -- the fewest misses any eviction policy could have on this trace under the
-  cache's own constraints (SPEC 2, 5.2): one pool of ``S`` slots shared by all layers (flat id
+  cache's own constraints (docs/semantics.md §2, 5.2): one pool of ``S`` slots shared by all layers (flat id
   ``layer * E + expert``); each call must have all its distinct routed experts resident; every
   miss is fetched (pure-offload ``ensure``); an expert the current call needs is never evicted.
   On a miss with a full pool it evicts the resident whose next use (the next call routing it) is
@@ -12,12 +12,12 @@ user can tell "the policy loses residency it could keep" from "the trace leaves 
   greedy rule stays optimal (the usual exchange argument: swapping a furthest-use victim for any
   other choice never saves a miss); ``tests/test_belady.py`` checks it against an exhaustive
   search on small traces.
-* :func:`stationary_oracle` -- SPEC 5.10's ``oracle_hit_at_slots``: with a fair share of
+* :func:`stationary_oracle` -- docs/semantics.md §5.10's ``oracle_hit_at_slots``: with a fair share of
   ``S / L`` slots per layer and a fixed set of residents, the best hit share is the routing mass
   of each layer's hottest experts. It ignores time (no warm-up, no phases), so it is a different
   bound from Belady's, quoted the same way as the cache's skew report.
 
-Counting matches the cache's stats exactly (SPEC 5.2 step 8): per layer-call over *distinct*
+Counting matches the cache's stats exactly (docs/semantics.md §5.2 step 8): per layer-call over *distinct*
 experts, ``-1`` padding ignored; ``active`` = distinct experts of the call, ``missing`` = those
 not resident when the call starts. So ``belady(...).miss_rate`` is directly comparable with a
 replayed cache's ``stats(state).miss_rate``.
@@ -50,7 +50,7 @@ __all__ = [
 
 @dataclass(frozen=True, eq=False)
 class BeladyResult:
-    """Counters of Belady's optimal schedule, in the cache's stats vocabulary (SPEC 5.9).
+    """Counters of Belady's optimal schedule, in the cache's stats vocabulary (docs/semantics.md §5.9).
 
     Rates with a zero denominator are ``0.0`` for ``miss_rate`` (as the cache's stats define it),
     hence ``1.0`` for ``hit_rate = 1 - miss_rate``.
@@ -113,7 +113,7 @@ def belady(trace: Trace | tuple[Any, Any], cache_size: int, *,
         trace: a :class:`~pallas_cache.sizing.trace.Trace`, or a pair ``(layers, routes)`` of integer
             arrays ``[C]`` and ``[C, K]`` (``-1`` = padding), e.g. ``trace.to_array()``.
         cache_size: ``S``, slots in the shared pool; must be ``>= num_experts`` (the cache's own
-            rule, SPEC 5.1, which also guarantees one call's experts always fit).
+            rule, docs/semantics.md §5.1, which also guarantees one call's experts always fit).
         num_experts: ``E`` for the array form (default: ``max route + 1``); must match the
             trace's when a trace is given.
         num_layers: ``L`` for the array form (default: ``max layer + 1``); likewise.
@@ -213,7 +213,7 @@ def _simulate(call_of: np.ndarray, flat_of: np.ndarray, next_use: np.ndarray, ca
 
 
 def oracle_slots_for(cache_size: int, num_layers: int) -> int:
-    """``max(1, round_half_away_from_zero(S / L))`` in exact integer arithmetic (SPEC 5.10, 10).
+    """``max(1, round_half_away_from_zero(S / L))`` in exact integer arithmetic (docs/semantics.md §5.10, 10).
 
     Args:
         cache_size: ``S >= 1``.
@@ -227,7 +227,7 @@ def oracle_slots_for(cache_size: int, num_layers: int) -> int:
 
 @dataclass(frozen=True, eq=False)
 class StationaryOracle:
-    """The per-layer stationary oracle of SPEC 5.10, for one cache size.
+    """The per-layer stationary oracle of docs/semantics.md §5.10, for one cache size.
 
     Attributes:
         cache_size: ``S``.
@@ -248,7 +248,7 @@ class StationaryOracle:
 
 
 def stationary_oracle(trace: Trace, cache_size: int) -> StationaryOracle:
-    """The best hit share of a fixed per-layer resident set of ``S / L`` slots (SPEC 5.10).
+    """The best hit share of a fixed per-layer resident set of ``S / L`` slots (docs/semantics.md §5.10).
 
     Args:
         trace: the trace; its ``num_layers`` sets ``L``.

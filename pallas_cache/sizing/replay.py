@@ -15,10 +15,10 @@ compiled JAX, for a whole grid of configurations:
 - **Several devices**: the configuration axis is sharded across them with ``jax.sharding`` (a
   1-D mesh named ``"configs"``, padded to a multiple of the device count).
 - **The bounds** next to each result: Belady's offline optimum for the same pool and the
-  stationary per-layer oracle of SPEC 5.10 (both from :mod:`pallas_cache.sizing.bounds`).
+  stationary per-layer oracle of docs/semantics.md §5.10 (both from :mod:`pallas_cache.sizing.bounds`).
 
 ``hit_rate`` is ``1 - missing / active``, counted per layer-call over distinct experts, exactly as
-the cache's own stats (SPEC 5.9). The padding calls of the last chunk are layer ``-1`` calls,
+the cache's own stats (docs/semantics.md §5.9). The padding calls of the last chunk are layer ``-1`` calls,
 which the cache refuses with ``ERR_LAYER`` and which therefore change nothing and count nothing.
 """
 

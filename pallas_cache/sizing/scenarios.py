@@ -1,4 +1,4 @@
-"""The seed-000 scenario table, computed by the library (SPEC 5.5).
+"""The seed-000 scenario table, computed by the library (docs/semantics.md §5.5).
 
 The PR that introduced the PROMOTE_ONE admission rule justified it with two scenarios at fetch
 fraction 0.4, ``L=8, E=16, S=64``, top-8 routing and 256 decode steps per active layer:

@@ -255,7 +255,7 @@ class TraceStatistics:
     """Routing statistics of a trace, per routed layer and in the mean over routed layers.
 
     Layers with no (non-padding) route are absent, not zeros, as in the cache's skew report
-    (SPEC 5.10): a layer without traffic says nothing about routing.
+    (docs/semantics.md §5.10): a layer without traffic says nothing about routing.
 
     Attributes:
         routed_layers: int ``[R]``, the layers with at least one route, ascending.

@@ -2,7 +2,7 @@
 
 Sizing an expert cache means replaying what the router actually asked for. A *routing trace* is
 that record: for every MoE layer-call, in the order the decode loop made them, the layer index and
-the experts the router picked (SPEC 2: layer-local ids in ``[0, E)``, ``-1`` = padding route).
+the experts the router picked (docs/semantics.md §2: layer-local ids in ``[0, E)``, ``-1`` = padding route).
 
 This module turns the formats traces come in into one dense, validated :class:`Trace`, because
 the replay runs a ``lax.scan`` over calls and wants two plain arrays -- ``layers`` int32 ``[C]``
@@ -87,7 +87,7 @@ class Trace:
 
     Attributes:
         routes: int32 ``[calls, top_k]``; layer-local expert ids in ``[0, num_experts)``, ``-1`` =
-            padding route (ignored by the cache, SPEC 2).
+            padding route (ignored by the cache, docs/semantics.md §2).
         layers: int32 ``[calls]``; the layer each call routes, in ``[0, num_layers)``.
         num_layers: ``L``, the number of MoE layers of the model (layers that never appear are
             allowed: a trace may cover a subset).
@@ -235,7 +235,7 @@ class Trace:
         return self.layers, self.routes
 
     def flat_ids(self) -> np.ndarray:
-        """Flat ids ``layer * E + expert`` per route (SPEC 2), ``-1`` where the route is padding.
+        """Flat ids ``layer * E + expert`` per route (docs/semantics.md §2), ``-1`` where the route is padding.
 
         Returns:
             int64 ``[C, K]``.
@@ -244,7 +244,7 @@ class Trace:
         return np.where(self.routes >= 0, flat, -1)
 
     def routing_histogram(self) -> np.ndarray:
-        """Routes per (layer, expert), duplicates counted, padding ignored (SPEC 5.2 step 9).
+        """Routes per (layer, expert), duplicates counted, padding ignored (docs/semantics.md §5.2 step 9).
 
         This is what the cache's ``routing_freq`` would hold after replaying the whole trace with
         collection on.
