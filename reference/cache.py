@@ -276,10 +276,22 @@ class ReferenceCache:
     # ---- helpers -----------------------------------------------------------------------------
 
     def _routes(self, expert_ids) -> np.ndarray:
-        routes = np.asarray(expert_ids)
-        if routes.dtype == bool or not (routes.size == 0 or np.issubdtype(routes.dtype, np.integer)):
+        """The routes as an object array of Python ints: exact for every integer dtype.
+
+        No cast can wrap a wide id (``2**32 + 3``, uint64 max) into a valid one or into padding:
+        the range check of docs/semantics.md §6 sees the value the caller wrote.
+        """
+        # A list is read as Python objects: NumPy would turn [3, 2**63] into floats.
+        routes = np.asarray(expert_ids, dtype=None if hasattr(expert_ids, "dtype") else object)
+        if routes.size == 0:
+            return np.zeros(routes.shape, np.int64)
+        if routes.dtype == bool or not (np.issubdtype(routes.dtype, np.integer)
+                                        or routes.dtype == object):
             raise TypeError(f"expert_ids must be integers, got dtype {routes.dtype}")
-        return routes.astype(np.int64)
+        for v in routes.ravel():
+            if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Integral):
+                raise TypeError(f"expert_ids must be integers, got {v!r} ({type(v).__name__})")
+        return np.array([int(v) for v in routes.ravel()], dtype=object).reshape(routes.shape)
 
     def _layer_ok(self, layer) -> bool:
         return 0 <= layer < self.num_layers
@@ -364,6 +376,8 @@ class ReferenceCache:
             error |= ERR_LAYER
         if error:
             return self._error_plan(routes, width, error)
+        routes = routes.astype(np.int64)  # every id is now in [-1, E)
+        flat_routes = routes.reshape(-1)
 
         t = self._tick()
         base = layer * E
