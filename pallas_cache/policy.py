@@ -87,6 +87,24 @@ class FetchPolicy:
     fraction16: jax.Array
     cap: jax.Array
 
+    def __post_init__(self):
+        # Concrete arrays are checked here, once, on the host. Pytree rebuilds pass tracers,
+        # None and vmap axis ints through this constructor: those are left alone, and split()
+        # clamps whatever value arrives on the device (docs/semantics.md §5.3).
+        for name, low, high in (("fraction16", 0, ONE), ("cap", 0, None)):
+            value = getattr(self, name)
+            concrete = isinstance(value, (np.ndarray, np.generic)) or (
+                isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer))
+            if not concrete or not jnp.issubdtype(value.dtype, jnp.integer):
+                continue
+            host = np.asarray(value)
+            bad = (host < low) | (host > high) if high is not None else host < low
+            if np.any(bad):
+                allowed = f"[0, {high}]" if high is not None else ">= 0"
+                raise ValueError(
+                    f"FetchPolicy.{name} must be {allowed}, got {host[bad].ravel()[0]} "
+                    f"(build policies with FetchPolicy.fraction, fixed_cap or full)")
+
     @classmethod
     def fraction(cls, q) -> "FetchPolicy":
         """The balanced split at fetch fraction ``q``.
@@ -153,14 +171,17 @@ class FetchPolicy:
         in int32 is exact.
         """
         m = jnp.asarray(num_missing, jnp.int32)
-        f = jnp.asarray(self.fraction16, jnp.int32)
+        # A traced policy built by hand may hold anything: clamp it into the valid range, so no
+        # count is ever negative or above M (docs/semantics.md §5.3).
+        f = jnp.clip(jnp.asarray(self.fraction16, jnp.int32), 0, ONE)
+        cap = jnp.maximum(jnp.asarray(self.cap, jnp.int32), 0)
         a = m >> 16
         b = (m & (ONE - 1)).astype(jnp.uint32)
         bf = b * f.astype(jnp.uint32)  # <= 65535 * 65536 < 2**32
         lo = a * f + (bf >> 16).astype(jnp.int32)  # a * f <= 32767 * 65536 < 2**31
         r = (bf & (ONE - 1)).astype(jnp.int32)
         balanced = jnp.minimum(jnp.where(r <= ONE - f, lo, lo + 1), m)
-        capped = jnp.minimum(m, self.cap)
+        capped = jnp.minimum(m, cap)
         return jnp.where(f > 0, balanced, capped).astype(jnp.int32)
 
 

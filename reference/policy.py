@@ -37,6 +37,15 @@ class ReferencePolicy:
     fraction16: int
     cap: int
 
+    def __post_init__(self):
+        for name, low, high in (("fraction16", 0, ONE), ("cap", 0, None)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise TypeError(f"ReferencePolicy.{name} must be an int, got {value!r}")
+            if value < low or (high is not None and value > high):
+                allowed = f"[0, {high}]" if high is not None else ">= 0"
+                raise ValueError(f"ReferencePolicy.{name} must be {allowed}, got {value}")
+
     @classmethod
     def fraction(cls, q) -> "ReferencePolicy":
         """The balanced split at link share ``q`` (clamped to ``[0, 1]``; NaN is refused)."""
