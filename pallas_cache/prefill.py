@@ -203,7 +203,10 @@ def _prefetch_prefill_layer(state: CacheState, layer, banks: tuple):
     buffer_base = buffer_id * E
     experts = lax.iota(jnp.int32, E)
     snapshot_row = state.prefill_snapshot[layer_c]
-    hit = stage & (snapshot_row >= 2 * E)  # below 2E is the buffers' own range: a miss
+    # Below 2E is the buffers' own range: a miss. A snapshot hit that a decode step evicted (or
+    # moved) since begin_prefill is a miss too: its slot no longer holds the expert's rows.
+    still_there = state.slot_for_id[layer_c] == snapshot_row
+    hit = stage & (snapshot_row >= 2 * E) & still_there
     miss = stage & ~hit
 
     # Runs of consecutive missing ids: a run starts at a miss whose predecessor is not a miss.

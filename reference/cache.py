@@ -698,13 +698,16 @@ class ReferenceCache:
             plan.already_loaded = True
             return plan
 
-        # A row is resident only if its snapshot slot is at or above 2E: the buffers own every
-        # slot below, and rewrite them every other layer, so "has a slot" is not "is resident".
+        # A row is resident only if its snapshot slot is at or above 2E (the buffers own every
+        # slot below, and rewrite them every other layer, so "has a slot" is not "is resident")
+        # and the live map still has it there (docs/semantics.md §5.11).
         threshold = 2 * E
         missing = []
         for expert in range(E):
             slot = self.prefill_snapshot[layer, expert]
-            if slot >= threshold:
+            # A decode step since begin_prefill may have evicted it: then the slot holds
+            # another expert's rows, and the row must come from the host.
+            if slot >= threshold and self.slot_for_id[layer, expert] == slot:
                 k = plan.gather_count
                 plan.gather_dst_slots[k] = buffer_base + expert
                 plan.gather_src_slots[k] = slot
