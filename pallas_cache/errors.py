@@ -5,7 +5,7 @@ Two kinds of misuse, handled two ways:
 * **Static misuse** -- a float array of expert ids, a policy of the wrong rank, an unknown enum,
   bank sizes that are not positive ints -- is known from Python values, dtypes and shapes, so it
   raises ``TypeError``/``ValueError`` at call or trace time, naming the offending value. The
-  ``as_*`` coercers below implement it.
+  coercers of :mod:`pallas_cache.validate` implement it.
 * **Value errors** -- an expert id outside ``[-1, E)``, a layer outside ``[0, L)``, a slot outside
   ``[0, S)``, prefill misuse -- depend on traced values, which a jitted decode loop cannot
   inspect without a host sync. The op then returns the **input state unchanged** and a plan whose
@@ -15,8 +15,6 @@ Two kinds of misuse, handled two ways:
 """
 
 from __future__ import annotations
-
-import operator
 
 import jax
 import jax.numpy as jnp
@@ -33,8 +31,7 @@ __all__ = [
     "CacheError",
     "check",
     "checked",
-    "describe",
-    "raise_on_error",
+    "describe_bits",
 ]
 
 ERR_EXPERT_ID = 1  # a route outside [-1, E)
@@ -56,7 +53,7 @@ ERROR_NAMES = {
 }
 
 
-def describe(bits: int) -> str:
+def describe_bits(bits: int) -> str:
     """The names and meanings of the error bits set in ``bits``, ``'no error'`` for 0."""
     bits = int(bits)
     if bits == 0:
@@ -79,7 +76,7 @@ class CacheError(ValueError):
     def __init__(self, bits: int):
         self.bits = int(bits)
         super().__init__(
-            f"pallas_cache refused the call and returned the state unchanged: {describe(bits)} "
+            f"pallas_cache refused the call and returned the state unchanged: {describe_bits(bits)} "
             f"(error bits {self.bits:#x})"
         )
 
@@ -97,8 +94,6 @@ def check(plan):
         raise CacheError(union)
     return plan
 
-
-raise_on_error = check
 
 
 def checked(plan):
@@ -119,65 +114,6 @@ def checked(plan):
         jnp.bitwise_or.reduce(error.ravel()) if error.ndim else error,
     )
     return plan
-
-
-# ---- static misuse: coercion of user inputs, raising at call/trace time ----------------------
-
-
-def _is_integer_dtype(dtype) -> bool:
-    return jnp.issubdtype(dtype, jnp.integer)
-
-
-def as_routes(expert_ids) -> jax.Array:
-    """Routes of any shape and any integer dtype, as int32. Floats and bools raise TypeError.
-
-    Ids are not range-checked here: that is a value error (ERR_EXPERT_ID), known only on device.
-    """
-    dtype = getattr(expert_ids, "dtype", None)
-    if dtype is None:
-        expert_ids = np.asarray(expert_ids)
-        dtype = expert_ids.dtype
-        if expert_ids.size == 0:  # an empty list has a float dtype in NumPy; it holds no ids
-            return jnp.zeros(expert_ids.shape, jnp.int32)
-    if not _is_integer_dtype(dtype):
-        raise TypeError(
-            f"expert_ids must have an integer dtype (layer-local ids, -1 = padding), "
-            f"got dtype {np.dtype(dtype).name}"
-        )
-    return jnp.asarray(expert_ids).astype(jnp.int32)
-
-
-def as_host_int(name: str, value) -> int:
-    """A Python/NumPy integer (not a bool) as an ``int``, else TypeError naming the value.
-
-    For values that must be known on the host: geometry, caps, a report's layer."""
-    if isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be an integer, got the bool {value!r}")
-    try:
-        return operator.index(value)
-    except TypeError:
-        kind = type(value).__name__
-        raise TypeError(f"{name} must be an integer, got {value!r} ({kind})") from None
-
-
-def as_index(name: str, value) -> jax.Array:
-    """A scalar integer index (layer, slot) that may be traced, as an int32 scalar.
-
-    Python ints, NumPy integers and integer arrays of shape ``()`` are accepted; floats and bools
-    raise TypeError, other shapes ValueError. The range is a value error, checked on device.
-    """
-    if isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be an integer, got the bool {value!r}")
-    if isinstance(value, int):
-        if not -(2**31) <= value < 2**31:
-            raise ValueError(f"{name} {value} does not fit in int32")
-        return jnp.asarray(value, jnp.int32)
-    dtype = getattr(value, "dtype", None)
-    if dtype is None or not _is_integer_dtype(dtype):
-        raise TypeError(f"{name} must be an integer scalar, got {value!r}")
-    if np.shape(value) != ():
-        raise ValueError(f"{name} must be a scalar, got shape {np.shape(value)}")
-    return jnp.asarray(value).astype(jnp.int32)
 
 
 # ---- value errors: the bits an op sets, computed on device -----------------------------------

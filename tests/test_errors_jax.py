@@ -261,7 +261,7 @@ def test_check_passes_a_clean_plan_through_and_raises_a_readable_error_otherwise
     assert isinstance(raised.value, ValueError)
     _, forget = pc.forget_slot(state, -3)
     with pytest.raises(pc.CacheError, match="ERR_SLOT"):
-        pc.raise_on_error(forget)
+        pc.check(forget)
 
 
 def test_check_on_a_batched_plan_raises_if_any_member_failed():

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 import pallas_cache as pc
 from pallas_cache.kernels import dispatch as backends
 from pallas_cache import clock
+from pallas_cache.host.reports import CacheStats
 from reference import ReferenceCache, ReferencePolicy
 
 BIG_BANK = 512 * 1024
@@ -321,7 +322,7 @@ def test_resetting_stats_opens_a_new_window_but_keeps_residency_and_the_histogra
     state = pc.set_collect_routing(pc.init(2, 4, 8), True)
     state, _ = pc.ensure(state, 0, ids(0, 1))
     state = pc.reset_stats(state)
-    assert pc.layer_stats(state, 0) == pc.CacheStats(0, 0, 0, 0)
+    assert pc.layer_stats(state, 0) == CacheStats(0, 0, 0, 0)
     assert np.asarray(pc.routing_histogram(state, 0)).tolist() == [1, 1, 0, 0]
     state, _ = pc.ensure(state, 0, ids(0, 1))
     assert pc.layer_stats(state, 0).missing == 0 and pc.layer_stats(state, 0).active_per_call == 2.0

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_cache import errors
+from pallas_cache import validate
 from pallas_cache.state import CacheState
 
 __all__ = [
@@ -112,7 +112,7 @@ def stats(state: CacheState) -> CacheStats:
 
 
 def _host_layer(state: CacheState, layer) -> int:
-    layer = errors.as_host_int("layer", layer)
+    layer = validate.as_host_int("layer", layer)
     if not 0 <= layer < state.num_layers:
         raise ValueError(f"layer {layer} is outside a model of {state.num_layers} layers")
     return layer
@@ -153,7 +153,7 @@ def routing_histogram(state: CacheState, layer) -> jax.Array:
 
     Jittable. A Python int layer is range-checked (ValueError); a traced one is clamped into
     range, since a report cannot carry an error bit."""
-    if isinstance(layer, (int, np.integer)) and not isinstance(layer, (bool, np.bool_)):
+    if validate.is_int(layer):
         layer = _host_layer(state, layer)
     return state.routing_freq[jnp.clip(layer, 0, state.num_layers - 1)]
 

@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from pallas_cache.sizing.trace import Trace
+from pallas_cache.validate import is_int
 
 __all__ = [
     "BeladyResult",
@@ -125,8 +126,7 @@ def belady(trace: Trace | tuple[Any, Any], cache_size: int, *,
         ValueError: a cache size below ``E``, inconsistent geometry, or malformed arrays.
     """
     layers, routes, num_layers, num_experts = _coerce_trace(trace, num_layers, num_experts)
-    if (not isinstance(cache_size, (int, np.integer)) or isinstance(cache_size, bool)
-            or cache_size < num_experts):
+    if not is_int(cache_size) or cache_size < num_experts:
         raise ValueError(f"cache_size must be an integer >= num_experts={num_experts} (the cache "
                          f"cannot hold one layer otherwise), got {cache_size!r}")
     slots = int(cache_size)
@@ -262,8 +262,7 @@ def stationary_oracle(trace: Trace, cache_size: int) -> StationaryOracle:
     """
     if not isinstance(trace, Trace):
         raise TypeError(f"stationary_oracle needs a Trace, got {type(trace).__name__}")
-    if (not isinstance(cache_size, (int, np.integer)) or isinstance(cache_size, bool)
-            or cache_size < 1):
+    if not is_int(cache_size) or cache_size < 1:
         raise ValueError(f"cache_size must be a positive integer, got {cache_size!r}")
     num_layers = trace.num_layers
     oracle_slots = oracle_slots_for(cache_size, num_layers)

@@ -40,6 +40,7 @@ from typing import Sequence
 import numpy as np
 
 from pallas_cache.sizing.trace import Trace
+from pallas_cache.validate import is_int
 
 __all__ = [
     "SyntheticParams",
@@ -101,7 +102,7 @@ class SyntheticParams:
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_experts", "top_k", "num_tokens"):
             value = getattr(self, name)
-            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.top_k > self.num_experts:
             raise ValueError(f"top_k={self.top_k} exceeds num_experts={self.num_experts}: a "
@@ -187,7 +188,7 @@ def synthetic_trace(preset_or_params: str | SyntheticParams, num_tokens: int | N
                         f"{type(preset_or_params).__name__}")
     if num_tokens is not None:
         params = replace(params, num_tokens=num_tokens)
-    if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool) or seed < 0:
+    if not is_int(seed) or seed < 0:
         raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
 
     rng = np.random.default_rng(seed)
