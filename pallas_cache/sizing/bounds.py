@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from pallas_cache.host.metrics import histogram_metrics, oracle_slots_for
 from pallas_cache.sizing.trace import Trace
 from pallas_cache.validate import is_int
 
@@ -212,19 +213,6 @@ def _simulate(call_of: np.ndarray, flat_of: np.ndarray, next_use: np.ndarray, ca
 # ---- the stationary oracle ------------------------------------------------------------------
 
 
-def oracle_slots_for(cache_size: int, num_layers: int) -> int:
-    """``max(1, round_half_away_from_zero(S / L))`` in exact integer arithmetic (docs/semantics.md §5.10, 10).
-
-    Args:
-        cache_size: ``S >= 1``.
-        num_layers: ``L >= 1``.
-
-    Returns:
-        Slots the oracle grants each layer (``S=5, L=2`` gives 3, where half-to-even gives 2).
-    """
-    return max(1, (2 * int(cache_size) + int(num_layers)) // (2 * int(num_layers)))
-
-
 @dataclass(frozen=True, eq=False)
 class StationaryOracle:
     """The per-layer stationary oracle of docs/semantics.md §5.10, for one cache size.
@@ -271,9 +259,7 @@ def stationary_oracle(trace: Trace, cache_size: int) -> StationaryOracle:
     routed_layers = np.flatnonzero(routed_per_layer)
     if routed_layers.size == 0:
         raise ValueError(f"{trace.source}: no non-padding route, no oracle to compute")
-    hottest_first = -np.sort(-histogram[routed_layers], axis=1)
-    head = hottest_first[:, :oracle_slots].sum(axis=1)
-    hit_rate = head.astype(np.float64) / routed_per_layer[routed_layers].astype(np.float64)
+    hit_rate = histogram_metrics(histogram[routed_layers], top=oracle_slots).hottest_share
     return StationaryOracle(cache_size=int(cache_size),
                             slots_per_layer=int(cache_size) / num_layers,
                             oracle_slots=oracle_slots, routed_layers=routed_layers,

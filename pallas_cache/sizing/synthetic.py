@@ -39,6 +39,7 @@ from typing import Sequence
 
 import numpy as np
 
+from pallas_cache.host.metrics import histogram_metrics
 from pallas_cache.sizing.trace import Trace
 from pallas_cache.validate import is_int
 
@@ -307,14 +308,8 @@ def trace_statistics(trace: Trace) -> TraceStatistics:
     routed_layers = np.flatnonzero(routes_per_layer)
     if routed_layers.size == 0:
         raise ValueError(f"{trace.source}: no non-padding route, nothing to measure")
-    counts = histogram[routed_layers].astype(np.float64)
-    share = counts / counts.sum(axis=1, keepdims=True)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        plogp = np.where(share > 0, share * np.log(share), 0.0)
-    entropy = -plogp.sum(axis=1)
-    experts = trace.num_experts
-    norm_entropy = entropy / math.log(experts) if experts > 1 else np.zeros_like(entropy)
-    working_set = (histogram[routed_layers] > 0).sum(axis=1).astype(np.int64)
+    metrics = histogram_metrics(histogram[routed_layers])
+    norm_entropy, working_set = metrics.norm_entropy, metrics.working_set
 
     reused, considered = _reuse_counts(trace)
     with np.errstate(divide="ignore", invalid="ignore"):
