@@ -1,13 +1,17 @@
 """Routing traces: what a cache replay feeds on.
 
+(Why one module of ~600 lines: most of it is input validation -- one precise, located message per
+way a JSONL record or an array can be malformed -- and the readers funnel into the checks of the
+:class:`Trace` constructor, so the type, its readers and their messages are read together.)
+
 Sizing an expert cache means replaying what the router actually asked for. A *routing trace* is
 that record: for every MoE layer-call, in the order the decode loop made them, the layer index and
 the experts the router picked (docs/semantics.md §2: layer-local ids in ``[0, E)``, ``-1`` = padding route).
 
 This module turns the formats traces come in into one dense, validated :class:`Trace`, because
 the replay runs a ``lax.scan`` over calls and wants two plain arrays -- ``layers`` int32 ``[C]``
-and ``routes`` int32 ``[C, K]`` -- not a ragged list of records. Everything here is NumPy; it
-does not import the cache.
+and ``routes`` int32 ``[C, K]`` -- not a ragged list of records. Everything here is NumPy; of
+the cache it uses only the input validators (:mod:`pallas_cache.validate`).
 
 Formats (:func:`load_trace` picks one from the file suffix):
 
