@@ -76,8 +76,8 @@ class CacheError(ValueError):
     def __init__(self, bits: int):
         self.bits = int(bits)
         super().__init__(
-            f"pallas_cache refused the call and returned the state unchanged: {describe_bits(bits)} "
-            f"(error bits {self.bits:#x})"
+            f"pallas_cache refused the call and returned the state unchanged: "
+            f"{describe_bits(bits)} (error bits {self.bits:#x})"
         )
 
 
@@ -93,7 +93,6 @@ def check(plan):
     if union:
         raise CacheError(union)
     return plan
-
 
 
 def checked(plan):

@@ -41,7 +41,8 @@ def _weighted_sum(route_outputs, gates, take, out_shape):
     ``jnp.where`` rather than a multiply by the mask, so garbage in a masked route's output (an
     empty slot, NaN) cannot leak into the sum.
     """
-    weighted = jnp.where(take[:, None], gates[:, None].astype(route_outputs.dtype) * route_outputs, 0)
+    gated = gates[:, None].astype(route_outputs.dtype) * route_outputs
+    weighted = jnp.where(take[:, None], gated, 0)
     return weighted.reshape(out_shape[:-1] + (-1, out_shape[-1])).sum(axis=-2)
 
 
@@ -100,7 +101,8 @@ def moe_combine(x, expert_ids, gates, plan, pool, host_bank,
     slots = jnp.asarray(plan.slots).reshape(-1)
     cpu = jnp.asarray(plan.cpu).reshape(-1)
     if slots.shape != ids.shape or cpu.shape != ids.shape:
-        raise ValueError(f"plan routes {plan.slots.shape} differ from expert_ids {expert_ids.shape}")
+        raise ValueError(
+            f"plan routes {plan.slots.shape} differ from expert_ids {expert_ids.shape}")
     on_device = slots >= 0
     on_cpu = cpu & (ids >= 0)
 

@@ -4,9 +4,10 @@ This is the imperative twin of ``pallas_cache``: one method per operation, int64
 loops, and each rule stated once, in a comment next to the line that implements it. It imports no
 JAX. The operations are split along the JAX modules -- :mod:`reference.state` (fields, cold
 starts, the clock tick), :mod:`reference.ops` (decode), :mod:`reference.prefill`,
-:mod:`reference.reports` -- and this module assembles them into :class:`ReferenceCache`. The property tests drive both implementations with the same operations and compare every
-state field and every plan field after every step, so where this file and the JAX code disagree,
-one of them is wrong and docs/semantics.md says which.
+:mod:`reference.reports` -- and this module assembles them into :class:`ReferenceCache`. The
+property tests drive both implementations with the same operations and compare every state field
+and every plan field after every step, so where the reference and the JAX code disagree, one of
+them is wrong and docs/semantics.md says which.
 
 Why the rules are what they are, in one place:
 
@@ -33,7 +34,15 @@ from .errors import (  # noqa: F401  (re-exported: the reference's public names)
     ERR_PREFILL_NOT_BEGUN,
     ERR_SLOT,
 )
-from .ops import ADMISSIONS, ORDERS, CopyPlan, DecodeOps, EnsurePlan, ForgetPlan, MaterializePlan  # noqa: F401
+from .ops import (  # noqa: F401
+    ADMISSIONS,
+    ORDERS,
+    CopyPlan,
+    DecodeOps,
+    EnsurePlan,
+    ForgetPlan,
+    MaterializePlan,
+)
 from .prefill import (  # noqa: F401
     SMALL_BANK_FEAT_BYTES,
     HostTransfers,
@@ -44,7 +53,12 @@ from .prefill import (  # noqa: F401
     PrefillPlan,
 )
 from .reports import COVERAGE_FRACTION, LayerSkew, ReferenceStats, Reports, SkewReport  # noqa: F401
-from .state import DEFAULT_REBASE_THRESHOLD, FORGOTTEN, RebuildRejected, ReferenceState  # noqa: F401
+from .state import (  # noqa: F401
+    DEFAULT_REBASE_THRESHOLD,
+    FORGOTTEN,
+    RebuildRejected,
+    ReferenceState,
+)
 
 #: The reference's earlier names of its plan types.
 ReferencePlan = EnsurePlan

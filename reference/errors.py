@@ -1,4 +1,4 @@
-"""The error bits of the reference (docs/semantics.md §6; the same values as ``pallas_cache.errors``)
+"""The error bits of the reference (docs/semantics.md §6; the values of ``pallas_cache.errors``)
 and its one static check of an integer argument."""
 
 from __future__ import annotations

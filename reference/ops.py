@@ -99,7 +99,7 @@ class ForgetPlan:
 
 
 class DecodeOps:
-    """The decode operations, mixed into ``ReferenceCache`` over a :class:`~reference.state.ReferenceState`."""
+    """The decode operations, mixed into ``ReferenceCache`` over a ``ReferenceState``."""
 
     def _ranked_victims(self, step) -> list[int]:
         """Evictable slots in ascending ``(usage, slot)`` order.

@@ -1,7 +1,8 @@
 """Prefill double buffers in the reference (docs/semantics.md §5.11).
 
-The plan has the JAX ``PrefillPlan``'s type names and structure: ``gather`` (:class:`PrefillGather`),
-``runs`` (:class:`MissRuns`) and ``transfers`` (:class:`HostTransfers`), fixed-size and -1 padded.
+The plan has the JAX ``PrefillPlan``'s type names and structure: ``gather``
+(:class:`PrefillGather`), ``runs`` (:class:`MissRuns`) and ``transfers`` (:class:`HostTransfers`),
+fixed-size and -1 padded.
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ class PrefillPlan:
 
 
 class PrefillOps:
-    """The prefill operations, mixed into ``ReferenceCache`` over a :class:`~reference.state.ReferenceState`."""
+    """The prefill operations, mixed into ``ReferenceCache`` over a ``ReferenceState``."""
 
     def prefill_overlap_fits(self) -> bool:
         """Whether the pool can lend the two buffers slots ``[0, 2E)``."""

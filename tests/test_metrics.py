@@ -24,7 +24,8 @@ def test_the_three_reports_agree_exactly_on_one_trace():
     skew = pc.routing_skew(state)
     oracle = stationary_oracle(trace, cache_size)
     statistics = trace_statistics(trace)
-    assert skew.oracle_slots == oracle.oracle_slots == oracle_slots_for(cache_size, trace.num_layers)
+    slots = oracle_slots_for(cache_size, trace.num_layers)
+    assert skew.oracle_slots == oracle.oracle_slots == slots
     assert [s.layer for s in skew.per_layer] == oracle.routed_layers.tolist()
     assert [s.oracle_hit_at_slots for s in skew.per_layer] == oracle.hit_rate.tolist()
     assert [s.norm_entropy for s in skew.per_layer] == statistics.norm_entropy.tolist()
@@ -37,7 +38,7 @@ def test_metrics_of_hand_counted_rows():
     metrics = histogram_metrics([[0, 1, 9, 0], [2, 2, 2, 2]], top=1)
     assert metrics.routed.tolist() == [10, 8]
     assert metrics.working_set.tolist() == [2, 4]
-    assert metrics.experts_for_90pct.tolist() == [1, 4]  # 9/10 reaches 90%; 3/4 of a flat row does not
+    assert metrics.experts_for_90pct.tolist() == [1, 4]  # 9/10 reaches 90%; 3/4 of a flat row not
     assert metrics.hottest_share.tolist() == [0.9, 0.25]
     p = np.array([0.1, 0.9])
     assert metrics.norm_entropy[0] == pytest.approx(-(p * np.log(p)).sum() / np.log(4), abs=1e-15)
