@@ -37,7 +37,8 @@ import numpy as np
 from jax import lax
 
 import pallas_cache as pc
-from pallas_cache.moe import apply_copy_plan, moe_combine, moe_dense, put_host_bank
+from pallas_cache.moe import apply_copy_plan, put_host_bank
+from pallas_cache.testing import moe_combine, moe_dense
 
 
 @dataclasses.dataclass(frozen=True)

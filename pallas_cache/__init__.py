@@ -12,17 +12,12 @@ one compiled program::
     state = pc.init(num_layers=8, num_experts=16, cache_size=64)
     state, plan = pc.ensure_hybrid(state, layer, expert_ids, pc.FetchPolicy.fraction(0.4))
 
-See docs/semantics.md for the contract and docs/design.md for the reasons behind it.
+This namespace is the cache API. The report and view types live in :mod:`pallas_cache.host`, the
+kernel entry points in :mod:`pallas_cache.kernels.dispatch`, the dense MoE references in
+:mod:`pallas_cache.testing`, and the offline sizing tool in :mod:`pallas_cache.sizing`. See
+docs/semantics.md for the contract and docs/design.md for the reasons behind it.
 """
 
-from pallas_cache.moe import (
-    apply_copy_plan,
-    host_memory_kind,
-    moe_combine,
-    moe_dense,
-    put_host_bank,
-)
-from pallas_cache.kernels.dispatch import BACKENDS, promotion_decision, select_victims
 from pallas_cache.errors import (
     ERR_EXPERT_ID,
     ERR_LAYER,
@@ -32,9 +27,20 @@ from pallas_cache.errors import (
     CacheError,
     check,
     checked,
-    raise_on_error,
 )
-from pallas_cache.host.views import CacheDiff, CacheView, SlotEntry, SlotRow, describe, diff
+from pallas_cache.host.reports import (
+    layer_stats,
+    per_layer_stats,
+    reset_routing,
+    reset_stats,
+    routing_histogram,
+    routing_skew,
+    set_collect_routing,
+    stats,
+)
+from pallas_cache.host.views import describe, diff
+from pallas_cache.kernels.dispatch import BACKENDS
+from pallas_cache.moe import apply_copy_plan, put_host_bank
 from pallas_cache.ops import (
     CopyPlan,
     EnsurePlan,
@@ -48,26 +54,14 @@ from pallas_cache.ops import (
 from pallas_cache.policy import Admission, FetchOrder, FetchPolicy
 from pallas_cache.prefill import (
     SMALL_BANK_FEAT_BYTES,
+    PrefillDoesNotFit,
     PrefillPlan,
     begin_prefill,
     prefetch_prefill_layer,
     prefill_overlap_fits,
     release_prefill_layer,
 )
-from pallas_cache.state import CacheState, PrefillDoesNotFit, RebuildRejected, init, rebuild, reset
-from pallas_cache.host.reports import (
-    CacheStats,
-    LayerRoutingSkew,
-    RoutingSkewReport,
-    layer_stats,
-    per_layer_stats,
-    reset_routing,
-    reset_stats,
-    routing_histogram,
-    routing_skew,
-    set_collect_routing,
-    stats,
-)
+from pallas_cache.state import CacheState, RebuildRejected, init, rebuild, reset
 
 __all__ = [
     "BACKENDS",
@@ -78,24 +72,17 @@ __all__ = [
     "ERR_SLOT",
     "SMALL_BANK_FEAT_BYTES",
     "Admission",
-    "CacheDiff",
     "CacheError",
     "CacheState",
-    "CacheStats",
-    "CacheView",
     "CopyPlan",
     "EnsurePlan",
     "FetchOrder",
     "FetchPolicy",
     "ForgetPlan",
-    "LayerRoutingSkew",
     "MaterializePlan",
     "PrefillDoesNotFit",
     "PrefillPlan",
     "RebuildRejected",
-    "RoutingSkewReport",
-    "SlotEntry",
-    "SlotRow",
     "apply_copy_plan",
     "begin_prefill",
     "check",
@@ -105,25 +92,20 @@ __all__ = [
     "ensure",
     "ensure_hybrid",
     "forget_slot",
-    "host_memory_kind",
     "init",
     "layer_stats",
     "materialize_layer",
-    "moe_combine",
-    "moe_dense",
     "per_layer_stats",
     "prefetch_prefill_layer",
     "prefill_overlap_fits",
-    "promotion_decision",
     "put_host_bank",
-    "raise_on_error",
     "rebuild",
+    "release_prefill_layer",
     "reset",
     "reset_routing",
     "reset_stats",
     "routing_histogram",
     "routing_skew",
-    "select_victims",
     "set_collect_routing",
     "stats",
 ]

@@ -29,10 +29,9 @@ from jax import lax
 from jax.custom_batching import custom_vmap
 
 from pallas_cache.state import CacheState
+from pallas_cache.validate import INT32_MIN
 
 __all__ = ["dense_rank_stamps", "rebase_if_due"]
-
-_INT32_MIN = jnp.iinfo(jnp.int32).min
 
 
 def dense_rank_stamps(usage, recency, step):
@@ -49,7 +48,7 @@ def dense_rank_stamps(usage, recency, step):
     values = jnp.concatenate([usage, recency.reshape(-1), step[None]])
     live = jnp.concatenate([usage >= 1, recency.reshape(-1) >= 0, jnp.ones((1,), jnp.bool_)])
     # Dead values sort first (every live stamp is >= 0) and are never counted.
-    key = jnp.where(live, values, _INT32_MIN)
+    key = jnp.where(live, values, INT32_MIN)
     order = jnp.argsort(key)
     sorted_key = key[order]
     sorted_live = live[order]

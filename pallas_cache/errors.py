@@ -5,7 +5,7 @@ Two kinds of misuse, handled two ways:
 * **Static misuse** -- a float array of expert ids, a policy of the wrong rank, an unknown enum,
   bank sizes that are not positive ints -- is known from Python values, dtypes and shapes, so it
   raises ``TypeError``/``ValueError`` at call or trace time, naming the offending value. The
-  ``as_*`` coercers below implement it.
+  coercers of :mod:`pallas_cache.validate` implement it.
 * **Value errors** -- an expert id outside ``[-1, E)``, a layer outside ``[0, L)``, a slot outside
   ``[0, S)``, prefill misuse -- depend on traced values, which a jitted decode loop cannot
   inspect without a host sync. The op then returns the **input state unchanged** and a plan whose
@@ -15,9 +15,6 @@ Two kinds of misuse, handled two ways:
 """
 
 from __future__ import annotations
-
-import numbers
-import operator
 
 import jax
 import jax.numpy as jnp
@@ -34,8 +31,7 @@ __all__ = [
     "CacheError",
     "check",
     "checked",
-    "describe",
-    "raise_on_error",
+    "describe_bits",
 ]
 
 ERR_EXPERT_ID = 1  # a route outside [-1, E)
@@ -57,7 +53,7 @@ ERROR_NAMES = {
 }
 
 
-def describe(bits: int) -> str:
+def describe_bits(bits: int) -> str:
     """The names and meanings of the error bits set in ``bits``, ``'no error'`` for 0."""
     bits = int(bits)
     if bits == 0:
@@ -80,8 +76,8 @@ class CacheError(ValueError):
     def __init__(self, bits: int):
         self.bits = int(bits)
         super().__init__(
-            f"pallas_cache refused the call and returned the state unchanged: {describe(bits)} "
-            f"(error bits {self.bits:#x})"
+            f"pallas_cache refused the call and returned the state unchanged: "
+            f"{describe_bits(bits)} (error bits {self.bits:#x})"
         )
 
 
@@ -97,9 +93,6 @@ def check(plan):
     if union:
         raise CacheError(union)
     return plan
-
-
-raise_on_error = check
 
 
 def checked(plan):
@@ -120,109 +113,6 @@ def checked(plan):
         jnp.bitwise_or.reduce(error.ravel()) if error.ndim else error,
     )
     return plan
-
-
-# ---- static misuse: coercion of user inputs, raising at call/trace time ----------------------
-
-
-def _is_integer_dtype(dtype) -> bool:
-    return jnp.issubdtype(dtype, jnp.integer)
-
-
-_INT32_MIN = int(np.iinfo(np.int32).min)
-_INT32_MAX = int(np.iinfo(np.int32).max)
-
-
-def _host_integers(value) -> np.ndarray:
-    """A Python int, or a (nested) list of them, as an int64 NumPy array, exactly.
-
-    Built from Python objects, so NumPy's promotion cannot turn ``[3, 2**63]`` into floats; ints
-    beyond the int32 range are clipped, in Python, to just outside it: every such value is out
-    of range for any index, and clipping keeps it so (docs/semantics.md §6).
-    """
-    array = np.asarray(value, dtype=object)
-    flat = array.ravel().tolist()
-    for v in flat:
-        if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Integral):
-            raise TypeError(
-                f"expert_ids must be integers (layer-local ids, -1 = padding), got {v!r} "
-                f"({type(v).__name__})"
-            )
-    clipped = [min(max(int(v), _INT32_MIN - 1), _INT32_MAX + 1) for v in flat]
-    return np.asarray(clipped, np.int64).reshape(array.shape)
-
-
-def narrow_to_int32(values):
-    """``values`` (any integer dtype, host or device, possibly traced) as int32, exactly.
-
-    A value outside the int32 range becomes ``INT32_MIN``, which every range check of the cache
-    refuses (an expert id below -1, a negative layer or slot), so a wide input is refused with
-    the right error bit instead of wrapping into a valid index (docs/semantics.md §6). The range
-    test runs in the input's own dtype, before any cast; dtypes that fit int32 are cast as is.
-    """
-    dtype = np.dtype(values.dtype)
-    info = np.iinfo(dtype)
-    fits = info.min >= _INT32_MIN and info.max <= _INT32_MAX
-    on_host = isinstance(values, (np.ndarray, np.generic))
-    xp = np if on_host else jnp
-    narrowed = values.astype(np.int32) if on_host else values.astype(jnp.int32)
-    if not fits:
-        outside = values > xp.asarray(_INT32_MAX, dtype)
-        if info.min < 0:
-            outside = outside | (values < xp.asarray(_INT32_MIN, dtype))
-        narrowed = xp.where(outside, xp.int32(_INT32_MIN), narrowed)
-    return jnp.asarray(narrowed, jnp.int32)
-
-
-def as_routes(expert_ids) -> jax.Array:
-    """Routes of any shape and any integer dtype, as int32. Floats and bools raise TypeError.
-
-    Ids are not range-checked here: that is a value error (ERR_EXPERT_ID), known only on device.
-    Ids outside int32 become ``INT32_MIN`` (:func:`narrow_to_int32`), so they are refused too.
-    """
-    dtype = getattr(expert_ids, "dtype", None)
-    if dtype is None:  # a Python int or list: read exactly, then it is an int64 array
-        expert_ids = _host_integers(expert_ids)
-        dtype = expert_ids.dtype
-    if not _is_integer_dtype(dtype):
-        raise TypeError(
-            f"expert_ids must have an integer dtype (layer-local ids, -1 = padding), "
-            f"got dtype {np.dtype(dtype).name}"
-        )
-    return narrow_to_int32(expert_ids)
-
-
-def as_host_int(name: str, value) -> int:
-    """A Python/NumPy integer (not a bool) as an ``int``, else TypeError naming the value.
-
-    For values that must be known on the host: geometry, caps, a report's layer."""
-    if isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be an integer, got the bool {value!r}")
-    try:
-        return operator.index(value)
-    except TypeError:
-        kind = type(value).__name__
-        raise TypeError(f"{name} must be an integer, got {value!r} ({kind})") from None
-
-
-def as_index(name: str, value) -> jax.Array:
-    """A scalar integer index (layer, slot) that may be traced, as an int32 scalar.
-
-    Python ints, NumPy integers and integer arrays of shape ``()`` are accepted; floats and bools
-    raise TypeError, other shapes ValueError. The range is a value error, checked on device; an
-    index outside int32 (a Python int, int64, uint32 ...) becomes ``INT32_MIN``, so it is refused
-    with the op's error bit rather than wrapped into range (:func:`narrow_to_int32`).
-    """
-    if isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be an integer, got the bool {value!r}")
-    if isinstance(value, int):
-        return jnp.asarray(value if _INT32_MIN <= value <= _INT32_MAX else _INT32_MIN, jnp.int32)
-    dtype = getattr(value, "dtype", None)
-    if dtype is None or not _is_integer_dtype(dtype):
-        raise TypeError(f"{name} must be an integer scalar, got {value!r}")
-    if np.shape(value) != ():
-        raise ValueError(f"{name} must be a scalar, got shape {np.shape(value)}")
-    return narrow_to_int32(value)
 
 
 # ---- value errors: the bits an op sets, computed on device -----------------------------------

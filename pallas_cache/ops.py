@@ -26,7 +26,6 @@ bits, and no op ever writes part of an update.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -34,9 +33,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_cache.kernels import dispatch as backends
-from pallas_cache import clock, errors
+from pallas_cache import clock, errors, validate
 from pallas_cache.policy import Admission, FetchOrder, FetchPolicy
 from pallas_cache.state import CacheState
+from pallas_cache.tree import pytree_dataclass
 
 __all__ = [
     "CopyPlan",
@@ -49,17 +49,7 @@ __all__ = [
     "materialize_layer",
 ]
 
-_INT32_MIN = int(jnp.iinfo(jnp.int32).min)
-
-
-def _pytree_dataclass(cls):
-    cls = dataclasses.dataclass(frozen=True)(cls)
-    return jax.tree_util.register_dataclass(
-        cls, data_fields=[f.name for f in dataclasses.fields(cls)], meta_fields=[]
-    )
-
-
-@_pytree_dataclass
+@pytree_dataclass
 class CopyPlan:
     """The host-to-device copies a step needs before its multiply.
 
@@ -75,7 +65,7 @@ class CopyPlan:
     count: jax.Array
 
 
-@_pytree_dataclass
+@pytree_dataclass
 class EnsurePlan:
     """What one ensure / ensure_hybrid call decided (docs/semantics.md §4).
 
@@ -102,7 +92,7 @@ class EnsurePlan:
     error: jax.Array
 
 
-@_pytree_dataclass
+@pytree_dataclass
 class MaterializePlan:
     """What ``materialize_layer`` asks the caller to copy: the whole layer, position = id.
 
@@ -115,7 +105,7 @@ class MaterializePlan:
     error: jax.Array
 
 
-@_pytree_dataclass
+@pytree_dataclass
 class ForgetPlan:
     """What ``forget_slot`` dropped.
 
@@ -181,7 +171,7 @@ def _reuse_admitted(num_fetch, experts, victims, recency_row, usage, num_out):
     return first_rejected.astype(jnp.int32)
 
 
-@_pytree_dataclass
+@pytree_dataclass
 class _Rules:
     """The static options of a call, as traced flags for the jitted core.
 
@@ -335,7 +325,7 @@ def ensure(state: CacheState, layer, expert_ids, *, backend=None):
     Raises:
       TypeError: ``expert_ids`` or ``layer`` is not an integer type.
     """
-    return _ensure(state, errors.as_index("layer", layer), errors.as_routes(expert_ids),
+    return _ensure(state, validate.as_index("layer", layer), validate.as_routes(expert_ids),
                    FetchPolicy.full(), _Rules.of(False, FetchOrder.LOWEST_ID, Admission.NONE),
                    backend=backends.resolve_backend(backend))
 
@@ -364,7 +354,7 @@ def ensure_hybrid(state: CacheState, layer, expert_ids, policy: FetchPolicy, *,
     if not isinstance(policy, FetchPolicy):
         raise TypeError(f"policy must be a FetchPolicy, got {policy!r}")
     policy.validate()
-    return _ensure(state, errors.as_index("layer", layer), errors.as_routes(expert_ids), policy,
+    return _ensure(state, validate.as_index("layer", layer), validate.as_routes(expert_ids), policy,
                    _Rules.of(True, order, admission), backend=backends.resolve_backend(backend))
 
 
@@ -380,7 +370,7 @@ def materialize_layer(state: CacheState, layer):
       ``(state, MaterializePlan)``: ``plan.copy`` lists ``(e, e)`` for every expert, count ``E``.
       A layer outside ``[0, L)`` sets ERR_LAYER (state unchanged, empty copy).
     """
-    return _materialize_layer(state, errors.as_index("layer", layer))
+    return _materialize_layer(state, validate.as_index("layer", layer))
 
 
 @jax.jit
@@ -431,7 +421,7 @@ def forget_slot(state: CacheState, slot):
       ``(state, ForgetPlan)``; ``plan.old`` is the flat id it held or -1. A slot outside
       ``[0, S)`` sets ERR_SLOT (state unchanged).
     """
-    return _forget_slot(state, errors.as_index("slot", slot))
+    return _forget_slot(state, validate.as_index("slot", slot))
 
 
 @jax.jit
@@ -446,6 +436,6 @@ def _forget_slot(state: CacheState, slot):
         id_of_slot=state.id_of_slot.at[_drop_unless(drop, slot_c, S)].set(-1, mode="drop"),
         slot_for_id=state.slot_for_id.reshape(-1).at[_drop_unless(drop, old, L * E)].set(
             -1, mode="drop").reshape(L, E),
-        usage=state.usage.at[_drop_unless(drop, slot_c, S)].set(_INT32_MIN, mode="drop"),
+        usage=state.usage.at[_drop_unless(drop, slot_c, S)].set(validate.INT32_MIN, mode="drop"),
     )
     return new_state, ForgetPlan(old=old, error=error)

@@ -18,7 +18,6 @@ both accept their string values (``"recency"``, ``"reuse"``).
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import math
 import numbers
@@ -27,12 +26,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_cache import errors
+from pallas_cache import validate
+from pallas_cache.tree import pytree_dataclass
 
 __all__ = ["Admission", "FetchOrder", "FetchPolicy", "ONE"]
 
 ONE = 65536  # the fixed-point 1.0 of fraction16
-_INT32_MAX = int(np.iinfo(np.int32).max)
 
 
 class FetchOrder(enum.Enum):
@@ -70,7 +69,7 @@ def _coerce_enum(cls, value, what):
     raise ValueError(f"unknown {what} {value!r}; expected one of {choices}")
 
 
-@dataclasses.dataclass(frozen=True)
+@pytree_dataclass
 class FetchPolicy:
     """How many of a hybrid step's misses cross the link (docs/semantics.md §5.3).
 
@@ -130,10 +129,10 @@ class FetchPolicy:
         """Fetch at most ``n >= 0`` misses per step (fraction 0).
 
         Raises TypeError for a non-int (bools included) and ValueError for ``n < 0``."""
-        n = errors.as_host_int("fetch cap", n)
+        n = validate.as_host_int("fetch cap", n)
         if n < 0:
             raise ValueError(f"fetch cap must be >= 0, got {n}")
-        cap = jnp.asarray(min(n, _INT32_MAX), jnp.int32)
+        cap = jnp.asarray(min(n, validate.INT32_MAX), jnp.int32)
         return cls(fraction16=jnp.asarray(0, jnp.int32), cap=cap)
 
     @classmethod
@@ -184,5 +183,3 @@ class FetchPolicy:
         capped = jnp.minimum(m, cap)
         return jnp.where(f > 0, balanced, capped).astype(jnp.int32)
 
-
-jax.tree_util.register_dataclass(FetchPolicy, data_fields=["fraction16", "cap"], meta_fields=[])

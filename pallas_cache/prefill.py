@@ -10,7 +10,7 @@ owned: those slots are rewritten every other layer within a chunk, so
   usage 0 (the next decode miss takes them first instead of evicting a live resident);
 * nothing staged is ever registered as resident.
 
-The plan is fixed-size (docs/design.md): gathers, miss runs and host-transfer entries are
+The plan is fixed-size (docs/design.md): its ``gather``, ``runs`` and ``transfers`` parts are
 ``-1``-padded arrays with counts. ``bank_feat_bytes`` (per-expert row size of each weight bank) is
 static, so which banks are small (< 256 KiB: one whole-layer entry, never gathered) is decided at
 trace time. Byte counts can exceed int32, so they are computed on the host by
@@ -24,20 +24,23 @@ buffers at all; that is static and raises :class:`PrefillDoesNotFit`.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import numbers
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pallas_cache import errors
-from pallas_cache.state import CacheState, PrefillDoesNotFit
+from pallas_cache import errors, validate
+from pallas_cache.state import CacheState
+from pallas_cache.tree import pytree_dataclass
 
 __all__ = [
     "SMALL_BANK_FEAT_BYTES",
+    "HostTransfers",
+    "MissRuns",
+    "PrefillDoesNotFit",
+    "PrefillGather",
     "PrefillPlan",
     "begin_prefill",
     "prefetch_prefill_layer",
@@ -50,81 +53,108 @@ __all__ = [
 SMALL_BANK_FEAT_BYTES = 256 * 1024
 
 
-@dataclasses.dataclass(frozen=True)
+class PrefillDoesNotFit(ValueError):
+    """The pool has fewer than ``2 * E`` slots, so it cannot lend the two prefill buffers their
+    slots (docs/semantics.md §5.11). Raised at call/trace time: geometry is static."""
+
+    def __init__(self, cache_size: int, num_experts: int):
+        self.cache_size = cache_size
+        self.num_experts = num_experts
+        super().__init__(
+            f"cache of {cache_size} slots cannot lend {2 * num_experts} slots to the two "
+            f"prefill buffers (num_experts={num_experts}); prefill overlap must be off"
+        )
+
+
+@pytree_dataclass
+class PrefillGather:
+    """The device-side gathers of a prefill plan: rows already resident above the buffers.
+
+    Attributes:
+      dst_slots: int32[E]. Buffer slot ``b*E + e`` of each hit, in ascending expert order; -1 past
+        ``count``.
+      src_slots: int32[E]. The hit's slot in the chunk's snapshot; -1 past ``count``.
+      count: int32[]. Number of hits.
+      banks: int32[B]. The banks the gathers serve (rows ``>= 256 KiB``), in order, -1 padded.
+        Always filled, also on a refusal.
+    """
+
+    dst_slots: jax.Array
+    src_slots: jax.Array
+    count: jax.Array
+    banks: jax.Array
+
+
+@pytree_dataclass
+class MissRuns:
+    """The misses of a prefill plan (ascending ids) as maximal runs of consecutive ids.
+
+    Attributes:
+      starts: int32[E]. First expert of each run; -1 past ``count``.
+      lens: int32[E]. Length of each run; -1 past ``count``.
+      count: int32[]. Number of runs.
+    """
+
+    starts: jax.Array
+    lens: jax.Array
+    count: jax.Array
+
+
+@pytree_dataclass
+class HostTransfers:
+    """The host-to-device transfer entries of a prefill plan, banks in the caller's order.
+
+    A small bank gives one whole-layer entry ``(bank, b*E, 0, E)``; any other bank one entry per
+    miss run ``(bank, b*E + start, start, len)``.
+
+    Attributes:
+      bank: int32[B*E]. The bank of each entry; -1 past ``count``.
+      dst_slot: int32[B*E]. First destination slot; -1 past ``count``.
+      src_row: int32[B*E]. First **layer-local** host row; -1 past ``count``.
+      rows: int32[B*E]. Rows moved; -1 past ``count``.
+      whole_layer: bool[B*E]. True for a small bank's whole-layer entry (False in padding).
+      count: int32[]. Number of entries.
+    """
+
+    bank: jax.Array
+    dst_slot: jax.Array
+    src_row: jax.Array
+    rows: jax.Array
+    whole_layer: jax.Array
+    count: jax.Array
+
+
+@pytree_dataclass
 class PrefillPlan:
-    """What staging one layer costs (docs/design.md "Prefill plans"). All int32 / bool.
+    """What staging one layer costs (docs/semantics.md §5.11, docs/design.md "Prefill plans").
 
     Attributes:
       layer: int32[]. The layer asked for.
       buffer_id: int32[]. ``layer % 2``.
       already_loaded: bool[]. The buffer already held this layer: nothing moves.
-      gather_dst_slots, gather_src_slots: int32[E]. Hit rows copied device-side, buffer slot
-        ``b*E + e`` <- snapshot slot; in ascending expert order, -1 past ``gather_count``. Used
-        only for the banks in ``gather_banks``.
-      gather_count: int32[].
-      run_starts, run_lens: int32[E]. The misses (ascending ids) as maximal runs of consecutive
-        ids; -1 past ``run_count``.
-      run_count: int32[].
-      entry_bank, entry_dst_slot, entry_src_row, entry_rows: int32[B*E]. Host-transfer entries,
-        banks in the caller's order: a small bank one whole-layer entry ``(bank, b*E, 0, E)``, any
-        other bank one entry per miss run ``(bank, b*E + start, start, len)``; -1 past
-        ``entry_count``. ``src_row`` is layer-local.
-      entry_whole_layer: bool[B*E]. True for a small bank's whole-layer entry.
-      entry_count: int32[].
-      gather_banks: int32[B]. Banks with rows ``>= 256 KiB``, in order, -1 padded.
-      error: int32[]. 0 or error bits (then runs, entries and gathers are empty).
+      gather: the device-side gathers of the hits (:class:`PrefillGather`).
+      runs: the misses as runs of consecutive ids (:class:`MissRuns`).
+      transfers: the host-transfer entries (:class:`HostTransfers`).
+      error: int32[]. 0 or error bits (then gathers, runs and transfers are empty).
     """
 
     layer: jax.Array
     buffer_id: jax.Array
     already_loaded: jax.Array
-    gather_dst_slots: jax.Array
-    gather_src_slots: jax.Array
-    gather_count: jax.Array
-    run_starts: jax.Array
-    run_lens: jax.Array
-    run_count: jax.Array
-    entry_bank: jax.Array
-    entry_dst_slot: jax.Array
-    entry_src_row: jax.Array
-    entry_rows: jax.Array
-    entry_whole_layer: jax.Array
-    entry_count: jax.Array
-    gather_banks: jax.Array
+    gather: PrefillGather
+    runs: MissRuns
+    transfers: HostTransfers
     error: jax.Array
 
     def entry_bytes(self, bank_feat_bytes) -> np.ndarray:
-        """int64[B*E] on the host: ``rows * bank_feat_bytes[bank]`` per entry, -1 in padding."""
-        feat = np.asarray(_as_bank_sizes(bank_feat_bytes), np.int64)
-        bank = np.asarray(jax.device_get(self.entry_bank)).astype(np.int64)
-        rows = np.asarray(jax.device_get(self.entry_rows)).astype(np.int64)
+        """int64[B*E] on the host: ``rows * bank_feat_bytes[bank]`` per transfer entry, -1 in
+        padding."""
+        feat = np.asarray(validate.as_bank_sizes(bank_feat_bytes), np.int64)
+        bank = np.asarray(jax.device_get(self.transfers.bank)).astype(np.int64)
+        rows = np.asarray(jax.device_get(self.transfers.rows)).astype(np.int64)
         if feat.size == 0:
             return np.full(bank.shape, -1, np.int64)
         return np.where(bank >= 0, rows * feat[np.clip(bank, 0, feat.size - 1)], -1)
-
-
-jax.tree_util.register_dataclass(
-    PrefillPlan, data_fields=[f.name for f in dataclasses.fields(PrefillPlan)], meta_fields=[]
-)
-
-
-def _as_bank_sizes(bank_feat_bytes) -> tuple:
-    """A tuple of positive Python ints, else TypeError/ValueError naming the value (static)."""
-    if isinstance(bank_feat_bytes, (str, bytes)) or not isinstance(bank_feat_bytes, (tuple, list)):
-        raise TypeError(
-            f"bank_feat_bytes must be a tuple of positive ints (one per weight bank), "
-            f"got {bank_feat_bytes!r}"
-        )
-    sizes = []
-    for size in bank_feat_bytes:
-        if isinstance(size, (bool, np.bool_)) or not isinstance(size, numbers.Integral):
-            raise TypeError(
-                f"bank_feat_bytes entries must be ints, got {size!r} in {bank_feat_bytes!r}")
-        if size <= 0:
-            raise ValueError(
-                f"bank_feat_bytes entries must be positive, got {size!r} in {bank_feat_bytes!r}")
-        sizes.append(int(size))
-    return tuple(sizes)
 
 
 def prefill_overlap_fits(state: CacheState) -> bool:
@@ -166,7 +196,7 @@ def prefetch_prefill_layer(state: CacheState, layer, bank_feat_bytes):
       state: the cache, with a chunk opened by :func:`begin_prefill`.
       layer: int, possibly traced.
       bank_feat_bytes: static tuple of positive ints, each weight bank's per-expert row size in
-        bytes; ``entry_bank`` and ``gather_banks`` index it.
+        bytes; ``transfers.bank`` and ``gather.banks`` index it.
 
     Returns:
       ``(state, PrefillPlan)``. If the buffer already holds ``layer``, ``already_loaded`` and
@@ -177,8 +207,8 @@ def prefetch_prefill_layer(state: CacheState, layer, bank_feat_bytes):
       PrefillDoesNotFit: ``S < 2E``. TypeError/ValueError: bad ``bank_feat_bytes`` or layer type.
     """
     _require_fit(state)
-    return _prefetch_prefill_layer(state, errors.as_index("layer", layer),
-                                   banks=_as_bank_sizes(bank_feat_bytes))
+    return _prefetch_prefill_layer(state, validate.as_index("layer", layer),
+                                   banks=validate.as_bank_sizes(bank_feat_bytes))
 
 
 @functools.partial(jax.jit, static_argnames=("banks",))
@@ -265,19 +295,21 @@ def _prefetch_prefill_layer(state: CacheState, layer, banks: tuple):
         layer=layer,
         buffer_id=buffer_id,
         already_loaded=already_loaded,
-        gather_dst_slots=_compact(hit, buffer_base + experts, E),
-        gather_src_slots=_compact(hit, snapshot_row, E),
-        gather_count=jnp.sum(hit, dtype=jnp.int32),
-        run_starts=run_starts,
-        run_lens=run_lens,
-        run_count=run_count,
-        entry_bank=entry_bank,
-        entry_dst_slot=entry_dst,
-        entry_src_row=entry_src,
-        entry_rows=entry_rows,
-        entry_whole_layer=entry_whole,
-        entry_count=entry_count.astype(jnp.int32),
-        gather_banks=gather_banks,
+        gather=PrefillGather(
+            dst_slots=_compact(hit, buffer_base + experts, E),
+            src_slots=_compact(hit, snapshot_row, E),
+            count=jnp.sum(hit, dtype=jnp.int32),
+            banks=gather_banks,
+        ),
+        runs=MissRuns(starts=run_starts, lens=run_lens, count=run_count),
+        transfers=HostTransfers(
+            bank=entry_bank,
+            dst_slot=entry_dst,
+            src_row=entry_src,
+            rows=entry_rows,
+            whole_layer=entry_whole,
+            count=entry_count.astype(jnp.int32),
+        ),
         error=error,
     )
     return new_state, plan
@@ -289,7 +321,7 @@ def release_prefill_layer(state: CacheState, layer) -> CacheState:
     A layer that is not the one its buffer holds (out of range included) is ignored. Returns the
     state only (docs/design.md).
     """
-    layer = errors.as_index("layer", layer)
+    layer = validate.as_index("layer", layer)
     buffer_id = jnp.remainder(layer, 2)
     holds = (layer >= 0) & (layer < state.num_layers) & (state.prefill_layer[buffer_id] == layer)
     return state.replace(

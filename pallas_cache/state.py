@@ -18,17 +18,15 @@ with ``reset_stats`` (a metrics scrape does that) well before.
 
 from __future__ import annotations
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from pallas_cache import errors
+from pallas_cache import validate
+from pallas_cache.tree import pytree_dataclass
 
 __all__ = [
     "CacheState",
-    "PrefillDoesNotFit",
     "RebuildRejected",
     "init",
     "rebuild",
@@ -37,10 +35,9 @@ __all__ = [
 
 # The default clock threshold of docs/semantics.md §5.12: far below the int32 wrap, far above any test.
 DEFAULT_REBASE_THRESHOLD = 2**30
-_INT32_MAX = int(np.iinfo(np.int32).max)
 
 
-@dataclasses.dataclass(frozen=True)
+@pytree_dataclass
 class CacheState:
     """The whole cache, as arrays (docs/semantics.md §3). Build one with :func:`init`.
 
@@ -99,15 +96,6 @@ class CacheState:
     def cache_size(self) -> int:
         return self.id_of_slot.shape[-1]
 
-    def replace(self, **changes) -> "CacheState":
-        return dataclasses.replace(self, **changes)
-
-
-jax.tree_util.register_dataclass(
-    CacheState,
-    data_fields=[f.name for f in dataclasses.fields(CacheState)],
-    meta_fields=[],
-)
 
 
 class RebuildRejected(ValueError):
@@ -125,27 +113,6 @@ class RebuildRejected(ValueError):
             f"expert cache of {requested} slots cannot hold one layer of {minimum} experts; "
             f"the old cache is unchanged"
         )
-
-
-class PrefillDoesNotFit(ValueError):
-    """The pool has fewer than ``2 * E`` slots, so it cannot lend the two prefill buffers their
-    slots (docs/semantics.md §5.11). Raised at call/trace time: geometry is static."""
-
-    def __init__(self, cache_size: int, num_experts: int):
-        self.cache_size = cache_size
-        self.num_experts = num_experts
-        super().__init__(
-            f"cache of {cache_size} slots cannot lend {2 * num_experts} slots to the two "
-            f"prefill buffers (num_experts={num_experts}); prefill overlap must be off"
-        )
-
-
-def _positive_int(name: str, value) -> int:
-    """A Python/NumPy integer >= 1, else TypeError/ValueError naming the value."""
-    as_int = errors.as_host_int(name, value)
-    if as_int < 1:
-        raise ValueError(f"{name} must be >= 1, got {as_int}")
-    return as_int
 
 
 def _empty_state(num_layers, num_experts, cache_size, rebase_threshold, collect_routing):
@@ -188,13 +155,13 @@ def init(num_layers: int, num_experts: int, cache_size: int, *,
     Raises:
       TypeError: a non-integer argument. ValueError: an argument < 1, or ``S < E``.
     """
-    L = _positive_int("num_layers", num_layers)
-    E = _positive_int("num_experts", num_experts)
-    S = _positive_int("cache_size", cache_size)
-    threshold = _positive_int("rebase_threshold", rebase_threshold)
+    L = validate.positive_int("num_layers", num_layers)
+    E = validate.positive_int("num_experts", num_experts)
+    S = validate.positive_int("cache_size", cache_size)
+    threshold = validate.positive_int("rebase_threshold", rebase_threshold)
     if S < E:
         raise ValueError(f"cache_size {S} cannot hold one layer of {E} experts")
-    if threshold > _INT32_MAX:
+    if threshold > validate.INT32_MAX:
         raise ValueError(f"rebase_threshold must fit in int32, got {threshold}")
     return _empty_state(L, E, S, threshold, collect_routing=False)
 
@@ -221,7 +188,7 @@ def rebuild(state: CacheState, cache_size: int) -> CacheState:
       RebuildRejected: ``cache_size < E``; the caller keeps the old state, which is untouched.
       TypeError: ``cache_size`` is not an integer.
     """
-    requested = errors.as_host_int("cache_size", cache_size)
+    requested = validate.as_host_int("cache_size", cache_size)
     if requested < state.num_experts:
         raise RebuildRejected(requested=requested, minimum=state.num_experts)
     return _empty_state(state.num_layers, state.num_experts, requested,

@@ -1,7 +1,9 @@
 """NumPy reference of pallas-cache: the oracle the JAX implementation is tested against.
 
 Imperative, int64, no JAX. ``ReferenceCache`` implements every operation of docs/semantics.md;
-``ReferencePolicy`` the fetch policy and its balanced split.
+``ReferencePolicy`` the fetch policy and its balanced split. The modules follow the JAX package's
+(``state``, ``clock``, ``ops``, ``prefill``, ``reports``, ``policy``, ``errors``) and the plans have
+the JAX plans' type names and structure.
 """
 
 from .cache import (  # noqa: F401
@@ -12,8 +14,15 @@ from .cache import (  # noqa: F401
     ERR_SLOT,
     FORGOTTEN,
     SMALL_BANK_FEAT_BYTES,
+    CopyPlan,
+    EnsurePlan,
     ForgetPlan,
+    HostTransfers,
+    MaterializePlan,
+    MissRuns,
     PrefillDoesNotFit,
+    PrefillGather,
+    PrefillPlan,
     RebuildRejected,
     ReferenceCache,
     ReferencePlan,

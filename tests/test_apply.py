@@ -27,13 +27,8 @@ import pytest
 from jax import lax
 
 import pallas_cache as pc
-from pallas_cache.moe import (
-    apply_copy_plan,
-    host_memory_kind,
-    moe_combine,
-    moe_dense,
-    put_host_bank,
-)
+from pallas_cache.moe import apply_copy_plan, host_memory_kind, put_host_bank
+from pallas_cache.testing import moe_combine, moe_dense
 
 
 def _load_example():

@@ -117,7 +117,7 @@ def test_staging_without_begin_prefill_sets_err_prefill_not_begun(mode):
     state = warm_state()
     after, plan = op(mode, "prefetch_prefill_layer")(state, 0, bank_feat_bytes=(BIG_BANK,))
     assert_refused(state, after, plan, pc.ERR_PREFILL_NOT_BEGUN)
-    assert int(plan.entry_count) == 0 and int(plan.gather_count) == 0 and int(plan.run_count) == 0
+    assert int(plan.transfers.count) == 0 and int(plan.gather.count) == 0 and int(plan.runs.count) == 0
     assert not bool(plan.already_loaded)
 
 
@@ -132,7 +132,7 @@ def test_staging_into_an_unreleased_buffer_sets_err_prefill_busy(mode):
     wide, _ = op(mode, "prefetch_prefill_layer")(wide, 0, bank_feat_bytes=(BIG_BANK,))
     after, plan = op(mode, "prefetch_prefill_layer")(wide, 2, bank_feat_bytes=(BIG_BANK,))
     assert_refused(wide, after, plan, pc.ERR_PREFILL_BUSY)
-    assert int(plan.entry_count) == 0 and int(plan.gather_count) == 0
+    assert int(plan.transfers.count) == 0 and int(plan.gather.count) == 0
     released = pc.release_prefill_layer(wide, 0)
     _, plan = op(mode, "prefetch_prefill_layer")(released, 2, bank_feat_bytes=(BIG_BANK,))
     assert int(plan.error) == 0
@@ -261,7 +261,7 @@ def test_check_passes_a_clean_plan_through_and_raises_a_readable_error_otherwise
     assert isinstance(raised.value, ValueError)
     _, forget = pc.forget_slot(state, -3)
     with pytest.raises(pc.CacheError, match="ERR_SLOT"):
-        pc.raise_on_error(forget)
+        pc.check(forget)
 
 
 def test_check_on_a_batched_plan_raises_if_any_member_failed():

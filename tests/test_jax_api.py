@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 import pallas_cache as pc
 from pallas_cache.kernels import dispatch as backends
 from pallas_cache import clock
+from pallas_cache.host.reports import CacheStats
 from reference import ReferenceCache, ReferencePolicy
 
 BIG_BANK = 512 * 1024
@@ -321,7 +322,7 @@ def test_resetting_stats_opens_a_new_window_but_keeps_residency_and_the_histogra
     state = pc.set_collect_routing(pc.init(2, 4, 8), True)
     state, _ = pc.ensure(state, 0, ids(0, 1))
     state = pc.reset_stats(state)
-    assert pc.layer_stats(state, 0) == pc.CacheStats(0, 0, 0, 0)
+    assert pc.layer_stats(state, 0) == CacheStats(0, 0, 0, 0)
     assert np.asarray(pc.routing_histogram(state, 0)).tolist() == [1, 1, 0, 0]
     state, _ = pc.ensure(state, 0, ids(0, 1))
     assert pc.layer_stats(state, 0).missing == 0 and pc.layer_stats(state, 0).active_per_call == 2.0
@@ -794,8 +795,8 @@ def test_a_slot_inside_the_prefill_buffers_is_a_miss_however_resident_it_looks()
     state = pc.begin_prefill(one_layer_per_quarter())
     assert slot_of(state, 1, 0) == 4
     state, plan = pc.prefetch_prefill_layer(state, 1, (BIG_BANK,))
-    assert int(plan.buffer_id) == 1 and int(plan.gather_count) == 0
-    assert valid(plan.run_starts, plan.run_count) == [0] and valid(plan.run_lens, plan.run_count) == [4]
+    assert int(plan.buffer_id) == 1 and int(plan.gather.count) == 0
+    assert valid(plan.runs.starts, plan.runs.count) == [0] and valid(plan.runs.lens, plan.runs.count) == [4]
     assert (int(state.prefill_hit_rows), int(state.prefill_rows)) == (0, 4)
 
 
@@ -803,9 +804,9 @@ def test_a_resident_expert_above_the_buffer_slots_is_gathered_device_side():
     state = pc.begin_prefill(one_layer_per_quarter())
     state, plan = pc.prefetch_prefill_layer(state, 2, (BIG_BANK,))
     assert int(plan.buffer_id) == 0
-    assert valid(plan.gather_dst_slots, plan.gather_count) == [0, 1, 2, 3]
-    assert valid(plan.gather_src_slots, plan.gather_count) == [8, 9, 10, 11]
-    assert int(plan.run_count) == 0 and int(plan.entry_count) == 0, "a big bank with no misses ships nothing"
+    assert valid(plan.gather.dst_slots, plan.gather.count) == [0, 1, 2, 3]
+    assert valid(plan.gather.src_slots, plan.gather.count) == [8, 9, 10, 11]
+    assert int(plan.runs.count) == 0 and int(plan.transfers.count) == 0, "a big bank with no misses ships nothing"
     assert (int(state.prefill_hit_rows), int(state.prefill_rows)) == (4, 4)
 
 
@@ -832,15 +833,15 @@ def test_prefill_misses_ship_as_contiguous_expert_runs():
     state = pc.begin_prefill(state)
     state, plan = pc.prefetch_prefill_layer(state, 1, (BIG_BANK,))
     assert int(plan.buffer_id) == 1
-    assert valid(plan.gather_dst_slots, plan.gather_count) == [11, 12, 15]
-    assert valid(plan.gather_src_slots, plan.gather_count) == [16, 17, 18]
-    assert valid(plan.run_starts, plan.run_count) == [0, 5]
-    assert valid(plan.run_lens, plan.run_count) == [3, 2]
-    n = int(plan.entry_count)
+    assert valid(plan.gather.dst_slots, plan.gather.count) == [11, 12, 15]
+    assert valid(plan.gather.src_slots, plan.gather.count) == [16, 17, 18]
+    assert valid(plan.runs.starts, plan.runs.count) == [0, 5]
+    assert valid(plan.runs.lens, plan.runs.count) == [3, 2]
+    n = int(plan.transfers.count)
     assert n == 2
-    assert valid(plan.entry_bank, n) == [0, 0] and valid(plan.entry_dst_slot, n) == [8, 13]
-    assert valid(plan.entry_src_row, n) == [0, 5] and valid(plan.entry_rows, n) == [3, 2]
-    assert valid(plan.entry_whole_layer, n) == [False, False]
+    assert valid(plan.transfers.bank, n) == [0, 0] and valid(plan.transfers.dst_slot, n) == [8, 13]
+    assert valid(plan.transfers.src_row, n) == [0, 5] and valid(plan.transfers.rows, n) == [3, 2]
+    assert valid(plan.transfers.whole_layer, n) == [False, False]
     assert plan.entry_bytes((BIG_BANK,))[:n].tolist() == [3 * BIG_BANK, 2 * BIG_BANK]
 
 
@@ -852,12 +853,12 @@ def test_a_small_bank_ships_its_whole_layer_even_with_no_misses():
         state, _ = pc.ensure(state, layer, jnp.arange(8, dtype=jnp.int32))
     state = pc.begin_prefill(state)
     state, plan = pc.prefetch_prefill_layer(state, 1, (BIG_BANK, SMALL_BANK))
-    assert int(plan.gather_count) == 8 and int(plan.run_count) == 0
-    assert np.asarray(plan.gather_banks).tolist() == [0, -1], "the small bank is not gathered"
-    n = int(plan.entry_count)
+    assert int(plan.gather.count) == 8 and int(plan.runs.count) == 0
+    assert np.asarray(plan.gather.banks).tolist() == [0, -1], "the small bank is not gathered"
+    n = int(plan.transfers.count)
     assert n == 1
-    assert (valid(plan.entry_bank, n), valid(plan.entry_dst_slot, n), valid(plan.entry_src_row, n),
-            valid(plan.entry_rows, n), valid(plan.entry_whole_layer, n)) == ([1], [8], [0], [8], [True])
+    assert (valid(plan.transfers.bank, n), valid(plan.transfers.dst_slot, n), valid(plan.transfers.src_row, n),
+            valid(plan.transfers.rows, n), valid(plan.transfers.whole_layer, n)) == ([1], [8], [0], [8], [True])
     assert plan.entry_bytes((BIG_BANK, SMALL_BANK))[:1].tolist() == [8 * SMALL_BANK]
 
 
@@ -876,7 +877,7 @@ def test_the_two_prefill_buffers_rotate_by_layer_parity():
     assert (int(plan0.buffer_id), int(plan1.buffer_id)) == (0, 1)
     assert np.asarray(state.prefill_layer).tolist() == [0, 1]
     state, again = pc.prefetch_prefill_layer(state, 1, (BIG_BANK,))
-    assert bool(again.already_loaded) and int(again.entry_count) == 0 and int(again.error) == 0
+    assert bool(again.already_loaded) and int(again.transfers.count) == 0 and int(again.error) == 0
     assert int(state.prefill_rows) == 8, "the no-op staged no rows"
     state = pc.release_prefill_layer(state, 0)
     state, plan2 = pc.prefetch_prefill_layer(state, 2, (BIG_BANK,))
@@ -902,7 +903,7 @@ def test_the_chunk_snapshot_and_the_live_map_agree_on_every_row():
         state, plan = pc.prefetch_prefill_layer(state, layer, (BIG_BANK,))
         state = pc.release_prefill_layer(state, layer)
         if not bool(plan.already_loaded):
-            assert valid(plan.gather_src_slots, plan.gather_count) == live
+            assert valid(plan.gather.src_slots, plan.gather.count) == live
 
 
 def test_a_pool_that_cannot_lend_the_buffers_their_slots_says_so():

@@ -18,6 +18,8 @@ the jit mode wraps every public function in an outer ``jax.jit`` with a traced l
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -92,11 +94,6 @@ STATE_FIELDS = {
     "prefill_rows": "prefill_rows",
     "rebase_threshold": "rebase_threshold",
 }
-PREFILL_PLAN_FIELDS = (
-    "layer", "buffer_id", "already_loaded", "gather_dst_slots", "gather_src_slots", "gather_count",
-    "run_starts", "run_lens", "run_count", "entry_bank", "entry_dst_slot", "entry_src_row",
-    "entry_rows", "entry_whole_layer", "entry_count", "gather_banks", "error",
-)
 
 
 # ---- comparing -----------------------------------------------------------------------------
@@ -114,19 +111,17 @@ def assert_same_state(state, ref, context):
             err_msg=f"state.{field} after {context}")
 
 
-def assert_same_fields(plan_values: dict, ref, names, context):
-    for name, value in plan_values.items():
-        np.testing.assert_array_equal(
-            _np(value), np.asarray(getattr(ref, names.get(name, name))),
-            err_msg=f"plan.{name} after {context}")
-
-
-def ensure_plan_fields(plan):
-    return {
-        "slots": plan.slots, "cpu": plan.cpu, "dst_slots": plan.copy.dst_slots,
-        "src_rows": plan.copy.src_rows, "count": plan.copy.count, "active": plan.active,
-        "missing": plan.missing, "fetched": plan.fetched, "error": plan.error,
-    }
+def assert_same_plan(plan, ref, context, path="plan"):
+    """Every field of a JAX plan equals the reference plan's field of the same name, nested parts
+    (``copy``, ``gather``, ``runs``, ``transfers``) included: the two have one structure."""
+    assert type(plan).__name__ == type(ref).__name__, f"{path}: {type(plan)} vs {type(ref)}"
+    for field in dataclasses.fields(plan):
+        mine, theirs = getattr(plan, field.name), getattr(ref, field.name)
+        if dataclasses.is_dataclass(mine):
+            assert_same_plan(mine, theirs, context, f"{path}.{field.name}")
+        else:
+            np.testing.assert_array_equal(_np(mine), np.asarray(theirs),
+                                          err_msg=f"{path}.{field.name} after {context}")
 
 
 def assert_invariants(state):
@@ -270,7 +265,7 @@ def run_lockstep(data, mode, backend):
             routes = given_args["routes"] if given_args else draw_routes(data, E, route_shape)
             context += f"(layer={layer}, routes={routes.tolist()})"
             state, plan = ops["ensure"](state, index(layer), jnp.asarray(routes), backend=backend)
-            assert_same_fields(ensure_plan_fields(plan), ref.ensure(layer, routes), {}, context)
+            assert_same_plan(plan, ref.ensure(layer, routes), context)
             assert_plan_well_formed(plan, routes, E)
         elif kind == "ensure_hybrid":
             layer, routes = draw_layer(data, L), draw_routes(data, E, route_shape)
@@ -283,20 +278,18 @@ def run_lockstep(data, mode, backend):
                                                order=order, admission=admission, backend=backend)
             expected = ref.ensure_hybrid(layer, routes, ref_policy, order=order.value,
                                          admission=admission.value)
-            assert_same_fields(ensure_plan_fields(plan), expected, {}, context)
+            assert_same_plan(plan, expected, context)
             assert_plan_well_formed(plan, routes, E)
         elif kind == "materialize_layer":
             layer = draw_layer(data, L)
             context += f"(layer={layer})"
             state, plan = ops["materialize_layer"](state, index(layer))
-            fields = {"dst_slots": plan.copy.dst_slots, "src_rows": plan.copy.src_rows,
-                      "count": plan.copy.count, "error": plan.error}
-            assert_same_fields(fields, ref.materialize_layer(layer), {}, context)
+            assert_same_plan(plan, ref.materialize_layer(layer), context)
         elif kind == "forget_slot":
             slot = data.draw(st.sampled_from(list(range(S)) * 3 + [-1, S]), label="slot")
             context += f"(slot={slot})"
             state, plan = ops["forget_slot"](state, index(slot))
-            assert_same_fields({"old": plan.old, "error": plan.error}, ref.forget_slot(slot), {}, context)
+            assert_same_plan(plan, ref.forget_slot(slot), context)
         elif kind == "begin_prefill":
             if ref.prefill_overlap_fits():
                 state = ops["begin_prefill"](state)
@@ -317,9 +310,8 @@ def run_lockstep(data, mode, backend):
                 continue
             state, plan = ops["prefetch_prefill_layer"](state, index(layer), bank_feat_bytes=banks)
             expected = ref.prefetch_prefill_layer(layer, banks)
-            assert_same_fields({name: getattr(plan, name) for name in PREFILL_PLAN_FIELDS},
-                               expected, {}, context)
-            count = int(_np(plan.entry_count))
+            assert_same_plan(plan, expected, context)
+            count = int(_np(plan.transfers.count))
             assert plan.entry_bytes(banks)[:count].tolist() == list(expected.entry_bytes(banks))
         elif kind == "release_prefill_layer":
             layer = draw_layer(data, L)
@@ -375,7 +367,7 @@ def note_events(kind, plan, previous_step, ref):
         event("hybrid step with CPU routes")
     if kind == "ensure_hybrid" and int(_np(plan.missing)) > int(_np(plan.fetched)) > 0:
         event("hybrid step with capped fetches")
-    if kind == "prefetch_prefill_layer" and int(_np(plan.gather_count)):
+    if kind == "prefetch_prefill_layer" and int(_np(plan.gather.count)):
         event("prefill gather")
     if kind == "prefetch_prefill_layer" and bool(_np(plan.already_loaded)):
         event("prefill already loaded")
@@ -417,7 +409,7 @@ def test_a_long_run_across_the_clock_rebase_matches_the_reference():
                              admission="reuse" if step % 3 else "promote_one")
         expected = ref.ensure_hybrid(layer, routes, ref_policy, order="recency",
                                      admission="reuse" if step % 3 else "promote_one")
-        assert_same_fields(ensure_plan_fields(plan), expected, {}, f"step {step}")
+        assert_same_plan(plan, expected, f"step {step}")
         if step % 17 == 0:
             state, _ = JITTED["forget_slot"](state, step % S)
             ref.forget_slot(step % S)

@@ -28,9 +28,9 @@ def _warm(L, E, S):
 
 
 def _gathers(plan):
-    count = int(plan.gather_count)
-    return list(zip(np.asarray(plan.gather_dst_slots)[:count].tolist(),
-                    np.asarray(plan.gather_src_slots)[:count].tolist()))
+    count = int(plan.gather.count)
+    return list(zip(np.asarray(plan.gather.dst_slots)[:count].tolist(),
+                    np.asarray(plan.gather.src_slots)[:count].tolist()))
 
 
 def _assert_gathers_hold(plan, id_of_slot, layer, E):
@@ -56,8 +56,8 @@ def test_an_expert_evicted_after_begin_prefill_is_copied_from_the_host():
     before = int(state.prefill_hit_rows)
     state, plan = pc.prefetch_prefill_layer(state, 2, BANKS)
     ref_plan = ref.prefetch_prefill_layer(2, BANKS)
-    assert int(plan.error) == 0 and int(plan.gather_count) == 0 == ref_plan.gather_count
-    assert (int(plan.run_count), np.asarray(plan.run_starts)[0], np.asarray(plan.run_lens)[0]) \
+    assert int(plan.error) == 0 and int(plan.gather.count) == 0 == ref_plan.gather.count
+    assert (int(plan.runs.count), np.asarray(plan.runs.starts)[0], np.asarray(plan.runs.lens)[0]) \
         == (1, 0, 2)
     assert int(state.prefill_hit_rows) == before == ref.prefill_hit_rows
 
@@ -93,8 +93,8 @@ def test_interleaved_decode_and_prefill_gather_only_resident_rows(ops):
             _assert_gathers_hold(plan, id_of_slot, layer, E)
             assert int(plan.error) == ref_plan.error
             assert _gathers(plan) == list(zip(
-                ref_plan.gather_dst_slots[:ref_plan.gather_count].tolist(),
-                ref_plan.gather_src_slots[:ref_plan.gather_count].tolist()))
+                ref_plan.gather.dst_slots[:ref_plan.gather.count].tolist(),
+                ref_plan.gather.src_slots[:ref_plan.gather.count].tolist()))
         elif kind == "release":
             state = pc.release_prefill_layer(state, layer)
             ref.release_prefill_layer(layer)

@@ -187,7 +187,7 @@ def test_reusing_an_unreleased_prefill_buffer_is_refused_and_changes_nothing():
     c.prefetch_prefill_layer(0, (1 << 20,))
     before = snapshot(c)
     plan = c.prefetch_prefill_layer(2, (1 << 20,))
-    assert plan.error == ERR_PREFILL_BUSY and plan.entry_count == 0
+    assert plan.error == ERR_PREFILL_BUSY and plan.transfers.count == 0
     assert_same_state(c, before)
 
 
@@ -219,10 +219,10 @@ def cache_with_one_layer_per_quarter():
 
 
 def entries(plan, banks):
-    n = plan.entry_count
-    return list(zip(plan.entry_bank[:n].tolist(), plan.entry_dst_slot[:n].tolist(),
-                    plan.entry_src_row[:n].tolist(), plan.entry_rows[:n].tolist(),
-                    plan.entry_bytes(banks), plan.entry_whole_layer[:n].tolist()))
+    n = plan.transfers.count
+    return list(zip(plan.transfers.bank[:n].tolist(), plan.transfers.dst_slot[:n].tolist(),
+                    plan.transfers.src_row[:n].tolist(), plan.transfers.rows[:n].tolist(),
+                    plan.entry_bytes(banks), plan.transfers.whole_layer[:n].tolist()))
 
 
 def test_a_slot_inside_the_prefill_buffers_is_a_miss_however_resident_it_looks():
@@ -231,8 +231,8 @@ def test_a_slot_inside_the_prefill_buffers_is_a_miss_however_resident_it_looks()
     c = cache_with_one_layer_per_quarter()
     c.begin_prefill()
     plan = c.prefetch_prefill_layer(1, (BIG_BANK,))
-    assert plan.buffer_id == 1 and plan.gather_count == 0
-    assert (plan.run_count, plan.run_starts[0], plan.run_lens[0]) == (1, 0, 4)
+    assert plan.buffer_id == 1 and plan.gather.count == 0
+    assert (plan.runs.count, plan.runs.starts[0], plan.runs.lens[0]) == (1, 0, 4)
     assert (c.prefill_hit_rows, c.prefill_rows) == (0, 4)
 
 
@@ -241,9 +241,9 @@ def test_a_resident_expert_above_the_buffer_slots_is_gathered_device_side():
     c.begin_prefill()
     plan = c.prefetch_prefill_layer(2, (BIG_BANK,))
     assert plan.buffer_id == 0
-    assert plan.gather_dst_slots.tolist() == [0, 1, 2, 3]
-    assert plan.gather_src_slots.tolist() == [8, 9, 10, 11]
-    assert plan.run_count == 0 and plan.entry_count == 0, "a big bank with no misses ships nothing"
+    assert plan.gather.dst_slots.tolist() == [0, 1, 2, 3]
+    assert plan.gather.src_slots.tolist() == [8, 9, 10, 11]
+    assert plan.runs.count == 0 and plan.transfers.count == 0, "a big bank with no misses ships nothing"
     assert (c.prefill_hit_rows, c.prefill_rows) == (4, 4)
 
 
@@ -271,9 +271,9 @@ def test_prefill_misses_ship_as_contiguous_expert_runs():
     c.begin_prefill()
     plan = c.prefetch_prefill_layer(1, (BIG_BANK,))
     assert plan.buffer_id == 1
-    assert plan.gather_dst_slots[: plan.gather_count].tolist() == [11, 12, 15]
-    assert plan.gather_src_slots[: plan.gather_count].tolist() == [16, 17, 18]
-    assert plan.run_starts[:2].tolist() == [0, 5] and plan.run_lens[:2].tolist() == [3, 2]
+    assert plan.gather.dst_slots[: plan.gather.count].tolist() == [11, 12, 15]
+    assert plan.gather.src_slots[: plan.gather.count].tolist() == [16, 17, 18]
+    assert plan.runs.starts[:2].tolist() == [0, 5] and plan.runs.lens[:2].tolist() == [3, 2]
     assert entries(plan, (BIG_BANK,)) == [
         (0, 8, 0, 3, 3 * BIG_BANK, False),
         (0, 13, 5, 2, 2 * BIG_BANK, False),
@@ -288,8 +288,8 @@ def test_a_small_bank_ships_its_whole_layer_even_with_no_misses():
         c.ensure(layer, list(range(8)))
     c.begin_prefill()
     plan = c.prefetch_prefill_layer(1, (BIG_BANK, SMALL_BANK))
-    assert plan.gather_count == 8 and plan.run_count == 0
-    assert plan.gather_banks.tolist() == [0, -1], "the small bank is not gathered"
+    assert plan.gather.count == 8 and plan.runs.count == 0
+    assert plan.gather.banks.tolist() == [0, -1], "the small bank is not gathered"
     assert entries(plan, (BIG_BANK, SMALL_BANK)) == [(1, 8, 0, 8, 8 * SMALL_BANK, True)]
 
 
@@ -300,7 +300,7 @@ def test_the_two_prefill_buffers_rotate_by_layer_parity():
     assert c.prefetch_prefill_layer(1, (BIG_BANK,)).buffer_id == 1
     assert c.prefill_layer.tolist() == [0, 1]
     again = c.prefetch_prefill_layer(1, (BIG_BANK,))
-    assert again.already_loaded and again.entry_count == 0 and again.error == 0
+    assert again.already_loaded and again.transfers.count == 0 and again.error == 0
     assert c.prefill_rows == 8, "the no-op staged no rows"
     c.release_prefill_layer(0)
     assert c.prefetch_prefill_layer(2, (BIG_BANK,)).buffer_id == 0
@@ -326,7 +326,7 @@ def test_the_chunk_snapshot_and_the_live_map_agree_on_every_row():
         plan = c.prefetch_prefill_layer(layer, (BIG_BANK,))
         c.release_prefill_layer(layer)
         if not plan.already_loaded:
-            assert plan.gather_src_slots[: plan.gather_count].tolist() == live
+            assert plan.gather.src_slots[: plan.gather.count].tolist() == live
 
 
 def test_a_pool_that_cannot_lend_the_buffers_their_slots_says_so():

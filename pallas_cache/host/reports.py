@@ -23,7 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_cache import errors
+from pallas_cache import validate
+from pallas_cache.host.metrics import COVERAGE_FRACTION, histogram_metrics, oracle_slots_for
 from pallas_cache.state import CacheState
 
 __all__ = [
@@ -40,10 +41,6 @@ __all__ = [
     "set_collect_routing",
     "stats",
 ]
-
-# The share of routing mass ``experts_for_90pct`` covers.
-COVERAGE_FRACTION = 0.9
-
 
 def _ratio(numerator: int, denominator: int) -> float:
     return numerator / denominator if denominator else 0.0
@@ -112,7 +109,7 @@ def stats(state: CacheState) -> CacheStats:
 
 
 def _host_layer(state: CacheState, layer) -> int:
-    layer = errors.as_host_int("layer", layer)
+    layer = validate.as_host_int("layer", layer)
     if not 0 <= layer < state.num_layers:
         raise ValueError(f"layer {layer} is outside a model of {state.num_layers} layers")
     return layer
@@ -153,7 +150,7 @@ def routing_histogram(state: CacheState, layer) -> jax.Array:
 
     Jittable. A Python int layer is range-checked (ValueError); a traced one is clamped into
     range, since a report cannot carry an error bit."""
-    if isinstance(layer, (int, np.integer)) and not isinstance(layer, (bool, np.bool_)):
+    if validate.is_int(layer):
         layer = _host_layer(state, layer)
     return state.routing_freq[jnp.clip(layer, 0, state.num_layers - 1)]
 
@@ -207,38 +204,26 @@ class RoutingSkewReport:
     per_layer: list
 
 
-def _layer_skew(layer: int, counts: np.ndarray, oracle_slots: int) -> LayerRoutingSkew:
-    num_experts = counts.shape[0]
-    total = int(counts.sum())
-    hottest_first = np.sort(counts)[::-1]
-    cumulative_share = np.cumsum(hottest_first) / float(total)
-    # The cdf is non-decreasing: the entries below the coverage line are a prefix, +1 crosses it.
-    below = int(np.count_nonzero(cumulative_share < COVERAGE_FRACTION))
-    p = counts[counts > 0] / float(total)
-    entropy = float(-(p * np.log(p)).sum())
-    return LayerRoutingSkew(
-        layer=layer,
-        routed=total,
-        working_set=int(np.count_nonzero(counts)),
-        experts_for_90pct=min(below + 1, num_experts),
-        norm_entropy=entropy / np.log(num_experts) if num_experts > 1 else 0.0,
-        oracle_hit_at_slots=float(hottest_first[:oracle_slots].sum()) / total,
-    )
-
-
 def routing_skew(state: CacheState):
     """The :class:`RoutingSkewReport` of the observed histogram, or None if nothing was observed."""
     freq = np.asarray(jax.device_get(state.routing_freq)).astype(np.int64)
     num_layers, cache_size = state.num_layers, state.cache_size
-    # round half away from zero of S / L, in integers: floor((2S + L) / 2L).
-    oracle_slots = max(1, (2 * cache_size + num_layers) // (2 * num_layers))
-    per_layer = [
-        _layer_skew(layer, freq[layer], oracle_slots)
-        for layer in range(num_layers)
-        if freq[layer].sum() > 0
-    ]
-    if not per_layer:
+    oracle_slots = oracle_slots_for(cache_size, num_layers)
+    routed_layers = np.flatnonzero(freq.sum(axis=1))
+    if routed_layers.size == 0:
         return None
+    metrics = histogram_metrics(freq[routed_layers], top=oracle_slots)
+    per_layer = [
+        LayerRoutingSkew(
+            layer=int(layer),
+            routed=int(metrics.routed[row]),
+            working_set=int(metrics.working_set[row]),
+            experts_for_90pct=int(metrics.experts_for_90pct[row]),
+            norm_entropy=float(metrics.norm_entropy[row]),
+            oracle_hit_at_slots=float(metrics.hottest_share[row]),
+        )
+        for row, layer in enumerate(routed_layers)
+    ]
     count = float(len(per_layer))
     return RoutingSkewReport(
         slots_per_layer=cache_size / num_layers,

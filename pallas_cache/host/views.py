@@ -20,9 +20,9 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-__all__ = ["CacheDiff", "CacheView", "SlotEntry", "SlotRow", "describe", "diff"]
+from pallas_cache.validate import INT32_MIN
 
-_INT32_MIN = int(np.iinfo(np.int32).min)
+__all__ = ["CacheDiff", "CacheView", "SlotEntry", "SlotRow", "describe", "diff"]
 
 # Slot status values of SlotRow.status.
 RESIDENT, EMPTY, FORGOTTEN = "resident", "empty", "forgotten"
@@ -69,7 +69,7 @@ def _host_fields(state, names):
 
 
 def _usage_text(usage: int) -> str:
-    return "INT32_MIN" if usage == _INT32_MIN else str(usage)
+    return "INT32_MIN" if usage == INT32_MIN else str(usage)
 
 
 def _text_table(header: list[str], rows: list[list[str]]) -> str:
@@ -168,7 +168,7 @@ def describe(state) -> CacheView:
             layer, expert = divmod(flat_id, num_experts)
             rows.append(SlotRow(slot, layer, expert, usage, step - usage, RESIDENT))
         else:
-            status = FORGOTTEN if usage == _INT32_MIN else EMPTY
+            status = FORGOTTEN if usage == INT32_MIN else EMPTY
             rows.append(SlotRow(slot, None, None, usage, None, status))
     return CacheView(num_layers=num_layers, num_experts=num_experts,
                      cache_size=len(rows), step=step, rows=rows)

@@ -37,7 +37,9 @@ from typing import Any
 
 import numpy as np
 
+from pallas_cache.host.metrics import histogram_metrics, oracle_slots_for
 from pallas_cache.sizing.trace import Trace
+from pallas_cache.validate import is_int
 
 __all__ = [
     "BeladyResult",
@@ -125,8 +127,7 @@ def belady(trace: Trace | tuple[Any, Any], cache_size: int, *,
         ValueError: a cache size below ``E``, inconsistent geometry, or malformed arrays.
     """
     layers, routes, num_layers, num_experts = _coerce_trace(trace, num_layers, num_experts)
-    if (not isinstance(cache_size, (int, np.integer)) or isinstance(cache_size, bool)
-            or cache_size < num_experts):
+    if not is_int(cache_size) or cache_size < num_experts:
         raise ValueError(f"cache_size must be an integer >= num_experts={num_experts} (the cache "
                          f"cannot hold one layer otherwise), got {cache_size!r}")
     slots = int(cache_size)
@@ -212,19 +213,6 @@ def _simulate(call_of: np.ndarray, flat_of: np.ndarray, next_use: np.ndarray, ca
 # ---- the stationary oracle ------------------------------------------------------------------
 
 
-def oracle_slots_for(cache_size: int, num_layers: int) -> int:
-    """``max(1, round_half_away_from_zero(S / L))`` in exact integer arithmetic (docs/semantics.md §5.10, 10).
-
-    Args:
-        cache_size: ``S >= 1``.
-        num_layers: ``L >= 1``.
-
-    Returns:
-        Slots the oracle grants each layer (``S=5, L=2`` gives 3, where half-to-even gives 2).
-    """
-    return max(1, (2 * int(cache_size) + int(num_layers)) // (2 * int(num_layers)))
-
-
 @dataclass(frozen=True, eq=False)
 class StationaryOracle:
     """The per-layer stationary oracle of docs/semantics.md §5.10, for one cache size.
@@ -262,8 +250,7 @@ def stationary_oracle(trace: Trace, cache_size: int) -> StationaryOracle:
     """
     if not isinstance(trace, Trace):
         raise TypeError(f"stationary_oracle needs a Trace, got {type(trace).__name__}")
-    if (not isinstance(cache_size, (int, np.integer)) or isinstance(cache_size, bool)
-            or cache_size < 1):
+    if not is_int(cache_size) or cache_size < 1:
         raise ValueError(f"cache_size must be a positive integer, got {cache_size!r}")
     num_layers = trace.num_layers
     oracle_slots = oracle_slots_for(cache_size, num_layers)
@@ -272,9 +259,7 @@ def stationary_oracle(trace: Trace, cache_size: int) -> StationaryOracle:
     routed_layers = np.flatnonzero(routed_per_layer)
     if routed_layers.size == 0:
         raise ValueError(f"{trace.source}: no non-padding route, no oracle to compute")
-    hottest_first = -np.sort(-histogram[routed_layers], axis=1)
-    head = hottest_first[:, :oracle_slots].sum(axis=1)
-    hit_rate = head.astype(np.float64) / routed_per_layer[routed_layers].astype(np.float64)
+    hit_rate = histogram_metrics(histogram[routed_layers], top=oracle_slots).hottest_share
     return StationaryOracle(cache_size=int(cache_size),
                             slots_per_layer=int(cache_size) / num_layers,
                             oracle_slots=oracle_slots, routed_layers=routed_layers,

@@ -40,6 +40,7 @@ from pallas_cache.sizing import bounds as belady_lib
 from pallas_cache.ops import _ensure, _Rules  # the compiled core, with order/admission as data
 from pallas_cache.policy import Admission, FetchOrder, FetchPolicy
 from pallas_cache.state import init
+from pallas_cache.validate import is_int
 from pallas_cache.sizing.trace import Trace
 
 __all__ = ["ReplayConfig", "ReplayResult", "parse_policy", "replay", "config_grid"]
@@ -83,7 +84,7 @@ class ReplayConfig:
         parse_policy(self.policy)
         FetchOrder.coerce(self.order)
         Admission.coerce(self.admission)
-        if isinstance(self.cache_size, bool) or not isinstance(self.cache_size, (int, np.integer)):
+        if not is_int(self.cache_size):
             raise TypeError(f"cache_size must be an int, got {self.cache_size!r}")
 
 

@@ -39,7 +39,9 @@ from typing import Sequence
 
 import numpy as np
 
+from pallas_cache.host.metrics import histogram_metrics
 from pallas_cache.sizing.trace import Trace
+from pallas_cache.validate import is_int
 
 __all__ = [
     "SyntheticParams",
@@ -101,7 +103,7 @@ class SyntheticParams:
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_experts", "top_k", "num_tokens"):
             value = getattr(self, name)
-            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.top_k > self.num_experts:
             raise ValueError(f"top_k={self.top_k} exceeds num_experts={self.num_experts}: a "
@@ -187,7 +189,7 @@ def synthetic_trace(preset_or_params: str | SyntheticParams, num_tokens: int | N
                         f"{type(preset_or_params).__name__}")
     if num_tokens is not None:
         params = replace(params, num_tokens=num_tokens)
-    if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool) or seed < 0:
+    if not is_int(seed) or seed < 0:
         raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
 
     rng = np.random.default_rng(seed)
@@ -306,14 +308,8 @@ def trace_statistics(trace: Trace) -> TraceStatistics:
     routed_layers = np.flatnonzero(routes_per_layer)
     if routed_layers.size == 0:
         raise ValueError(f"{trace.source}: no non-padding route, nothing to measure")
-    counts = histogram[routed_layers].astype(np.float64)
-    share = counts / counts.sum(axis=1, keepdims=True)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        plogp = np.where(share > 0, share * np.log(share), 0.0)
-    entropy = -plogp.sum(axis=1)
-    experts = trace.num_experts
-    norm_entropy = entropy / math.log(experts) if experts > 1 else np.zeros_like(entropy)
-    working_set = (histogram[routed_layers] > 0).sum(axis=1).astype(np.int64)
+    metrics = histogram_metrics(histogram[routed_layers])
+    norm_entropy, working_set = metrics.norm_entropy, metrics.working_set
 
     reused, considered = _reuse_counts(trace)
     with np.errstate(divide="ignore", invalid="ignore"):

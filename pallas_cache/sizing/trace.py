@@ -1,13 +1,17 @@
 """Routing traces: what a cache replay feeds on.
 
+(Why one module of ~600 lines: most of it is input validation -- one precise, located message per
+way a JSONL record or an array can be malformed -- and the readers funnel into the checks of the
+:class:`Trace` constructor, so the type, its readers and their messages are read together.)
+
 Sizing an expert cache means replaying what the router actually asked for. A *routing trace* is
 that record: for every MoE layer-call, in the order the decode loop made them, the layer index and
 the experts the router picked (docs/semantics.md §2: layer-local ids in ``[0, E)``, ``-1`` = padding route).
 
 This module turns the formats traces come in into one dense, validated :class:`Trace`, because
 the replay runs a ``lax.scan`` over calls and wants two plain arrays -- ``layers`` int32 ``[C]``
-and ``routes`` int32 ``[C, K]`` -- not a ragged list of records. Everything here is NumPy; it
-does not import the cache.
+and ``routes`` int32 ``[C, K]`` -- not a ragged list of records. Everything here is NumPy; of
+the cache it uses only the input validators (:mod:`pallas_cache.validate`).
 
 Formats (:func:`load_trace` picks one from the file suffix):
 
@@ -46,6 +50,8 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from pallas_cache.validate import INT32_MAX, is_int
+
 __all__ = [
     "Trace",
     "TraceError",
@@ -67,7 +73,6 @@ SEQUENCE_KEYS = ("sequence", "problem_id")
 #: Array names an ``.npz`` is searched for, in order, before falling back to its first array.
 NPZ_ROUTE_KEYS = ("routes", "experts")
 
-_INT32_MAX = int(np.iinfo(np.int32).max)
 _TOKEN_MAX = 2**62
 
 
@@ -386,7 +391,7 @@ def load_jsonl_trace(path: str | os.PathLike, *, num_layers: int | None = None,
             if declared_layers is not None and layer >= declared_layers:
                 raise TraceError(f"{where}: field 'layer': layer {layer} is outside "
                                  f"[0, {declared_layers}) (num_layers={declared_layers})")
-            if layer > _INT32_MAX - 1:
+            if layer > INT32_MAX - 1:
                 raise TraceError(f"{where}: field 'layer': layer {layer} does not fit int32")
             token = _record_int(record, "token_idx", where)
             if token < 0:
@@ -403,7 +408,7 @@ def load_jsonl_trace(path: str | os.PathLike, *, num_layers: int | None = None,
                 raise TraceError(f"{where}: field 'experts': expected a list of integers, got "
                                  f"{type(experts).__name__} {_short(experts)}")
             for position, expert in enumerate(experts):
-                if not _is_int(expert):
+                if not is_int(expert):
                     raise TraceError(f"{where}: field 'experts': entry {position} is "
                                      f"{_short(expert)}, expected an integer expert id")
                 if expert < -1:
@@ -412,7 +417,7 @@ def load_jsonl_trace(path: str | os.PathLike, *, num_layers: int | None = None,
                 if declared_experts is not None and expert >= declared_experts:
                     raise TraceError(f"{where}: field 'experts': expert {expert} is outside "
                                      f"[-1, {declared_experts}) (num_experts={declared_experts})")
-                if expert > _INT32_MAX - 1:
+                if expert > INT32_MAX - 1:
                     raise TraceError(f"{where}: field 'experts': expert {expert} does not fit "
                                      f"int32")
 
@@ -420,7 +425,7 @@ def load_jsonl_trace(path: str | os.PathLike, *, num_layers: int | None = None,
             for key in SEQUENCE_KEYS:
                 if key in record and record[key] is not None:
                     label = record[key]
-                    if not (isinstance(label, str) or _is_int(label)):
+                    if not (isinstance(label, str) or is_int(label)):
                         raise TraceError(f"{where}: field {key!r}: expected a string or integer "
                                          f"sequence label, got {_short(label)}")
                     break
@@ -528,7 +533,7 @@ def _trace_from_dense(array: np.ndarray, *, num_layers: int | None, num_experts:
         raise TraceError(f"{label}: {layers} layers in the array but num_layers="
                          f"{declared_layers} was declared")
     values = array.astype(np.int64)
-    limit = declared_experts if declared_experts is not None else _INT32_MAX
+    limit = declared_experts if declared_experts is not None else INT32_MAX
     bad = (values < -1) | (values >= limit)
     if bad.any():
         index = tuple(int(i) for i in np.argwhere(bad)[0])
@@ -596,11 +601,6 @@ def save_trace(trace: Trace, path: str | os.PathLike) -> None:
 _MISSING = object()
 
 
-def _is_int(value: Any) -> bool:
-    """JSON integers only: ``True`` and ``3.0`` are not expert ids."""
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _short(value: Any) -> str:
     text = json.dumps(value)
     return text if len(text) <= 40 else text[:37] + "..."
@@ -611,14 +611,14 @@ def _record_int(record: dict, key: str, where: str) -> int:
         raise TraceError(f"{where}: field {key!r}: missing (required keys: 'layer', "
                          f"'token_idx', 'experts')")
     value = record[key]
-    if not _is_int(value):
+    if not is_int(value):
         raise TraceError(f"{where}: field {key!r}: expected an integer, got "
                          f"{type(value).__name__} {_short(value)}")
     return value
 
 
 def _positive_int(value: Any, name: str, error: type[Exception], where: str) -> int:
-    if not (isinstance(value, (int, np.integer)) and not isinstance(value, bool)) or value < 1:
+    if not is_int(value) or value < 1:
         raise error(f"{where}: {name} must be a positive integer, got {value!r}")
     return int(value)
 
@@ -626,6 +626,6 @@ def _positive_int(value: Any, name: str, error: type[Exception], where: str) -> 
 def _optional_positive_int(value: Any, name: str) -> int | None:
     if value is None:
         return None
-    if not (isinstance(value, (int, np.integer)) and not isinstance(value, bool)) or value < 1:
+    if not is_int(value) or value < 1:
         raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
     return int(value)
