@@ -1,20 +1,15 @@
 """The two decisions that have kernel implementations, behind one dispatch point (docs/semantics.md §7).
 
-Victim selection (the argmin over ``(usage, slot)``) and the seed-000 promotion decision are the
-only parts of a cache step that scan the whole slot pool, so they are the parts worth a kernel.
-Every op in ``ops.py`` routes them through the two functions here and nothing else, so wiring a
-backend is a change to this file alone.
-
-``backend`` is static: ``"xla"`` (pure ``jnp``), ``"pallas"`` (GPU, Triton lowering) or
-``"interpret"`` (the Pallas kernels under the Pallas interpreter, for CPU tests). ``None``
-resolves to ``"pallas"`` on GPU and ``"xla"`` elsewhere. All backends must produce identical
-results.
-
-Why the XLA path loops instead of sorting: on CPU, XLA's sort and top-k over a 2048-slot pool cost
-hundreds of microseconds per call, while one masked argmin costs a microsecond or two; a step
-fetches a handful of misses, so ``n`` rounds of "take the minimum, knock it out" (exactly
-docs/semantics.md §5.2's "``m`` repeated argmins with the claimed slot knocked out") is far cheaper and obviously
-right. :func:`argmin_among` is that argmin, shared with the fetch order in ``ops.py``.
+Victim selection (the first ``n`` slots in ascending ``(usage, slot)`` order) and the seed-000
+promotion decision are the only parts of a cache step that scan the whole slot pool, so they are
+the parts worth a kernel. ``backend`` is static: ``"xla"`` (pure ``jnp``), ``"pallas"`` (GPU,
+Triton lowering) or ``"interpret"`` (the Pallas kernels under the Pallas interpreter, for CPU
+tests); ``None`` resolves to ``"pallas"`` on GPU and ``"xla"`` elsewhere, and all backends give
+identical results. The XLA path is loop-free (docs/semantics.md §7.1): :func:`first_in_order`
+unrolls ``num_out`` fixed "next pair after the previous one" argmin rounds, because on XLA:CPU a
+sort, ``top_k`` or an all-pairs rank over a pool costs 5-50x more than a handful of masked
+reductions, and a data-dependent ``while_loop`` would read its predicate back to the host on a
+GPU (docs/design.md, "A loop-free step").
 """
 
 from __future__ import annotations
@@ -23,13 +18,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["BACKENDS", "argmin_among", "promotion_decision", "resolve_backend", "select_victims"]
+__all__ = [
+    "BACKENDS", "argmin_among", "first_in_order", "promotion_decision", "resolve_backend",
+    "select_victims",
+]
 
 BACKENDS = ("xla", "pallas", "interpret")
 _INT32_MAX = jnp.iinfo(jnp.int32).max
-# Pools up to this many slots scan for the promotion slot unconditionally (see promotion_decision).
-_ALWAYS_SCAN_BELOW = 512
-# Arrays up to this length take the single-pass argmin (see argmin_among).
+# Arrays up to this length take the single-pass argmin (see _next_pair).
 _SINGLE_PASS_MAX = 1024
 
 
@@ -46,9 +42,17 @@ def argmin_among(values, candidate):
     """The lowest index among ``candidate`` entries holding the smallest value, or -1 if none.
 
     Exact for every int32 value (no sentinel is folded into the values: a non-candidate's index is
-    moved past every candidate's instead). This is the ``(usage, slot)`` argmin of victim
-    selection; with ``~values`` (bitwise not, an order-reversing map with no overflow) it is the
-    "largest value, lowest index" of the fetch order.
+    moved past every candidate's instead). With ``~values`` (bitwise not, an order-reversing map
+    with no overflow) it is the "largest value, lowest index" of the fetch order.
+    """
+    _, best = _next_pair(values, candidate, None, None)
+    return jnp.where(best < values.shape[0], best, -1).astype(jnp.int32)
+
+
+def _next_pair(values, candidate, prev_value, prev_index):
+    """The smallest ``(value, index)`` among ``candidate`` entries strictly after the pair
+    ``(prev_value, prev_index)`` (no bound when they are None), as ``(value, index)``; the index
+    is ``>= size`` when there is none.
 
     Two formulations, chosen by the static length (measured on XLA:CPU, where a step's cost is
     mostly its number of kernels): up to ``_SINGLE_PASS_MAX`` entries one lexicographic reduction
@@ -57,18 +61,39 @@ def argmin_among(values, candidate):
     """
     size = values.shape[0]
     index = lax.iota(jnp.int32, size)
+    if prev_value is not None:
+        candidate = candidate & (
+            (values > prev_value) | ((values == prev_value) & (index > prev_index)))
     if size <= _SINGLE_PASS_MAX:
         def smaller(a, b):
             a_first = (a[0] < b[0]) | ((a[0] == b[0]) & (a[1] < b[1]))
             return jnp.where(a_first, a[0], b[0]), jnp.where(a_first, a[1], b[1])
 
-        _, best = lax.reduce(
+        return lax.reduce(
             (jnp.where(candidate, values, _INT32_MAX), jnp.where(candidate, index, size + index)),
             (jnp.int32(_INT32_MAX), jnp.int32(2 * size)), smaller, (0,))
-    else:
-        smallest = jnp.min(jnp.where(candidate, values, _INT32_MAX))
-        best = jnp.min(jnp.where(candidate & (values == smallest), index, size))
-    return jnp.where(best < size, best, -1).astype(jnp.int32)
+    smallest = jnp.min(jnp.where(candidate, values, _INT32_MAX))
+    return smallest, jnp.min(jnp.where(candidate & (values == smallest), index, size))
+
+
+def first_in_order(values, candidate, num_out: int):
+    """The indices of the first ``num_out`` ``candidate`` entries in ascending ``(value, index)``
+    order, as int32[num_out]; -1 past the number of candidates.
+
+    Loop-free: ``num_out`` (static) unrolled rounds, round ``k`` taking the smallest pair strictly
+    after round ``k - 1``'s (the victims kernel's algorithm, so no knocked-out mask is carried).
+    Once the candidates run out every later round finds nothing. Exact for every int32 value.
+    """
+    size = values.shape[0]
+    picks = []
+    prev_value = prev_index = None
+    for _ in range(num_out):
+        prev_value, prev_index = _next_pair(values, candidate, prev_value, prev_index)
+        picks.append(prev_index)
+    if not picks:
+        return jnp.full((0,), -1, jnp.int32)
+    picks = jnp.stack(picks)
+    return jnp.where(picks < size, picks, -1).astype(jnp.int32)
 
 
 def select_victims(usage, step, n, *, num_out, backend="xla"):
@@ -90,22 +115,9 @@ def select_victims(usage, step, n, *, num_out, backend="xla"):
         from pallas_cache.kernels.victims import victims
 
         return victims(usage, step, n, num_out=num_out, interpret=backend == "interpret")
-    out = jnp.full((num_out,), -1, jnp.int32)
-    if num_out == 0:
-        return out
-    n = jnp.minimum(jnp.asarray(n, jnp.int32), num_out)
-
-    def claim_next(carry):
-        k, evictable, out = carry
-        slot = argmin_among(usage, evictable)
-        knocked_out = evictable & (lax.iota(jnp.int32, evictable.shape[0]) != slot)
-        return k + 1, knocked_out, out.at[k].set(slot)
-
-    # A slot touched this step (a hit) is never a victim; each claimed slot is knocked out.
-    _, _, out = lax.while_loop(
-        lambda carry: carry[0] < n, claim_next, (jnp.int32(0), usage != step, out)
-    )
-    return out
+    # A slot touched this step (a hit) is never a victim.
+    out = first_in_order(usage, usage != step, num_out)
+    return jnp.where(lax.iota(jnp.int32, num_out) < n, out, -1)
 
 
 def promotion_decision(usage, id_of_slot, step, recency_row, miss_mask, fraction16, num_fetch,
@@ -142,16 +154,10 @@ def promotion_decision(usage, id_of_slot, step, recency_row, miss_mask, fraction
     recurring = recency_row[jnp.maximum(expert, 0)] >= 0
     candidate = (fraction16 > 0) & (num_fetch == 0) & (expert >= 0) & recurring
 
-    def lru_slot_if_empty():
-        slot = argmin_among(usage, usage != step)
-        return jnp.where((slot >= 0) & (id_of_slot[jnp.maximum(slot, 0)] == -1), slot, -1)
-
-    # On a large pool the scan only runs when everything else already holds; on a small one a
-    # conditional costs more than the scan itself (measured on XLA:CPU), so it always runs.
-    if usage.shape[0] <= _ALWAYS_SCAN_BELOW:
-        slot = jnp.where(candidate, lru_slot_if_empty(), -1)
-    else:
-        slot = lax.cond(candidate, lru_slot_if_empty, lambda: jnp.int32(-1))
+    # The argmin evictable slot, kept only if it is empty. Always computed (one reduction): a
+    # data-dependent branch would cost a host round trip on a GPU (docs/semantics.md §7.1).
+    slot = argmin_among(usage, usage != step)
+    slot = jnp.where(candidate & (slot >= 0) & (id_of_slot[jnp.maximum(slot, 0)] == -1), slot, -1)
     fires = candidate & (slot >= 0)
     expert = jnp.where(fires, expert, -1).astype(jnp.int32)
     return expert, jnp.where(fires, slot, -1).astype(jnp.int32)
