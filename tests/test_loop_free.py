@@ -169,3 +169,35 @@ def test_plain_ensure_lowered_text_has_no_promotion_or_reuse_path():
     plain = reductions(lambda s, l, r: pc.ensure(s, l, r, backend="xla"))
     hybrid = reductions(lambda s, l, r: pc.ensure_hybrid(s, l, r, POLICY, backend="xla"))
     assert plain + K // 2 <= hybrid, (plain, hybrid)
+
+
+def _batch(tree, n=2):
+    return jax.tree.map(lambda x: jnp.stack([x] * n), tree)
+
+
+@pytest.mark.parametrize("nesting", ["vmap inside checkify", "checkify inside vmap"])
+def test_checked_under_vmap(nesting):
+    """FAILS if ``pc.checked`` cannot be used on a vmapped op in either nesting (checkify refuses
+    batched while-loops, which the fetch order and the victim search used to be), or if the
+    failing lane's error does not surface while the clean batch passes."""
+    from jax.experimental import checkify
+
+    def one(state, routes):
+        state, plan = pc.ensure_hybrid(state, LAYER, routes, POLICY)
+        return pc.checked(plan)
+
+    if nesting == "vmap inside checkify":
+        run = checkify.checkify(jax.jit(jax.vmap(one)))
+    else:
+        run = jax.jit(jax.vmap(checkify.checkify(one)))
+    states = _batch(STATE)
+    good = jnp.stack([ROUTES, ROUTES[::-1]])
+    err, plan = run(states, good)
+    assert err.get() is None
+    assert plan.fetched.shape == (2,) and int(plan.fetched.sum()) > 0
+    bad = good.at[1, 0].set(E)  # lane 1 routes an expert outside [-1, E)
+    err, plan = run(states, bad)
+    assert err.get() is not None and "error bits 1" in err.get()
+    assert plan.error.tolist() == [0, pc.ERR_EXPERT_ID]
+    with pytest.raises(checkify.JaxRuntimeError):
+        err.throw()
