@@ -52,6 +52,8 @@ __all__ = [
 ]
 
 _INT32_MIN = int(jnp.iinfo(jnp.int32).min)
+# Up to this many route pairs, the RECENCY fetch order ranks the routes (see _misses_in_fetch_order).
+_RANK_ROUTES_MAX = 256
 
 
 def _pytree_dataclass(cls):
@@ -138,13 +140,15 @@ def _drop_unless(mask, index, out_of_range):
     return jnp.where(mask, index, out_of_range)
 
 
-def _misses_in_fetch_order(miss, recency_row, by_recency, num_out):
+def _misses_in_fetch_order(flat_routes, is_route, miss, recency_row, by_recency, num_out):
     """The misses in fetch order, as int32[num_out] expert ids (-1 past the number of misses).
 
     RECENCY: descending pre-call recency, ties to the lower id (never-routed experts, recency -1,
-    come last in id order). LOWEST_ID: ascending id, a prefix sum and one scatter. Loop-free: the
-    RECENCY order is ``num_out`` unrolled argmin rounds of :func:`~pallas_cache.kernels.dispatch.
-    first_in_order` (``num_out <= E`` is a handful, while a sort is expensive on CPU).
+    come last in id order). LOWEST_ID: ascending id, a prefix sum and one scatter. Loop-free:
+    with few routes (``K * K <= _RANK_ROUTES_MAX``) each missed route's position is the number of
+    distinct missed experts ahead of it, one ``K x K`` comparison; otherwise ``num_out``
+    unrolled argmin rounds over the ``E`` experts (:func:`~pallas_cache.kernels.dispatch.
+    first_in_order`). Either way no sort, which is expensive on CPU.
     """
     num_experts = miss.shape[0]
     if by_recency is False:
@@ -154,7 +158,21 @@ def _misses_in_fetch_order(miss, recency_row, by_recency, num_out):
                                                        mode="drop")
     # Larger recency = fetched earlier, ties to the lower id: ascending order of its bitwise not.
     key = ~recency_row if by_recency is True else ~jnp.where(by_recency, recency_row, 0)
-    return backends.first_in_order(key, miss, num_out)
+    num_routes = flat_routes.shape[0]
+    if num_routes * num_routes > _RANK_ROUTES_MAX:
+        return backends.first_in_order(key, miss, num_out)
+    expert = jnp.clip(flat_routes, 0, num_experts - 1)
+    route_key = key[expert]
+    earlier = lax.iota(jnp.int32, num_routes)
+    earlier = earlier[None, :] < earlier[:, None]  # [j, i]: route i comes before route j
+    # One representative route per distinct missed expert: its first occurrence.
+    duplicate = jnp.any(earlier & (flat_routes[None, :] == flat_routes[:, None]), axis=1)
+    leads = is_route & miss[expert] & ~duplicate
+    ahead = leads[None, :] & ((route_key[None, :] < route_key[:, None]) | (
+        (route_key[None, :] == route_key[:, None]) & (expert[None, :] < expert[:, None])))
+    position = jnp.sum(ahead, axis=1, dtype=jnp.int32)
+    return jnp.full((num_out,), -1, jnp.int32).at[
+        _drop_unless(leads & (position < num_out), position, num_out)].set(expert, mode="drop")
 
 
 def _reuse_admitted(num_fetch, experts, victims, recency_row, usage, num_out):
@@ -262,7 +280,8 @@ def ensure_with_rules(state: CacheState, layer, routes, policy: FetchPolicy, rul
 
     # Every miss in fetch order and the first K' victims, whatever the split says: fixed-size,
     # loop-free, and what the admission rules below read. Only the first num_fetch are installed.
-    experts = _misses_in_fetch_order(miss, recency_row, rules.by_recency, num_out)
+    experts = _misses_in_fetch_order(flat_routes, is_route, miss, recency_row,
+                                     rules.by_recency, num_out)
     victims = backends.select_victims(usage, step, num_out, num_out=num_out, backend=backend)
 
     # PROMOTE_ONE (docs/semantics.md §5.5): with F = 0, the first miss in recency order takes the

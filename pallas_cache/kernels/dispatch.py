@@ -14,6 +14,8 @@ GPU (docs/design.md, "A loop-free step").
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -27,6 +29,8 @@ BACKENDS = ("xla", "pallas", "interpret")
 _INT32_MAX = jnp.iinfo(jnp.int32).max
 # Arrays up to this length take the single-pass argmin (see _next_pair).
 _SINGLE_PASS_MAX = 1024
+# Arrays longer than this take the two-level first_in_order.
+_TWO_LEVEL_ABOVE = 256
 
 
 def resolve_backend(backend) -> str:
@@ -46,13 +50,14 @@ def argmin_among(values, candidate):
     with no overflow) it is the "largest value, lowest index" of the fetch order.
     """
     _, best = _next_pair(values, candidate, None, None)
-    return jnp.where(best < values.shape[0], best, -1).astype(jnp.int32)
+    return jnp.where(best == _INT32_MAX, -1, best).astype(jnp.int32)
 
 
-def _next_pair(values, candidate, prev_value, prev_index):
+def _next_pair(values, candidate, prev_value, prev_index, index=None):
     """The smallest ``(value, index)`` among ``candidate`` entries strictly after the pair
     ``(prev_value, prev_index)`` (no bound when they are None), as ``(value, index)``; the index
-    is ``>= size`` when there is none.
+    is ``INT32_MAX`` when there is none. ``index`` defaults to the positions; explicit indices
+    must be distinct and below ``INT32_MAX``.
 
     Two formulations, chosen by the static length (measured on XLA:CPU, where a step's cost is
     mostly its number of kernels): up to ``_SINGLE_PASS_MAX`` entries one lexicographic reduction
@@ -60,7 +65,8 @@ def _next_pair(values, candidate, prev_value, prev_index):
     holding it), which XLA vectorises better on long arrays.
     """
     size = values.shape[0]
-    index = lax.iota(jnp.int32, size)
+    if index is None:
+        index = lax.iota(jnp.int32, size)
     if prev_value is not None:
         candidate = candidate & (
             (values > prev_value) | ((values == prev_value) & (index > prev_index)))
@@ -70,30 +76,54 @@ def _next_pair(values, candidate, prev_value, prev_index):
             return jnp.where(a_first, a[0], b[0]), jnp.where(a_first, a[1], b[1])
 
         return lax.reduce(
-            (jnp.where(candidate, values, _INT32_MAX), jnp.where(candidate, index, size + index)),
-            (jnp.int32(_INT32_MAX), jnp.int32(2 * size)), smaller, (0,))
+            (jnp.where(candidate, values, _INT32_MAX), jnp.where(candidate, index, _INT32_MAX)),
+            (jnp.int32(_INT32_MAX), jnp.int32(_INT32_MAX)), smaller, (0,))
     smallest = jnp.min(jnp.where(candidate, values, _INT32_MAX))
-    return smallest, jnp.min(jnp.where(candidate & (values == smallest), index, size))
+    return smallest, jnp.min(jnp.where(candidate & (values == smallest), index, _INT32_MAX))
 
 
-def first_in_order(values, candidate, num_out: int):
-    """The indices of the first ``num_out`` ``candidate`` entries in ascending ``(value, index)``
-    order, as int32[num_out]; -1 past the number of candidates.
-
-    Loop-free: ``num_out`` (static) unrolled rounds, round ``k`` taking the smallest pair strictly
-    after round ``k - 1``'s (the victims kernel's algorithm, so no knocked-out mask is carried).
-    Once the candidates run out every later round finds nothing. Exact for every int32 value.
-    """
-    size = values.shape[0]
+def _rounds(values, candidate, num_out, index=None):
+    """``num_out`` unrolled rounds, round ``k`` taking the smallest pair strictly after round
+    ``k - 1``'s (the victims kernel's algorithm: no knocked-out mask is carried). Once the
+    candidates run out every later round finds nothing."""
     picks = []
     prev_value = prev_index = None
     for _ in range(num_out):
-        prev_value, prev_index = _next_pair(values, candidate, prev_value, prev_index)
+        prev_value, prev_index = _next_pair(values, candidate, prev_value, prev_index, index)
         picks.append(prev_index)
     if not picks:
         return jnp.full((0,), -1, jnp.int32)
     picks = jnp.stack(picks)
-    return jnp.where(picks < size, picks, -1).astype(jnp.int32)
+    return jnp.where(picks == _INT32_MAX, -1, picks).astype(jnp.int32)
+
+
+def first_in_order(values, candidate, num_out: int):
+    """The indices of the first ``num_out`` ``candidate`` entries in ascending ``(value, index)``
+    order, as int32[num_out]; -1 past the number of candidates. Exact for every int32 value.
+
+    Loop-free, in one of two static shapes. Short arrays: ``num_out`` unrolled argmin rounds
+    (:func:`_rounds`). Long ones (``size > _TWO_LEVEL_ABOVE``): the array is cut into rows of
+    ``w`` entries; the answer lies in the ``num_out`` rows with the smallest row minima (a row
+    holding none of the first ``num_out`` pairs has its minimum after all of them), so rounds over
+    the row minima pick those rows and rounds over their ``num_out * w`` entries finish: about
+    ``size + 2 * num_out * sqrt(size * num_out)`` entries read instead of ``num_out * size``.
+    """
+    size = values.shape[0]
+    if size <= _TWO_LEVEL_ABOVE or num_out == 0:
+        return _rounds(values, candidate, num_out)
+    width = 1 << max(0, math.ceil(math.log2(math.sqrt(size / num_out))))
+    num_rows = -(-size // width)
+    pad = num_rows * width - size
+    values = jnp.pad(values, (0, pad)).reshape(num_rows, width)
+    candidate = jnp.pad(candidate, (0, pad)).reshape(num_rows, width)
+    row_min = jnp.min(jnp.where(candidate, values, _INT32_MAX), axis=1)
+    # Rows cover ascending slot ranges, so (row minimum, row) orders rows like their first pairs.
+    rows = _rounds(row_min, jnp.any(candidate, axis=1), min(num_out, num_rows))
+    taken = jnp.maximum(rows, 0)
+    index = taken[:, None] * width + lax.iota(jnp.int32, width)[None, :]
+    return _rounds(values[taken].reshape(-1),
+                   (candidate[taken] & (rows >= 0)[:, None]).reshape(-1), num_out,
+                   index.reshape(-1))
 
 
 def select_victims(usage, step, n, *, num_out, backend="xla"):
