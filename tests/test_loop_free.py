@@ -159,16 +159,18 @@ def test_static_rules_compile_away():
     assert _size(hybrid("lowest_id", "promote_one")) == lowest
 
 
-def test_plain_ensure_lowered_text_has_no_promotion_or_reuse_path():
-    """FAILS if the compiled program of plain ``ensure`` still carries the RECENCY fetch-order
-    rounds (one lexicographic reduction per miss slot) that only RECENCY/PROMOTE_ONE/REUSE need."""
-    def reductions(fn):
-        text = jax.jit(fn).lower(STATE, LAYER, ROUTES).as_text()
-        return text.count("stablehlo.reduce")
+def test_lowered_programs_shrink_with_the_rules():
+    """FAILS if the lowered (StableHLO) program of plain ``ensure`` or of ``Admission.NONE`` is as
+    large as the one with PROMOTE_ONE / REUSE, i.e. if the unused paths still reach the compiled
+    program (as they did when the core took the rules as traced flags)."""
+    def size(fn):
+        return jax.jit(fn).lower(STATE, LAYER, ROUTES).as_text().count("stablehlo.")
 
-    plain = reductions(lambda s, l, r: pc.ensure(s, l, r, backend="xla"))
-    hybrid = reductions(lambda s, l, r: pc.ensure_hybrid(s, l, r, POLICY, backend="xla"))
-    assert plain + K // 2 <= hybrid, (plain, hybrid)
+    hybrid = lambda admission: size(lambda s, l, r: pc.ensure_hybrid(
+        s, l, r, POLICY, admission=admission, backend="xla"))
+    plain = size(lambda s, l, r: pc.ensure(s, l, r, backend="xla"))
+    none, promote, reuse = hybrid("none"), hybrid("promote_one"), hybrid("reuse")
+    assert plain < none < promote and none < reuse, (plain, none, promote, reuse)
 
 
 def _batch(tree, n=2):
