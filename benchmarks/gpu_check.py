@@ -44,17 +44,23 @@ What it checks
       and prints the verdict; a failed verdict exits with status 2.
 
     Note: these numbers are a whole decode-loop iteration of a JAX program (XLA control flow of
-    the scan and of the op's small loops included), not the seed's CUDA-graph replay of one
-    kernel, so compare the pallas/xla ratio, not the absolute values, with the seed table.
+    the scan included), not the seed's CUDA-graph replay of one kernel, so compare the
+    pallas/xla ratio, not the absolute values, with the seed table.
 
-(c) ``--cpu-smoke``: the same on the CPU with backend "interpret" standing in for "pallas",
-    fewer steps and repeats -- to test this script without a GPU. ``--lower-cuda`` lowers (does
-    not run) the equality and timing programs with backend "pallas" for CUDA and checks that the
-    Triton kernels are in them: it works on a CPU-only machine.
+(c) **Host sync.** The per-step time of one compiled ``lax.scan`` of ``--loop-steps`` (1,000)
+    ``ensure_hybrid`` layer-calls, both backends, median of ``--repeats``: once with every call
+    a hit, once with uniform top-8 routes from ``synthetic_trace`` (several misses and fetches
+    per call). The step has no data-dependent loop outside its kernels (docs/semantics.md
+    §7.1), so the two should cost about the same; a step that read a loop predicate back to the
+    host per miss would show tens of microseconds more per step with misses.
 
-Output: the jax version, the device kind, whether every comparison matched, and one table
-``slots | scenario | xla us/call | pallas us/call | pallas/xla``; ``--out FILE`` also writes it
-as markdown, ready to paste into benchmarks/RESULTS.md.
+(d) ``--cpu-smoke``: the same on the CPU with backend "interpret" standing in for "pallas",
+    fewer steps and repeats -- to test this script without a GPU. The CUDA lowering itself is
+    checked without a GPU by tests/test_kernels_lowering.py.
+
+Output: the jax version, the device kind, whether every comparison matched, and the tables;
+``--out FILE`` also writes them as the ``gpu_check`` section of FILE (``results_file``: pass
+benchmarks/RESULTS.md, or a file under ``$OUT`` on a lent machine).
 """
 
 from __future__ import annotations
@@ -79,11 +85,13 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # be gentle wit
 import numpy as np  # noqa: E402
 
 import jax  # noqa: E402
+import jaxlib  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax import lax  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
 try:
     import pallas_cache as pc  # noqa: E402
@@ -92,11 +100,12 @@ except Exception:  # e.g. a jax without the Pallas Triton backend the kernels im
     print(f"FAILED: cannot import pallas_cache from {REPO} with jax {jax.__version__}",
           file=sys.stderr)
     sys.exit(1)
+from pallas_cache.sizing.synthetic import SyntheticParams, synthetic_trace  # noqa: E402
+from results_file import write_section  # noqa: E402
 
 TOP_K = 8
 FRACTION = 0.4
 GEOMETRIES = ((8, 16, 64), (48, 128, 2048))  # (L, E, S)
-TRITON_TARGETS = ("__gpu$xla.gpu.triton", "triton_kernel_call")
 
 RECENCY, LOWEST_ID = pc.FetchOrder.RECENCY, pc.FetchOrder.LOWEST_ID
 PROMOTE_ONE, NO_ADMISSION, REUSE = pc.Admission.PROMOTE_ONE, pc.Admission.NONE, pc.Admission.REUSE
@@ -122,7 +131,7 @@ def log(msg: str) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Pytree helpers (written against jax.tree_util, present in both jax 0.10 and 0.11).
+# Pytree helpers.
 # --------------------------------------------------------------------------------------------
 
 def _key_name(key) -> str:
@@ -134,13 +143,8 @@ def _key_name(key) -> str:
 
 def named_leaves(tree) -> list[tuple[str, np.ndarray]]:
     """``[(dotted name, host array)]`` for every leaf, e.g. ``('state.usage', ...)``."""
-    flatten = getattr(jax.tree_util, "tree_flatten_with_path", None) or jax.tree.flatten_with_path
-    flat, _ = flatten(tree)
+    flat, _ = jax.tree.flatten_with_path(tree)
     return [(".".join(_key_name(k) for k in path), np.asarray(leaf)) for path, leaf in flat]
-
-
-def tree_map(fn, *trees):
-    return jax.tree_util.tree_map(fn, *trees)
 
 
 # --------------------------------------------------------------------------------------------
@@ -378,7 +382,7 @@ def check_equality(L, E, S, steps, candidate, seed, results) -> bool:
     starts = (("cold", pc.init(L, E, S)), ("nearly full", nearly_full_state(rng, L, E, S)))
     for label, state0 in starts:
         xs = random_sequence(rng, L, E, S, steps)
-        dxs = tree_map(jnp.asarray, xs)
+        dxs = jax.tree.map(jnp.asarray, xs)
         t0 = time.perf_counter()
         out = []
         for backend in ("xla", candidate):
@@ -548,38 +552,52 @@ def time_row(L, E, S, scenario, candidate, args, results):
 
 
 # --------------------------------------------------------------------------------------------
-# --lower-cuda: the pallas programs must at least lower for a GPU (works on a CPU machine).
+# (c) Host sync: a long scanned decode loop, with and without misses.
 # --------------------------------------------------------------------------------------------
 
-def lower_cuda_check() -> bool:
-    ok = True
+def _loop_impl(state, layers, routes, policy, backend):
+    def body(carry, x):
+        state, acc = carry
+        state, plan = pc.ensure_hybrid(state, x[0], x[1], policy, backend=backend)
+        return (state, acc + _checksum(plan)), None
+    return lax.scan(body, (state, jnp.int32(0)), (layers, routes))[0]
+
+
+decode_loop = jax.jit(_loop_impl, static_argnames=("backend",))
+
+
+def loop_rows(args):
+    """``[(S, routes, fetched per step, {backend: us/step})]`` for both geometries."""
+    policy = pc.FetchPolicy.fraction(FRACTION)
+    rows = []
     for L, E, S in GEOMETRIES:
-        rng = np.random.default_rng(0)
-        xs = tree_map(jnp.asarray, random_sequence(rng, L, E, S, 4))
-        state = pc.init(L, E, S)
-        policy = pc.FetchPolicy.fraction(FRACTION)
-        layers = jnp.arange(8, dtype=jnp.int32) % L
-        routes = jnp.zeros((8, TOP_K), jnp.int32) + jnp.arange(TOP_K, dtype=jnp.int32)
-        programs = {
-            "equality scan": (lambda s, x: _run_sequence_impl(s, x, "pallas"), (state, xs)),
-            "timing scan": (lambda s, a, l, r, p: _decode_impl(s, a, l, r, p, "pallas", 1),
-                            (state, jnp.int32(0), layers, routes, policy)),
-        }
-        for name, (fn, fn_args) in programs.items():
-            try:
-                t0 = time.perf_counter()
-                text = jax.jit(fn).trace(*fn_args).lower(lowering_platforms=("cuda",)).as_text()
-                kernels = sum(text.count(t) for t in TRITON_TARGETS)
-                good = kernels > 0 and "mosaic" not in text.lower()
-                log(f"lower for cuda [L={L},E={E},S={S}] {name}: "
-                    f"{'OK' if good else 'FAILED'} ({kernels} Triton custom calls, "
-                    f"{len(text) // 1024} KiB of StableHLO, {time.perf_counter() - t0:.1f} s)")
-                ok &= good
-            except Exception:
-                traceback.print_exc()
-                log(f"lower for cuda [L={L},E={E},S={S}] {name}: FAILED (exception above)")
-                ok = False
-    return ok
+        state0, hit_routes, _ = timing_fixture(L, E, S, seed=args.seed + S)
+        layers_np = (np.arange(args.loop_steps) % L).astype(np.int32)
+        trace = synthetic_trace(SyntheticParams(num_layers=L, num_experts=E, top_k=TOP_K,
+                                                num_tokens=-(-args.loop_steps // L)),
+                                seed=args.seed)
+        _, uniform = trace.to_array()
+        cases = (("all hits", hit_routes[layers_np]),
+                 ("uniform top-8 (misses)", uniform[: args.loop_steps]))
+        for label, routes_np in cases:
+            layers, routes = jnp.asarray(layers_np), jnp.asarray(routes_np, jnp.int32)
+            per_backend, fetched = {}, None
+            for backend in ("xla", args.candidate):
+                state, _ = jax.block_until_ready(
+                    decode_loop(state0, layers, routes, policy, backend=backend))  # compile
+                fetched = int(np.asarray(state.stats)[:, 3].sum()
+                              - np.asarray(state0.stats)[:, 3].sum()) / args.loop_steps
+                samples = []
+                for _ in range(args.repeats):
+                    start = time.perf_counter()
+                    jax.block_until_ready(decode_loop(state0, layers, routes, policy,
+                                                      backend=backend))
+                    samples.append((time.perf_counter() - start) / args.loop_steps * 1e6)
+                per_backend[backend] = statistics.median(samples)
+            log(f"decode loop [S={S}, {label}]: {fetched:.2f} fetched/step, "
+                + ", ".join(f"{b} {t:.2f} us/step" for b, t in per_backend.items()))
+            rows.append((S, label, fetched, per_backend))
+    return rows
 
 
 # --------------------------------------------------------------------------------------------
@@ -591,8 +609,6 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cpu-smoke", action="store_true",
                    help="run on the CPU with backend 'interpret' for 'pallas', small sizes")
-    p.add_argument("--lower-cuda", action="store_true",
-                   help="only lower the pallas programs for CUDA (no GPU needed), then exit")
     p.add_argument("--candidate", choices=pc.BACKENDS, default=None,
                    help="backend compared against 'xla' (default: pallas; interpret with "
                         "--cpu-smoke)")
@@ -607,8 +623,11 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=None,
                    help="trials, median taken (default 9, smoke 3)")
     p.add_argument("--unroll", type=int, default=1, help="lax.scan unroll of the timed loop")
+    p.add_argument("--loop-steps", type=int, default=1000,
+                   help="layer-calls of the host-sync decode loop (default 1000)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=None, help="also write a markdown report here")
+    p.add_argument("--out", type=Path, default=None,
+                   help="also write the report as the gpu_check section of this markdown file")
     args = p.parse_args(argv)
     smoke = args.cpu_smoke
     args.candidate = args.candidate or ("interpret" if smoke else "pallas")
@@ -619,27 +638,19 @@ def parse_args(argv=None):
     return args
 
 
-def _jaxlib_version() -> str:
-    try:
-        import jaxlib
-        return str(getattr(jaxlib, "__version__", None) or jaxlib.version.__version__)
-    except Exception:  # pragma: no cover - informational only
-        return "?"
-
-
 def device_description() -> str:
     d = jax.devices()[0]
     return f"{d.platform} ({getattr(d, 'device_kind', '?')})"
 
 
-def markdown(args, results, rows, matched, elapsed) -> str:
+def markdown(args, results, rows, matched, elapsed, loops=()) -> str:
     cand = args.candidate
     lines = [
         f"## GPU check: {cand} vs xla (`benchmarks/gpu_check.py`)",
         "",
         f"- date: {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}; "
         f"{'CPU smoke run' if args.cpu_smoke else 'GPU run'}; {elapsed:.0f} s in all",
-        f"- jax {jax.__version__}, jaxlib {_jaxlib_version()}, "
+        f"- jax {jax.__version__}, jaxlib {jaxlib.__version__}, "
         f"Python {platform.python_version()}, device {device_description()}",
         f"- equality ({cand} vs xla, every state and plan leaf after every step): "
         f"**{'all matched' if matched else 'MISMATCH'}**",
@@ -667,6 +678,14 @@ def markdown(args, results, rows, matched, elapsed) -> str:
     for S, scenario, _, _, verdict in rows:
         if verdict:
             lines.append(f"- S={S}, {scenario}: {verdict}")
+    if loops:
+        lines += ["", f"Host sync: one compiled `lax.scan` of {args.loop_steps} `ensure_hybrid` "
+                  f"layer-calls, us per step, median of {args.repeats}:", "",
+                  f"| Slots | Routes | fetched/step | xla us/step | {cand} us/step |",
+                  "|---:|---|---:|---:|---:|"]
+        for S, label, fetched, times in loops:
+            lines.append(f"| {S} | {label} | {fetched:.2f} | {times['xla']:.2f} | "
+                         f"{times[cand]:.2f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -675,23 +694,21 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     log(f"jax {jax.__version__} on {device_description()}; comparing {args.candidate!r} "
         f"against 'xla'")
-    if args.lower_cuda:
-        return 0 if lower_cuda_check() else 1
     if args.candidate == "pallas" and jax.default_backend() != "gpu":
-        print("No GPU here: backend 'pallas' needs one. Use --cpu-smoke (interpret) on a CPU, "
-              "or --lower-cuda to check the GPU lowering.", file=sys.stderr)
+        print("No GPU here: backend 'pallas' needs one. Use --cpu-smoke (interpret) on a CPU; "
+              "tests/test_kernels_lowering.py checks the CUDA lowering without a GPU.", file=sys.stderr)
         return 3
 
     results = {"equality": [], "failures": [], "scenario_failures": []}
-    rows = []
+    rows, loops = [], []
 
     def write_report():
         # Rewritten after every phase, so a run killed at its time limit still leaves a report.
         if args.out is not None:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             ok = all(status == "match" for _, _, _, status, _ in results["equality"])
-            args.out.write_text(markdown(args, results, rows, ok and not results["failures"],
-                                         time.perf_counter() - start))
+            write_section("gpu_check", markdown(args, results, rows, ok and not results["failures"],
+                                                time.perf_counter() - start, loops), args.out)
 
     matched = True
     for i, (L, E, S) in enumerate(GEOMETRIES):
@@ -730,6 +747,13 @@ def main(argv=None) -> int:
                 f"{cand_us:.3f} us/call ({row_s:.1f} s) -- scenario check {verdict}")
             rows.append((S, scenario, xla_us, cand_us, verdict))
             write_report()
+
+    try:
+        loops.extend(loop_rows(args))
+    except Exception as exc:
+        traceback.print_exc()
+        results["failures"].append(f"decode loop failed: {type(exc).__name__}: {exc}")
+    write_report()
 
     matched &= not results["failures"]
     elapsed = time.perf_counter() - start

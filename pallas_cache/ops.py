@@ -32,8 +32,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_cache.kernels import dispatch as backends
 from pallas_cache import clock, errors, validate
+from pallas_cache.kernels import dispatch as backends
 from pallas_cache.policy import Admission, FetchOrder, FetchPolicy
 from pallas_cache.state import CacheState
 from pallas_cache.tree import pytree_dataclass
@@ -43,11 +43,17 @@ __all__ = [
     "EnsurePlan",
     "ForgetPlan",
     "MaterializePlan",
+    "Rules",
     "ensure",
     "ensure_hybrid",
+    "ensure_with_rules",
     "forget_slot",
     "materialize_layer",
 ]
+
+# Up to this many route pairs, the RECENCY fetch order ranks the routes (see _misses_in_fetch_order).
+_RANK_ROUTES_MAX = 256
+
 
 @pytree_dataclass
 class CopyPlan:
@@ -126,29 +132,39 @@ def _drop_unless(mask, index, out_of_range):
     return jnp.where(mask, index, out_of_range)
 
 
-def _misses_in_fetch_order(miss, recency_row, by_recency, n, num_out):
-    """The first ``n`` misses in fetch order, as int32[num_out] expert ids (-1 past ``n``).
+def _misses_in_fetch_order(flat_routes, is_route, miss, recency_row, by_recency, num_out):
+    """The misses in fetch order, as int32[num_out] expert ids (-1 past the number of misses).
 
     RECENCY: descending pre-call recency, ties to the lower id (never-routed experts, recency -1,
-    come last in id order). LOWEST_ID: ascending id. Like victim selection, ``n`` rounds of "take
-    the best, knock it out": ``n`` is a handful while a sort is expensive on CPU.
+    come last in id order). LOWEST_ID: ascending id, a prefix sum and one scatter. Loop-free:
+    with few routes (``K * K <= _RANK_ROUTES_MAX``) each missed route's position is the number of
+    distinct missed experts ahead of it, one ``K x K`` comparison; otherwise ``num_out``
+    unrolled argmin rounds over the ``E`` experts (:func:`~pallas_cache.kernels.dispatch.
+    first_in_order`). Either way no sort, which is expensive on CPU.
     """
     num_experts = miss.shape[0]
-    out = jnp.full((num_out,), -1, jnp.int32)
-    if num_out == 0:
-        return out
-    # Larger priority = fetched earlier, ties to the lower id: the argmin of its bitwise not.
-    rank_key = ~jnp.where(by_recency, recency_row, 0)
-    ids = lax.iota(jnp.int32, num_experts)
-
-    def take_next(carry):
-        k, remaining, out = carry
-        expert = backends.argmin_among(rank_key, remaining)
-        return k + 1, remaining & (ids != expert), out.at[k].set(expert)
-
-    n = jnp.minimum(n, num_out)
-    _, _, out = lax.while_loop(lambda c: c[0] < n, take_next, (jnp.int32(0), miss, out))
-    return out
+    if by_recency is False:
+        position = jnp.cumsum(miss, dtype=jnp.int32) - 1
+        return jnp.full((num_out,), -1, jnp.int32).at[
+            _drop_unless(miss, position, num_out)].set(lax.iota(jnp.int32, num_experts),
+                                                       mode="drop")
+    # Larger recency = fetched earlier, ties to the lower id: ascending order of its bitwise not.
+    key = ~recency_row if by_recency is True else ~jnp.where(by_recency, recency_row, 0)
+    num_routes = flat_routes.shape[0]
+    if num_routes * num_routes > _RANK_ROUTES_MAX:
+        return backends.first_in_order(key, miss, num_out)
+    expert = jnp.clip(flat_routes, 0, num_experts - 1)
+    route_key = key[expert]
+    earlier = lax.iota(jnp.int32, num_routes)
+    earlier = earlier[None, :] < earlier[:, None]  # [j, i]: route i comes before route j
+    # One representative route per distinct missed expert: its first occurrence.
+    duplicate = jnp.any(earlier & (flat_routes[None, :] == flat_routes[:, None]), axis=1)
+    leads = is_route & miss[expert] & ~duplicate
+    ahead = leads[None, :] & ((route_key[None, :] < route_key[:, None]) | (
+        (route_key[None, :] == route_key[:, None]) & (expert[None, :] < expert[:, None])))
+    position = jnp.sum(ahead, axis=1, dtype=jnp.int32)
+    return jnp.full((num_out,), -1, jnp.int32).at[
+        _drop_unless(leads & (position < num_out), position, num_out)].set(expert, mode="drop")
 
 
 def _reuse_admitted(num_fetch, experts, victims, recency_row, usage, num_out):
@@ -171,41 +187,61 @@ def _reuse_admitted(num_fetch, experts, victims, recency_row, usage, num_out):
     return first_rejected.astype(jnp.int32)
 
 
+def _gate(flag, value, otherwise):
+    """``value`` where the rule ``flag`` holds, else ``otherwise``: a Python branch for a static
+    flag (the unused path is never traced), a ``where`` for a traced one."""
+    if flag is True:
+        return value
+    if flag is False:
+        return otherwise
+    return jnp.where(flag, value, otherwise)
+
+
 @pytree_dataclass
-class _Rules:
-    """The static options of a call, as traced flags for the jitted core.
+class Rules:
+    """The options of an ensure call: which paths of the core run (docs/semantics.md §7.1).
 
-    The public functions take ``order``/``admission`` as static Python values (so under a user's
-    ``jit`` they are constants and XLA folds the unused paths away); passing them to the core as
-    data lets an eager caller switch options without recompiling.
+    Build it with :meth:`of`, which gives Python bools: the core then branches in Python and the
+    unused paths are not even traced (plain ``ensure`` has no promotion or REUSE code at all). A
+    sweep that runs several rules in one program stacks them (``jnp.stack`` over the fields, e.g.
+    ``jax.tree.map(lambda *x: jnp.stack(x), *rules)``) and vmaps: the fields are then traced
+    bools and every path runs, selected per lane.
 
-    Attributes (bool[]):
+    Attributes (Python bool, or bool[] when traced):
       hybrid: stamp recency (ensure_hybrid); plain ``ensure`` does not.
       by_recency: misses in RECENCY order, else ascending id.
       promote_one: the PROMOTE_ONE admission applies (RECENCY order; fraction checked on device).
       reuse: the REUSE admission applies (RECENCY order; fraction checked on device).
     """
 
-    hybrid: jax.Array
-    by_recency: jax.Array
-    promote_one: jax.Array
-    reuse: jax.Array
+    hybrid: bool | jax.Array
+    by_recency: bool | jax.Array
+    promote_one: bool | jax.Array
+    reuse: bool | jax.Array
 
     @classmethod
-    def of(cls, hybrid: bool, order: FetchOrder, admission: Admission) -> "_Rules":
+    def of(cls, hybrid: bool, order=FetchOrder.RECENCY, admission=Admission.PROMOTE_ONE) -> "Rules":
+        """The rules of ``ensure`` (``hybrid=False``, LOWEST_ID, NONE) or of ``ensure_hybrid``
+        with ``order``/``admission`` (enums or their string values), as Python bools."""
+        order, admission = FetchOrder.coerce(order), Admission.coerce(admission)
         # Admission rules act with the recency order only (docs/semantics.md §5.5).
         by_recency = order is FetchOrder.RECENCY
-        flags = (hybrid, by_recency, by_recency and admission is Admission.PROMOTE_ONE,
-                 by_recency and admission is Admission.REUSE)
-        return cls(*(jnp.asarray(flag, jnp.bool_) for flag in flags))
+        return cls(bool(hybrid), by_recency, by_recency and admission is Admission.PROMOTE_ONE,
+                   by_recency and admission is Admission.REUSE)
 
 
-@functools.partial(jax.jit, static_argnames=("backend",))
-def _ensure(state: CacheState, layer, routes, policy: FetchPolicy, rules: _Rules, backend: str):
-    """The shared body of ensure and ensure_hybrid, on coerced inputs.
+def ensure_with_rules(state: CacheState, layer, routes, policy: FetchPolicy, rules: Rules, *,
+                      backend: str = "xla"):
+    """The core of :func:`ensure` and :func:`ensure_hybrid`, with the options as a :class:`Rules`.
 
-    Jitted so that an eager call compiles its loops once instead of on every call; under an
-    outer ``jit`` or ``scan`` it is simply inlined.
+    For sweeps that run several orders/admissions in one vmapped program (the replay); a decode
+    loop calls the public ops. Not jitted itself (call it under ``jit``/``scan``); inputs are not
+    coerced: ``layer`` an int32 scalar, ``routes`` int32 of any shape, ``policy`` a scalar
+    :class:`FetchPolicy`, ``backend`` a resolved name. Loop-free for every rule and backend
+    outside the Pallas kernels (docs/semantics.md §7.1).
+
+    Returns:
+      ``(state, EnsurePlan)``, exactly as the public op with the same options.
     """
     L, E, S = state.num_layers, state.num_experts, state.cache_size
     flat_routes = routes.reshape(-1)
@@ -234,22 +270,28 @@ def _ensure(state: CacheState, layer, routes, policy: FetchPolicy, rules: _Rules
     recency_row = state.recency[layer_c]
     num_fetch = policy.split(num_missing)
 
-    # PROMOTE_ONE (docs/semantics.md §5.5). A fixed cap (fraction 0) never promotes, so "rule off" is passed to
-    # the decision as fraction 0. The promoted expert is the first miss in recency order and its
-    # slot the first victim, so installing F = 1 through the normal path fetches exactly that pair.
-    promoted, _ = backends.promotion_decision(
-        usage, state.id_of_slot, step, recency_row, miss,
-        jnp.where(rules.promote_one, policy.fraction16, 0), num_fetch, backend=backend,
-    )
-    num_fetch = jnp.where(promoted >= 0, 1, num_fetch)
+    # Every miss in fetch order and the first K' victims, whatever the split says: fixed-size,
+    # loop-free, and what the admission rules below read. Only the first num_fetch are installed.
+    experts = _misses_in_fetch_order(flat_routes, is_route, miss, recency_row,
+                                     rules.by_recency, num_out)
+    victims = backends.select_victims(usage, step, num_out, num_out=num_out, backend=backend)
 
-    # REUSE (docs/semantics.md §5.5) looks past the split at every miss; otherwise only the F installed ones.
-    reuse = rules.reuse & (policy.fraction16 > 0)
-    candidates = jnp.where(reuse, num_missing, num_fetch)
-    experts = _misses_in_fetch_order(miss, recency_row, rules.by_recency, candidates, num_out)
-    victims = backends.select_victims(usage, step, candidates, num_out=num_out, backend=backend)
-    num_fetch = jnp.where(
-        reuse, _reuse_admitted(num_fetch, experts, victims, recency_row, usage, num_out), num_fetch)
+    # PROMOTE_ONE (docs/semantics.md §5.5): with F = 0, the first miss in recency order takes the
+    # first victim if that slot is empty and the miss was routed before. Both are computed above,
+    # so the decision is a few scalar reads (the same as backends.promotion_decision).
+    if rules.promote_one is not False and num_out > 0:
+        first, slot = experts[0], victims[0]
+        promoted = ((policy.fraction16 > 0) & (num_fetch == 0) & (first >= 0)
+                    & (recency_row[jnp.maximum(first, 0)] >= 0) & (slot >= 0)
+                    & (state.id_of_slot[jnp.maximum(slot, 0)] == -1))
+        num_fetch = jnp.where(_gate(rules.promote_one, promoted, False), 1, num_fetch)
+
+    # REUSE (docs/semantics.md §5.5) looks past the split at every miss.
+    if rules.reuse is not False:
+        reuse = _gate(rules.reuse, policy.fraction16 > 0, False)
+        num_fetch = jnp.where(
+            reuse, _reuse_admitted(num_fetch, experts, victims, recency_row, usage, num_out),
+            num_fetch)
 
     # Install the first num_fetch misses into the first num_fetch victims.
     installs = (lax.iota(jnp.int32, num_out) < num_fetch) & accepted
@@ -276,8 +318,10 @@ def _ensure(state: CacheState, layer, routes, policy: FetchPolicy, rules: _Rules
         return lax.dynamic_update_slice(table, row[None], (layer_c, jnp.int32(0)))
 
     # A hybrid call stamps every routed expert, in both fetch orders (docs/semantics.md §10).
-    stamped = routed & accepted & rules.hybrid
-    recency = row_update(state.recency, jnp.where(stamped, step, recency_row))
+    recency = state.recency
+    if rules.hybrid is not False:
+        stamped = routed & accepted & _gate(rules.hybrid, True, False)
+        recency = row_update(recency, jnp.where(stamped, step, recency_row))
     num_fetch = jnp.where(accepted, num_fetch, 0)
     num_active = jnp.where(accepted, num_active, 0)
     num_missing = jnp.where(accepted, num_missing, 0)
@@ -309,6 +353,13 @@ def _ensure(state: CacheState, layer, routes, policy: FetchPolicy, rules: _Rules
     return new_state, plan
 
 
+@functools.partial(jax.jit, static_argnames=("rules", "backend"))
+def _ensure(state: CacheState, layer, routes, policy: FetchPolicy, rules: Rules, backend: str):
+    """:func:`ensure_with_rules` with static rules, jitted so that an eager call compiles once;
+    under an outer ``jit`` or ``scan`` it is simply inlined."""
+    return ensure_with_rules(state, layer, routes, policy, rules, backend=backend)
+
+
 def ensure(state: CacheState, layer, expert_ids, *, backend=None):
     """Make every routed expert of ``layer`` resident, evicting by global LRU (docs/semantics.md §5.2).
 
@@ -326,7 +377,7 @@ def ensure(state: CacheState, layer, expert_ids, *, backend=None):
       TypeError: ``expert_ids`` or ``layer`` is not an integer type.
     """
     return _ensure(state, validate.as_index("layer", layer), validate.as_routes(expert_ids),
-                   FetchPolicy.full(), _Rules.of(False, FetchOrder.LOWEST_ID, Admission.NONE),
+                   FetchPolicy.full(), Rules.of(False, FetchOrder.LOWEST_ID, Admission.NONE),
                    backend=backends.resolve_backend(backend))
 
 
@@ -349,13 +400,12 @@ def ensure_hybrid(state: CacheState, layer, expert_ids, policy: FetchPolicy, *,
     Raises:
       TypeError/ValueError: bad input types, a policy that is not scalar, an unknown enum.
     """
-    order = FetchOrder.coerce(order)
-    admission = Admission.coerce(admission)
+    rules = Rules.of(True, order, admission)
     if not isinstance(policy, FetchPolicy):
         raise TypeError(f"policy must be a FetchPolicy, got {policy!r}")
     policy.validate()
     return _ensure(state, validate.as_index("layer", layer), validate.as_routes(expert_ids), policy,
-                   _Rules.of(True, order, admission), backend=backends.resolve_backend(backend))
+                   rules, backend=backends.resolve_backend(backend))
 
 
 def materialize_layer(state: CacheState, layer):

@@ -398,3 +398,32 @@ def test_promotion_rejects_bad_input():
         promotion(z4, z4, 1, z2, jnp.zeros(2, jnp.float32), 1, 0, interpret=True)
     with pytest.raises(TypeError, match="recency_row"):
         promotion(z4, z4, 1, jnp.zeros(2, jnp.int16), z2, 1, 0, interpret=True)
+
+
+# --------------------------------------------------------------------------------------------
+# The loop-free XLA twin (kernels/dispatch.py) on long pools: the two-level path
+# --------------------------------------------------------------------------------------------
+
+_XLA_VICTIMS = jax.jit(functools.partial(__import__("pallas_cache").select_victims, backend="xla"),
+                       static_argnames=("num_out",))
+
+
+@given(size=st.sampled_from([257, 1000, 2048, 5000]), num_out=st.sampled_from([1, 8, 100]),
+       data=st.data())
+def test_xla_victims_on_long_pools_match_numpy(size, num_out, data):
+    """FAILS if the two-level search of long pools (rows, then the rows with the smallest
+    minima) misses a victim in a row whose minimum ties another row's, mishandles the padded
+    last row, or orders ties by anything but the slot."""
+    step = data.draw(st.sampled_from([0, 3, I32_MAX]), label="step")
+    kind = data.draw(st.sampled_from(["ties", "wide", "mostly-touched"]), label="kind")
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**16), label="seed"))
+    if kind == "ties":
+        usage = rng.integers(-2, 4, size)
+    elif kind == "wide":
+        usage = rng.choice([I32_MIN, I32_MAX, -1, 0, 1, 2, 3, 10**9], size)
+    else:
+        usage = np.where(rng.random(size) < 0.99, step, rng.integers(-2, 4, size))
+    n = data.draw(st.integers(0, num_out), label="n")
+    got = _XLA_VICTIMS(jnp.asarray(usage, jnp.int32), jnp.int32(step), jnp.int32(n),
+                       num_out=num_out)
+    np.testing.assert_array_equal(np.asarray(got), np_victims(usage, step, n, num_out))

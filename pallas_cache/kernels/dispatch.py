@@ -1,36 +1,39 @@
 """The two decisions that have kernel implementations, behind one dispatch point (docs/semantics.md §7).
 
-Victim selection (the argmin over ``(usage, slot)``) and the seed-000 promotion decision are the
-only parts of a cache step that scan the whole slot pool, so they are the parts worth a kernel.
-Every op in ``ops.py`` routes them through the two functions here and nothing else, so wiring a
-backend is a change to this file alone.
-
-``backend`` is static: ``"xla"`` (pure ``jnp``), ``"pallas"`` (GPU, Triton lowering) or
-``"interpret"`` (the Pallas kernels under the Pallas interpreter, for CPU tests). ``None``
-resolves to ``"pallas"`` on GPU and ``"xla"`` elsewhere. All backends must produce identical
-results.
-
-Why the XLA path loops instead of sorting: on CPU, XLA's sort and top-k over a 2048-slot pool cost
-hundreds of microseconds per call, while one masked argmin costs a microsecond or two; a step
-fetches a handful of misses, so ``n`` rounds of "take the minimum, knock it out" (exactly
-docs/semantics.md §5.2's "``m`` repeated argmins with the claimed slot knocked out") is far cheaper and obviously
-right. :func:`argmin_among` is that argmin, shared with the fetch order in ``ops.py``.
+Victim selection (the first ``n`` slots in ascending ``(usage, slot)`` order) and the seed-000
+promotion decision are the only parts of a cache step that scan the whole slot pool, so they are
+the parts worth a kernel. ``backend`` is static: ``"xla"`` (pure ``jnp``), ``"pallas"`` (GPU,
+Triton lowering) or ``"interpret"`` (the Pallas kernels under the Pallas interpreter, for CPU
+tests); ``None`` resolves to ``"pallas"`` on GPU and ``"xla"`` elsewhere, and all backends give
+identical results. The XLA path is loop-free (docs/semantics.md §7.1): :func:`first_in_order`
+unrolls ``num_out`` fixed "next pair after the previous one" argmin rounds, because on XLA:CPU a
+sort, ``top_k`` or an all-pairs rank over a pool costs 5-50x more than a handful of masked
+reductions, and a data-dependent ``while_loop`` would read its predicate back to the host on a
+GPU (docs/design.md, "A loop-free step").
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["BACKENDS", "argmin_among", "promotion_decision", "resolve_backend", "select_victims"]
+__all__ = [
+    "BACKENDS", "argmin_among", "first_in_order", "promotion_decision", "resolve_backend",
+    "select_victims",
+]
 
 BACKENDS = ("xla", "pallas", "interpret")
 _INT32_MAX = jnp.iinfo(jnp.int32).max
-# Pools up to this many slots scan for the promotion slot unconditionally (see promotion_decision).
-_ALWAYS_SCAN_BELOW = 512
-# Arrays up to this length take the single-pass argmin (see argmin_among).
+# Arrays up to this length take the single-pass argmin (see _next_pair).
 _SINGLE_PASS_MAX = 1024
+# Arrays longer than this take the two-level first_in_order.
+_TWO_LEVEL_ABOVE = 256
+# Pairs one round of first_in_order keeps (measured on XLA:CPU: one 8-wide reduction over 64
+# slots costs about a third of eight 1-wide ones).
+_ROUND_WIDTH = 8
 
 
 def resolve_backend(backend) -> str:
@@ -46,9 +49,18 @@ def argmin_among(values, candidate):
     """The lowest index among ``candidate`` entries holding the smallest value, or -1 if none.
 
     Exact for every int32 value (no sentinel is folded into the values: a non-candidate's index is
-    moved past every candidate's instead). This is the ``(usage, slot)`` argmin of victim
-    selection; with ``~values`` (bitwise not, an order-reversing map with no overflow) it is the
-    "largest value, lowest index" of the fetch order.
+    moved past every candidate's instead). With ``~values`` (bitwise not, an order-reversing map
+    with no overflow) it is the "largest value, lowest index" of the fetch order.
+    """
+    _, best = _next_pair(values, candidate, None, None)
+    return jnp.where(best == _INT32_MAX, -1, best).astype(jnp.int32)
+
+
+def _next_pair(values, candidate, prev_value, prev_index, index=None):
+    """The smallest ``(value, index)`` among ``candidate`` entries strictly after the pair
+    ``(prev_value, prev_index)`` (no bound when they are None), as ``(value, index)``; the index
+    is ``INT32_MAX`` when there is none. ``index`` defaults to the positions; explicit indices
+    must be distinct and below ``INT32_MAX``.
 
     Two formulations, chosen by the static length (measured on XLA:CPU, where a step's cost is
     mostly its number of kernels): up to ``_SINGLE_PASS_MAX`` entries one lexicographic reduction
@@ -56,19 +68,108 @@ def argmin_among(values, candidate):
     holding it), which XLA vectorises better on long arrays.
     """
     size = values.shape[0]
-    index = lax.iota(jnp.int32, size)
+    if index is None:
+        index = lax.iota(jnp.int32, size)
+    if prev_value is not None:
+        candidate = candidate & (
+            (values > prev_value) | ((values == prev_value) & (index > prev_index)))
     if size <= _SINGLE_PASS_MAX:
         def smaller(a, b):
             a_first = (a[0] < b[0]) | ((a[0] == b[0]) & (a[1] < b[1]))
             return jnp.where(a_first, a[0], b[0]), jnp.where(a_first, a[1], b[1])
 
-        _, best = lax.reduce(
-            (jnp.where(candidate, values, _INT32_MAX), jnp.where(candidate, index, size + index)),
-            (jnp.int32(_INT32_MAX), jnp.int32(2 * size)), smaller, (0,))
-    else:
-        smallest = jnp.min(jnp.where(candidate, values, _INT32_MAX))
-        best = jnp.min(jnp.where(candidate & (values == smallest), index, size))
-    return jnp.where(best < size, best, -1).astype(jnp.int32)
+        return lax.reduce(
+            (jnp.where(candidate, values, _INT32_MAX), jnp.where(candidate, index, _INT32_MAX)),
+            (jnp.int32(_INT32_MAX), jnp.int32(_INT32_MAX)), smaller, (0,))
+    smallest = jnp.min(jnp.where(candidate, values, _INT32_MAX))
+    return smallest, jnp.min(jnp.where(candidate & (values == smallest), index, _INT32_MAX))
+
+
+def _before(a_value, a_index, b_value, b_index):
+    return (a_value < b_value) | ((a_value == b_value) & (a_index < b_index))
+
+
+def _merge_smallest(k):
+    """The ``lax.reduce`` combiner keeping the ``k`` smallest (value, index) pairs, sorted: from two
+    sorted k-lists, ``min(a[i], b[k-1-i])`` is a bitonic sequence of the k smallest, which a
+    ``log2(k)``-stage bitonic network sorts. Operands: k values, then k indices."""
+    def merge(a, b):
+        value = [None] * k
+        index = [None] * k
+        for i in range(k):
+            take_a = _before(a[i], a[k + i], b[k - 1 - i], b[2 * k - 1 - i])
+            value[i] = jnp.where(take_a, a[i], b[k - 1 - i])
+            index[i] = jnp.where(take_a, a[k + i], b[2 * k - 1 - i])
+        span = k // 2
+        while span:
+            for i in range(k):
+                if not i & span:
+                    j = i + span
+                    swap = _before(value[j], index[j], value[i], index[i])
+                    value[i], value[j] = (jnp.where(swap, value[j], value[i]),
+                                          jnp.where(swap, value[i], value[j]))
+                    index[i], index[j] = (jnp.where(swap, index[j], index[i]),
+                                          jnp.where(swap, index[i], index[j]))
+            span //= 2
+        return tuple(value) + tuple(index)
+    return merge
+
+
+def _rounds(values, candidate, num_out, index=None):
+    """The first ``num_out`` candidate pairs in ``ceil(num_out / k)`` unrolled rounds of one
+    reduction each, ``k = min(_ROUND_WIDTH, next_pow2(num_out))``: round ``r`` keeps the ``k``
+    smallest pairs strictly after round ``r - 1``'s last (the victims kernel's "strictly after"
+    bound, so no knocked-out mask is carried). Entries past the candidates are -1."""
+    if num_out == 0:
+        return jnp.full((0,), -1, jnp.int32)
+    size = values.shape[0]
+    if index is None:
+        index = lax.iota(jnp.int32, size)
+    k = min(_ROUND_WIDTH, 1 << (num_out - 1).bit_length())
+    merge = _merge_smallest(k)
+    none = jnp.full((size,), _INT32_MAX, jnp.int32)
+    init = (jnp.int32(_INT32_MAX),) * (2 * k)
+    picks, last_value, last_index = [], None, None
+    for _ in range(-(-num_out // k)):
+        live = candidate
+        if last_value is not None:
+            live = live & ((values > last_value) | ((values == last_value) & (index > last_index)))
+        operands = ((jnp.where(live, values, _INT32_MAX),) + (none,) * (k - 1)
+                    + (jnp.where(live, index, _INT32_MAX),) + (none,) * (k - 1))
+        best = lax.reduce(operands, init, merge, (0,))
+        picks.extend(best[k:])
+        last_value, last_index = best[k - 1], best[2 * k - 1]
+    picks = jnp.stack(picks[:num_out])
+    return jnp.where(picks == _INT32_MAX, -1, picks).astype(jnp.int32)
+
+
+def first_in_order(values, candidate, num_out: int):
+    """The indices of the first ``num_out`` ``candidate`` entries in ascending ``(value, index)``
+    order, as int32[num_out]; -1 past the number of candidates. Exact for every int32 value.
+
+    Loop-free, in one of two static shapes. Short arrays: ``num_out`` unrolled argmin rounds
+    (:func:`_rounds`). Long ones (``size > _TWO_LEVEL_ABOVE``): the array is cut into rows of
+    ``w`` entries; the answer lies in the ``num_out`` rows with the smallest row minima (a row
+    holding none of the first ``num_out`` pairs has its minimum after all of them), so rounds over
+    the row minima pick those rows and rounds over their ``num_out * w`` entries finish: about
+    ``size + 2 * num_out * sqrt(size * num_out)`` entries read instead of ``num_out * size``.
+    """
+    size = values.shape[0]
+    if size <= _TWO_LEVEL_ABOVE or num_out == 0:
+        return _rounds(values, candidate, num_out)
+    width = 1 << max(0, math.ceil(math.log2(math.sqrt(size / num_out))))
+    num_rows = -(-size // width)
+    pad = num_rows * width - size
+    values = jnp.pad(values, (0, pad)).reshape(num_rows, width)
+    candidate = jnp.pad(candidate, (0, pad)).reshape(num_rows, width)
+    row_min = jnp.min(jnp.where(candidate, values, _INT32_MAX), axis=1)
+    # Rows cover ascending slot ranges, so (row minimum, row) orders rows like their first pairs.
+    rows = _rounds(row_min, jnp.any(candidate, axis=1), min(num_out, num_rows))
+    taken = jnp.maximum(rows, 0)
+    index = taken[:, None] * width + lax.iota(jnp.int32, width)[None, :]
+    return _rounds(values[taken].reshape(-1),
+                   (candidate[taken] & (rows >= 0)[:, None]).reshape(-1), num_out,
+                   index.reshape(-1))
 
 
 def select_victims(usage, step, n, *, num_out, backend="xla"):
@@ -90,22 +191,9 @@ def select_victims(usage, step, n, *, num_out, backend="xla"):
         from pallas_cache.kernels.victims import victims
 
         return victims(usage, step, n, num_out=num_out, interpret=backend == "interpret")
-    out = jnp.full((num_out,), -1, jnp.int32)
-    if num_out == 0:
-        return out
-    n = jnp.minimum(jnp.asarray(n, jnp.int32), num_out)
-
-    def claim_next(carry):
-        k, evictable, out = carry
-        slot = argmin_among(usage, evictable)
-        knocked_out = evictable & (lax.iota(jnp.int32, evictable.shape[0]) != slot)
-        return k + 1, knocked_out, out.at[k].set(slot)
-
-    # A slot touched this step (a hit) is never a victim; each claimed slot is knocked out.
-    _, _, out = lax.while_loop(
-        lambda carry: carry[0] < n, claim_next, (jnp.int32(0), usage != step, out)
-    )
-    return out
+    # A slot touched this step (a hit) is never a victim.
+    out = first_in_order(usage, usage != step, num_out)
+    return jnp.where(lax.iota(jnp.int32, num_out) < n, out, -1)
 
 
 def promotion_decision(usage, id_of_slot, step, recency_row, miss_mask, fraction16, num_fetch,
@@ -142,16 +230,10 @@ def promotion_decision(usage, id_of_slot, step, recency_row, miss_mask, fraction
     recurring = recency_row[jnp.maximum(expert, 0)] >= 0
     candidate = (fraction16 > 0) & (num_fetch == 0) & (expert >= 0) & recurring
 
-    def lru_slot_if_empty():
-        slot = argmin_among(usage, usage != step)
-        return jnp.where((slot >= 0) & (id_of_slot[jnp.maximum(slot, 0)] == -1), slot, -1)
-
-    # On a large pool the scan only runs when everything else already holds; on a small one a
-    # conditional costs more than the scan itself (measured on XLA:CPU), so it always runs.
-    if usage.shape[0] <= _ALWAYS_SCAN_BELOW:
-        slot = jnp.where(candidate, lru_slot_if_empty(), -1)
-    else:
-        slot = lax.cond(candidate, lru_slot_if_empty, lambda: jnp.int32(-1))
+    # The argmin evictable slot, kept only if it is empty. Always computed (one reduction): a
+    # data-dependent branch would cost a host round trip on a GPU (docs/semantics.md §7.1).
+    slot = argmin_among(usage, usage != step)
+    slot = jnp.where(candidate & (slot >= 0) & (id_of_slot[jnp.maximum(slot, 0)] == -1), slot, -1)
     fires = candidate & (slot >= 0)
     expert = jnp.where(fires, expert, -1).astype(jnp.int32)
     return expert, jnp.where(fires, slot, -1).astype(jnp.int32)

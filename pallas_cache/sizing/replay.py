@@ -8,7 +8,8 @@ compiled JAX, for a whole grid of configurations:
 - **One compiled, vmapped program per cache size.** The pool size is a shape, so each size
   compiles on its own. Within a size every configuration is one lane of a single ``jax.vmap``:
   the :class:`~pallas_cache.policy.FetchPolicy` is a traced pytree, and the fetch order and
-  admission rule enter the cache's compiled core as data (``ops._Rules``; the public ops take
+  admission rule enter the cache's core as data (:class:`pallas_cache.ops.Rules` through
+  :func:`pallas_cache.ops.ensure_with_rules`; the public ops take
   them as static options, which is what a decode loop wants). The scan walks the trace in
   fixed-length chunks (the host loop over chunks only drives the progress bar), so a long trace
   compiles once.
@@ -37,7 +38,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from pallas_cache.sizing import bounds as belady_lib
-from pallas_cache.ops import _ensure, _Rules  # the compiled core, with order/admission as data
+from pallas_cache.ops import Rules, ensure_with_rules  # the core, with order/admission as data
 from pallas_cache.policy import Admission, FetchOrder, FetchPolicy
 from pallas_cache.state import init
 from pallas_cache.validate import is_int
@@ -145,7 +146,7 @@ def _program():
         def call(carry, layer_routes):
             state, cpu_routes = carry
             layer, route = layer_routes
-            state, plan = _ensure(state, layer, route, policy, rules, backend="xla")
+            state, plan = ensure_with_rules(state, layer, route, policy, rules, backend="xla")
             return (state, cpu_routes + jnp.sum(plan.cpu, dtype=jnp.int32)), None
 
         # Unrolling amortises XLA:CPU's per-iteration loop overhead (measured: ~1.4x at unroll 4).
@@ -225,8 +226,7 @@ def replay(
             _stack([init(trace.num_layers, trace.num_experts, size)] * count),
             jnp.zeros(count, jnp.int32),
             _stack([parse_policy(configs[i].policy) for i in lanes]),
-            _stack([_Rules.of(True, FetchOrder.coerce(configs[i].order),
-                              Admission.coerce(configs[i].admission)) for i in lanes]),
+            _stack([Rules.of(True, configs[i].order, configs[i].admission) for i in lanes]),
         )
         batch = _shard(batch, mesh)
         for chunk in range(num_chunks):

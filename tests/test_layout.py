@@ -1,0 +1,124 @@
+"""The package layout keeps its rules: no module reaches into another's private names, and no
+module is named like a standard-library module (docs/design.md, "Layout")."""
+
+from __future__ import annotations
+
+import ast
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "pallas_cache"
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _resolve(node: ast.ImportFrom, module: str, is_package: bool) -> str:
+    if not node.level:
+        return node.module or ""
+    base = module.split(".")
+    base = base if is_package else base[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _is_module(dotted: str, root: Path) -> bool:
+    rel = Path(*dotted.split(".")[1:]) if "." in dotted else Path()
+    target = root / rel
+    return target.with_suffix(".py").is_file() or (target / "__init__.py").is_file()
+
+
+def private_imports(source: str, module: str, root: Path, is_package: bool = False) -> list[str]:
+    """Every cross-module use of a ``_private`` name of the package in ``source``: ``from m import
+    _x`` and ``m._x`` on a name bound to a package module by an import."""
+    top = root.name
+    found, module_aliases = [], {}
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            source_module = _resolve(node, module, is_package)
+            if source_module.split(".")[0] != top or source_module == module:
+                continue
+            for alias in node.names:
+                if _is_private(alias.name):
+                    found.append(f"{module}: from {source_module} import {alias.name}")
+                elif _is_module(f"{source_module}.{alias.name}", root):
+                    module_aliases[alias.asname or alias.name] = f"{source_module}.{alias.name}"
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == top:
+                    module_aliases[alias.asname or alias.name] = alias.name
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and _is_private(node.attr)
+                and isinstance(node.value, ast.Name) and node.value.id in module_aliases
+                and module_aliases[node.value.id] != module):
+            found.append(f"{module}:{node.lineno}: {module_aliases[node.value.id]}.{node.attr}")
+    return found
+
+
+def package_modules(root: Path = PACKAGE):
+    for path in sorted(root.rglob("*.py")):
+        yield path, _module_name(path, root)
+
+
+def test_no_cross_module_private_import():
+    """FAILS if a package module imports another module's ``_private`` name (``from m import _x``)
+    or reads one as an attribute (``m._x``), as the replay once did with ``ops._ensure``."""
+    found = []
+    for path, module in package_modules():
+        found += private_imports(path.read_text(), module, PACKAGE, path.name == "__init__.py")
+    assert not found, "\n".join(found)
+
+
+def test_private_import_checker_catches_each_form(tmp_path):
+    """FAILS if the checker above misses one of the forms it exists to reject (it would then pass
+    on any package)."""
+    root = tmp_path / "pallas_cache"
+    (root / "kernels").mkdir(parents=True)
+    for name in ("__init__.py", "ops.py", "kernels/__init__.py", "kernels/victims.py"):
+        (root / name).write_text("")
+    source = textwrap.dedent("""
+        from pallas_cache.ops import _ensure, ensure
+        from .victims import _pad_to
+        from pallas_cache.kernels import victims
+        import pallas_cache.ops as core
+        x = victims._num_warps(3) + core._Rules + victims.__name__ + victims.public
+        from pallas_cache.ops import __all__
+    """)
+    found = private_imports(source, "pallas_cache.kernels.promotion", root)
+    assert len(found) == 4, found
+    assert private_imports("def _own(): pass\n_own()\n", "pallas_cache.ops", root) == []
+
+
+# sizing/trace.py predates this rule; renaming it touches the CLI, the replay, the tests and the
+# docs, which other work is editing now. The strict xfail keeps it visible: it turns into a
+# failure the moment the module is renamed, so this entry must then be removed.
+KNOWN_STDLIB_NAMES = {"pallas_cache.sizing.trace"}
+
+
+def _stdlib_named():
+    return sorted(module for path, module in package_modules()
+                  if module.rsplit(".", 1)[-1] in sys.stdlib_module_names)
+
+
+def test_no_module_named_like_the_stdlib():
+    """FAILS if a package module is named like a standard-library module (``inspect``, ``types``,
+    ``statistics``...), which shadows it for anyone running from inside the folder and misleads
+    readers, beyond the one known case listed above."""
+    assert set(_stdlib_named()) <= KNOWN_STDLIB_NAMES, _stdlib_named()
+
+
+@pytest.mark.xfail(strict=True, reason="pallas_cache/sizing/trace.py shadows the stdlib `trace`")
+def test_known_stdlib_named_modules_are_gone():
+    """XFAILS while ``sizing/trace.py`` keeps its stdlib name; FAILS (strict XPASS) once renamed,
+    so the exception list above cannot outlive the module."""
+    assert not set(_stdlib_named()) & KNOWN_STDLIB_NAMES
