@@ -20,7 +20,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from jax import lax
 
-from pallas_cache.kernels import promotion, victims
+from pallas_cache.kernels import dispatch, promotion, victims
 from pallas_cache.kernels.promotion import promotion_call
 from pallas_cache.kernels.victims import victims_call
 
@@ -404,7 +404,7 @@ def test_promotion_rejects_bad_input():
 # The loop-free XLA twin (kernels/dispatch.py) on long pools: the two-level path
 # --------------------------------------------------------------------------------------------
 
-_XLA_VICTIMS = jax.jit(functools.partial(__import__("pallas_cache").select_victims, backend="xla"),
+_XLA_VICTIMS = jax.jit(functools.partial(dispatch.select_victims, backend="xla"),
                        static_argnames=("num_out",))
 
 
