@@ -5,10 +5,15 @@ cores; ``deep`` runs many more sequences (and every adapter test on ``jax-interp
 one with ``PALLAS_CACHE_PROFILE=deep``.
 
 A rule test is written once against an *adapter* (the idea of ``chex.variants``): a test that
-takes the ``adapter`` fixture runs on ``reference`` (the NumPy oracle), ``jax-eager`` (the public
-functions called directly), ``jax-jit`` (every function under an outer ``jax.jit`` with a traced
-layer/slot) and, for tests marked ``@pytest.mark.kernels`` (rules decided by the victim or
-promotion kernel), ``jax-interpret`` (the Pallas kernels in the interpreter). ``adapter.init``
+takes the ``adapter`` fixture runs on ``reference`` (the NumPy oracle) and ``jax-eager`` (the
+public functions called directly); tests marked ``@pytest.mark.traced`` (rules where a traced
+layer, slot or flag, or a constant-folded static option, could change the answer) also on
+``jax-jit`` (every function under an outer ``jax.jit``), and tests marked
+``@pytest.mark.kernels`` (rules decided by the victim or promotion kernel) also on
+``jax-interpret`` (the Pallas kernels in the interpreter). Compiles are the suite's cost (the jit
+adapter compiles once per geometry *and* static option), so the ``ci`` profile runs those two on
+this representative subset and the lockstep suite drives all three JAX adapters through random
+sequences of every operation; the ``deep`` profile runs every adapter test on all four. ``adapter.init``
 returns a :class:`Cache` handle with one method per cache operation; every plan and state comes
 back through one normalising function per kind (:func:`state_view`, :func:`ensure_view`,
 :func:`materialize_view`, :func:`forget_view`, :func:`prefill_view`) as NumPy arrays under the
@@ -49,21 +54,30 @@ PROFILE = os.environ.get("PALLAS_CACHE_PROFILE", "ci")
 settings.load_profile(PROFILE)
 
 ADAPTERS = ("reference", "jax-eager", "jax-jit", "jax-interpret")
-#: Adapters of an unmarked test; ``@pytest.mark.kernels`` (or the deep profile) adds the last.
-DEFAULT_ADAPTERS = ADAPTERS[:3]
+#: Which marker adds which adapter to the two every adapter test runs on (the deep profile: all).
+MARKED_ADAPTERS = {"traced": "jax-jit", "kernels": "jax-interpret"}
 
 
 def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "traced: a traced layer/slot/flag or a folded static option could change the "
+        "answer, so the test also runs on the jax-jit adapter")
     config.addinivalue_line(
         "markers", "kernels: the rule is decided by a Pallas kernel (victims, promotion), so the "
         "test also runs on the jax-interpret adapter")
 
 
+def adapters_for(definition):
+    """The adapters one test runs on: reference and jax-eager, plus what its markers add."""
+    if PROFILE == "deep":
+        return ADAPTERS
+    added = {name for marker, name in MARKED_ADAPTERS.items() if definition.get_closest_marker(marker)}
+    return tuple(name for name in ADAPTERS if name in ("reference", "jax-eager") or name in added)
+
+
 def pytest_generate_tests(metafunc):
     if "adapter" in metafunc.fixturenames:
-        marked = metafunc.definition.get_closest_marker("kernels") is not None
-        names = ADAPTERS if (marked or PROFILE == "deep") else DEFAULT_ADAPTERS
-        metafunc.parametrize("adapter", names, indirect=True)
+        metafunc.parametrize("adapter", adapters_for(metafunc.definition), indirect=True)
 
 
 @pytest.fixture

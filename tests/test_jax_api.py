@@ -193,6 +193,20 @@ def test_the_layer_is_traced_never_static():
     assert resident_slots(state) == 6
 
 
+def test_jit_and_eager_agree():
+    state = pc.init(3, 4, 8)
+    jitted = jax.jit(pc.ensure_hybrid, static_argnames=("order", "admission", "backend"))
+    eager_state, jit_state = state, state
+    rng = np.random.default_rng(3)
+    for step in range(12):
+        layer, routes = int(rng.integers(3)), jnp.asarray(rng.integers(-1, 4, 5), jnp.int32)
+        policy = pc.FetchPolicy.fraction(float(rng.random()))
+        eager_state, eager_plan = pc.ensure_hybrid(eager_state, layer, routes, policy)
+        jit_state, jit_plan = jitted(jit_state, layer, routes, policy)
+        chex.assert_trees_all_equal(eager_state, jit_state)
+        chex.assert_trees_all_equal(eager_plan, jit_plan)
+
+
 def test_dense_rank_keeps_sentinels_and_every_order():
     usage = jnp.asarray([0, 50, INT32_MIN, 70, 50, 90], jnp.int32)
     recency = jnp.asarray([[-1, 60, 90], [50, -1, 10]], jnp.int32)

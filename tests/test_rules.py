@@ -2,9 +2,9 @@
 
 The rules of the Rust seed's test module, per-layer stats and the routing histogram, the skew
 report, and the seed-000 admission rules (docs/semantics.md §3-§5, §8, §10), restated once against
-the adapter fixture: the NumPy reference, the JAX functions eagerly and under ``jit``, and (for
-``@pytest.mark.kernels`` tests, decided by the victim or promotion kernel) the Pallas kernels in
-the interpreter. Where the naive implementation is a real temptation the docstring says how the
+the adapter fixture: the NumPy reference and the JAX functions eagerly; under an outer ``jit`` for
+``@pytest.mark.traced`` tests, and with the Pallas kernels in the interpreter for
+``@pytest.mark.kernels`` tests (conftest.py says why; the deep profile runs all four). Where the naive implementation is a real temptation the docstring says how the
 test catches it.
 """
 
@@ -34,6 +34,7 @@ def test_a_cold_miss_is_fetched_and_becomes_resident(adapter):
     assert again.slots.tolist() == plan.slots.tolist(), "the second visit is free"
 
 
+@pytest.mark.traced
 def test_layers_share_one_pool_through_a_flat_id_space(adapter):
     """FAILS if residency is keyed by the layer-local expert id alone."""
     c = adapter.init(4, 8, 16)
@@ -80,7 +81,6 @@ def test_hits_are_refreshed_before_victims_are_chosen(adapter):
     assert_invariants(c.state)
 
 
-@pytest.mark.kernels
 def test_a_step_never_evicts_a_slot_it_claimed_earlier_in_the_same_step(adapter):
     """FAILS if claimed victims are not knocked out: two misses on a full pool whose oldest
     slot is unique would both take it."""
@@ -166,6 +166,7 @@ def test_padding_routes_are_neither_device_nor_cpu_routes(adapter):
     assert c.routing_histogram(0).sum() == 2, "padding is not routing mass"
 
 
+@pytest.mark.traced
 def test_a_recurring_miss_climbs_the_fetch_order(adapter):
     """FAILS under the lowest-id order: expert 9 loses the cap to the rotating cast forever."""
     policy = adapter.Policy.fixed_cap(1)
@@ -212,6 +213,7 @@ def test_materializing_a_layer_reclaims_other_layers_slots_cleanly(adapter):
     assert c.ensure(0, [3]).missing == 1
 
 
+@pytest.mark.traced
 def test_materialize_empties_this_layers_stale_placements_elsewhere(adapter):
     """FAILS if only slots [0, E) are rewritten: layer 1's expert 0 living in slot 4 would stay
     claimed by two slots."""
@@ -239,7 +241,7 @@ def test_a_second_materialize_of_the_same_layer_is_idempotent(adapter):
     assert c.stats().calls == 1 and (c.state.recency == -1).all(), "counters and recency untouched"
 
 
-@pytest.mark.kernels
+@pytest.mark.traced
 def test_forget_slot_makes_the_slot_the_first_victim_and_is_idempotent(adapter):
     """FAILS if forgetting only empties the slot: with usage left as it was, the next miss on a
     full pool would evict the genuinely oldest resident instead."""
@@ -388,6 +390,7 @@ def test_the_routing_histogram_counts_every_route_not_every_distinct_expert(adap
     assert c.routing_histogram(1).tolist() == [0, 0, 0, 0]
 
 
+@pytest.mark.traced
 def test_routing_is_collected_only_when_switched_on(adapter):
     c = adapter.init(2, 4, 8)
     c.ensure(0, [1, 2])
@@ -504,6 +507,7 @@ def promotion_cache(adapter):
     return c
 
 
+@pytest.mark.traced
 def test_a_first_time_miss_is_never_promoted(adapter):
     """FAILS if promotion ignores recency: expert 7's first appearance must run on the CPU."""
     q = adapter.Policy.fraction(0.4)
@@ -539,6 +543,7 @@ def test_a_recurring_miss_is_promoted_even_among_first_time_misses_with_lower_id
     assert plan.fetched == 0, "3 is a first-time miss"
 
 
+@pytest.mark.traced
 @pytest.mark.parametrize("policy, order", [
     (("fixed_cap", 0), "recency"),
     (("fixed_cap", 1), "recency"),
