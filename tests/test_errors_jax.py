@@ -1,8 +1,8 @@
 """Bad input (docs/semantics.md §6, docs/design.md): clear errors, and nothing lost.
 
 Value errors (known only on device) must return the input state **unchanged** -- not even the
-clock moves, and no rebase happens -- with the matching error bit in an otherwise empty plan,
-eagerly and under ``jit``. Static misuse must raise at call/trace time naming the offending
+clock moves, and no rebase happens -- with the matching error bit in an otherwise empty plan; that
+rule runs on every adapter in test_rules_state.py, and here inside a ``scan``. Static misuse must raise at call/trace time naming the offending
 value. ``check`` turns error bits into a readable exception; ``checked`` does it under ``jit``
 through ``checkify``.
 """
@@ -19,19 +19,6 @@ from jax.experimental import checkify
 import pallas_cache as pc
 
 L, E, S = 2, 4, 8
-BIG_BANK = 512 * 1024
-
-JIT = {
-    "ensure": jax.jit(pc.ensure, static_argnames=("backend",)),
-    "ensure_hybrid": jax.jit(pc.ensure_hybrid, static_argnames=("order", "admission", "backend")),
-    "materialize_layer": jax.jit(pc.materialize_layer),
-    "forget_slot": jax.jit(pc.forget_slot),
-    "prefetch_prefill_layer": jax.jit(pc.prefetch_prefill_layer, static_argnames=("bank_feat_bytes",)),
-}
-
-
-def op(mode, name):
-    return JIT[name] if mode == "jit" else getattr(pc, name)
 
 
 def ids(*values):
@@ -48,104 +35,7 @@ def warm_state(rebase_threshold=2**30):
     return state
 
 
-def assert_refused(before, after, plan, bits):
-    assert int(plan.error) == bits
-    chex.assert_trees_all_equal(after, before)  # every leaf, the clock included
-
-
-def assert_empty_ensure_plan(plan, shape, width):
-    chex.assert_shape([plan.slots, plan.cpu], shape)
-    assert (np.asarray(plan.slots) == -1).all() and not np.asarray(plan.cpu).any()
-    chex.assert_shape([plan.copy.dst_slots, plan.copy.src_rows], (width,))
-    assert (np.asarray(plan.copy.dst_slots) == -1).all() and (np.asarray(plan.copy.src_rows) == -1).all()
-    assert [int(plan.copy.count), int(plan.active), int(plan.missing), int(plan.fetched)] == [0, 0, 0, 0]
-
-
-MODES = ["eager", "jit"]
-
-
-# ---- value errors: bits, state unchanged ------------------------------------------------------
-
-
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("bad_id", [E, E + 7, -2, -(2**31)])
-def test_an_expert_id_outside_the_layer_sets_err_expert_id(mode, bad_id):
-    state = warm_state()
-    routes = ids(0, bad_id, 1)
-    after, plan = op(mode, "ensure")(state, 0, routes)
-    assert_refused(state, after, plan, pc.ERR_EXPERT_ID)
-    assert_empty_ensure_plan(plan, (8,), E)
-    after, plan = op(mode, "ensure_hybrid")(state, 0, routes, pc.FetchPolicy.fraction(0.4))
-    assert_refused(state, after, plan, pc.ERR_EXPERT_ID)
-    assert_empty_ensure_plan(plan, (8,), E)
-
-
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("bad_layer", [-1, L, 1000])
-def test_a_layer_outside_the_model_sets_err_layer(mode, bad_layer):
-    state = warm_state()
-    layer = jnp.int32(bad_layer) if mode == "jit" else bad_layer
-    after, plan = op(mode, "ensure")(state, layer, ids(0, 1))
-    assert_refused(state, after, plan, pc.ERR_LAYER)
-    after, plan = op(mode, "ensure_hybrid")(state, layer, ids(0, 1), pc.FetchPolicy.full())
-    assert_refused(state, after, plan, pc.ERR_LAYER)
-    after, plan = op(mode, "materialize_layer")(state, layer)
-    assert_refused(state, after, plan, pc.ERR_LAYER)
-    assert (np.asarray(plan.copy.dst_slots) == -1).all() and int(plan.copy.count) == 0
-
-
-@pytest.mark.parametrize("mode", MODES)
-def test_every_failing_check_sets_its_bit(mode):
-    state = warm_state()
-    after, plan = op(mode, "ensure_hybrid")(state, L, ids(0, E), pc.FetchPolicy.fraction(0.4))
-    assert_refused(state, after, plan, pc.ERR_EXPERT_ID | pc.ERR_LAYER)
-    after, plan = op(mode, "prefetch_prefill_layer")(state, -1, bank_feat_bytes=(BIG_BANK,))
-    assert_refused(state, after, plan, pc.ERR_LAYER | pc.ERR_PREFILL_NOT_BEGUN)
-
-
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("bad_slot", [-1, S, S + 100])
-def test_forgetting_a_slot_outside_the_pool_sets_err_slot(mode, bad_slot):
-    state = warm_state()
-    after, plan = op(mode, "forget_slot")(state, bad_slot)
-    assert_refused(state, after, plan, pc.ERR_SLOT)
-    assert int(plan.old) == -1
-
-
-@pytest.mark.parametrize("mode", MODES)
-def test_staging_without_begin_prefill_sets_err_prefill_not_begun(mode):
-    state = warm_state()
-    after, plan = op(mode, "prefetch_prefill_layer")(state, 0, bank_feat_bytes=(BIG_BANK,))
-    assert_refused(state, after, plan, pc.ERR_PREFILL_NOT_BEGUN)
-    assert int(plan.transfers.count) == 0 and int(plan.gather.count) == 0 and int(plan.runs.count) == 0
-    assert not bool(plan.already_loaded)
-
-
-@pytest.mark.parametrize("mode", MODES)
-def test_staging_into_an_unreleased_buffer_sets_err_prefill_busy(mode):
-    state = pc.begin_prefill(warm_state())
-    state, plan = op(mode, "prefetch_prefill_layer")(state, 0, bank_feat_bytes=(BIG_BANK,))
-    assert int(plan.error) == 0
-    # Layer 0 is staged in buffer 0 and not released; layer 2 would reuse the buffer -- but the
-    # model has 2 layers, so build a wider one for this.
-    wide = pc.begin_prefill(pc.init(4, E, 16))
-    wide, _ = op(mode, "prefetch_prefill_layer")(wide, 0, bank_feat_bytes=(BIG_BANK,))
-    after, plan = op(mode, "prefetch_prefill_layer")(wide, 2, bank_feat_bytes=(BIG_BANK,))
-    assert_refused(wide, after, plan, pc.ERR_PREFILL_BUSY)
-    assert int(plan.transfers.count) == 0 and int(plan.gather.count) == 0
-    released = pc.release_prefill_layer(wide, 0)
-    _, plan = op(mode, "prefetch_prefill_layer")(released, 2, bank_feat_bytes=(BIG_BANK,))
-    assert int(plan.error) == 0
-
-
-@pytest.mark.parametrize("mode", MODES)
-def test_a_refused_call_neither_advances_nor_rebases_the_clock(mode):
-    state = warm_state(rebase_threshold=2)  # step is 2: the next accepted call renumbers
-    assert int(state.step) >= 2
-    after, plan = op(mode, "ensure")(state, 0, ids(E))
-    assert_refused(state, after, plan, pc.ERR_EXPERT_ID)
-    after, plan = op(mode, "materialize_layer")(state, 5)
-    assert_refused(state, after, plan, pc.ERR_LAYER)
+# ---- value errors inside a compiled loop ----------------------------------------------------
 
 
 def test_a_refused_call_inside_a_scan_changes_nothing_and_the_loop_goes_on():
