@@ -29,6 +29,12 @@ the preset exponents are calibrated against the *measured* entropy, not the form
 
 Sampling uses the Gumbel-top-k trick (``argsort(log p + Gumbel)``), one vectorised draw over all
 layers per token, so a 48-layer x 2000-token trace takes well under a second.
+
+A second family, :class:`RealisticParams` (presets ``mixtral-realistic`` and
+``fine-grained-realistic``), adds what this model lacks: token identity. Tokens come from a Zipf
+vocabulary with copied spans and each (token, layer) routes from a seeded embedding filtered over
+recent tokens, so a past token whose routes match predicts the next layers
+(:func:`neighbour_precision`) and repeats fade with lag (:func:`lag_repeat_probability`).
 """
 
 from __future__ import annotations
@@ -187,7 +193,7 @@ def synthetic_trace(preset_or_params: str | SyntheticParams | RealisticParams,
     elif isinstance(preset_or_params, (SyntheticParams, RealisticParams)):
         params, label = preset_or_params, "custom"
     else:
-        raise TypeError(f"expected a preset name or SyntheticParams, got "
+        raise TypeError(f"expected a preset name, SyntheticParams or RealisticParams, got "
                         f"{type(preset_or_params).__name__}")
     if num_tokens is not None:
         params = replace(params, num_tokens=num_tokens)
@@ -259,9 +265,20 @@ def _generate_routes(params: SyntheticParams, log_popularity: np.ndarray,
 # ---- the token-structured ("realistic") family ------------------------------------------------
 
 
+#: The context filter of the realistic presets: the token itself, a weak echo of the previous
+#: token (previous-token reuse about 0.40 on 2-of-8) and a negative echo of tokens 7-11 back (the
+#: repeat probability measured on Mixtral-8x7B falls below chance a few tokens back, to about
+#: 0.2 against 0.25). Placing the dip nearer (lags 3-5) reaches 0.2 sooner but costs LRU at 6
+#: slots per layer about 0.03 against the measured hit rates.
+_REALISTIC_CONTEXT = (1.0, 0.3, 0.0, 0.0, 0.0, 0.0, 0.0, -0.2, -0.2, -0.2, -0.2, -0.2)
+
+
 @dataclass(frozen=True)
 class RealisticParams:
     """The knobs of the token-structured generator (see :func:`synthetic_trace`).
+
+    The defaults are ``mixtral-realistic``'s calibrated values; vary one with
+    ``dataclasses.replace(PRESETS["mixtral-realistic"], copy_prob=0.0)``.
 
     The model, per decode token ``t`` (``K = top_k``):
 
@@ -307,12 +324,12 @@ class RealisticParams:
     top_k: int
     num_tokens: int = DEFAULT_PRESET_TOKENS
     vocab_size: int = 8192
-    vocab_zipf: float = 1.1
+    vocab_zipf: float = 1.3
     copy_prob: float = 0.02
     copy_span: float = 8.0
     copy_window: int = 512
-    context: tuple[float, ...] = (1.0, 0.5)
-    layer_noise: float = 0.5
+    context: tuple[float, ...] = _REALISTIC_CONTEXT
+    layer_noise: float = 0.15
     embed_dim: int = 16
     skew: float = 0.0
     skew_spread: float = 0.0
@@ -344,24 +361,14 @@ class RealisticParams:
         object.__setattr__(self, "context", taps)
 
 
-#: The context filter of the realistic presets: the token itself, a weak echo of the previous
-#: token (previous-token reuse about 0.40 on 2-of-8) and a negative echo of tokens 7-11 back (the
-#: repeat probability measured on Mixtral-8x7B falls below chance a few tokens back, to about
-#: 0.2 against 0.25). Placing the dip nearer (lags 3-5) reaches 0.2 sooner but costs LRU at 6
-#: slots per layer about 0.03 against the measured hit rates.
-_REALISTIC_CONTEXT = (1.0, 0.3, 0.0, 0.0, 0.0, 0.0, 0.0, -0.2, -0.2, -0.2, -0.2, -0.2)
-
 #: The token-structured presets (``benchmarks/realistic_preset.py`` prints their statistics next
 #: to the measured Mixtral-8x7B ones). ``mixtral-realistic``: Mixtral-8x7B geometry calibrated
 #: against real decode traces (previous-token reuse, neighbour precision, LRU / per-layer LRU /
 #: Belady hit rates at 2-6 slots per layer). ``fine-grained-realistic``: the same token model on
-#: the fine-grained geometry, with a skewed router bias (mean normalised entropy about 0.86).
-PRESETS["mixtral-realistic"] = RealisticParams(
-    num_layers=32, num_experts=8, top_k=2, vocab_zipf=1.3, layer_noise=0.15,
-    context=_REALISTIC_CONTEXT)
-PRESETS["fine-grained-realistic"] = RealisticParams(
-    num_layers=48, num_experts=128, top_k=8, vocab_zipf=1.3, layer_noise=0.15,
-    context=_REALISTIC_CONTEXT, skew=0.4, skew_spread=0.4)
+#: the fine-grained geometry, with a skewed router bias (mean normalised entropy about 0.87).
+PRESETS["mixtral-realistic"] = RealisticParams(num_layers=32, num_experts=8, top_k=2)
+PRESETS["fine-grained-realistic"] = RealisticParams(num_layers=48, num_experts=128, top_k=8,
+                                                    skew=0.4, skew_spread=0.4)
 
 
 #: Tokens per vectorised block of the router draw: bounds the float32 logits held at once
