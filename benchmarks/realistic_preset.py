@@ -37,8 +37,8 @@ import numpy as np  # noqa: E402
 from baselines import per_layer_lru_hit_rate  # noqa: E402
 from pallas_cache.sizing.bounds import belady  # noqa: E402
 from pallas_cache.sizing.replay import ReplayConfig, replay  # noqa: E402
-from pallas_cache.sizing.synthetic import (lag_repeat_probability, neighbour_precision,  # noqa: E402
-                                           synthetic_trace, trace_statistics)
+from pallas_cache.sizing.synthetic import (  # noqa: E402
+    lag_repeat_probability, neighbour_precision, synthetic_trace, trace_statistics)
 from results_file import write_section  # noqa: E402
 
 #: Measured on real Mixtral-8x7B decode traces (issue 15); None = not measured.
