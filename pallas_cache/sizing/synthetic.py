@@ -29,6 +29,12 @@ the preset exponents are calibrated against the *measured* entropy, not the form
 
 Sampling uses the Gumbel-top-k trick (``argsort(log p + Gumbel)``), one vectorised draw over all
 layers per token, so a 48-layer x 2000-token trace takes well under a second.
+
+A second family, :class:`RealisticParams` (presets ``mixtral-realistic`` and
+``fine-grained-realistic``), adds what this model lacks: token identity. Tokens come from a Zipf
+vocabulary with copied spans and each (token, layer) routes from a seeded embedding filtered over
+recent tokens, so a past token whose routes match predicts the next layers
+(:func:`neighbour_precision`) and repeats fade with lag (:func:`lag_repeat_probability`).
 """
 
 from __future__ import annotations
@@ -51,6 +57,10 @@ __all__ = [
     "layer_exponents",
     "TraceStatistics",
     "trace_statistics",
+    "RealisticParams",
+    "realistic_token_ids",
+    "lag_repeat_probability",
+    "neighbour_precision",
 ]
 
 #: Token count a preset generates when ``num_tokens`` is not given: long enough for stable
@@ -136,7 +146,7 @@ class SyntheticParams:
 #: mean normalised entropy about 0.97) and previous-token reuse about 0.37. ``fine-grained``:
 #: many small experts (DeepSeek/Qwen-MoE style geometry) with clearly skewed, layer-varying
 #: popularity and weaker reuse.
-PRESETS: dict[str, SyntheticParams] = {
+PRESETS: dict[str, SyntheticParams | RealisticParams] = {
     "mixtral-like": SyntheticParams(num_layers=32, num_experts=8, top_k=2, skew=0.85,
                                     skew_spread=0.3, reuse=0.37),
     "fine-grained": SyntheticParams(num_layers=48, num_experts=128, top_k=8, skew=1.2,
@@ -157,8 +167,8 @@ def layer_exponents(params: SyntheticParams, seed: int = 0) -> np.ndarray:
     return _layer_popularity(params, np.random.default_rng(seed))[0]
 
 
-def synthetic_trace(preset_or_params: str | SyntheticParams, num_tokens: int | None = None,
-                    seed: int = 0) -> Trace:
+def synthetic_trace(preset_or_params: str | SyntheticParams | RealisticParams,
+                    num_tokens: int | None = None, seed: int = 0) -> Trace:
     """Generate a seeded synthetic routing trace.
 
     Args:
@@ -182,16 +192,21 @@ def synthetic_trace(preset_or_params: str | SyntheticParams, num_tokens: int | N
             raise KeyError(f"unknown synthetic preset {preset_or_params!r}; choose one of "
                            f"{sorted(PRESETS)}")
         params, label = PRESETS[preset_or_params], preset_or_params
-    elif isinstance(preset_or_params, SyntheticParams):
+    elif isinstance(preset_or_params, (SyntheticParams, RealisticParams)):
         params, label = preset_or_params, "custom"
     else:
-        raise TypeError(f"expected a preset name or SyntheticParams, got "
+        raise TypeError(f"expected a preset name, SyntheticParams or RealisticParams, got "
                         f"{type(preset_or_params).__name__}")
     if num_tokens is not None:
         params = replace(params, num_tokens=num_tokens)
     if not is_int(seed) or seed < 0:
         raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
 
+    if isinstance(params, RealisticParams):
+        return Trace.from_dense(_realistic_routes(params, seed), num_layers=params.num_layers,
+                                num_experts=params.num_experts,
+                                source=f"synthetic:{label}(tokens={params.num_tokens}, "
+                                       f"seed={seed})")
     rng = np.random.default_rng(seed)
     _, log_popularity = _layer_popularity(params, rng)
     routes = _generate_routes(params, log_popularity, rng)
@@ -246,6 +261,200 @@ def _generate_routes(params: SyntheticParams, log_popularity: np.ndarray,
                                                                           axis=1)]
         previous = np.sort(chosen.reshape(layers, top_k), axis=1)
         out[token] = previous
+    return out
+
+
+# ---- the token-structured ("realistic") family ------------------------------------------------
+
+
+#: The context filter of the realistic presets: the token itself, a weak echo of the previous
+#: token (previous-token reuse about 0.40 on 2-of-8) and a negative echo of tokens 7-11 back (the
+#: repeat probability measured on Mixtral-8x7B falls below chance a few tokens back, to about
+#: 0.2 against 0.25). Placing the dip nearer (lags 3-5) reaches 0.2 sooner but costs LRU at 6
+#: slots per layer about 0.03 against the measured hit rates.
+_REALISTIC_CONTEXT = (1.0, 0.3, 0.0, 0.0, 0.0, 0.0, 0.0, -0.2, -0.2, -0.2, -0.2, -0.2)
+
+
+@dataclass(frozen=True)
+class RealisticParams:
+    """The knobs of the token-structured generator (see :func:`synthetic_trace`).
+
+    The defaults are ``mixtral-realistic``'s calibrated values; vary one with
+    ``dataclasses.replace(PRESETS["mixtral-realistic"], copy_prob=0.0)``.
+
+    The model, per decode token ``t`` (``K = top_k``):
+
+    1. **Token identity.** ``tok[t]`` is drawn from a vocabulary of ``vocab_size`` ids with Zipf
+       frequencies ``p[rank] ~ 1 / rank**vocab_zipf``, except inside *copied spans*: each token
+       starts a span with probability ``copy_prob`` (length geometric with mean ``copy_span``)
+       that repeats the tokens found ``d`` positions back (``d`` uniform in
+       ``[1, min(copy_window, t)]``), as text repeats names, phrases and code.
+    2. **Hidden state.** Each vocabulary id has a seeded embedding ``U[v]`` (``embed_dim``
+       Gaussian, unit expected norm); the router input of token ``t`` is the causal filter
+       ``h[t] = sum_k context[k] * U[tok[t - k]]`` (tokens before the trace contribute nothing),
+       so ``context[0]`` weighs the token itself and later taps its recent context (negative
+       taps make the routes of tokens that far back *less* likely than chance, as measured on
+       Mixtral).
+    3. **Routing.** Layer ``l`` routes the ``K`` largest of
+       ``(h[t] + layer_noise * n[t, l]) @ W[l] + b[l]``, with ``W[l]`` a seeded
+       Gaussian ``[embed_dim, E]`` router, ``n`` fresh Gaussian noise per (token, layer) and
+       ``b[l]`` the Zipf popularity bias of the other family (``skew``, ``skew_spread``; ``0`` =
+       none). Routes are shared across layers only through ``h``: a past token whose routes at
+       the layers so far match the current token's tends to carry the same ``h`` (the same
+       token, or the same token in the same context), so it predicts the next layers.
+
+    Everything is vectorised over tokens; random draws come from independent per-quantity
+    streams consumed in token order, so a longer trace from the same seed extends a shorter one.
+
+    Attributes:
+        num_layers, num_experts, top_k, num_tokens: geometry, as in :class:`SyntheticParams`.
+        vocab_size: ``V`` vocabulary ids (``>= 1``).
+        vocab_zipf: Zipf exponent of the vocabulary frequencies (``>= 0``).
+        copy_prob: per-token probability of starting a copied span, in ``[0, 1]``.
+        copy_span: mean length of a copied span (``>= 1``).
+        copy_window: the furthest back (in tokens) a copied span's source starts (``>= 1``).
+        context: filter taps ``context[k]`` on the embedding of token ``t - k`` (finite, at least
+            one).
+        layer_noise: scale of the per-(token, layer) noise relative to a unit embedding (``>= 0``).
+        embed_dim: embedding width (``>= 1``).
+        skew: Zipf exponent of the per-layer router bias (scalar, ``>= 0``).
+        skew_spread: its variation across layers, as in :class:`SyntheticParams`.
+    """
+
+    num_layers: int
+    num_experts: int
+    top_k: int
+    num_tokens: int = DEFAULT_PRESET_TOKENS
+    vocab_size: int = 8192
+    vocab_zipf: float = 1.3
+    copy_prob: float = 0.02
+    copy_span: float = 8.0
+    copy_window: int = 512
+    context: tuple[float, ...] = _REALISTIC_CONTEXT
+    layer_noise: float = 0.15
+    embed_dim: int = 16
+    skew: float = 0.0
+    skew_spread: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_experts", "top_k", "num_tokens", "vocab_size",
+                     "copy_window", "embed_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"top_k={self.top_k} exceeds num_experts={self.num_experts}: a "
+                             f"call routes distinct experts")
+        for name, low in (("vocab_zipf", 0.0), ("layer_noise", 0.0), ("skew", 0.0),
+                          ("skew_spread", 0.0), ("copy_span", 1.0)):
+            value = getattr(self, name)
+            if not _finite_number(value) or value < low:
+                raise ValueError(f"{name} must be a finite number >= {low:g}, got {value!r}")
+        if not _finite_number(self.copy_prob) or not 0.0 <= self.copy_prob <= 1.0:
+            raise ValueError(f"copy_prob must be a probability in [0, 1], got {self.copy_prob!r}")
+        try:
+            taps = tuple(float(c) for c in self.context)
+        except TypeError:
+            raise ValueError(f"context must be a sequence of filter taps, got "
+                             f"{self.context!r}") from None
+        if not taps or not all(math.isfinite(c) for c in taps):
+            raise ValueError(f"context must be a non-empty sequence of finite taps, got "
+                             f"{self.context!r}")
+        object.__setattr__(self, "context", taps)
+
+
+#: The token-structured presets (``benchmarks/realistic_preset.py`` prints their statistics next
+#: to the measured Mixtral-8x7B ones). ``mixtral-realistic``: Mixtral-8x7B geometry calibrated
+#: against real decode traces (previous-token reuse, neighbour precision, LRU / per-layer LRU /
+#: Belady hit rates at 2-6 slots per layer). ``fine-grained-realistic``: the same token model on
+#: the fine-grained geometry, with a skewed router bias (mean normalised entropy about 0.87).
+PRESETS["mixtral-realistic"] = RealisticParams(num_layers=32, num_experts=8, top_k=2)
+PRESETS["fine-grained-realistic"] = RealisticParams(num_layers=48, num_experts=128, top_k=8,
+                                                    skew=0.4, skew_spread=0.4)
+
+
+#: Tokens per vectorised block of the router draw: bounds the float32 logits held at once
+#: (``block * L * E``: 25 MB for 48 x 128) without changing any value.
+_REALISTIC_BLOCK = 1024
+
+
+def _realistic_stream(seed: int, name: str) -> np.random.Generator:
+    """An independent generator per quantity, so each is drawn in token order on its own."""
+    return np.random.default_rng([seed, _STREAM_IDS[name]])
+
+
+_STREAM_IDS = {"model": 1, "vocab": 2, "copy": 3, "noise": 4}
+
+
+def realistic_token_ids(params: RealisticParams, seed: int = 0) -> np.ndarray:
+    """The vocabulary id of every token of the realistic trace for ``params`` and ``seed``.
+
+    Returns:
+        int32 ``[num_tokens]``; ids are frequency ranks (``0`` = the most frequent).
+    """
+    tokens = params.num_tokens
+    weights = np.arange(1, params.vocab_size + 1, dtype=np.float64) ** -params.vocab_zipf
+    cdf = np.cumsum(weights)
+    fresh = np.searchsorted(cdf, _realistic_stream(seed, "vocab").random(tokens) * cdf[-1],
+                            side="right")
+    fresh = np.minimum(fresh, params.vocab_size - 1).astype(np.int32)
+
+    draws = _realistic_stream(seed, "copy").random((tokens, 3))
+    position = np.arange(tokens)
+    starts = draws[:, 0] < params.copy_prob
+    starts[0] = False  # nothing to copy yet
+    back = 1 + np.floor(draws[:, 1] * np.minimum(params.copy_window, position)).astype(np.int64)
+    if params.copy_span > 1.0:
+        length = 1 + np.floor(np.log1p(-draws[:, 2]) / math.log1p(-1.0 / params.copy_span))
+    else:
+        length = np.ones(tokens)
+    last_start = np.maximum.accumulate(np.where(starts, position, -1))
+    span = np.maximum(last_start, 0)
+    copied = (last_start >= 0) & (position < last_start + length[span])
+    source = np.where(copied, position - back[span], position)
+    while True:  # pointer jumping: a copy of a copy resolves to the fresh token it repeats
+        deeper = source[source]
+        if np.array_equal(deeper, source):
+            break
+        source = deeper
+    return fresh[source]
+
+
+def _realistic_routes(params: RealisticParams, seed: int) -> np.ndarray:
+    """Draw ``[tokens, layers, top_k]`` int16 routes (see :class:`RealisticParams`)."""
+    layers, experts, top_k, dim = (params.num_layers, params.num_experts, params.top_k,
+                                   params.embed_dim)
+    model = _realistic_stream(seed, "model")
+    _, bias = _layer_popularity(params, model)
+    embedding = model.standard_normal((params.vocab_size, dim)).astype(np.float32)
+    embedding /= np.float32(math.sqrt(dim))
+    router = model.standard_normal((layers, dim, experts)).astype(np.float32)
+    bias = bias.astype(np.float32)
+
+    ids = realistic_token_ids(params, seed)
+    hidden = np.zeros((params.num_tokens, dim), dtype=np.float32)
+    for lag, tap in enumerate(params.context):
+        if tap and lag < params.num_tokens:
+            hidden[lag:] += np.float32(tap) * embedding[ids[: params.num_tokens - lag]]
+
+    noise = _realistic_stream(seed, "noise")
+    noise_scale = np.float32(params.layer_noise / math.sqrt(dim))
+    out = np.empty((params.num_tokens, layers, top_k),
+                   dtype=np.int16 if experts <= np.iinfo(np.int16).max else np.int32)
+    for start in range(0, params.num_tokens, _REALISTIC_BLOCK):
+        stop = min(start + _REALISTIC_BLOCK, params.num_tokens)
+        x = noise.standard_normal((stop - start, layers, dim), dtype=np.float32)
+        x *= noise_scale
+        x += hidden[start:stop, None, :]
+        # numpy's own einsum loop, not BLAS: a multithreaded sgemm on a busy machine is ~40x
+        # slower for these thin [n, 16] x [16, E] products, and its rounding may vary by thread.
+        logits = np.einsum("nld,lde->lne", x, router)               # [L, n, E]
+        logits += bias[:, None, :]
+        if top_k < experts:
+            top = np.argpartition(logits, experts - top_k, axis=2)[:, :, experts - top_k:]
+        else:
+            top = np.broadcast_to(np.arange(experts), logits.shape)
+        out[start:stop] = np.sort(top, axis=2).transpose(1, 0, 2)
     return out
 
 
@@ -355,3 +564,110 @@ def _reuse_counts(trace: Trace) -> tuple[np.ndarray, np.ndarray]:
     considered = np.bincount(layer_of, weights=distinct[current].sum(axis=1),
                              minlength=trace.num_layers)
     return reused, considered
+
+
+def lag_repeat_probability(trace: Trace, max_lag: int = 8) -> np.ndarray:
+    """How often a layer routes again an expert it routed ``k`` of its calls earlier.
+
+    For each lag ``k`` in ``1..max_lag``: over every call that has a ``k``-th previous call of
+    the same layer in the same sequence (in call order) whose routes are not all padding, the
+    share of the call's distinct experts that the earlier call also routed (pooled over layers:
+    the sum of matches over the sum of distinct experts). On a uniform top-``K`` router with no
+    memory it is ``K / E`` at every lag (0.25 on Mixtral's 2-of-8); lag 1 equals
+    :func:`trace_statistics`'s ``mean_reuse_rate``.
+
+    Args:
+        trace: any trace.
+        max_lag: the largest lag (``>= 1``).
+
+    Returns:
+        float64 ``[max_lag]``; entry ``k - 1`` is lag ``k`` (NaN where no call has such a
+        predecessor).
+    """
+    if not isinstance(max_lag, (int, np.integer)) or isinstance(max_lag, bool) or max_lag < 1:
+        raise ValueError(f"max_lag must be a positive integer, got {max_lag!r}")
+    routes = np.sort(trace.routes, axis=1)
+    distinct = routes >= 0
+    distinct[:, 1:] &= routes[:, 1:] != routes[:, :-1]
+    order = np.lexsort((trace.layers, trace.sequence))   # group by (sequence, layer), call order
+    group = trace.sequence[order].astype(np.int64) * trace.num_layers + trace.layers[order]
+    has_routes = distinct.any(axis=1)
+    out = np.full(max_lag, np.nan)
+    for lag in range(1, max_lag + 1):
+        current, earlier = order[lag:], order[:-lag]
+        keep = (group[lag:] == group[:-lag]) & has_routes[earlier]
+        current, earlier = current[keep], earlier[keep]
+        cur = np.where(distinct[current], routes[current], -2)    # -2 never matches a route
+        prev = np.where(distinct[earlier], routes[earlier], -3)
+        matched = (cur[:, :, None] == prev[:, None, :]).any(axis=2).sum()
+        considered = distinct[current].sum()
+        if considered:
+            out[lag - 1] = matched / considered
+    return out
+
+
+def neighbour_precision(trace: Trace, window: int = 128, *, block: int = 256) -> float:
+    """How well the past token whose routes best match the current token's predicts the next layer.
+
+    For a dense trace ``R[t, l]`` (sets of distinct routed experts) and every token ``t >= 1``
+    and layer ``l >= 1``: among the past tokens ``j`` in ``[max(0, t - window), t - 1]`` take the
+    one with the most matching routes over the layers so far,
+    ``match(j) = sum_{m < l} |R[t, m] & R[j, m]|``, ties to the most recent ``j``; its precision
+    is ``|R[j, l] & R[t, l]| / |R[j, l]|`` -- the share of the neighbour's layer-``l`` experts
+    the current token routes too. The result pools the matches over the predictions
+    (``sum |R[j, l] & R[t, l]| / sum |R[j, l]|``). Layer 0 (no evidence yet) and token 0 (no
+    past) are not counted. A router with no memory scores ``K / E``.
+
+    Args:
+        trace: a dense trace (one sequence, every token calling layers ``0..L-1`` in order).
+        window: how many past tokens are candidates (``>= 1``).
+        block: tokens processed at once (memory ``block * window * L``; the value is unchanged).
+
+    Returns:
+        The pooled precision (NaN for a trace with one token or one layer).
+
+    Raises:
+        TraceError: the trace is not dense.
+    """
+    if not isinstance(window, (int, np.integer)) or isinstance(window, bool) or window < 1:
+        raise ValueError(f"window must be a positive integer, got {window!r}")
+    dense = trace.to_dense()
+    tokens, layers, _ = dense.shape
+    if tokens < 2 or layers < 2:
+        return math.nan
+    masks = _route_masks(dense, trace.num_experts)              # [T, L, W] uint64
+    sizes = np.bitwise_count(masks).sum(axis=2, dtype=np.int64)  # [T, L]
+    lags = np.arange(1, window + 1)
+    matched = predicted = 0
+    for start in range(1, tokens, block):
+        now = np.arange(start, min(start + block, tokens))
+        past = now[:, None] - lags[None, :]                      # [n, window], most recent first
+        valid = past >= 0
+        past = np.maximum(past, 0)
+        overlap = np.bitwise_count(masks[now][:, None] & masks[past]).sum(
+            axis=3, dtype=np.int32)                               # [n, window, L]
+        so_far = np.cumsum(overlap, axis=2) - overlap              # matches over layers < l
+        so_far = np.where(valid[:, :, None], so_far, -1)
+        best = np.argmax(so_far, axis=1)                           # [n, L]: first = most recent
+        hits = np.take_along_axis(overlap, best[:, None, :], axis=1)[:, 0, :]
+        neighbour = np.take_along_axis(past, best, axis=1)        # [n, L]
+        size = sizes[neighbour, np.arange(layers)[None, :]]
+        matched += int(hits[:, 1:].sum())
+        predicted += int(size[:, 1:].sum())
+    return matched / predicted if predicted else math.nan
+
+
+def _route_masks(dense: np.ndarray, num_experts: int) -> np.ndarray:
+    """``[T, L, K]`` routes (-1 = padding) -> ``[T, L, ceil(E / 64)]`` uint64 expert bitmasks."""
+    words = -(-num_experts // 64)
+    tokens, layers, _ = dense.shape
+    masks = np.zeros((tokens, layers, words), dtype=np.uint64)
+    for k in range(dense.shape[2]):
+        expert = dense[:, :, k].astype(np.int64)
+        routed = expert >= 0
+        safe = np.where(routed, expert, 0)
+        bit = np.where(routed, np.left_shift(np.uint64(1), (safe % 64).astype(np.uint64)),
+                       np.uint64(0))
+        for word in range(words):
+            masks[:, :, word] |= np.where(safe // 64 == word, bit, np.uint64(0))
+    return masks

@@ -1,0 +1,212 @@
+"""The token-structured synthetic presets, their statistics, and the per-layer LRU baseline.
+
+The statistics tests use hand-counted traces, so a naive statistic (pairing calls across
+sequences or layers, counting duplicates or padding, choosing the neighbour by the current layer
+itself or breaking ties towards older tokens) fails. The generator tests measure the structure
+the family promises (seeded, extendable, valid top-k routes, repeats that fade with lag, past
+tokens that predict the next layers), so a generator without token identity or context fails.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import numpy as np
+import pytest
+
+from benchmarks.baselines import per_layer_lru_hit_rate, per_layer_lru_hit_rate_brute
+from pallas_cache.sizing.synthetic import (PRESETS, RealisticParams, lag_repeat_probability,
+                                           neighbour_precision, realistic_token_ids,
+                                           synthetic_trace, trace_statistics)
+from pallas_cache.sizing.trace import Trace, TraceError
+
+REALISTIC = ("mixtral-realistic", "fine-grained-realistic")
+
+
+@pytest.fixture(scope="module")
+def mixtral_realistic():
+    return synthetic_trace("mixtral-realistic", num_tokens=1200, seed=0)
+
+
+# ---- statistics on hand-counted traces --------------------------------------------------------
+
+
+def _lag_trace():
+    # Calls: (sequence, layer, routes). Layer 0 of a: {0,1} {1,2} {1} {0,2}; layer 1 of a: {0},
+    # padding only, {0,2}; sequence b: layer 0 {0,1}.
+    return Trace(
+        routes=[[0, 1, -1], [0, -1, -1], [1, 2, -1], [-1, -1, -1], [1, 1, -1], [0, 2, -1],
+                [0, 2, -1], [0, 1, -1]],
+        layers=[0, 1, 0, 1, 0, 1, 0, 0], sequence=[0, 0, 0, 0, 0, 0, 0, 1],
+        sequence_names=("a", "b"), token_idx=[0, 0, 1, 1, 2, 2, 3, 0], num_layers=2,
+        num_experts=4)
+
+
+def test_lag_repeat_probability_hand_counted():
+    """FAILS if lag pairs cross sequences or layers, count duplicate or padding routes, or keep
+    pairs whose earlier call is all padding."""
+    lags = lag_repeat_probability(_lag_trace(), max_lag=4)
+    # Lag 1: layer 0: {1,2}|{0,1} 1/2, {1}|{1,2} 1/1, {0,2}|{1} 0/2; layer 1: {}|{0} 0/0,
+    # {0,2}|{} skipped (nothing routed before). 2 of 5.
+    # Lag 2: layer 0: {1}|{0,1} 1/1, {0,2}|{1,2} 1/2; layer 1: {0,2}|{0} 1/2. 3 of 5.
+    # Lag 3: layer 0: {0,2}|{0,1} 1/2. Lag 4: no call has a 4th predecessor.
+    assert lags[:3].tolist() == [pytest.approx(2 / 5), pytest.approx(3 / 5), pytest.approx(1 / 2)]
+    assert np.isnan(lags[3])
+    assert lags[0] == pytest.approx(trace_statistics(_lag_trace()).mean_reuse_rate)
+
+
+def test_lag_repeat_probability_refuses_a_bad_lag():
+    with pytest.raises(ValueError, match="max_lag must be a positive integer, got 0"):
+        lag_repeat_probability(_lag_trace(), max_lag=0)
+
+
+def _neighbour_trace():
+    # tokens x layers, top-2 of 4 experts:
+    #   token 0: {0,1} {0,1} {0,1}
+    #   token 1: {2,3} {2,3} {2,3}
+    #   token 2: {0,1} {2,3} {2,3}
+    return Trace.from_dense([[[0, 1], [0, 1], [0, 1]],
+                             [[2, 3], [2, 3], [2, 3]],
+                             [[0, 1], [2, 3], [2, 3]]], num_experts=4)
+
+
+def test_neighbour_precision_hand_counted():
+    """FAILS if the neighbour is chosen using the predicted layer itself, always the previous
+    token, ties go to the older token, or layer 0 (no evidence yet) is counted."""
+    # Token 1: the only past token is 0; layers 1 and 2 predict {0,1} for {2,3}: 0 of 4.
+    # Token 2, layer 1: layer 0 matches token 0 (2) over token 1 (0) -> predicts {0,1}: 0 of 2.
+    # Token 2, layer 2: layers 0-1 match both tokens twice -> the most recent, token 1, predicts
+    # {2,3}: 2 of 2. Total 2 of 8.
+    assert neighbour_precision(_neighbour_trace(), window=128) == pytest.approx(2 / 8)
+    # A window of one token: the previous token always: token 2 gets 2 + 2 of 4 -> 4 of 8.
+    assert neighbour_precision(_neighbour_trace(), window=1) == pytest.approx(4 / 8)
+
+
+def test_neighbour_precision_needs_a_dense_trace_and_a_window():
+    with pytest.raises(TraceError, match="not a full"):
+        neighbour_precision(_lag_trace())
+    with pytest.raises(ValueError, match="window must be a positive integer, got 0"):
+        neighbour_precision(_neighbour_trace(), window=0)
+
+
+# ---- the per-layer LRU baseline ---------------------------------------------------------------
+
+
+def test_per_layer_lru_hand_counted_with_its_tie_rule():
+    """FAILS if a call's tie (experts of one earlier call) evicts the higher id instead of the
+    lowest, or if padding counts as a route."""
+    # One layer, 3 slots: {0,1} miss miss; {2,3} miss miss -> 4 residents, evict the oldest call's
+    # lowest id 0 -> {1,2,3}; {1} hit; {0} miss. 1 hit of 6.
+    trace = Trace.from_dense([[[0, 1]], [[2, 3]], [[1, -1]], [[0, -1]]], num_experts=4)
+    assert per_layer_lru_hit_rate(trace, 3) == pytest.approx(1 / 6)
+    assert per_layer_lru_hit_rate_brute(trace, 3) == pytest.approx(1 / 6)
+
+
+@pytest.mark.parametrize("case", range(12))
+def test_per_layer_lru_fast_equals_brute_force(case):
+    """FAILS if the vectorised simulator drifts from the call-by-call one (slots per layer, ties,
+    duplicates, padding, slots >= experts)."""
+    rng = random.Random(case)
+    layers, experts = rng.randint(1, 4), rng.randint(2, 9)
+    top_k = rng.randint(1, min(experts, 3))
+    slots = rng.randint(top_k, experts + 1)
+    tokens = rng.randint(1, 40)
+    routes = np.array([[[rng.randint(-1, experts - 1) for _ in range(top_k)]
+                        for _ in range(layers)] for _ in range(tokens)])
+    trace = Trace.from_dense(routes, num_experts=experts)
+    size = slots * layers + rng.randint(0, layers - 1)   # S / L rounds down
+    assert per_layer_lru_hit_rate(trace, size) == per_layer_lru_hit_rate_brute(trace, size)
+
+
+def test_per_layer_lru_with_top_k_slots_is_the_previous_token_repeat(mixtral_realistic):
+    """FAILS if per-layer LRU shared slots across layers (2 slots per layer of top-2 hit exactly
+    the previous token's experts)."""
+    trace = mixtral_realistic
+    tokens = trace.num_tokens
+    lag1 = lag_repeat_probability(trace, 1)[0]
+    assert per_layer_lru_hit_rate(trace, 2 * trace.num_layers) == \
+        pytest.approx(lag1 * (tokens - 1) / tokens)
+    with pytest.raises(ValueError, match="gives 1 slots per layer for 32 layers"):
+        per_layer_lru_hit_rate(trace, 32)
+
+
+# ---- the generator ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", REALISTIC)
+def test_realistic_presets_are_valid_dense_top_k_traces(name):
+    """FAILS if a call routes repeated or out-of-range experts or the geometry is not the
+    preset's."""
+    params = PRESETS[name]
+    trace = synthetic_trace(name, num_tokens=30, seed=5)
+    assert (trace.num_layers, trace.num_experts, trace.top_k) == \
+        (params.num_layers, params.num_experts, params.top_k)
+    assert trace.is_dense() and trace.num_calls == 30 * params.num_layers
+    assert trace.routes.dtype == np.int32 and trace.routes.min() >= 0
+    assert trace.routes.max() < params.num_experts
+    assert (np.diff(trace.routes, axis=1) > 0).all()   # sorted, distinct
+    assert f"synthetic:{name}(tokens=30, seed=5)" == trace.source
+    ids = realistic_token_ids(dataclasses.replace(params, num_tokens=30), seed=5)
+    assert ids.dtype == np.int32 and ids.shape == (30,)
+    assert ids.min() >= 0 and ids.max() < params.vocab_size
+
+
+def test_realistic_is_seeded_and_a_longer_trace_extends_a_shorter_one():
+    """FAILS if the generator is unseeded, or draws a quantity from a stream whose position
+    depends on the token count (then the first tokens change with num_tokens)."""
+    a = synthetic_trace("mixtral-realistic", num_tokens=1100, seed=3)
+    assert a == synthetic_trace("mixtral-realistic", num_tokens=1100, seed=3)
+    assert not np.array_equal(a.routes, synthetic_trace("mixtral-realistic", num_tokens=1100,
+                                                        seed=4).routes)
+    longer = synthetic_trace("mixtral-realistic", num_tokens=1500, seed=3)  # past one block
+    assert np.array_equal(longer.routes[: a.num_calls], a.routes)
+
+
+def test_repeats_fade_with_lag_and_dip_below_chance(mixtral_realistic):
+    """FAILS if routes carry no context from recent tokens (lag 1 would equal lag 2) or the
+    negative context taps are ignored (no lag falls below chance)."""
+    lags = lag_repeat_probability(mixtral_realistic, 8)
+    chance = 2 / 8
+    assert lags[0] > chance + 0.1
+    assert lags[0] > lags[1] + 0.05 and lags[1] > lags[7] + 0.05
+    assert lags[7] < chance - 0.02
+
+
+def test_past_tokens_predict_the_next_layers_only_with_token_identity(mixtral_realistic):
+    """FAILS if the realistic routes lost their token identity across layers (then a matching
+    past token predicts no better than the token-free preset)."""
+    realistic = neighbour_precision(mixtral_realistic, 64)
+    token_free = neighbour_precision(synthetic_trace("mixtral-like", num_tokens=600), 64)
+    assert token_free < 0.35 and realistic > 0.5
+
+
+def test_copied_spans_repeat_earlier_token_sequences():
+    """FAILS if copy_prob is ignored: copied spans make bigrams recur far more than Zipf draws."""
+    base = RealisticParams(num_layers=1, num_experts=4, top_k=1, num_tokens=3000,
+                           vocab_size=5000, vocab_zipf=0.5, copy_prob=0.0)
+
+    def recurring_bigrams(params):
+        ids = realistic_token_ids(params, seed=0)
+        seen, again = set(), 0
+        for pair in zip(ids[:-1].tolist(), ids[1:].tolist()):
+            again += pair in seen
+            seen.add(pair)
+        return again / (len(ids) - 1)
+
+    assert recurring_bigrams(base) < 0.02
+    assert recurring_bigrams(dataclasses.replace(base, copy_prob=0.1, copy_span=8.0)) > 0.4
+
+
+@pytest.mark.parametrize("changes,message", [
+    (dict(top_k=9), "top_k=9 exceeds num_experts=8"),
+    (dict(vocab_size=0), "vocab_size must be a positive integer"),
+    (dict(copy_prob=1.5), r"copy_prob must be a probability in \[0, 1\], got 1.5"),
+    (dict(copy_span=0.5), "copy_span must be a finite number >= 1, got 0.5"),
+    (dict(context=()), "context must be a non-empty sequence of finite taps"),
+    (dict(context=3.0), "context must be a sequence of filter taps, got 3.0"),
+    (dict(layer_noise=-1.0), "layer_noise must be a finite number >= 0"),
+])
+def test_bad_realistic_knobs_are_refused_with_the_value(changes, message):
+    with pytest.raises(ValueError, match=message):
+        dataclasses.replace(PRESETS["mixtral-realistic"], **changes)
