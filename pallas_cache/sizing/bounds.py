@@ -323,12 +323,12 @@ def _simulate(accesses: _Accesses, slots: int, *, bypass: bool) -> np.ndarray:
     push, pop = heapq.heappush, heapq.heappop
     count = 0  # residents
     compact_above = 2 * slots + 1024
-    for start in range(0, v_call.size, _CHUNK):
-        stop = min(start + _CHUNK, v_call.size)
-        # Cut the chunk at a call boundary (all of a call's accesses in one chunk).
-        if stop < v_call.size:
-            stop = start + int(np.searchsorted(v_call[start:stop], v_call[stop - 1]))
-            if stop == start:
+    stop = 0
+    while stop < v_call.size:
+        start, stop = stop, min(stop + _CHUNK, v_call.size)
+        if stop < v_call.size:  # cut at a call boundary: a call's accesses share one chunk
+            stop = start + int(np.searchsorted(v_call[start:], v_call[stop], side="left"))
+            if stop == start:  # one call longer than a chunk
                 stop = start + int(np.searchsorted(v_call[start:], v_call[start], side="right"))
         chunk_calls = v_call[start:stop]
         cuts = np.flatnonzero(chunk_calls[1:] != chunk_calls[:-1]) + 1
