@@ -41,7 +41,8 @@ Memory is linear in the accesses (about 30 bytes each at peak); times are in
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -181,19 +182,33 @@ def bypass_optimum(trace: Trace | tuple[Any, Any], cache_size: int, *,
 class _Accesses:
     """The trace as accesses: one per distinct non-padding expert of a call, in call order.
 
-    Within a call, accesses are in ascending expert id.
+    Within a call, accesses are in ascending expert id. Index arrays are int32 whenever the
+    counts allow (int64 otherwise); nothing here depends on the cache size.
     """
 
     num_layers: int
     num_experts: int
     layers: np.ndarray      # int [C], the layer of each call
-    call_of: np.ndarray     # int32/64 [N], the call of each access
-    flat: np.ndarray        # int32/64 [N], its flat id
-    next_index: np.ndarray  # int32/64 [N], the next access of the same flat id, -1 if none
     before: np.ndarray      # int64 [C + 1], accesses in calls < c
+    call_of: np.ndarray     # int [N], the call of each access
+    flat: np.ndarray        # int [N], its flat id
+    next_index: np.ndarray  # int [N], the next access of the same flat id, -1 if none
+    next_call: np.ndarray   # int [N], the call of that next access, C if none
+    between: np.ndarray     # int [N], accesses in calls c+1 .. next_call (0 if none)
 
     @classmethod
     def of(cls, trace, num_layers, num_experts) -> "_Accesses":
+        if isinstance(trace, Trace) and num_layers is None and num_experts is None:
+            cached = _LAST_ACCESSES[0]
+            if cached is not None and cached[0]() is trace:
+                return cached[1]
+            accesses = cls._build(trace, None, None)
+            _LAST_ACCESSES[0] = (weakref.ref(trace), accesses)
+            return accesses
+        return cls._build(trace, num_layers, num_experts)
+
+    @classmethod
+    def _build(cls, trace, num_layers, num_experts) -> "_Accesses":
         layers, routes, num_layers, num_experts = _coerce_trace(trace, num_layers, num_experts)
         calls = routes.shape[0]
         id_space = num_layers * num_experts
@@ -219,7 +234,14 @@ class _Accesses:
         same = flat[order[1:]] == flat[order[:-1]]
         next_index[order[:-1][same]] = order[1:][same]
         del order, same
-        return cls(num_layers, num_experts, layers, call_of, flat, next_index, before)
+        has_next = next_index >= 0
+        next_call = np.full(count, calls, dtype=index_type)
+        next_call[has_next] = call_of[next_index[has_next]]
+        between = np.zeros(count, dtype=index_type)
+        between[has_next] = (before[next_call[has_next] + 1]
+                             - before[call_of[has_next] + 1]).astype(index_type)
+        return cls(num_layers, num_experts, layers, before, call_of, flat, next_index, next_call,
+                   between)
 
     @property
     def calls(self) -> int:
@@ -231,12 +253,6 @@ class _Accesses:
             raise ValueError(f"cache_size must be an integer >= num_experts={self.num_experts} "
                              f"(the cache cannot hold one layer otherwise), got {cache_size!r}")
         return int(cache_size)
-
-    def next_call(self) -> np.ndarray:
-        """int64 ``[N]``: the call of each access's next use, ``C`` (never) for the last one."""
-        has_next = self.next_index >= 0
-        return np.where(has_next, self.call_of[np.where(has_next, self.next_index, 0)],
-                        self.calls).astype(np.int64)
 
     def result(self, kind: type, slots: int, layer_missing: np.ndarray) -> BeladyResult:
         layer_active = np.bincount(self.layers, weights=np.diff(self.before),
@@ -250,14 +266,18 @@ class _Accesses:
                     layer_missing=layer_missing.astype(np.int64))
 
 
+#: ``[(weakref to a Trace, its _Accesses)]`` or ``[None]``: the last trace's accesses, so the two
+#: optima at several sizes share them (a Trace's arrays are read-only, so they cannot go stale).
+_LAST_ACCESSES: list = [None]
+
+
 def _simulate(accesses: _Accesses, slots: int, *, bypass: bool) -> np.ndarray:
     """Belady's schedule (``bypass=False``) or the bypass optimum's; returns missing per layer.
 
     Heap entries are negative ints ``-(rank * id_space + flat)`` (a max-heap on ``rank``, ties to
     the higher flat id): ``rank`` is the next use ``n`` for Belady, ``n * (C + 1) + n2`` (``n2``
-    the use after it) for the bypass optimum, so ``rank // (C + 1) == n`` there. An entry is live
-    iff its next use lies beyond the current call; only a resident's latest access can have one,
-    so a live entry always names a resident.
+    the use after it) for the bypass optimum. An entry is live iff its next use lies beyond the
+    current call; only a resident's latest access can have one, so a live entry names a resident.
 
     Settled accesses. For an access at call ``c`` with next use ``n``, let ``W`` be the accesses
     of calls ``c+1..n`` (Belady) or ``c..n`` (bypass) other than this id's own. Were the id
@@ -267,122 +287,181 @@ def _simulate(accesses: _Accesses, slots: int, *, bypass: bool) -> np.ndarray:
     An access that is a certain hit and needs no entry is skipped entirely; the schedule is the
     same as with every entry present, because a settled id is never the one popped.
 
-    A call's evictions run before its hits are pushed again: a hit's old entry names this call,
-    so it is not live, and the live entries (residents the call does not route; for the bypass
-    optimum also its misses, pushed first) are the candidates. They always number enough: the
-    exact rule drops only ids that rank below ``S`` others, none of them settled.
+    A call pushes its entries as it goes, then evicts: a popped entry of an id the call routes
+    (its stamp, see :class:`_LoopState`) is set aside and pushed back afterwards, so victims are
+    the best-to-drop live entries among the other residents (and, for the bypass optimum, the
+    call's own misses). They always number enough: the exact rule drops only ids that rank
+    below ``S`` others, none of them settled, so no stale entry is ever popped.
     """
     calls = accesses.calls
     id_space = accesses.num_layers * accesses.num_experts
     call_of, flat, next_index = accesses.call_of, accesses.flat, accesses.next_index
-    next_call = accesses.next_call()
+    next_call, before = accesses.next_call, accesses.before
+    if slots >= id_space:  # everything fits: only first uses miss
+        first = np.ones(flat.size, dtype=bool)
+        first[next_index[next_index >= 0]] = False
+        return np.bincount(accesses.layers[call_of[first]],
+                           minlength=accesses.num_layers).astype(np.int64)
     has_next = next_index >= 0
     if bypass:
-        window = accesses.before[np.minimum(next_call, calls - 1) + 1] - accesses.before[call_of]
-        settled = has_next & (window - 2 < slots)
-    else:
-        window = (accesses.before[np.minimum(next_call, calls - 1) + 1]
-                  - accesses.before[call_of.astype(np.int64) + 1])
-        settled = has_next & (window - 1 < slots)
-    del window
-    certain_hit = np.zeros(call_of.size, dtype=bool)
-    certain_hit[next_index[settled]] = True
-    visit = ~(certain_hit & settled)
-    del certain_hit
-
-    # Keys of the visited accesses (0 = settled, no entry).
-    v_call = call_of[visit]
-    v_flat = flat[visit]
-    v_next = next_call[visit]
-    v_settled = settled[visit]
-    del next_call, settled
-    if bypass:
-        v_after = np.full(v_next.size, calls, dtype=np.int64)
-        v_has = has_next[visit]
-        v_after[v_has] = accesses.next_call()[next_index[visit][v_has]]
-        del v_has
+        own_call = np.diff(before).astype(accesses.between.dtype)[call_of]
+        settled = has_next & (accesses.between + own_call - 2 < slots)
+        del own_call
         scale = calls + 1
-        if (calls + 1) * scale * id_space < 2**62:
-            rank = v_next * scale + v_after
-        else:  # Python ints: exact for any trace length
-            rank = v_next.astype(object) * scale + v_after.astype(object)
-        del v_after
         dead = -(calls * scale * id_space)  # keys <= dead: never used again
+        exact = (calls + 1) * scale * id_space < 2**62
     else:
-        rank = v_next
-        dead = -(calls * id_space)
-    del visit, has_next
-    keys = -(rank * id_space + v_flat.astype(np.int64))
-    keys[v_settled] = 0
-    del rank, v_next, v_settled
-    v_layer = accesses.layers[v_call]
+        settled = has_next & (accesses.between - 1 < slots)
+        scale, dead, exact = 1, -(calls * id_space), calls * id_space < 2**62
+    del has_next
+    skip = np.zeros(flat.size, dtype=bool)
+    skip[next_index[settled]] = True  # certain hits ...
+    skip &= settled                   # ... that need no entry either
 
-    resident = bytearray(id_space)
-    layer_missing = [0] * accesses.num_layers
-    heap: list[int] = []
-    push, pop = heapq.heappush, heapq.heappop
-    count = 0  # residents
-    compact_above = 2 * slots + 1024
-    stop = 0
-    while stop < v_call.size:
-        start, stop = stop, min(stop + _CHUNK, v_call.size)
-        if stop < v_call.size:  # cut at a call boundary: a call's accesses share one chunk
-            stop = start + int(np.searchsorted(v_call[start:], v_call[stop], side="left"))
+    state = _LoopState(slots=slots, id_space=id_space, dead=dead, live_unit=scale * id_space,
+                       resident=[0] * id_space, layer_missing=[0] * accesses.num_layers)
+    loop = _bypass_loop if bypass else _belady_loop
+    start = 0
+    while start < flat.size:  # chunks of whole calls
+        stop = min(start + _CHUNK, flat.size)
+        if stop < flat.size:
+            stop = int(before[call_of[stop]])
             if stop == start:  # one call longer than a chunk
-                stop = start + int(np.searchsorted(v_call[start:], v_call[start], side="right"))
-        chunk_calls = v_call[start:stop]
-        cuts = np.flatnonzero(chunk_calls[1:] != chunk_calls[:-1]) + 1
-        group_starts = np.concatenate([[0], cuts]).tolist()
-        group_stops = np.concatenate([cuts, [stop - start]]).tolist()
-        group_calls = chunk_calls[group_starts].tolist()
-        group_layers = v_layer[start:stop][group_starts].tolist()
-        flats = v_flat[start:stop].tolist()
-        key_list = keys[start:stop].tolist()
-        for first, last, call, layer in zip(group_starts, group_stops, group_calls,
-                                            group_layers):
+                stop = int(before[call_of[start] + 1])
+        visit = ~skip[start:stop]
+        chunk_calls = call_of[start:stop][visit]
+        if chunk_calls.size:
+            v_next = next_call[start:stop][visit].astype(np.int64)
             if bypass:
-                misses, hit_keys = 0, []
-                for i in range(first, last):
-                    f, k = flats[i], key_list[i]
-                    if resident[f]:
-                        if k:
-                            hit_keys.append(k)
-                        continue
-                    misses += 1
-                    if k > dead:  # a candidate: admitted unless ranked out below
-                        resident[f] = 1
-                        count += 1
-                        if k:
-                            push(heap, k)
-                if misses:
-                    layer_missing[layer] += misses
-                    for _ in range(count - slots):
-                        resident[-pop(heap) % id_space] = 0
-                    count = min(count, slots)
-                for k in hit_keys:
-                    push(heap, k)
+                v_index = next_index[start:stop][visit]
+                after = np.where(v_index >= 0, next_call[v_index], calls).astype(np.int64)
+                rank = v_next * scale + after if exact else (
+                    v_next.astype(object) * scale + after.astype(object))
             else:
+                rank = v_next if exact else v_next.astype(object)
+            v_flat = flat[start:stop][visit]
+            keys = -(rank * id_space + v_flat)
+            keys[settled[start:stop][visit]] = 0
+            last = np.ones(chunk_calls.size, dtype=bool)
+            last[:-1] = chunk_calls[1:] != chunk_calls[:-1]
+            ends = np.where(last, accesses.layers[chunk_calls] + 1, 0).tolist()
+            stamps = (chunk_calls[last].astype(np.int64) + 1).tolist()
+            loop(state, v_flat.tolist(), keys.tolist(), stamps, ends)
+        start = stop
+    return np.asarray(state.layer_missing, dtype=np.int64)
+
+
+@dataclass
+class _LoopState:
+    """What the simulation carries from one chunk to the next.
+
+    ``resident[f]`` is 0 for an id not resident, else a stamp: ``c + 1`` for the latest call
+    ``c`` that routed it while resident (a hit there, or a Belady miss, which is always
+    admitted), ``-(c + 1)`` for a bypass miss admitted at ``c`` (still a candidate to drop in
+    that call). A popped entry whose id carries the current call's positive stamp belongs to
+    that call and is pushed back after the evictions.
+    """
+
+    slots: int
+    id_space: int
+    dead: int             # keys <= dead: never used again
+    live_unit: int        # an entry is live at call c iff key <= -(c + 1) * live_unit
+    resident: list
+    layer_missing: list
+    heap: list = field(default_factory=list)
+    count: int = 0        # residents
+
+
+def _evict(state: _LoopState, over: int, stamp: int) -> None:
+    """Pop the ``over`` best-to-drop live entries not protected by ``stamp``; drop their ids."""
+    heap, resident, id_space, pop = state.heap, state.resident, state.id_space, heapq.heappop
+    own = []
+    for _ in range(over):
+        while True:
+            key = pop(heap)
+            victim = -key % id_space
+            if resident[victim] != stamp:
+                break
+            own.append(key)  # an id the call routes: protected, back in after the evictions
+        resident[victim] = 0
+    for key in own:
+        heapq.heappush(heap, key)
+
+
+def _compact(state: _LoopState, stamp: int) -> None:
+    """Drop stale entries (next use at or before the current call ``stamp - 1``)."""
+    live = -stamp * state.live_unit
+    state.heap = [key for key in state.heap if key <= live]
+    heapq.heapify(state.heap)
+
+
+def _belady_loop(state: _LoopState, flats: list, keys: list, stamps: list, ends: list) -> None:
+    """Belady over one chunk: every miss admitted.
+
+    Per access: its flat id, key (0: no entry) and ``end`` (layer + 1 on the call's last access,
+    else 0); per call: its stamp ``c + 1``.
+    """
+    resident, layer_missing, slots = state.resident, state.layer_missing, state.slots
+    heap, push, count = state.heap, heapq.heappush, state.count
+    compact_above = 2 * slots + 1024
+    misses = 0
+    stamp_of_call = iter(stamps)
+    stamp = next(stamp_of_call)
+    for flat, key, end in zip(flats, keys, ends):
+        if not resident[flat]:
+            misses += 1
+        resident[flat] = stamp
+        if key:
+            push(heap, key)
+        if end:  # the call's last access: count, evict
+            if misses:
+                layer_missing[end - 1] += misses
+                count += misses
                 misses = 0
-                for i in range(first, last):
-                    f = flats[i]
-                    if not resident[f]:
-                        resident[f] = 1
-                        misses += 1
-                if misses:
-                    layer_missing[layer] += misses
-                    count += misses
-                    for _ in range(count - slots):
-                        resident[-pop(heap) % id_space] = 0
-                    count = min(count, slots)
-                for i in range(first, last):
-                    k = key_list[i]
-                    if k:
-                        push(heap, k)
-            if len(heap) > compact_above:  # drop stale entries: next use at or before `call`
-                live = -((call + 1) * (scale if bypass else 1) * id_space) + 1
-                heap = [k for k in heap if k < live]
-                heapq.heapify(heap)
-    return np.asarray(layer_missing, dtype=np.int64)
+                if count > slots:
+                    state.heap = heap
+                    _evict(state, count - slots, stamp)
+                    count = slots
+            if len(heap) > compact_above:
+                _compact(state, stamp)
+                heap = state.heap
+            stamp = next(stamp_of_call, 0)
+    state.heap, state.count = heap, count
+
+
+def _bypass_loop(state: _LoopState, flats: list, keys: list, stamps: list, ends: list) -> None:
+    """The bypass optimum over one chunk (arguments as :func:`_belady_loop`)."""
+    resident, layer_missing, slots = state.resident, state.layer_missing, state.slots
+    heap, push, count, dead = state.heap, heapq.heappush, state.count, state.dead
+    compact_above = 2 * slots + 1024
+    misses = 0
+    stamp_of_call = iter(stamps)
+    stamp = next(stamp_of_call)
+    for flat, key, end in zip(flats, keys, ends):
+        if resident[flat]:  # a hit: kept through the call (protected by its stamp)
+            resident[flat] = stamp
+            if key:
+                push(heap, key)
+        else:
+            misses += 1
+            if key > dead:  # used again: admitted unless ranked out below
+                resident[flat] = -stamp
+                count += 1
+                if key:
+                    push(heap, key)
+        if end:
+            if misses:
+                layer_missing[end - 1] += misses
+                misses = 0
+                if count > slots:
+                    state.heap = heap
+                    _evict(state, count - slots, stamp)
+                    count = slots
+            if len(heap) > compact_above:
+                _compact(state, stamp)
+                heap = state.heap
+            stamp = next(stamp_of_call, 0)
+    state.heap, state.count = heap, count
 
 
 # ---- the stationary oracle ------------------------------------------------------------------
