@@ -71,22 +71,17 @@ def textbook_bypass(trace: Trace, cache_size: int) -> tuple[int, list[int]]:
         for flat in need:
             uses.setdefault(flat, []).append(index)
 
-    def use_after(flat: int, call: float) -> float:
-        if call == math.inf:
-            return math.inf
-        times = uses[flat]
-        later = bisect.bisect_right(times, call)
-        return times[later] if later < len(times) else math.inf
-
     resident: set[int] = set()
     layer_missing = [0] * trace.num_layers
     for index, (need, layer) in enumerate(zip(calls, trace.layers.tolist())):
         hits, misses = need & resident, need - resident
         layer_missing[layer] += len(misses)
-        ranked = sorted((use_after(f, index), use_after(f, use_after(f, index)), f)
-                        for f in (resident - need) | misses)
-        ranked = [f for n, _, f in ranked if n != math.inf]
-        resident = set(hits) | set(ranked[:cache_size - len(hits)])
+        # Rank by the whole sequence of later uses (never again = infinitely far), then flat id.
+        ranked = sorted((tuple(later) + (math.inf,), flat)
+                        for flat in (resident - need) | misses
+                        for later in [uses[flat][bisect.bisect_right(uses[flat], index):]]
+                        if later)
+        resident = set(hits) | {flat for _, flat in ranked[:cache_size - len(hits)]}
     return sum(layer_missing), layer_missing
 
 
@@ -141,6 +136,21 @@ def test_both_optima_equal_the_exhaustive_minimum_on_thousands_of_tiny_traces():
         assert belady(trace, cache_size).missing == \
             exhaustive_min_misses(trace, cache_size, bypass=False)
         assert bypass.active == sum(len(call) for call in distinct_calls(trace))
+
+
+def test_bypass_optimum_equals_the_exhaustive_minimum_on_longer_traces():
+    """FAILS if ties on the next use are broken by flat id alone (docs/semantics.md §5.14)."""
+    rng = np.random.default_rng(7)
+    for _ in range(300):
+        num_layers = int(rng.integers(1, 3))
+        num_experts = int(rng.integers(1, 4 // num_layers + 1))
+        calls = int(rng.integers(10, 41))
+        trace = Trace(routes=rng.integers(-1, num_experts, size=(calls, int(rng.integers(1, 4)))),
+                      layers=rng.integers(0, num_layers, size=calls),
+                      num_layers=num_layers, num_experts=num_experts)
+        for cache_size in range(num_experts, num_layers * num_experts):
+            assert bypass_optimum(trace, cache_size).missing == \
+                exhaustive_min_misses(trace, cache_size, bypass=True)
 
 
 @settings(max_examples=150, deadline=None)
@@ -232,6 +242,38 @@ def test_a_hit_keeps_its_slot_through_its_call_even_if_never_used_again():
                   num_layers=2, num_experts=2)
     assert bypass_optimum(trace, 3).missing == 5
     assert exhaustive_min_misses(trace, 3, bypass=True) == 5
+
+
+def test_ids_tied_on_next_use_are_ranked_by_their_later_uses():
+    """FAILS if tied candidates are ranked by flat id alone (8 misses instead of 7)."""
+    # L=2, E=2, S=2; flat ids: layer 0 -> 0, 1; layer 1 -> 2, 3. Calls (distinct ids):
+    # c0 {0,1}  c1 {2}  c2 {2}  c3 {3}  c4 {0,1}  c5 {1}  c6 {2,3}  c7 {}  c8 {2}  c9 {0,1}
+    # At c1 the pool holds 0 and 1, both next used at c4, and 2 (next c2) takes one slot. 1 is
+    # used again at c5, 0 only at c9: keeping 1 makes c5 a hit. Keeping 0 (the lower flat id)
+    # costs that hit and nothing is gained back: 8 misses.
+    trace = Trace(routes=[[1, 0], [0, -1], [0, -1], [1, -1], [0, 1], [1, -1], [0, 1],
+                          [-1, -1], [0, -1], [1, 0]],
+                  layers=[0, 1, 1, 1, 0, 0, 1, 0, 1, 0], num_layers=2, num_experts=2)
+    assert exhaustive_min_misses(trace, 2, bypass=True) == 7
+    assert bypass_optimum(trace, 2).missing == 7
+
+
+def test_a_tie_can_reach_past_the_use_after_next():
+    """FAILS if ties on the next use are broken only by the use after it (10 misses, not 9).
+
+    Found by comparing that rule with the exhaustive search on random 39-call traces; ranking
+    by the whole sequence of later uses agrees with the search here and on thousands more.
+    """
+    layers = [1, 1, 0, 0, 0, 1, 0, 1, 1, 1, 0, 1, 1, 1, 1, 1, 0, 0, 1, 1, 0, 1, 0, 1, 0, 1, 1,
+              1, 0, 1, 0, 0, 0, 1, 1, 0, 0, 1, 0]
+    routes = [[1, -1], [1, -1], [1, 0], [0, -1], [-1, 0], [1, -1], [-1, 0], [1, 0], [-1, 1],
+              [0, 1], [1, 0], [1, 1], [1, 1], [1, 0], [0, 1], [0, 0], [-1, -1], [1, 0],
+              [1, -1], [1, 0], [1, -1], [-1, -1], [1, 1], [1, -1], [1, 1], [-1, 0], [0, 0],
+              [-1, 1], [0, 0], [1, 0], [1, 0], [-1, -1], [0, -1], [0, 1], [0, -1], [-1, 1],
+              [1, 0], [-1, 1], [1, -1]]
+    trace = Trace(routes=routes, layers=layers, num_layers=2, num_experts=2)
+    assert exhaustive_min_misses(trace, 3, bypass=True) == 9
+    assert bypass_optimum(trace, 3).missing == 9
 
 
 def test_bypass_counting_matches_belady_counting():

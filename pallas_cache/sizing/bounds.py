@@ -303,23 +303,25 @@ def _simulate(accesses: _Accesses, slots: int, *, bypass: bool) -> np.ndarray:
         return np.bincount(accesses.layers[call_of[first]],
                            minlength=accesses.num_layers).astype(np.int64)
     has_next = next_index >= 0
+    # Entry keys: -(n * unit + tag), n the next use; tag = the flat id (Belady) or the access
+    # index (bypass, whose ties on n are broken deeper, by walking the ids' later uses).
+    unit = flat.size if bypass else id_space
+    exact = (calls + 1) * unit < 2**62
     if bypass:
         own_call = np.diff(before).astype(accesses.between.dtype)[call_of]
         settled = has_next & (accesses.between + own_call - 2 < slots)
         del own_call
-        scale = calls + 1
-        dead = -(calls * scale * id_space)  # keys <= dead: never used again
-        exact = (calls + 1) * scale * id_space < 2**62
     else:
         settled = has_next & (accesses.between - 1 < slots)
-        scale, dead, exact = 1, -(calls * id_space), calls * id_space < 2**62
     del has_next
     skip = np.zeros(flat.size, dtype=bool)
     skip[next_index[settled]] = True  # certain hits ...
     skip &= settled                   # ... that need no entry either
 
-    state = _LoopState(slots=slots, id_space=id_space, dead=dead, live_unit=scale * id_space,
-                       resident=[0] * id_space, layer_missing=[0] * accesses.num_layers)
+    state = _LoopState(slots=slots, id_space=id_space, calls=calls, unit=unit,
+                       resident=[0] * id_space, layer_missing=[0] * accesses.num_layers,
+                       flat=memoryview(flat), next_index=memoryview(next_index),
+                       next_call=memoryview(next_call))
     loop = _bypass_loop if bypass else _belady_loop
     start = 0
     while start < flat.size:  # chunks of whole calls
@@ -331,16 +333,12 @@ def _simulate(accesses: _Accesses, slots: int, *, bypass: bool) -> np.ndarray:
         visit = ~skip[start:stop]
         chunk_calls = call_of[start:stop][visit]
         if chunk_calls.size:
-            v_next = next_call[start:stop][visit].astype(np.int64)
-            if bypass:
-                v_index = next_index[start:stop][visit]
-                after = np.where(v_index >= 0, next_call[v_index], calls).astype(np.int64)
-                rank = v_next * scale + after if exact else (
-                    v_next.astype(object) * scale + after.astype(object))
-            else:
-                rank = v_next if exact else v_next.astype(object)
+            rank = next_call[start:stop][visit].astype(np.int64)
             v_flat = flat[start:stop][visit]
-            keys = -(rank * id_space + v_flat)
+            tag = np.flatnonzero(visit) + start if bypass else v_flat
+            if not exact:  # Python ints: exact for any trace length
+                rank = rank.astype(object)
+            keys = -(rank * unit + tag)
             keys[settled[start:stop][visit]] = 0
             last = np.ones(chunk_calls.size, dtype=bool)
             last[:-1] = chunk_calls[1:] != chunk_calls[:-1]
@@ -364,16 +362,19 @@ class _LoopState:
 
     slots: int
     id_space: int
-    dead: int             # keys <= dead: never used again
-    live_unit: int        # an entry is live at call c iff key <= -(c + 1) * live_unit
+    calls: int
+    unit: int             # key = -(next use * unit + tag); live at call c iff next use > c
     resident: list
     layer_missing: list
+    flat: memoryview        # the access arrays, read by index without copies
+    next_index: memoryview
+    next_call: memoryview
     heap: list = field(default_factory=list)
     count: int = 0        # residents
 
 
 def _evict(state: _LoopState, over: int, stamp: int) -> None:
-    """Pop the ``over`` best-to-drop live entries not protected by ``stamp``; drop their ids."""
+    """Belady: pop the ``over`` furthest live entries not protected by ``stamp``; drop their ids."""
     heap, resident, id_space, pop = state.heap, state.resident, state.id_space, heapq.heappop
     own = []
     for _ in range(over):
@@ -388,9 +389,57 @@ def _evict(state: _LoopState, over: int, stamp: int) -> None:
         heapq.heappush(heap, key)
 
 
+def _evict_bypass(state: _LoopState, over: int, stamp: int) -> None:
+    """The bypass optimum's drops: the ``over`` worst candidates, ties on next use broken deeper.
+
+    Candidates with the same next use ``n`` (ids routed together at ``n``) are ranked by their
+    whole sequence of later uses, compared from the front (never again = infinitely far), the
+    higher flat id first when the sequences are equal. Ids never used again are dropped first,
+    in any order (dropping one or the other changes no later miss).
+    """
+    heap, resident, unit, pop = state.heap, state.resident, state.unit, heapq.heappop
+    flat_of, never = state.flat, state.calls
+    own = []
+    for _ in range(over):
+        while True:
+            key = pop(heap)
+            if resident[flat_of[-key % unit]] != stamp:
+                break
+            own.append(key)
+        use = -key // unit
+        if use < never and heap and -heap[0] // unit == use:
+            tied = [key]
+            while heap and -heap[0] // unit == use:
+                other = pop(heap)
+                (own if resident[flat_of[-other % unit]] == stamp else tied).append(other)
+            key = tied[0]
+            for other in tied[1:]:
+                if _ranks_later(state, -other % unit, -key % unit):
+                    key = other
+            for other in tied:
+                if other != key:
+                    heapq.heappush(heap, other)
+        resident[flat_of[-key % unit]] = 0
+    for key in own:
+        heapq.heappush(heap, key)
+
+
+def _ranks_later(state: _LoopState, first: int, second: int) -> bool:
+    """Whether access ``first``'s id is worse to keep than ``second``'s (same next use)."""
+    next_index, next_call, never = state.next_index, state.next_call, state.calls
+    a, b = next_index[first], next_index[second]
+    while True:  # a, b: the two ids' accesses at the same call
+        use_a, use_b = next_call[a], next_call[b]
+        if use_a != use_b:
+            return use_a > use_b
+        if use_a == never:
+            return state.flat[a] > state.flat[b]
+        a, b = next_index[a], next_index[b]
+
+
 def _compact(state: _LoopState, stamp: int) -> None:
     """Drop stale entries (next use at or before the current call ``stamp - 1``)."""
-    live = -stamp * state.live_unit
+    live = -stamp * state.unit
     state.heap = [key for key in state.heap if key <= live]
     heapq.heapify(state.heap)
 
@@ -432,7 +481,8 @@ def _belady_loop(state: _LoopState, flats: list, keys: list, stamps: list, ends:
 def _bypass_loop(state: _LoopState, flats: list, keys: list, stamps: list, ends: list) -> None:
     """The bypass optimum over one chunk (arguments as :func:`_belady_loop`)."""
     resident, layer_missing, slots = state.resident, state.layer_missing, state.slots
-    heap, push, count, dead = state.heap, heapq.heappush, state.count, state.dead
+    heap, push, count = state.heap, heapq.heappush, state.count
+    dead = -state.calls * state.unit  # keys <= dead: never used again
     compact_above = 2 * slots + 1024
     misses = 0
     stamp_of_call = iter(stamps)
@@ -455,7 +505,7 @@ def _bypass_loop(state: _LoopState, flats: list, keys: list, stamps: list, ends:
                 misses = 0
                 if count > slots:
                     state.heap = heap
-                    _evict(state, count - slots, stamp)
+                    _evict_bypass(state, count - slots, stamp)
                     count = slots
             if len(heap) > compact_above:
                 _compact(state, stamp)
