@@ -14,15 +14,18 @@ expert it routes.
 * :func:`bypass_optimum` -- the fewest misses of any schedule in which a miss may be served
   *without* being admitted (the CPU path of ``ensure_hybrid``): after each call the pool holds
   that call's hits plus the best ``S - |hits|`` of (residents not routed in the call and the
-  call's misses), ranked by (next use, the use after it, flat id), never keeping an item that is
-  not used again. It bounds every row (any policy, order, admission).
+  call's misses), ranked by their sequence of later uses compared from the front (the next use,
+  then on a tie the use after it, and so on; never again counts as infinitely far), then flat id,
+  never keeping an item that is not used again. It bounds every row (any policy, order,
+  admission).
 * :func:`stationary_oracle` -- docs/semantics.md §5.10's ``oracle_hit_at_slots``: with a fair
   share of ``S / L`` slots per layer (at least one) and a fixed set of residents, the best hit
   share is the routing mass of each layer's hottest experts. It ignores time (no warm-up, no
   phases), so it is a different quantity from the two optima, quoted the same way as the cache's
   skew report.
 
-``tests/test_bounds.py`` checks both optima against exhaustive searches on tiny traces.
+``tests/test_bounds.py`` checks both optima against exhaustive searches on small traces (where a
+tie-break on the next use and the one after it alone is not enough for the bypass optimum).
 Counting matches the cache's stats exactly (docs/semantics.md §5.2 step 8): per layer-call over
 *distinct* experts, ``-1`` padding ignored; ``active`` = distinct experts of the call,
 ``missing`` = those not resident when the call starts.
@@ -163,8 +166,8 @@ def bypass_optimum(trace: Trace | tuple[Any, Any], cache_size: int, *,
     stay resident through the call (its hits are never evicted by it), and each miss is either
     admitted (into a free slot or over a resident the call does not route) or not. After each call
     the pool holds the call's hits plus the best ``S - |hits|`` of (residents not routed in the
-    call and the call's misses), ranked by (next use, the use after it, flat id), never keeping an
-    item not used again. ``hit_rate`` is therefore an upper bound for every replay row, hybrid or
+    call and the call's misses), ranked by their sequences of later uses compared from the front
+    (never again = infinitely far), then flat id, never keeping an item not used again. ``hit_rate`` is therefore an upper bound for every replay row, hybrid or
     not, and at least :func:`belady`'s.
 
     Args and Raises: as :func:`belady`.
@@ -274,10 +277,12 @@ _LAST_ACCESSES: list = [None]
 def _simulate(accesses: _Accesses, slots: int, *, bypass: bool) -> np.ndarray:
     """Belady's schedule (``bypass=False``) or the bypass optimum's; returns missing per layer.
 
-    Heap entries are negative ints ``-(rank * id_space + flat)`` (a max-heap on ``rank``, ties to
-    the higher flat id): ``rank`` is the next use ``n`` for Belady, ``n * (C + 1) + n2`` (``n2``
-    the use after it) for the bypass optimum. An entry is live iff its next use lies beyond the
-    current call; only a resident's latest access can have one, so a live entry names a resident.
+    Heap entries are negative ints ``-(n * unit + tag)``, a max-heap on the next use ``n``. For
+    Belady ``tag`` is the flat id (ties to the higher one; any tie-break gives the same counts,
+    per layer too: tied ids are routed by the same call). For the bypass optimum ``tag`` is the
+    access index, and :func:`_evict_bypass` ranks ids tied on ``n`` by walking their later uses.
+    An entry is live iff its next use lies beyond the current call; only a resident's latest
+    access can have one, so a live entry names a resident.
 
     Settled accesses. For an access at call ``c`` with next use ``n``, let ``W`` be the accesses
     of calls ``c+1..n`` (Belady) or ``c..n`` (bypass) other than this id's own. Were the id
