@@ -2,7 +2,7 @@
 
 A ``fine-grained`` synthetic trace (48 layers x 128 experts, top-8) of the largest requested
 length is generated once and saved; each (calls, cache size) point then runs in a fresh
-subprocess, which loads the first ``calls`` layer-calls, records its peak RSS, runs
+subprocess, which maps the first ``calls`` layer-calls, records its resident memory, runs
 ``belady`` and ``bypass_optimum`` (they share the trace's access arrays, as a replay sweep
 does) and reports the CPU seconds of each and the peak RSS they added. Each figure is the median
 of ``--repeats`` subprocesses. ``--baseline REV`` also times ``belady`` of the
@@ -37,7 +37,7 @@ from results_file import write_section  # noqa: E402
 
 LAYERS, EXPERTS = 48, 128
 
-# Runs in the subprocess: argv = trace.npz, calls, cache size, module directory or "" (library).
+# Runs in the subprocess: argv = trace path prefix, calls, cache size, module directory or "" (library).
 CHILD = r"""
 import json, resource, sys, time
 import numpy as np
@@ -48,12 +48,13 @@ if module_dir:
     import baseline_bounds as bounds
 else:
     from pallas_cache.sizing import bounds
-data = np.load(trace_path)
-trace = Trace(routes=data["routes"][:calls], layers=data["layers"][:calls],
-              num_layers=%d, num_experts=%d)
-del data
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-out = {"base_mb": base / 1024}
+routes = np.load(trace_path + ".routes.npy", mmap_mode="r")[:calls]
+layers = np.load(trace_path + ".layers.npy", mmap_mode="r")[:calls]
+trace = Trace(routes=routes, layers=layers, num_layers=%d, num_experts=%d)
+del routes, layers
+with open("/proc/self/statm") as statm:  # resident pages now (the peak so far may be higher)
+    base = int(statm.read().split()[1]) * resource.getpagesize() / 2**20
+out = {"base_mb": base}
 for name in ("belady", "bypass_optimum"):
     if not hasattr(bounds, name):
         continue
@@ -61,7 +62,7 @@ for name in ("belady", "bypass_optimum"):
     result = getattr(bounds, name)(trace, size)
     out[name + "_s"] = time.process_time() - cpu
     out[name + "_hit_rate"] = result.hit_rate
-out["added_mb"] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024
+out["added_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base
 print(json.dumps(out))
 """ % (LAYERS, EXPERTS)
 
@@ -96,8 +97,9 @@ def main() -> None:
         tokens = -(-max(args.calls) // LAYERS)
         start = time.perf_counter()
         trace = synthetic_trace("fine-grained", num_tokens=tokens, seed=0)
-        trace_path = os.path.join(scratch, "trace.npz")
-        np.savez(trace_path, layers=trace.layers, routes=trace.routes)
+        trace_path = os.path.join(scratch, "trace")
+        np.save(trace_path + ".layers.npy", trace.layers)
+        np.save(trace_path + ".routes.npy", trace.routes)
         del trace
         print(f"trace: {tokens} tokens in {time.perf_counter() - start:.1f} s", flush=True)
 
@@ -132,9 +134,9 @@ def main() -> None:
         f"{load_after[0]:.1f} after: other jobs shared the cores, so the CPU seconds of the "
         f"process (not wall time) are reported, still inflated by the contention -- compare "
         f"ratios within this run. `fine-grained` preset (48 x 128, top-8, seed 0), first "
-        f"`calls` layer-calls; medians of {args.repeats} fresh processes. Peak RSS added is the "
-        f"growth of the process's peak RSS over the loaded trace, for both bounds together (they "
-        f"share the access arrays).",
+        f"`calls` layer-calls; medians of {args.repeats} fresh processes. Peak RSS added = the "
+        f"process's peak RSS minus its resident memory once the trace is loaded (Python, NumPy, "
+        f"JAX imported), for both bounds together (they share the access arrays).",
         "",
         "| calls | S | belady CPU s | bypass CPU s | peak RSS added MB | trace loaded MB "
         "| belady hit | bypass hit |",

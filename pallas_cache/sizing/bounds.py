@@ -37,8 +37,9 @@ its next use) holds fewer than ``S`` other accesses can never lose its slot (an 
 ``S`` other residents used sooner), so it is a hit and needs no heap entry. Lazy deletion needs no
 per-id bookkeeping: an entry whose next use has passed is stale, and it is never popped because
 enough live ones rank above it; stale entries are dropped when they outnumber the live ones.
-Memory is linear in the accesses (about 30 bytes each at peak); times are in
-``benchmarks/RESULTS.md`` (``benchmarks/bounds_cost.py``).
+Memory is linear in the accesses (about 30 bytes each at peak); the access arrays of the last
+:class:`Trace` seen are kept (its arrays are read-only), so both optima at several sizes build
+them once. Times are in ``benchmarks/RESULTS.md`` (``benchmarks/bounds_cost.py``).
 """
 
 from __future__ import annotations
