@@ -2,12 +2,12 @@
 
 Layers: :mod:`~pallas_cache.sizing.trace` (the trace type and its readers),
 :mod:`~pallas_cache.sizing.synthetic` (seeded synthetic traces), :mod:`~pallas_cache.sizing.bounds`
-(Belady's optimum and the stationary oracle), :mod:`~pallas_cache.sizing.replay` (the compiled
+(Belady's optimum, the bypass optimum and the stationary oracle), :mod:`~pallas_cache.sizing.replay` (the compiled
 sweep), :mod:`~pallas_cache.sizing.cli` (``pallas-cache replay``) and
 :mod:`~pallas_cache.sizing.scenarios` (the seed-000 table).
 """
 
-from pallas_cache.sizing.bounds import belady, stationary_oracle
+from pallas_cache.sizing.bounds import belady, bypass_optimum, stationary_oracle
 from pallas_cache.sizing.replay import ReplayConfig, ReplayResult, config_grid, parse_policy, replay
 from pallas_cache.sizing.synthetic import PRESETS, synthetic_trace
 from pallas_cache.sizing.trace import Trace, TraceError, load_trace
@@ -19,6 +19,7 @@ __all__ = [
     "Trace",
     "TraceError",
     "belady",
+    "bypass_optimum",
     "config_grid",
     "load_trace",
     "parse_policy",
