@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import textwrap
 
 from pallas_cache.sizing import synthetic
 from pallas_cache.sizing.cost import CostModel
@@ -200,8 +201,6 @@ def _policies(requested, cost):
 
 
 def _table(results, trace, header_lines=()) -> str:
-    from pallas_cache.sizing.replay import ReplayResult  # noqa: F401  (documents the row type)
-
     timed = any(r.modeled_ms_per_token is not None for r in results)
     weighed = any(r.cache_bytes is not None for r in results)
     varied = {key: len({getattr(r, key) for r in results}) > 1 for key in ("order", "admission")}
@@ -263,36 +262,39 @@ def _split_key(key: str, width: int) -> tuple[str, str]:
 def _legend(results, trace, cost) -> list[str]:
     """What a newcomer needs to read the table: the bounds, the model, the verdict."""
     k = min(trace.top_k, trace.num_experts)
-    lines = [
-        "hit_rate = 1 - missing/active per layer-call. belady_hit_rate bounds `full` rows (every "
-        "miss admitted); bypass_optimum_hit_rate bounds every row (a miss may skip the cache);",
-        f"oracle_hit_rate: a fixed max(1, round(S/L)) slots per layer (at least 1, so it may use "
-        f"more than S), not a bound. L*k = {trace.num_layers * k} slots hold one token's experts.",
+    paragraphs = [
+        "hit_rate = 1 - missing/active per layer-call. Bounds: belady_hit_rate bounds the `full` "
+        "rows (every miss admitted); bypass_optimum_hit_rate bounds every row (a miss may be "
+        "served without being admitted); oracle_hit_rate (a fixed max(1, round(S/L)) slots per "
+        f"layer) is a reference, not a bound. L*k = {trace.num_layers * k} slots hold one "
+        "token's experts.",
     ]
     if not cost.expert_bytes:
-        lines.append("For bytes and ms per token add --model NAME (or --expert-bytes 336MiB) and "
-                     "--link-bandwidth 25GB/s --cpu-bandwidth 60GB/s (your machine's numbers).")
-        return lines
-    if not cost.timed:
-        lines.append("For modeled ms per token add --link-bandwidth and --cpu-bandwidth.")
-        return lines
-    lines.append("modeled_ms_per_token = per layer-call max(fetched*W/B_link, cpu_experts*W/B_cpu), "
-                 "summed per token (docs/semantics.md §11); best = fastest at its cache_size.")
-    if cost.device_budget is None:
-        lines.append("No --device-budget: in this model a bigger cache is never slower, so only "
-                     "a budget picks one (e.g. --device-budget 24GiB).")
-        return lines
-    chosen = [r for r in results if r.budget_best]
-    budget = format_bytes(cost.device_budget)
-    if not chosen:
-        smallest = min(r.cache_bytes for r in results)
-        lines.append(f"No configuration fits the {budget} device budget (the smallest pool "
-                     f"takes {format_bytes(smallest)}).")
-    for r in chosen:
-        lines.append(f"Best within {budget}: cache_size={r.cache_size} "
-                     f"({format_bytes(r.cache_bytes)}) policy={r.policy} order={r.order} "
-                     f"admission={r.admission}: {r.modeled_ms_per_token:.1f} ms/token modeled.")
-    return lines
+        paragraphs.append("For bytes and ms per token add --model NAME (or --expert-bytes 336MiB) "
+                          "and --link-bandwidth 25GB/s --cpu-bandwidth 60GB/s (your machine's "
+                          "numbers: see the README).")
+    elif not cost.timed:
+        paragraphs.append("For modeled ms per token add --link-bandwidth and --cpu-bandwidth.")
+    else:
+        paragraphs.append("modeled_ms_per_token: per layer-call max(fetched*W/B_link, "
+                          "cpu_experts*W/B_cpu), summed per token (docs/semantics.md §11); "
+                          "best = the fastest row at its cache_size.")
+        if cost.device_budget is None:
+            paragraphs.append("No --device-budget: in this model a bigger cache is never slower, "
+                              "so only a budget picks one (e.g. --device-budget 24GiB).")
+        else:
+            chosen = [r for r in results if r.budget_best]
+            budget = format_bytes(cost.device_budget)
+            if not chosen:
+                smallest = min(r.cache_bytes for r in results)
+                paragraphs.append(f"No configuration fits the {budget} device budget (the "
+                                  f"smallest pool takes {format_bytes(smallest)}).")
+            for r in chosen:
+                paragraphs.append(
+                    f"Best within {budget}: cache_size={r.cache_size} "
+                    f"({format_bytes(r.cache_bytes)}) policy={r.policy} order={r.order} "
+                    f"admission={r.admission}: {r.modeled_ms_per_token:.1f} ms/token modeled.")
+    return [textwrap.fill(text, width=100, break_on_hyphens=False) for text in paragraphs]
 
 
 def _plot(results, path: str, trace) -> None:
