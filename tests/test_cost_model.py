@@ -165,19 +165,23 @@ def test_expert_bytes_of_the_model_table():
 
 def test_best_is_per_cache_size_and_the_budget_picks_the_fastest_that_fits():
     """FAILS if `best` is the global minimum instead of one per cache size, or the budget
-    ignores cache_bytes (picking the biggest, fastest pool) or excludes a pool that fits
-    exactly.
+    ignores cache_bytes (picking the bigger, faster pool) or excludes a pool that fits exactly.
 
-    Same five calls: at S = 4 full costs 80 ms/token, cap:1 170 ms (above). At S = 5 the pool
-    has room for all four experts too, so the counts and times are the same; with W = 100 the
-    pools take 400 B and 500 B, and a 400 B budget must name S = 4's full row.
+    L = 2, E = 2, top-1, four tokens routing expert 0, 1, 0, 1 in both layers: flat ids
+    0, 2, 1, 3, 0, 2, 1, 3. W = 100 B, B_link = 1000 B/s, B_cpu = 400 B/s.
+      S = 2, full: LRU on a cycle of 4 ids over 2 slots misses every call: 8 x (1, 0) x 0.1 s
+        = 0.8 s over 4 tokens = 200 ms. S = 4, full: 4 first misses, then hits: 100 ms.
+      cap:0 (nothing fetched): 8 x (0, 1) x 0.25 s = 2 s, 500 ms, at either size.
+    So `full` is best at each size (200 ms at S = 2 although S = 4 does 100 ms), and a 200 B
+    budget (= 2 x W exactly) names S = 2's full row.
     """
-    trace = one_layer_trace(CALLS)
+    routes = np.array([[[0], [0]], [[1], [1]], [[0], [0]], [[1], [1]]], dtype=np.int32)
+    trace = Trace.from_dense(routes, num_layers=2, num_experts=2)
     cost = CostModel(expert_bytes=100, link_bandwidth=1000.0, cpu_bandwidth=400.0,
-                     device_budget=400)
-    configs = [ReplayConfig(s, p, "lowest_id", "none") for s in (4, 5) for p in ("full", "cap:1")]
+                     device_budget=200)
+    configs = [ReplayConfig(s, p) for s in (2, 4) for p in ("full", "cap:0")]
     results = replay(trace, configs, cost=cost, **QUIET)
-    assert [r.modeled_ms_per_token for r in results] == pytest.approx([80.0, 170.0] * 2)
+    assert [r.modeled_ms_per_token for r in results] == pytest.approx([200.0, 500.0, 100.0, 500.0])
     assert [r.best for r in results] == [True, False, True, False]
     assert [r.budget_best for r in results] == [True, False, False, False]
 
@@ -190,6 +194,9 @@ def test_without_a_cost_model_the_cost_fields_stay_empty():
     [sized] = replay(trace, [ReplayConfig(4, "full")], cost=CostModel(expert_bytes=8), **QUIET)
     assert sized.cache_bytes == 32 and sized.modeled_ms_per_token is None and sized.best is None
     assert math.isclose(sized.fetched_bytes_per_token, 4 * 8 / 5)
+    [timed_only] = replay(trace, [ReplayConfig(4, "full")],
+                          cost=CostModel(link_bandwidth=1.0, cpu_bandwidth=1.0), **QUIET)
+    assert timed_only.cache_bytes is None and timed_only.modeled_ms_per_token is None
 
 
 def test_pair_counts_cover_every_accepted_call_and_sum_to_the_totals():
