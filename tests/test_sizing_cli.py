@@ -133,3 +133,18 @@ def test_the_default_sizes_are_the_auto_grid_of_the_trace(tmp_path, capsys):
                          "--json")
     assert code == 0, err
     assert [r["cache_size"] for r in json.loads(out)] == [4, 6, 8]
+
+
+def test_bench_bandwidth_prints_flags_that_replay_accepts(capsys):
+    """FAILS if the measured bandwidths are printed in a form --link-bandwidth/--cpu-bandwidth
+    refuse (e.g. bits, or no /s), or a bad size reaches the measurement."""
+    from pallas_cache.sizing.units import parse_bandwidth
+
+    assert cli.main(["bench-bandwidth", "--mib", "1", "--d-model", "64", "--d-expert", "128",
+                     "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    flags = next(line for line in out.splitlines() if line.startswith("flags:")).split()
+    assert flags[1] == "--link-bandwidth" and flags[3] == "--cpu-bandwidth"
+    assert parse_bandwidth(flags[2]) > 0 and parse_bandwidth(flags[4]) > 0
+    assert cli.main(["bench-bandwidth", "--mib", "0"]) == 2
+    assert ">= 1" in capsys.readouterr().err

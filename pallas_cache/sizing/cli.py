@@ -117,6 +117,20 @@ def _parser() -> argparse.ArgumentParser:
                         help="draw hit rate against cache size (needs matplotlib)")
 
     commands.add_parser("scenarios", help="print the seed-000 promotion table")
+
+    bench = commands.add_parser(
+        "bench-bandwidth", help="measure B_link and B_cpu roughly, for replay's cost model",
+        description="Measure the host-to-device copy bandwidth (B_link: jax.device_put of pageable "
+                    "host memory) and the CPU's expert streaming rate (B_cpu: a one-token float32 "
+                    "matrix-vector product over one expert matrix), and print them as replay "
+                    "flags. Rough: a serving engine's pinned buffers and CPU kernels differ.")
+    bench.add_argument("--mib", type=int, default=256,
+                       help="MiB copied per B_link measurement (default: 256)")
+    bench.add_argument("--d-model", type=int, default=4096, help="expert matrix rows (default: "
+                                                                 "4096, Mixtral-8x7B)")
+    bench.add_argument("--d-expert", type=int, default=14336,
+                       help="expert matrix columns (default: 14336, Mixtral-8x7B)")
+    bench.add_argument("--repeats", type=int, default=5, help="timed runs, median (default: 5)")
     return parser
 
 
@@ -377,10 +391,34 @@ def _scenarios(_args) -> int:
     return 0
 
 
+def _bench_bandwidth(args) -> int:
+    if min(args.mib, args.d_model, args.d_expert, args.repeats) < 1:
+        print("pallas-cache: --mib, --d-model, --d-expert and --repeats must be >= 1",
+              file=sys.stderr)
+        return 2
+    import jax
+
+    from pallas_cache.sizing.bandwidth import cpu_bandwidth, link_bandwidth
+
+    device = jax.devices()[0]
+    link = link_bandwidth(args.mib * 2**20, args.repeats, device)
+    cpu = cpu_bandwidth(args.d_model, args.d_expert, args.repeats)
+    print(f"device: {device.platform}:{device.id} ({device.device_kind})")
+    where = "host -> device" if device.platform != "cpu" else "host -> host (no accelerator)"
+    print(f"B_link ~ {format_bandwidth(link)}  ({where} copy of {args.mib}MiB, pageable memory, "
+          f"median of {args.repeats})")
+    print(f"B_cpu  ~ {format_bandwidth(cpu)}  (one-token float32 x @ W, W {args.d_model} x "
+          f"{args.d_expert}, median of {args.repeats})")
+    print(f"flags: --link-bandwidth {format_bandwidth(link)} --cpu-bandwidth {format_bandwidth(cpu)}")
+    return 0
+
+
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "replay":
         return _replay(args)
+    if args.command == "bench-bandwidth":
+        return _bench_bandwidth(args)
     return _scenarios(args)
 
 
