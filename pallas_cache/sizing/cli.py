@@ -26,14 +26,14 @@ DEFAULT_POLICIES = ("full", "fraction:0.4")
 #: The default policies once both bandwidths are known: the balanced split joins them.
 DEFAULT_TIMED_POLICIES = ("full", "fraction:auto", "fraction:0.4")
 
-REPLAY_HELP = """\
+REPLAY_HELP = r"""
 Replay a routing trace through a grid of cache configurations and report, for each one, how
 often the routed experts were already on the device.
 
   pallas-cache replay                                   # the embedded mixtral-like trace
   pallas-cache replay --model mixtral-8x7b --link-bandwidth 25GB/s --cpu-bandwidth 60GB/s
-  pallas-cache replay --model mixtral-8x7b --link-bandwidth 25GB/s --cpu-bandwidth 60GB/s \
-                      --cache-size 12GiB 16GiB 24GiB --device-budget 20GiB
+  pallas-cache replay --model mixtral-8x7b:fp8 --cache-size 12GiB 24GiB --device-budget 20GiB \
+                      --link-bandwidth 25GB/s --cpu-bandwidth 60GB/s
   pallas-cache replay --synthetic fine-grained --cache-size 256 1024 2048
   pallas-cache replay --trace routes.jsonl --cache-size 64 128 --policy full fraction:0.4 cap:1
   pallas-cache replay --order recency lowest_id --admission promote_one none --json
