@@ -89,7 +89,7 @@ def test_the_table_names_the_columns_by_their_keys_and_says_what_bounds_what(cap
         assert key in table_keys(out), key
     assert "12GiB = 36 slots of 336MiB" in out
     assert "fraction:auto = B_link/(B_link+B_cpu) = 0.2941" in out
-    assert "belady_hit_rate bounds `full` rows" in flat
+    assert "belady_hit_rate bounds the `full` rows" in flat
     assert "bypass_optimum_hit_rate bounds every row" in flat
     assert "Best within 24.0GiB: cache_size=36" in flat
     assert "S < L*k = 64" in out
