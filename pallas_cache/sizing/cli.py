@@ -1,9 +1,11 @@
 """The ``pallas-cache`` command: size an expert cache by replaying routing traces.
 
 ``pallas-cache replay`` with no arguments replays the embedded synthetic ``mixtral-like`` trace
-through a small grid of cache sizes and policies and prints, for each configuration, the hit rate
-next to Belady's offline optimum and the stationary per-layer oracle. ``pallas-cache scenarios``
-prints the seed-000 promotion table computed by the library.
+through a grid of cache sizes and policies and prints, for each configuration, the hit rate next
+to the offline bounds; given an expert size (``--model`` or ``--expert-bytes``) and the two
+bandwidths it also prints bytes and modeled milliseconds per token and the best configuration
+(docs/semantics.md §11). ``pallas-cache scenarios`` prints the seed-000 promotion table computed
+by the library.
 """
 
 from __future__ import annotations
@@ -11,18 +13,27 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import textwrap
 
 from pallas_cache.sizing import synthetic
+from pallas_cache.sizing.cost import CostModel
+from pallas_cache.sizing.models import MODELS, resolve_model
 from pallas_cache.sizing.trace import TraceError, load_trace
+from pallas_cache.sizing.units import format_bandwidth, format_bytes, parse_bandwidth, parse_bytes
 
 DEFAULT_PRESET = "mixtral-like"
 DEFAULT_POLICIES = ("full", "fraction:0.4")
+#: The default policies once both bandwidths are known: the balanced split joins them.
+DEFAULT_TIMED_POLICIES = ("full", "fraction:auto", "fraction:0.4")
 
-REPLAY_HELP = """\
+REPLAY_HELP = r"""
 Replay a routing trace through a grid of cache configurations and report, for each one, how
 often the routed experts were already on the device.
 
   pallas-cache replay                                   # the embedded mixtral-like trace
+  pallas-cache replay --model mixtral-8x7b --link-bandwidth 25GB/s --cpu-bandwidth 60GB/s
+  pallas-cache replay --model mixtral-8x7b:fp8 --cache-size 12GiB 24GiB --device-budget 20GiB \
+                      --link-bandwidth 25GB/s --cpu-bandwidth 60GB/s
   pallas-cache replay --synthetic fine-grained --cache-size 256 1024 2048
   pallas-cache replay --trace routes.jsonl --cache-size 64 128 --policy full fraction:0.4 cap:1
   pallas-cache replay --order recency lowest_id --admission promote_one none --json
@@ -31,9 +42,23 @@ Trace files: JSONL, one record per (token, layer):
   {"layer": 3, "token_idx": 17, "experts": [5, 1], "sequence": "prompt-42"}
 or a .npy/.npz integer array [tokens, layers, top_k] (-1 = padding).
 
-hit_rate = 1 - missing/active, counted per layer-call over distinct experts. belady is the
-offline optimum for the same pool (evict the resident used furthest in the future); oracle is
-the best a fixed per-layer share of S/L slots could do on this traffic.
+hit_rate = 1 - missing/active, counted per layer-call over distinct experts. The bounds:
+  belady_hit_rate          the offline optimum when every miss is admitted (evict the resident
+                           used furthest in the future): it bounds `full` rows only; a hybrid
+                           row may beat it.
+  bypass_optimum_hit_rate  the offline optimum when a miss may be served without being admitted
+                           (e.g. on the CPU): it bounds every row.
+  oracle_hit_rate          the best a fixed set of max(1, round(S/L)) slots per layer could do on
+                           this traffic; not a bound (below S = L it uses more than S slots).
+
+Cost model (docs/semantics.md §11): with W the bytes of one expert (--model or --expert-bytes),
+a layer-call that copies `fetched` experts while the CPU computes `cpu_experts` distinct ones
+takes max(fetched*W/B_link, cpu_experts*W/B_cpu); a token, the sum over its layer-calls.
+modeled_ms_per_token leaves out GPU compute, attention, dense layers and launch latency.
+best marks the fastest row at each cache size; --device-budget names the fastest that fits.
+Sizes: auto = max(E, L*k) .. L*E in steps of x1.41; rows below L*k are flagged in `note`.
+Bytes and bandwidths: 336MiB, 24GiB, 12GB; 25GB/s, 12GiB/s, 800MB/s (GB = 10^9 bytes).
+Models: """ + ", ".join(MODELS) + """ (NAME:DTYPE for bf16, fp16, fp32, fp8, int8, int4).
 """
 
 
@@ -59,11 +84,29 @@ def _parser() -> argparse.ArgumentParser:
                         help="declared layer count of --trace (default: inferred)")
     replay.add_argument("--num-experts", type=int, default=None,
                         help="declared experts per layer of --trace (default: inferred)")
-    replay.add_argument("--cache-size", type=int, nargs="+", metavar="N",
-                        help="pool sizes in slots, each >= experts per layer "
-                             "(default: E, L*E/8, L*E/4, L*E/2)")
-    replay.add_argument("--policy", nargs="+", default=list(DEFAULT_POLICIES), metavar="P",
-                        help="full | fraction:Q | cap:N (default: full fraction:0.4)")
+    replay.add_argument("--cache-size", nargs="+", metavar="SIZE", default=["auto"],
+                        help="pool sizes: auto (max(E, L*k) up to L*E in steps of x1.41), N "
+                             "slots (>= experts per layer), or bytes such as 12GiB (needs "
+                             "--model or --expert-bytes; rounded down to whole slots) "
+                             "(default: auto)")
+    replay.add_argument("--policy", nargs="+", default=None, metavar="P",
+                        help="full | fraction:Q | fraction:auto | cap:N (default: full "
+                             "fraction:0.4, plus fraction:auto when both bandwidths are given); "
+                             "fraction:auto = B_link/(B_link+B_cpu)")
+    weight = replay.add_mutually_exclusive_group()
+    weight.add_argument("--model", metavar="NAME[:DTYPE]",
+                        help=f"take the expert size W from a model: {', '.join(MODELS)} "
+                             f"(dtype default bf16)")
+    weight.add_argument("--expert-bytes", metavar="SIZE",
+                        help="bytes of one routed expert, e.g. 336MiB")
+    replay.add_argument("--link-bandwidth", metavar="RATE",
+                        help="host-to-device copy bandwidth B_link, e.g. 25GB/s")
+    replay.add_argument("--cpu-bandwidth", metavar="RATE",
+                        help="expert bytes per second the CPU MoE path processes, B_cpu, "
+                             "e.g. 60GB/s")
+    replay.add_argument("--device-budget", metavar="SIZE",
+                        help="device memory for the pool, e.g. 24GiB: names the fastest "
+                             "configuration whose cache_bytes fits (needs W and both bandwidths)")
     replay.add_argument("--order", nargs="+", default=["recency"], choices=["recency", "lowest_id"],
                         help="which misses win a capped fetch (default: recency)")
     replay.add_argument("--admission", nargs="+", default=["promote_one"],
@@ -74,6 +117,20 @@ def _parser() -> argparse.ArgumentParser:
                         help="draw hit rate against cache size (needs matplotlib)")
 
     commands.add_parser("scenarios", help="print the seed-000 promotion table")
+
+    bench = commands.add_parser(
+        "bench-bandwidth", help="measure B_link and B_cpu roughly, for replay's cost model",
+        description="Measure the host-to-device copy bandwidth (B_link: jax.device_put of pageable "
+                    "host memory) and the CPU's expert streaming rate (B_cpu: a one-token float32 "
+                    "matrix-vector product over one expert matrix), and print them as replay "
+                    "flags. Rough: a serving engine's pinned buffers and CPU kernels differ.")
+    bench.add_argument("--mib", type=int, default=256,
+                       help="MiB copied per B_link measurement (default: 256)")
+    bench.add_argument("--d-model", type=int, default=4096, help="expert matrix rows (default: "
+                                                                 "4096, Mixtral-8x7B)")
+    bench.add_argument("--d-expert", type=int, default=14336,
+                       help="expert matrix columns (default: 14336, Mixtral-8x7B)")
+    bench.add_argument("--repeats", type=int, default=5, help="timed runs, median (default: 5)")
     return parser
 
 
@@ -84,29 +141,174 @@ def _load(args):
                                      seed=args.seed)
 
 
-def _default_sizes(num_layers: int, num_experts: int) -> list[int]:
-    total = num_layers * num_experts
-    return sorted({num_experts, *(max(num_experts, total // d) for d in (8, 4, 2))})
+def _cost_options(args):
+    """``(CostModel, model label or None)`` from the flags; ValueError names the bad one."""
+    model = label = None
+    width = None
+    if args.model:
+        model, dtype = resolve_model(args.model)
+        width = model.expert_bytes(dtype)
+        label = (f"{model.name} {dtype}: W = 3 x {model.d_model} x {model.d_expert} x "
+                 f"{width * 8 // (3 * model.d_model * model.d_expert)} bits = {format_bytes(width)}")
+    elif args.expert_bytes:
+        width = parse_bytes(args.expert_bytes)
+        label = f"W = {format_bytes(width)} ({width} bytes)"
+    link = parse_bandwidth(args.link_bandwidth) if args.link_bandwidth else None
+    cpu = parse_bandwidth(args.cpu_bandwidth) if args.cpu_bandwidth else None
+    budget = parse_bytes(args.device_budget) if args.device_budget else None
+    cost = CostModel(width, link, cpu, budget)
+    if budget is not None and not cost.timed:
+        raise ValueError("--device-budget needs an expert size (--model or --expert-bytes) and "
+                         "both --link-bandwidth and --cpu-bandwidth")
+    return cost, model, label
 
 
-def _table(results, trace) -> str:
-    header = ("cache_size", "policy", "order", "admission", "hit_rate", "belady", "oracle",
-              "fetched/call", "cpu_routes", "empty_slots")
-    rows = [header]
-    for r in results:
-        rows.append((
-            str(r.cache_size), r.policy, r.order, r.admission, f"{r.hit_rate:.4f}",
-            f"{r.belady_hit_rate:.4f}", f"{r.oracle_hit_rate:.4f}",
-            f"{r.fetched / r.calls if r.calls else 0.0:.3f}", str(r.cpu_routes), str(r.empty_slots),
-        ))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+def _model_mismatch(model, trace) -> str | None:
+    """A warning when the trace's geometry is not the model's, else ``None``."""
+    ours = (trace.num_layers, trace.num_experts, trace.top_k)
+    theirs = (model.moe_layers, model.routed_experts, model.top_k)
+    if ours == theirs:
+        return None
+    return (f"pallas-cache: warning: the trace has {ours[0]} layers x {ours[1]} experts, "
+            f"top-{ours[2]}, but {model.name} has {theirs[0]} MoE layers x {theirs[1]} routed "
+            f"experts, top-{theirs[2]}: W comes from the model, the routing from the trace")
+
+
+def _sizes(texts, trace, cost):
+    """``(slot counts, lines saying how byte sizes were rounded)`` from ``--cache-size``."""
+    from pallas_cache.sizing.replay import auto_cache_sizes
+
+    sizes, shown = [], []
+    for text in texts:
+        if text == "auto":
+            sizes += auto_cache_sizes(trace.num_layers, trace.num_experts, trace.top_k)
+        elif text.isdigit():
+            sizes.append(int(text))
+        else:
+            wanted = parse_bytes(text)
+            if cost.expert_bytes is None:
+                raise ValueError(f"cache size {text!r} is in bytes: give --model or "
+                                 f"--expert-bytes to turn it into slots")
+            slots = wanted // cost.expert_bytes
+            shown.append(f"{text} = {slots} slots of {format_bytes(cost.expert_bytes)} "
+                         f"({format_bytes(slots * cost.expert_bytes)})")
+            if slots < trace.num_experts:
+                raise ValueError(f"cache size {text} holds {slots} experts of "
+                                 f"{format_bytes(cost.expert_bytes)}, fewer than one layer's "
+                                 f"{trace.num_experts}")
+            sizes.append(slots)
+    sizes = sorted(set(sizes))
+    too_small = [s for s in sizes if s < trace.num_experts]
+    if too_small:
+        raise ValueError(f"cache size {too_small[0]} cannot hold one layer of "
+                         f"{trace.num_experts} experts")
+    return sizes, shown
+
+
+def _policies(requested, cost):
+    """The policy list with ``fraction:auto`` resolved (docs/semantics.md §11.4)."""
+    if requested is None:
+        requested = DEFAULT_TIMED_POLICIES if cost.link_bandwidth and cost.cpu_bandwidth \
+            else DEFAULT_POLICIES
+    resolved = [cost.auto_policy() if p == "fraction:auto" else p for p in requested]
+    return list(dict.fromkeys(resolved))
+
+
+def _table(results, trace, header_lines=()) -> str:
+    timed = any(r.modeled_ms_per_token is not None for r in results)
+    weighed = any(r.cache_bytes is not None for r in results)
+    varied = {key: len({getattr(r, key) for r in results}) > 1 for key in ("order", "admission")}
+
+    def rate(value):
+        return "-" if value is None else f"{value:.4f}"
+
+    columns = [("cache_size", lambda r: str(r.cache_size))]
+    if weighed:
+        columns.append(("cache_bytes", lambda r: format_bytes(r.cache_bytes)))
+    columns.append(("policy", lambda r: r.policy))
+    columns += [(key, lambda r, key=key: getattr(r, key)) for key in ("order", "admission")
+                if varied[key]]
+    columns += [(key, lambda r, key=key: rate(getattr(r, key))) for key in (
+        "hit_rate", "belady_hit_rate", "bypass_optimum_hit_rate", "oracle_hit_rate")]
+    if weighed:
+        columns += [("fetched_bytes_per_token", lambda r: format_bytes(r.fetched_bytes_per_token)),
+                    ("cpu_bytes_per_token", lambda r: format_bytes(r.cpu_bytes_per_token))]
+    else:
+        columns += [("fetched_per_token", lambda r: f"{r.fetched_per_token:.2f}"),
+                    ("cpu_experts_per_token", lambda r: f"{r.cpu_experts_per_token:.2f}")]
+    if timed:
+        columns += [("modeled_ms_per_token", lambda r: f"{r.modeled_ms_per_token:.1f}"),
+                    ("best", lambda r: "yes" if r.best else "")]
+    columns.append(("note", lambda r: r.note))
+
+    body = [[cell(r) for _, cell in columns] for r in results]
+    names = [_split_key(name, max([len(row[i]) for row in body] + [len("cache_size")]))
+             for i, (name, _) in enumerate(columns)]
+    if all(top == "" for top, _ in names):
+        rows = [[bottom for _, bottom in names]] + body
+    else:
+        rows = [[top for top, _ in names], [bottom for _, bottom in names]] + body
+    widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
+    rule_after = len(rows) - len(body) - 1
+    constant = "".join(f" {key}={results[0].__dict__[key]}" for key in ("order", "admission")
+                       if not varied[key])
     lines = [f"trace: {trace.source}  layers={trace.num_layers} experts={trace.num_experts} "
-             f"top_k={trace.top_k} calls={trace.num_calls}"]
+             f"top_k={trace.top_k} calls={trace.num_calls} tokens={results[0].tokens}",
+             f"cache:{constant}", *header_lines]
     for i, row in enumerate(rows):
-        lines.append("  ".join(cell.rjust(w) for cell, w in zip(row, widths)))
-        if i == 0:
+        cells = [cell.rjust(w) for cell, w in zip(row[:-1], widths)] + [row[-1]]
+        lines.append("  ".join(cells).rstrip())
+        if i == rule_after:
             lines.append("  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def _split_key(key: str, width: int) -> tuple[str, str]:
+    """A record key as a two-line header when it is wider than its values: split after the
+    underscore nearest its middle, so the two lines read as the key (``belady_`` / ``hit_rate``)."""
+    cuts = [i + 1 for i, char in enumerate(key) if char == "_"]
+    if len(key) <= width or not cuts:
+        return "", key
+    cut = min(cuts, key=lambda i: abs(len(key) - 2 * i))
+    return key[:cut], key[cut:]
+
+
+def _legend(results, trace, cost) -> list[str]:
+    """What a newcomer needs to read the table: the bounds, the model, the verdict."""
+    k = min(trace.top_k, trace.num_experts)
+    paragraphs = [
+        "hit_rate = 1 - missing/active per layer-call. Bounds: belady_hit_rate bounds the `full` "
+        "rows (every miss admitted); bypass_optimum_hit_rate bounds every row (a miss may be "
+        "served without being admitted); oracle_hit_rate (a fixed max(1, round(S/L)) slots per "
+        f"layer) is a reference, not a bound. L*k = {trace.num_layers * k} slots hold one "
+        "token's experts.",
+    ]
+    if not cost.expert_bytes:
+        paragraphs.append("For bytes and ms per token add --model NAME (or --expert-bytes 336MiB) "
+                          "and --link-bandwidth 25GB/s --cpu-bandwidth 60GB/s (your machine's "
+                          "numbers: see the README).")
+    elif not cost.timed:
+        paragraphs.append("For modeled ms per token add --link-bandwidth and --cpu-bandwidth.")
+    else:
+        paragraphs.append("modeled_ms_per_token: per layer-call max(fetched*W/B_link, "
+                          "cpu_experts*W/B_cpu), summed per token (docs/semantics.md §11); "
+                          "best = the fastest row at its cache_size.")
+        if cost.device_budget is None:
+            paragraphs.append("No --device-budget: in this model a bigger cache is never slower, "
+                              "so only a budget picks one (e.g. --device-budget 24GiB).")
+        else:
+            chosen = [r for r in results if r.budget_best]
+            budget = format_bytes(cost.device_budget)
+            if not chosen:
+                smallest = min(r.cache_bytes for r in results)
+                paragraphs.append(f"No configuration fits the {budget} device budget (the "
+                                  f"smallest pool takes {format_bytes(smallest)}).")
+            for r in chosen:
+                paragraphs.append(
+                    f"Best within {budget}: cache_size={r.cache_size} "
+                    f"({format_bytes(r.cache_bytes)}) policy={r.policy} order={r.order} "
+                    f"admission={r.admission}: {r.modeled_ms_per_token:.1f} ms/token modeled.")
+    return [textwrap.fill(text, width=100, break_on_hyphens=False) for text in paragraphs]
 
 
 def _plot(results, path: str, trace) -> None:
@@ -143,25 +345,34 @@ def _replay(args) -> int:
     from pallas_cache.sizing.replay import config_grid, replay  # jax import deferred until needed
 
     try:
+        cost, model, weight_label = _cost_options(args)
+        policies = _policies(args.policy, cost)
         trace = _load(args)
-    except (TraceError, OSError, KeyError, ValueError) as error:
+        sizes, size_lines = _sizes(args.cache_size, trace, cost)
+        configs = config_grid(sizes, policies, args.order, args.admission)
+    except (TraceError, OSError, KeyError, TypeError, ValueError) as error:
         print(f"pallas-cache: {error}", file=sys.stderr)
         return 2
-    sizes = args.cache_size or _default_sizes(trace.num_layers, trace.num_experts)
-    try:
-        configs = config_grid(sizes, args.policy, args.order, args.admission)
-        too_small = [s for s in sizes if s < trace.num_experts]
-        if too_small:
-            raise ValueError(f"cache size {too_small[0]} cannot hold one layer of "
-                             f"{trace.num_experts} experts")
-    except (TypeError, ValueError) as error:
-        print(f"pallas-cache: {error}", file=sys.stderr)
-        return 2
-    results = replay(trace, configs)
+    if model is not None and _model_mismatch(model, trace):
+        print(_model_mismatch(model, trace), file=sys.stderr)
+    results = replay(trace, configs, cost=cost)
     if args.json:
         print(json.dumps([r.as_dict() for r in results], indent=1))
     else:
-        print(_table(results, trace))
+        header = []
+        if weight_label:
+            header.append(f"expert: {weight_label}")
+        if cost.link_bandwidth or cost.cpu_bandwidth:
+            header.append("bandwidth: " + "  ".join(
+                f"{name}={format_bandwidth(value)}" for name, value in
+                (("B_link", cost.link_bandwidth), ("B_cpu", cost.cpu_bandwidth)) if value))
+        if args.policy is None or "fraction:auto" in args.policy:
+            if cost.link_bandwidth and cost.cpu_bandwidth:
+                header.append(f"fraction:auto = B_link/(B_link+B_cpu) = "
+                              f"{cost.auto_fraction():.4f} -> {cost.auto_policy()}")
+        header += [f"size: {line}" for line in size_lines]
+        print(_table(results, trace, header))
+        print("\n".join(_legend(results, trace, cost)))
     if args.plot:
         _plot(results, args.plot, trace)
         print(f"plot written to {args.plot}", file=sys.stderr)
@@ -180,10 +391,34 @@ def _scenarios(_args) -> int:
     return 0
 
 
+def _bench_bandwidth(args) -> int:
+    if min(args.mib, args.d_model, args.d_expert, args.repeats) < 1:
+        print("pallas-cache: --mib, --d-model, --d-expert and --repeats must be >= 1",
+              file=sys.stderr)
+        return 2
+    import jax
+
+    from pallas_cache.sizing.bandwidth import cpu_bandwidth, link_bandwidth
+
+    device = jax.devices()[0]
+    link = link_bandwidth(args.mib * 2**20, args.repeats, device)
+    cpu = cpu_bandwidth(args.d_model, args.d_expert, args.repeats)
+    print(f"device: {device.platform}:{device.id} ({device.device_kind})")
+    where = "host -> device" if device.platform != "cpu" else "host -> host (no accelerator)"
+    print(f"B_link ~ {format_bandwidth(link)}  ({where} copy of {args.mib}MiB, pageable memory, "
+          f"median of {args.repeats})")
+    print(f"B_cpu  ~ {format_bandwidth(cpu)}  (one-token float32 x @ W, W {args.d_model} x "
+          f"{args.d_expert}, median of {args.repeats})")
+    print(f"flags: --link-bandwidth {format_bandwidth(link)} --cpu-bandwidth {format_bandwidth(cpu)}")
+    return 0
+
+
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "replay":
         return _replay(args)
+    if args.command == "bench-bandwidth":
+        return _bench_bandwidth(args)
     return _scenarios(args)
 
 
