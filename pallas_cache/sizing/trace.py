@@ -298,7 +298,8 @@ class Trace:
 
     @classmethod
     def from_dense(cls, routes: Any, *, num_layers: int | None = None,
-                   num_experts: int | None = None, source: str = "<array>") -> "Trace":
+                   num_experts: int | None = None, source: str = "<array>",
+                   max_memory: int | None = None) -> "Trace":
         """Build a trace from an integer array ``[tokens, layers, top_k]`` (``-1`` = padding).
 
         Calls are token-major, then layer. Geometry is declared or inferred as in
@@ -310,6 +311,7 @@ class Trace:
                 to use that dimension.
             num_experts: declared ``E``, or ``None`` to infer ``max expert + 1``.
             source: label for error messages.
+            max_memory: as in :func:`load_trace` (the trace and its geometry's tables).
 
         Returns:
             The trace.
@@ -318,7 +320,8 @@ class Trace:
             TraceError: wrong dtype, rank, empty array, or a value outside the geometry.
         """
         return _trace_from_dense(np.asarray(routes), num_layers=num_layers,
-                                 num_experts=num_experts, where=source, field_name="routes")
+                                 num_experts=num_experts, where=source, field_name="routes",
+                                 max_memory=max_memory)
 
 
 # ---- memory budget ---------------------------------------------------------------------------
