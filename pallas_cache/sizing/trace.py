@@ -50,6 +50,7 @@ import gzip
 import json
 import lzma
 import os
+import tokenize
 import zipfile
 import zlib
 from dataclasses import dataclass, field
@@ -352,7 +353,7 @@ _ZIP_MAGIC = b"PK"
 #: What a corrupt or hostile file can raise while being read (gzip, zip, npy header parsing).
 _READ_ERRORS = (OSError, EOFError, ValueError, TypeError, SyntaxError, RecursionError,
                 OverflowError, zipfile.BadZipFile, zlib.error, lzma.LZMAError,
-                NotImplementedError, RuntimeError)
+                tokenize.TokenError, NotImplementedError, RuntimeError)
 
 
 class MemoryLimitError(TraceError):
