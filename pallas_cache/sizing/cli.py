@@ -17,7 +17,7 @@ import tempfile
 
 from pallas_cache.sizing import synthetic
 from pallas_cache.sizing.trace import (TraceError, check_memory, default_memory_limit,
-                                       format_bytes, load_trace)
+                                       load_trace)
 
 DEFAULT_PRESET = "mixtral-like"
 DEFAULT_POLICIES = ("full", "fraction:0.4")
@@ -37,7 +37,8 @@ often the routed experts were already on the device.
 
 Trace files: JSONL, one record per (token, layer):
   {"layer": 3, "token_idx": 17, "experts": [5, 1], "sequence": "prompt-42"}
-or a .npy/.npz integer array [tokens, layers, top_k] (-1 = padding).
+(gzipped is fine), or a .npy/.npz integer array [tokens, layers, top_k] (-1 = padding; each
+array of an .npz is one sequence).
 
 hit_rate = 1 - missing/active, counted per layer-call over distinct experts. belady is the
 offline optimum for the same pool (evict the resident used furthest in the future); oracle is

@@ -415,7 +415,8 @@ def trace_bytes(calls: int, top_k: int) -> int:
 
 
 def check_memory(nbytes: int, limit: int, where: str, what: str) -> None:
-    """Raise :class:`MemoryLimitError` ``"{where}: {what} would need about ..."`` above ``limit``."""
+    """Raise :class:`MemoryLimitError` (``"{where}: {what} would need about ..."``) when
+    ``nbytes > limit``."""
     if nbytes > limit:
         raise MemoryLimitError(f"{where}: {what} would need about {format_bytes(nbytes)}, above "
                                f"the memory limit of {format_bytes(limit)} (raise it with "
