@@ -4,8 +4,10 @@ For each size, a seeded ``fine-grained`` synthetic trace (L=48, E=128, top-8) is
 (one record per call, the realistic worst case for a loader), then a fresh subprocess imports
 JAX, loads the file with ``load_trace`` and replays it through one configuration (S=1024,
 fraction:0.4, bounds off: Belady is measured separately by its own benchmark). The subprocess
-reports its peak resident set size (``ru_maxrss``) after the imports, after the load and after the
-replay, so each figure is what one ``pallas-cache replay`` without bounds would need.
+reports its peak resident set size after the imports, after the load and after the
+replay (``VmHWM``, the high-water mark of this process's own memory; ``ru_maxrss`` would also
+count the parent's pages it was forked from), so each figure is what one ``pallas-cache replay``
+without bounds would need.
 ``--baseline DIR`` also measures the load alone (imports and load, no replay) with the
 ``pallas_cache`` of another checkout (e.g. an export of main), for a before/after.
 
@@ -35,7 +37,14 @@ CHILD = r"""
 import json, resource, sys, time
 sys.path.insert(0, sys.argv[1])
 path, replay_too = sys.argv[2], sys.argv[3] == "1"
-def peak_mb():
+def peak_mb():  # VmHWM: ru_maxrss survives exec, so it would count the parent's pages
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 if replay_too:
     import jax  # noqa: F401
@@ -101,7 +110,7 @@ def main() -> None:
         f"average {load_avg:.1f}), Python {platform.python_version()}; fine-grained synthetic "
         f"trace (L=48, E=128, top-8) written as JSONL, loaded with `load_trace` and replayed "
         f"through one configuration (S=1024, fraction:0.4, bounds off -- Belady is measured by "
-        f"its own benchmark) in a fresh subprocess; peak RSS (`ru_maxrss`), cumulative.",
+        f"its own benchmark) in a fresh subprocess; peak RSS (`VmHWM`), cumulative.",
         "",
         "| calls | JSONL | peak after imports (jax) | peak after load | peak after replay | load s "
         "| replay s |" + (" main's loader: peak after load | main load s |"

@@ -18,6 +18,7 @@ from pallas_cache.sizing import cli
 replay_mod = importlib.import_module("pallas_cache.sizing.replay")  # the package re-exports a
 # function of the same name, so `from pallas_cache.sizing import replay` is not the module
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["replay", "--synthetic", "mixtral-like", "--tokens", "4", "--cache-size", "64",
          "--policy", "full"]
 
@@ -158,3 +159,29 @@ def test_hostile_trace_through_the_cli_is_one_line(tmp_path, capsys, no_replay):
                     '{"layer": 10000000, "token_idx": 0, "experts": [1, 2]}\n')
     line = one_line_error(capsys, cli.main(["replay", "--trace", str(path)]))
     assert "t.jsonl:2: field 'layer': layer 10000000 is an outlier" in line
+
+
+def test_a_real_sigint_during_the_replay_exits_130_without_a_traceback(tmp_path):
+    """FAILS if SIGINT during a running replay ends in a KeyboardInterrupt traceback (the
+    40-82 lines seen before) or leaves a plot file: the whole process, as a user runs it."""
+    import signal
+    import subprocess
+
+    target = tmp_path / "plot.png"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "pallas_cache.sizing.cli", "replay", "--synthetic",
+         "fine-grained", "--tokens", "2000", "--cache-size", "1024", "2048", "--plot",
+         str(target)],
+        stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, cwd=REPO,
+        env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO})
+    seen = b""
+    while b"cache_size=" not in seen:  # the progress bar: the replay is running
+        chunk = process.stderr.read1(256)
+        assert chunk, seen.decode(errors="replace")
+        seen += chunk
+    process.send_signal(signal.SIGINT)
+    seen += process.stderr.read()
+    assert process.wait(timeout=120) == 130, seen.decode(errors="replace")
+    text = seen.decode(errors="replace")
+    assert "Traceback" not in text and text.rstrip().endswith("pallas-cache: interrupted"), text
+    assert os.listdir(tmp_path) == []

@@ -658,12 +658,15 @@ def load_jsonl_trace(path: str | os.PathLike, *, num_layers: int | None = None,
     if declared_experts is None and max_expert >= OUTLIER_FLOOR:
         _check_outlier("expert", max_expert, _next_largest(flat, max_expert), expert_where)
     geometry = (declared_layers or max_layer + 1, declared_experts or max_expert + 1)
-    blame_layers = (declared_experts is not None if (declared_layers is None)
-                    != (declared_experts is None) else geometry[0] >= geometry[1])
-    both_declared = declared_layers is not None and declared_experts is not None
-    _check_geometry(*geometry, limit,
-                    path_str if both_declared else layer_where if blame_layers else expert_where,
-                    " (declared)" if both_declared else "")
+    # Name the line of the inferred size that makes the geometry large.
+    if declared_layers is not None and declared_experts is not None:
+        geometry_where, note = path_str, " (declared)"
+    elif declared_experts is not None or (declared_layers is None
+                                          and geometry[0] >= geometry[1]):
+        geometry_where, note = layer_where, ""
+    else:
+        geometry_where, note = expert_where, ""
+    _check_geometry(*geometry, limit, geometry_where, note)
     check_memory(held + 2 * trace_bytes(calls, top_k), limit, f"{path_str}:{widest_line}",
                  f"field 'experts': the routes table [{calls} calls, top_k {top_k} set by this "
                  f"line]")
