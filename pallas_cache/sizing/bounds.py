@@ -630,20 +630,3 @@ def _coerce_trace(trace: Trace | tuple[Any, Any], num_layers: int | None,
     if inferred_experts > num_experts:
         raise ValueError(f"expert {inferred_experts - 1} is outside [-1, {num_experts})")
     return layers, routes, num_layers, num_experts
-
-
-# ---- TEMPORARY STUB (branch `sizing`): the `bounds` helper implements the real bypass_optimum;
-# ---- the lead replaces this block with it when merging. Returns no hit rate.
-
-
-@dataclass(frozen=True, eq=False)
-class _BypassOptimumStub:
-    """Placeholder result: ``hit_rate`` is ``None`` until the real bypass optimum lands."""
-
-    cache_size: int
-    hit_rate: float | None = None
-
-
-def bypass_optimum(trace: Trace, cache_size: int) -> _BypassOptimumStub:
-    """TEMPORARY STUB: the bypass optimum's hit rate is not computed yet (``None``)."""
-    return _BypassOptimumStub(cache_size=int(cache_size))

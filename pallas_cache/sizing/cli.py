@@ -12,19 +12,27 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import sys
+import tempfile
 import textwrap
 
 from pallas_cache.sizing import synthetic
 from pallas_cache.sizing.cost import CostModel
 from pallas_cache.sizing.models import MODELS, resolve_model
-from pallas_cache.sizing.trace import TraceError, load_trace
+from pallas_cache.sizing.trace import (TraceError, check_memory, default_memory_limit,
+                                       load_trace)
 from pallas_cache.sizing.units import format_bandwidth, format_bytes, parse_bandwidth, parse_bytes
 
 DEFAULT_PRESET = "mixtral-like"
 DEFAULT_POLICIES = ("full", "fraction:0.4")
 #: The default policies once both bandwidths are known: the balanced split joins them.
 DEFAULT_TIMED_POLICIES = ("full", "fraction:auto", "fraction:0.4")
+#: File written inside a directory given to ``--plot``.
+DEFAULT_PLOT_NAME = "hit_rate.png"
+#: Exit status after Ctrl-C (128 + SIGINT), as shells report it.
+EXIT_INTERRUPTED = 130
 
 REPLAY_HELP = r"""
 Replay a routing trace through a grid of cache configurations and report, for each one, how
@@ -40,7 +48,8 @@ often the routed experts were already on the device.
 
 Trace files: JSONL, one record per (token, layer):
   {"layer": 3, "token_idx": 17, "experts": [5, 1], "sequence": "prompt-42"}
-or a .npy/.npz integer array [tokens, layers, top_k] (-1 = padding).
+(gzipped is fine), or a .npy/.npz integer array [tokens, layers, top_k] (-1 = padding; each
+array of an .npz is one sequence).
 
 hit_rate = 1 - missing/active, counted per layer-call over distinct experts. The bounds:
   belady_hit_rate          the offline optimum when every miss is admitted (evict the resident
@@ -114,7 +123,11 @@ def _parser() -> argparse.ArgumentParser:
                         help="fetches beyond the split (default: promote_one)")
     replay.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
     replay.add_argument("--plot", metavar="FILE.png",
-                        help="draw hit rate against cache size (needs matplotlib)")
+                        help="draw hit rate against cache size (needs matplotlib); a directory "
+                             f"gets {DEFAULT_PLOT_NAME} inside it")
+    replay.add_argument("--max-memory", type=_memory_size, default=None, metavar="BYTES",
+                        help="refuse a trace, synthetic size or cache state estimated above this "
+                             "(e.g. 8GiB, 512MiB, 2e9; default: half the machine's memory)")
 
     commands.add_parser("scenarios", help="print the seed-000 promotion table")
 
@@ -136,9 +149,109 @@ def _parser() -> argparse.ArgumentParser:
 
 def _load(args):
     if args.trace:
-        return load_trace(args.trace, num_layers=args.num_layers, num_experts=args.num_experts)
+        return load_trace(args.trace, num_layers=args.num_layers, num_experts=args.num_experts,
+                          max_memory=args.max_memory)
     return synthetic.synthetic_trace(args.synthetic or DEFAULT_PRESET, num_tokens=args.tokens,
-                                     seed=args.seed)
+                                     seed=args.seed, max_memory=args.max_memory)
+
+
+# ---- argument checks: everything that can fail does so before the work ----------------------
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
+          "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12,
+          "tib": 2**40}
+
+
+def _memory_size(text: str) -> int:
+    """``--max-memory``: ``8GiB``, ``512MiB``, ``2e9``, ``1000000`` -> bytes (argparse type)."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a memory size (e.g. 8GiB, 512MiB, "
+                                         f"2e9)")
+    value = int(float(match.group(1)) * _UNITS[unit])
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive memory size")
+    return value
+
+
+def _check_plot_path(path: str) -> str:
+    """The file ``--plot`` will write, checked now: matplotlib importable, a known image format,
+    an existing, writable directory. A directory gets :data:`DEFAULT_PLOT_NAME` inside it.
+
+    Raises:
+        ValueError: the one-line reason.
+    """
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        raise ValueError("--plot needs matplotlib: pip install 'pallas-cache[plot]'") from None
+    if os.path.isdir(path):
+        path = os.path.join(path, DEFAULT_PLOT_NAME)
+    elif path.endswith(("/", os.sep)):
+        raise ValueError(f"--plot {path}: no such directory")
+    formats = sorted(FigureCanvasBase.get_supported_filetypes())
+    extension = os.path.splitext(path)[1].lstrip(".").lower()
+    if extension not in formats:
+        raise ValueError(f"--plot {path}: unknown image format "
+                         f"{('.' + extension) if extension else '(no extension)'}; use one of "
+                         f"{', '.join('.' + f for f in formats)}")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(f"--plot {path}: no such directory {folder}")
+    try:  # a real write: permission bits say nothing to root or on a read-only mount
+        handle, probe = tempfile.mkstemp(dir=folder, prefix=".pallas-cache-probe-")
+        os.close(handle)
+        os.remove(probe)
+    except OSError as error:
+        raise ValueError(f"--plot {path}: cannot write in {folder}: "
+                         f"{error.strerror or error}") from None
+    return path
+
+
+def _policy_warnings(policies) -> list[str]:
+    """One line per ``fraction:Q`` whose clamping or rounding changes what it means
+    (docs/semantics.md §5.3: ``q`` clamps to ``[0, 1]`` and is kept in 1/65536 steps)."""
+    from pallas_cache.policy import ONE
+    from pallas_cache.sizing.replay import parse_policy
+
+    lines = []
+    for text in policies:
+        kind, _, value = str(text).partition(":")
+        try:
+            requested, f16 = float(value), int(parse_policy(text).fraction16)
+        except ValueError:
+            continue  # not a fraction, or malformed: config_grid reports it
+        if kind != "fraction":
+            continue
+        if f16 == 0 and requested != 0:
+            lines.append(f"pallas-cache: warning: {text} means fetch fraction 0 (q clamps to "
+                         f"[0, 1] in steps of 1/{ONE}): the split fetches no miss")
+        elif f16 == ONE and requested > 1:
+            lines.append(f"pallas-cache: warning: {text} means fetch fraction 1 (q clamps to "
+                         f"[0, 1]): the split fetches every miss, as 'full'")
+    return lines
+
+
+#: Bytes of one cache state per flat id (slot map, recency, routing histogram and prefill
+#: snapshot: int32 [L, E] each) and per slot (id_of_slot, usage: int32 [S] each).
+_STATE_BYTES_PER_ID = 16
+_STATE_BYTES_PER_SLOT = 8
+
+
+def _check_state_memory(sizes, configs_per_size: int, num_layers: int, num_experts: int,
+                        limit: int) -> None:
+    """Refuse cache sizes whose replay state would exceed ``limit``, before any is allocated.
+
+    A size replays its ``configs_per_size`` configurations as one batch: the stacked states, the
+    program's output batch and the initial state, ``2 * n + 1`` states in all.
+    """
+    for size in sorted(set(sizes), reverse=True):
+        state = (num_layers * num_experts * _STATE_BYTES_PER_ID + size * _STATE_BYTES_PER_SLOT
+                 + num_layers * 16)
+        check_memory((2 * configs_per_size + 1) * state, limit, f"--cache-size {size}",
+                     f"{configs_per_size} cache state(s) of {size} slots for {num_layers} "
+                     f"layers x {num_experts} experts")
 
 
 def _cost_options(args):
@@ -311,14 +424,27 @@ def _legend(results, trace, cost) -> list[str]:
     return [textwrap.fill(text, width=100, break_on_hyphens=False) for text in paragraphs]
 
 
-def _plot(results, path: str, trace) -> None:
+def _write_atomically(path: str, write) -> None:
+    """``write(temp_path)`` next to ``path``, then rename over it: an interrupt or error leaves
+    no partial file behind."""
+    folder, name = os.path.split(os.path.abspath(path))
+    handle, temp = tempfile.mkstemp(dir=folder, prefix=f".{name}.",
+                                    suffix=os.path.splitext(name)[1])
+    os.close(handle)
     try:
-        import matplotlib
+        write(temp)
+        os.replace(temp, path)
+    finally:
+        if os.path.exists(temp):
+            os.remove(temp)
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise SystemExit("--plot needs matplotlib: pip install 'pallas-cache[plot]'") from None
+
+def _plot(results, path: str, trace) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     figure, axes = plt.subplots(figsize=(7, 4.5))
     sizes = sorted({r.cache_size for r in results})
     series: dict[str, list] = {}
@@ -338,13 +464,21 @@ def _plot(results, path: str, trace) -> None:
     axes.grid(alpha=0.3)
     axes.legend(fontsize=8)
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    extension = os.path.splitext(path)[1].lstrip(".").lower()
+    try:
+        _write_atomically(path, lambda temp: figure.savefig(temp, dpi=120, format=extension))
+    finally:
+        plt.close(figure)
 
 
 def _replay(args) -> int:
     from pallas_cache.sizing.replay import config_grid, replay  # jax import deferred until needed
 
     try:
+        if args.max_memory is None:
+            args.max_memory = default_memory_limit()
+        if args.plot:
+            args.plot = _check_plot_path(args.plot)
         cost, model, weight_label = _cost_options(args)
         policies = _policies(args.policy, cost)
         trace = _load(args)
@@ -353,6 +487,14 @@ def _replay(args) -> int:
     except (TraceError, OSError, KeyError, TypeError, ValueError) as error:
         print(f"pallas-cache: {error}", file=sys.stderr)
         return 2
+    try:
+        _check_state_memory(sizes, len(configs) // len(set(sizes)), trace.num_layers,
+                            trace.num_experts, args.max_memory)
+    except (TypeError, ValueError) as error:
+        print(f"pallas-cache: {error}", file=sys.stderr)
+        return 2
+    for line in _policy_warnings(policies):
+        print(line, file=sys.stderr)
     if model is not None and _model_mismatch(model, trace):
         print(_model_mismatch(model, trace), file=sys.stderr)
     results = replay(trace, configs, cost=cost)
@@ -414,12 +556,18 @@ def _bench_bandwidth(args) -> int:
 
 
 def main(argv=None) -> int:
-    args = _parser().parse_args(argv)
-    if args.command == "replay":
-        return _replay(args)
-    if args.command == "bench-bandwidth":
-        return _bench_bandwidth(args)
-    return _scenarios(args)
+    """Run ``pallas-cache``; returns the exit status (``130`` after Ctrl-C, with one line on
+    stderr and no partial output file)."""
+    try:
+        args = _parser().parse_args(argv)
+        if args.command == "replay":
+            return _replay(args)
+        if args.command == "bench-bandwidth":
+            return _bench_bandwidth(args)
+        return _scenarios(args)
+    except KeyboardInterrupt:
+        print("pallas-cache: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ from typing import Sequence
 
 import numpy as np
 
-from pallas_cache.sizing.trace import Trace
+from pallas_cache.sizing.trace import Trace, check_memory, resolve_memory_limit, trace_bytes
 
 __all__ = [
     "SyntheticParams",
@@ -156,7 +156,7 @@ def layer_exponents(params: SyntheticParams, seed: int = 0) -> np.ndarray:
 
 
 def synthetic_trace(preset_or_params: str | SyntheticParams, num_tokens: int | None = None,
-                    seed: int = 0) -> Trace:
+                    seed: int = 0, *, max_memory: int | None = None) -> Trace:
     """Generate a seeded synthetic routing trace.
 
     Args:
@@ -165,6 +165,8 @@ def synthetic_trace(preset_or_params: str | SyntheticParams, num_tokens: int | N
             :data:`DEFAULT_PRESET_TOKENS`).
         seed: non-negative integer; the same seed and parameters give an identical trace, and
             a larger ``num_tokens`` with the same seed extends it (the first tokens are equal).
+        max_memory: bytes the generated arrays may take (``None``: the trace module's
+            ``default_memory_limit()``); checked before anything is generated.
 
     Returns:
         A dense trace: one sequence, tokens ``0..T-1``, each calling layers ``0..L-1`` in order
@@ -174,6 +176,8 @@ def synthetic_trace(preset_or_params: str | SyntheticParams, num_tokens: int | N
     Raises:
         KeyError: an unknown preset name (the message lists the presets).
         ValueError: invalid knobs or seed.
+        MemoryLimitError: (a ``ValueError``) ``num_tokens`` whose arrays would exceed
+            ``max_memory``.
     """
     if isinstance(preset_or_params, str):
         if preset_or_params not in PRESETS:
@@ -190,12 +194,17 @@ def synthetic_trace(preset_or_params: str | SyntheticParams, num_tokens: int | N
     if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool) or seed < 0:
         raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
 
+    calls = params.num_tokens * params.num_layers
+    check_memory(4 * calls * params.top_k + 2 * trace_bytes(calls, params.top_k),
+                 resolve_memory_limit(max_memory), f"synthetic:{label}",
+                 f"num_tokens={params.num_tokens} ({calls} calls x top_k {params.top_k})")
     rng = np.random.default_rng(seed)
     _, log_popularity = _layer_popularity(params, rng)
     routes = _generate_routes(params, log_popularity, rng)
     return Trace.from_dense(routes, num_layers=params.num_layers,
                             num_experts=params.num_experts,
-                            source=f"synthetic:{label}(tokens={params.num_tokens}, seed={seed})")
+                            source=f"synthetic:{label}(tokens={params.num_tokens}, seed={seed})",
+                            max_memory=max_memory)
 
 
 def _layer_popularity(params: SyntheticParams, rng: np.random.Generator
