@@ -11,7 +11,6 @@ by the library.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import sys
@@ -21,6 +20,7 @@ import textwrap
 from pallas_cache.sizing import synthetic
 from pallas_cache.sizing.cost import CostModel
 from pallas_cache.sizing.models import MODELS, resolve_model
+from pallas_cache.sizing.report import FORMATS, format_records, legend_text, records
 from pallas_cache.sizing.trace import (TraceError, check_memory, default_memory_limit,
                                        load_trace)
 from pallas_cache.sizing.units import format_bandwidth, format_bytes, parse_bandwidth, parse_bytes
@@ -45,6 +45,7 @@ often the routed experts were already on the device.
   pallas-cache replay --synthetic fine-grained --cache-size 256 1024 2048
   pallas-cache replay --trace routes.jsonl --cache-size 64 128 --policy full fraction:0.4 cap:1
   pallas-cache replay --order recency lowest_id --admission promote_one none --json
+  pallas-cache replay --format csv > sweep.csv          # or json, jsonl, markdown
 
 Trace files: JSONL, one record per (token, layer):
   {"layer": 3, "token_idx": 17, "experts": [5, 1], "sequence": "prompt-42"}
@@ -68,7 +69,10 @@ best marks the fastest row at each cache size; --device-budget names the fastest
 Sizes: auto = max(E, L*k) .. L*E in steps of x1.41; rows below L*k are flagged in `note`.
 Bytes and bandwidths: 336MiB, 24GiB, 12GB; 25GB/s, 12GiB/s, 800MB/s (GB = 10^9 bytes).
 Models: """ + ", ".join(MODELS) + """ (NAME:DTYPE for bf16, fp16, fp32, fp8, int8, int4).
-"""
+
+Columns (the keys of every record; json, jsonl and csv carry all of them, table and markdown
+the informative ones; an absent value is null in json, empty in csv, - in a table):
+""" + legend_text(96) + "\n"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -121,7 +125,12 @@ def _parser() -> argparse.ArgumentParser:
     replay.add_argument("--admission", nargs="+", default=["promote_one"],
                         choices=["promote_one", "none", "reuse"],
                         help="fetches beyond the split (default: promote_one)")
-    replay.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
+    output = replay.add_mutually_exclusive_group()
+    output.add_argument("--format", choices=FORMATS, default=None,
+                        help="table (default), json (a list of records), jsonl (one record per "
+                             "line), csv (stdlib csv; pair_counts as one JSON cell) or markdown; "
+                             "every format uses the record keys listed above")
+    output.add_argument("--json", action="store_true", help="the same as --format json")
     replay.add_argument("--plot", metavar="FILE.png",
                         help="draw hit rate against cache size (needs matplotlib); a directory "
                              f"gets {DEFAULT_PLOT_NAME} inside it")
@@ -327,65 +336,6 @@ def _policies(requested, cost):
     return list(dict.fromkeys(resolved))
 
 
-def _table(results, trace, header_lines=()) -> str:
-    timed = any(r.modeled_ms_per_token is not None for r in results)
-    weighed = any(r.cache_bytes is not None for r in results)
-    varied = {key: len({getattr(r, key) for r in results}) > 1 for key in ("order", "admission")}
-
-    def rate(value):
-        return "-" if value is None else f"{value:.4f}"
-
-    columns = [("cache_size", lambda r: str(r.cache_size))]
-    if weighed:
-        columns.append(("cache_bytes", lambda r: format_bytes(r.cache_bytes)))
-    columns.append(("policy", lambda r: r.policy))
-    columns += [(key, lambda r, key=key: getattr(r, key)) for key in ("order", "admission")
-                if varied[key]]
-    columns += [(key, lambda r, key=key: rate(getattr(r, key))) for key in (
-        "hit_rate", "belady_hit_rate", "bypass_optimum_hit_rate", "oracle_hit_rate")]
-    if weighed:
-        columns += [("fetched_bytes_per_token", lambda r: format_bytes(r.fetched_bytes_per_token)),
-                    ("cpu_bytes_per_token", lambda r: format_bytes(r.cpu_bytes_per_token))]
-    else:
-        columns += [("fetched_per_token", lambda r: f"{r.fetched_per_token:.2f}"),
-                    ("cpu_experts_per_token", lambda r: f"{r.cpu_experts_per_token:.2f}")]
-    if timed:
-        columns += [("modeled_ms_per_token", lambda r: f"{r.modeled_ms_per_token:.1f}"),
-                    ("best", lambda r: "yes" if r.best else "")]
-    columns.append(("note", lambda r: r.note))
-
-    body = [[cell(r) for _, cell in columns] for r in results]
-    names = [_split_key(name, max([len(row[i]) for row in body] + [len("cache_size")]))
-             for i, (name, _) in enumerate(columns)]
-    if all(top == "" for top, _ in names):
-        rows = [[bottom for _, bottom in names]] + body
-    else:
-        rows = [[top for top, _ in names], [bottom for _, bottom in names]] + body
-    widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
-    rule_after = len(rows) - len(body) - 1
-    constant = "".join(f" {key}={results[0].__dict__[key]}" for key in ("order", "admission")
-                       if not varied[key])
-    lines = [f"trace: {trace.source}  layers={trace.num_layers} experts={trace.num_experts} "
-             f"top_k={trace.top_k} calls={trace.num_calls} tokens={results[0].tokens}",
-             f"cache:{constant}", *header_lines]
-    for i, row in enumerate(rows):
-        cells = [cell.rjust(w) for cell, w in zip(row[:-1], widths)] + [row[-1]]
-        lines.append("  ".join(cells).rstrip())
-        if i == rule_after:
-            lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
-def _split_key(key: str, width: int) -> tuple[str, str]:
-    """A record key as a two-line header when it is wider than its values: split after the
-    underscore nearest its middle, so the two lines read as the key (``belady_`` / ``hit_rate``)."""
-    cuts = [i + 1 for i, char in enumerate(key) if char == "_"]
-    if len(key) <= width or not cuts:
-        return "", key
-    cut = min(cuts, key=lambda i: abs(len(key) - 2 * i))
-    return key[:cut], key[cut:]
-
-
 def _legend(results, trace, cost) -> list[str]:
     """What a newcomer needs to read the table: the bounds, the model, the verdict."""
     k = min(trace.top_k, trace.num_experts)
@@ -498,8 +448,10 @@ def _replay(args) -> int:
     if model is not None and _model_mismatch(model, trace):
         print(_model_mismatch(model, trace), file=sys.stderr)
     results = replay(trace, configs, cost=cost)
-    if args.json:
-        print(json.dumps([r.as_dict() for r in results], indent=1))
+    fmt = args.format or ("json" if args.json else "table")
+    rows = records(results, trace, cost)
+    if fmt != "table":
+        print(format_records(rows, fmt))
     else:
         header = []
         if weight_label:
@@ -513,7 +465,7 @@ def _replay(args) -> int:
                 header.append(f"fraction:auto = B_link/(B_link+B_cpu) = "
                               f"{cost.auto_fraction():.4f} -> {cost.auto_policy()}")
         header += [f"size: {line}" for line in size_lines]
-        print(_table(results, trace, header))
+        print(format_records(rows, "table", header))
         print("\n".join(_legend(results, trace, cost)))
     if args.plot:
         _plot(results, args.plot, trace)
