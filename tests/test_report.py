@@ -133,3 +133,15 @@ def test_cli_formats_and_the_json_alias(capsys):
         cli.main(ARGS + ["--json", "--format", "csv"])
     assert exit_info.value.code == 2
     assert "not allowed with" in capsys.readouterr().err
+
+
+def test_readme_column_legend_is_the_schema():
+    """FAILS if the README's column table misses a record key or says something else than
+    ``--help`` (both come from COLUMN_LEGEND)."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    rows = [line for line in readme.splitlines() if line.startswith("| `")]
+    legend = {line.split("`")[1]: line.split(" | ", 1)[1].rstrip(" |").replace("\\|", "|")
+              for line in rows}
+    assert {key: legend.get(key) for key in RECORD_KEYS} == COLUMN_LEGEND
