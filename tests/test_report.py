@@ -145,3 +145,39 @@ def test_readme_column_legend_is_the_schema():
     legend = {line.split("`")[1]: line.split(" | ", 1)[1].rstrip(" |").replace("\\|", "|")
               for line in rows}
     assert {key: legend.get(key) for key in RECORD_KEYS} == COLUMN_LEGEND
+
+
+def test_plot_draws_every_series_both_bounds_and_the_traffic(rows):
+    """FAILS if a configuration's series is missing or merged, a bound (bypass, Belady) is not
+    drawn, the traffic panel or the modeled-ms axis is missing, 11+ series repeat a style, or
+    the legend sits inside a data panel."""
+    pytest.importorskip("matplotlib")
+    from pallas_cache.sizing import plot
+    from pallas_cache.sizing.plotting import series_style
+
+    trace, results, recs = rows
+    figure = plot(recs)
+    hit_axes, traffic_axes, ms_axes = figure.axes
+    gids = [line.get_gid() for line in hit_axes.get_lines()]
+    assert sorted(g for g in gids if g.startswith("series:")) == sorted(
+        f"series:{p} / recency / promote_one" for p in ("full", "fraction:0.4"))
+    assert {"belady_hit_rate", "bypass_optimum_hit_rate"} <= set(gids)
+    bypass = next(l for l in hit_axes.get_lines() if l.get_gid() == "bypass_optimum_hit_rate")
+    assert list(bypass.get_ydata()) == [r["bypass_optimum_hit_rate"] for r in recs[::2]]
+    assert list(bypass.get_xdata()) == [r["cache_bytes"] / 2**30 for r in recs[::2]]
+    assert len(traffic_axes.get_lines()) == 2 and len(ms_axes.get_lines()) == 2
+    assert hit_axes.get_legend() is None and traffic_axes.get_legend() is None
+    assert len(figure.legends) == 1
+    styles = {tuple(series_style(i).values()) for i in range(40)}
+    assert len(styles) == 40
+    # The same results without W: slots on x, no ms axis; a caller's pair of axes is used.
+    from matplotlib.figure import Figure
+
+    mine = Figure()
+    pair = mine.subplots(1, 2)
+    untimed = [dataclasses.replace(r, cache_bytes=None, fetched_bytes_per_token=None,
+                                   cpu_bytes_per_token=None, modeled_ms_per_token=None)
+               for r in results]
+    assert plot(untimed, axes=pair) is mine
+    assert pair[0].get_xlabel() == "cache size (slots)" and len(mine.axes) == 2
+    assert len([l for l in pair[0].get_lines() if l.get_gid().startswith("series:")]) == 2

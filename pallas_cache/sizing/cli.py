@@ -389,36 +389,12 @@ def _write_atomically(path: str, write) -> None:
             os.remove(temp)
 
 
-def _plot(results, path: str, trace) -> None:
-    import matplotlib
+def _plot(rows, path: str) -> None:
+    from pallas_cache.sizing.plotting import plot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(figsize=(7, 4.5))
-    sizes = sorted({r.cache_size for r in results})
-    series: dict[str, list] = {}
-    for r in results:
-        series.setdefault(f"{r.policy} / {r.order} / {r.admission}", []).append(r)
-    for label, rs in series.items():
-        rs = sorted(rs, key=lambda r: r.cache_size)
-        axes.plot([r.cache_size for r in rs], [r.hit_rate for r in rs], marker="o", label=label)
-    optimum = {r.cache_size: r.belady_hit_rate for r in results}
-    oracle = {r.cache_size: r.oracle_hit_rate for r in results}
-    axes.plot(sizes, [optimum[s] for s in sizes], "k--", marker="x", label="Belady (optimum)")
-    axes.plot(sizes, [oracle[s] for s in sizes], "k:", label="stationary oracle")
-    axes.set_xlabel("cache size (slots)")
-    axes.set_ylabel("hit rate (1 - missing / active)")
-    axes.set_ylim(0, 1.02)
-    axes.set_title(f"{trace.source}", fontsize=9)
-    axes.grid(alpha=0.3)
-    axes.legend(fontsize=8)
-    figure.tight_layout()
+    figure = plot(rows)
     extension = os.path.splitext(path)[1].lstrip(".").lower()
-    try:
-        _write_atomically(path, lambda temp: figure.savefig(temp, dpi=120, format=extension))
-    finally:
-        plt.close(figure)
+    _write_atomically(path, lambda temp: figure.savefig(temp, dpi=120, format=extension))
 
 
 def _replay(args) -> int:
@@ -468,7 +444,7 @@ def _replay(args) -> int:
         print(format_records(rows, "table", header))
         print("\n".join(_legend(results, trace, cost)))
     if args.plot:
-        _plot(results, args.plot, trace)
+        _plot(rows, args.plot)
         print(f"plot written to {args.plot}", file=sys.stderr)
     return 0
 
