@@ -132,7 +132,8 @@ def _parser() -> argparse.ArgumentParser:
                              "every format uses the record keys listed above")
     output.add_argument("--json", action="store_true", help="the same as --format json")
     replay.add_argument("--plot", metavar="FILE.png",
-                        help="draw hit rate against cache size (needs matplotlib); a directory "
+                        help="draw hit rate and per-token traffic against cache size "
+                             "(pallas_cache.sizing.plot; needs matplotlib); a directory "
                              f"gets {DEFAULT_PLOT_NAME} inside it")
     replay.add_argument("--max-memory", type=_memory_size, default=None, metavar="BYTES",
                         help="refuse a trace, synthetic size or cache state estimated above this "
