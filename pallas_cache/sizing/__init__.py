@@ -11,6 +11,7 @@ print and draw.
 """
 
 from pallas_cache.sizing.bounds import belady, bypass_optimum, stationary_oracle
+from pallas_cache.sizing.engines import routes_from_router_logits
 from pallas_cache.sizing.plotting import plot
 from pallas_cache.sizing.replay import ReplayConfig, ReplayResult, config_grid, parse_policy, replay
 from pallas_cache.sizing.report import format_records, records
@@ -32,6 +33,7 @@ __all__ = [
     "plot",
     "records",
     "replay",
+    "routes_from_router_logits",
     "stationary_oracle",
     "synthetic_trace",
 ]
