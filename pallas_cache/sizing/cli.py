@@ -21,8 +21,8 @@ from pallas_cache.sizing import synthetic
 from pallas_cache.sizing.cost import CostModel
 from pallas_cache.sizing.models import MODELS, resolve_model
 from pallas_cache.sizing.report import FORMATS, format_records, legend_text, records
-from pallas_cache.sizing.trace import (TraceError, check_memory, default_memory_limit,
-                                       load_trace)
+from pallas_cache.sizing.trace import (FIELD_KEYS, TraceError, check_memory,
+                                       default_memory_limit, load_trace, parse_fields)
 from pallas_cache.sizing.units import format_bandwidth, format_bytes, parse_bandwidth, parse_bytes
 
 DEFAULT_PRESET = "mixtral-like"
@@ -49,8 +49,10 @@ often the routed experts were already on the device.
 
 Trace files: JSONL, one record per (token, layer):
   {"layer": 3, "token_idx": 17, "experts": [5, 1], "sequence": "prompt-42"}
-(gzipped is fine), or a .npy/.npz integer array [tokens, layers, top_k] (-1 = padding; each
-array of an .npz is one sequence).
+(gzipped is fine; other key names: --field layer=layer_idx,experts=topk_ids), or a .npy/.npz
+integer array [tokens, layers, top_k] (-1 = padding; each array of an .npz is one sequence).
+From transformers router logits: np.save("routes.npy",
+  pallas_cache.sizing.routes_from_router_logits(out.router_logits, top_k)).
 
 hit_rate = 1 - missing/active, counted per layer-call over distinct experts. The bounds:
   belady_hit_rate          the offline optimum when every miss is admitted (evict the resident
@@ -93,6 +95,9 @@ def _parser() -> argparse.ArgumentParser:
     replay.add_argument("--tokens", type=int, default=None,
                         help="tokens to generate for --synthetic (default: the preset's)")
     replay.add_argument("--seed", type=int, default=0, help="seed for --synthetic (default: 0)")
+    replay.add_argument("--field", metavar="KEY=NAME[,...]", default=None,
+                        help="the names a JSONL --trace uses for the record keys "
+                             f"({', '.join(FIELD_KEYS)}), e.g. layer=layer_idx,experts=topk_ids")
     replay.add_argument("--num-layers", type=int, default=None,
                         help="declared layer count of --trace (default: inferred)")
     replay.add_argument("--num-experts", type=int, default=None,
@@ -159,8 +164,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def _load(args):
     if args.trace:
+        fields = parse_fields(args.field) if args.field is not None else None
         return load_trace(args.trace, num_layers=args.num_layers, num_experts=args.num_experts,
-                          max_memory=args.max_memory)
+                          max_memory=args.max_memory, fields=fields)
     return synthetic.synthetic_trace(args.synthetic or DEFAULT_PRESET, num_tokens=args.tokens,
                                      seed=args.seed, max_memory=args.max_memory)
 
@@ -404,6 +410,10 @@ def _replay(args) -> int:
     try:
         if args.max_memory is None:
             args.max_memory = default_memory_limit()
+        if args.field is not None:
+            if not args.trace:
+                raise ValueError("--field names the keys of a JSONL --trace")
+            parse_fields(args.field)
         if args.plot:
             args.plot = _check_plot_path(args.plot)
         cost, model, weight_label = _cost_options(args)

@@ -54,7 +54,7 @@ import tokenize
 import zipfile
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 import numpy as np
 
@@ -63,6 +63,7 @@ __all__ = [
     "TraceError",
     "load_trace",
     "load_jsonl_trace",
+    "parse_fields",
     "load_array_trace",
     "save_trace",
     "JSONL_SUFFIXES",
@@ -82,6 +83,9 @@ ARRAY_SUFFIXES = (".npy", ".npz")
 
 #: Keys that name a record's sequence, in order of precedence.
 SEQUENCE_KEYS = ("sequence", "problem_id")
+
+#: The JSONL record keys a file may name otherwise (:func:`parse_fields`, ``--field``).
+FIELD_KEYS = ("layer", "token_idx", "experts", "sequence")
 
 _INT32_MAX = int(np.iinfo(np.int32).max)
 _TOKEN_MAX = 2**62
@@ -450,7 +454,8 @@ def _next_largest(values: np.ndarray, largest: int) -> int:
 
 
 def load_trace(path: str | os.PathLike, *, num_layers: int | None = None,
-               num_experts: int | None = None, max_memory: int | None = None) -> Trace:
+               num_experts: int | None = None, max_memory: int | None = None,
+               fields: Mapping[str, str] | None = None) -> Trace:
     """Read a routing trace file; the format follows the suffix (see the module docstring).
 
     Args:
@@ -461,12 +466,14 @@ def load_trace(path: str | os.PathLike, *, num_layers: int | None = None,
             ``max expert + 1`` (refusing an outlier, see :data:`OUTLIER_RATIO`).
         max_memory: bytes the trace and the tables its geometry sizes may take; ``None``:
             :func:`default_memory_limit`.
+        fields: JSONL only: the file's names of the record keys, ``{"layer": "layer_idx",
+            "experts": "topk_ids"}`` (see :func:`parse_fields`); unnamed keys keep their names.
 
     Returns:
         The trace, calls in replay order.
 
     Raises:
-        TraceError: unknown suffix, unreadable file, malformed content, an empty trace, an
+        TraceError: ``fields`` for an array file, unknown suffix, unreadable file, malformed content, an empty trace, an
             outlier id, or (:class:`MemoryLimitError`) a size above ``max_memory``.
         ValueError: a declared geometry or limit that is not a positive integer.
     """
@@ -477,7 +484,9 @@ def load_trace(path: str | os.PathLike, *, num_layers: int | None = None,
     suffix = os.path.splitext(name)[1]
     if suffix in JSONL_SUFFIXES:
         return load_jsonl_trace(path_str, num_layers=num_layers, num_experts=num_experts,
-                                max_memory=max_memory)
+                                max_memory=max_memory, fields=fields)
+    if fields:
+        raise TraceError(f"{path_str}: field names apply to JSONL traces only")
     if suffix in ARRAY_SUFFIXES and not path_str.lower().endswith(".gz"):
         return load_array_trace(path_str, num_layers=num_layers, num_experts=num_experts,
                                 max_memory=max_memory)
@@ -515,8 +524,70 @@ def _numbered_lines(path_str: str) -> Iterator[tuple[int, bytes]]:
             yield line_no, raw
 
 
+def parse_fields(text: str) -> dict[str, str]:
+    """``"layer=layer_idx,experts=topk_ids"`` -> ``{"layer": "layer_idx", "experts": "topk_ids"}``:
+    the names a JSONL file uses for the record keys :data:`FIELD_KEYS` (``--field``).
+
+    Raises:
+        ValueError: an item that is not ``KEY=NAME``, an unknown key or a key given twice.
+    """
+    mapping: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in str(text).split(","))):
+        key, equals, name = (part.strip() for part in item.partition("="))
+        if not equals or not key or not name:
+            raise ValueError(f"--field {item!r}: expected KEY=NAME, e.g. layer=layer_idx")
+        if key not in FIELD_KEYS:
+            raise ValueError(f"--field {item!r}: unknown key {key!r}; the keys are "
+                             f"{', '.join(FIELD_KEYS)}")
+        if key in mapping:
+            raise ValueError(f"--field: key {key!r} given twice")
+        mapping[key] = name
+    if not mapping:
+        raise ValueError("--field: expected KEY=NAME[,KEY=NAME...], e.g. layer=layer_idx")
+    return mapping
+
+
+def _renamed(record: dict, fields: Mapping[str, str]) -> dict:
+    """``record`` with the file's names replaced by the record keys (a renamed key is read from
+    its file name only)."""
+    out = {key: value for key, value in record.items() if key not in fields}
+    for key, name in fields.items():
+        if name in record:
+            out[key] = record[name]
+    return out
+
+
 def load_jsonl_trace(path: str | os.PathLike, *, num_layers: int | None = None,
-                     num_experts: int | None = None, max_memory: int | None = None) -> Trace:
+                     num_experts: int | None = None, max_memory: int | None = None,
+                     fields: Mapping[str, str] | None = None) -> Trace:
+    """Read a JSONL trace (one ``{"layer", "token_idx", "experts"}`` record per line), whose keys
+    may carry other names (``fields``, as :func:`load_trace`); messages name the file's keys.
+
+    Args, Returns and Raises: as :func:`_read_jsonl`.
+    """
+    if not fields:
+        return _read_jsonl(path, num_layers=num_layers, num_experts=num_experts,
+                           max_memory=max_memory)
+    unknown = set(fields) - set(FIELD_KEYS)
+    if unknown:
+        raise ValueError(f"fields: unknown keys {sorted(unknown)}; the keys are "
+                         f"{', '.join(FIELD_KEYS)}")
+    try:
+        return _read_jsonl(path, num_layers=num_layers, num_experts=num_experts,
+                           max_memory=max_memory, fields=dict(fields))
+    except TraceError as error:
+        if type(error) is not TraceError:
+            raise
+        message = str(error)
+        for key, name in fields.items():
+            message = message.replace(f"field '{key}'", f"field '{name}'").replace(
+                f"'{key}'", f"'{name}'")
+        raise TraceError(message) from None
+
+
+def _read_jsonl(path: str | os.PathLike, *, num_layers: int | None = None,
+                     num_experts: int | None = None, max_memory: int | None = None,
+                     fields: Mapping[str, str] | None = None) -> Trace:
     """Read a JSONL trace (one ``{"layer", "token_idx", "experts"}`` record per line).
 
     Gzip-compressed input is recognised by its magic bytes, whatever the file is called.
@@ -560,6 +631,8 @@ def load_jsonl_trace(path: str | os.PathLike, *, num_layers: int | None = None,
         if not isinstance(record, dict):
             raise TraceError(f"{where}: expected a JSON object per line, got "
                              f"{type(record).__name__}")
+        if fields:
+            record = _renamed(record, fields)
 
         layer = _record_int(record, "layer", where)
         if layer < 0:
