@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -83,8 +84,12 @@ def executed(tmp_path_factory):
         client = nbclient.NotebookClient(
             nb, timeout=600, kernel_name="python3",
             resources={"metadata": {"path": str(REPO_ROOT)}})
+        start = time.perf_counter()
         client.execute()  # raises CellExecutionError at the first failing cell
-    return {cell["id"]: cell for cell in nb.cells}
+        seconds = time.perf_counter() - start
+    cells = {cell["id"]: cell for cell in nb.cells}
+    cells["_seconds"] = seconds
+    return cells
 
 
 def _text(cell) -> str:
@@ -105,7 +110,7 @@ def _row(change: str, slot: int, layer: int, expert: int) -> re.Pattern:
 
 def test_every_cell_ran_without_error(executed):
     for cell_id, cell in executed.items():
-        if cell["cell_type"] != "code":
+        if cell_id == "_seconds" or cell["cell_type"] != "code":
             continue
         assert cell["execution_count"] is not None, f"cell {cell_id} did not run"
         errors = [o for o in cell["outputs"] if o["output_type"] == "error"]
@@ -169,3 +174,30 @@ def test_section_3_replay_table_and_plot(executed):
     assert images, "the plot cell showed no image/png"
     png = images[0]["data"]["image/png"]
     assert png.startswith("iVBORw0KGgo"), "image/png is not a base64 PNG"
+
+
+def test_section_3_uses_the_public_record_and_plot_helpers(executed):
+    """FAILS if the notebook copies table or plot code instead of calling
+    pallas_cache.sizing.records/format_records/plot (which the CLI uses too)."""
+    replay_src, plot_src = executed["c-replay"]["source"], executed["c-plot"]["source"]
+    assert "format_records(rows" in replay_src and "records(results, trace)" in replay_src
+    assert "plot(rows)" in plot_src
+    assert ".plot(" not in plot_src and "add_subplot" not in plot_src and 'print(f"' not in replay_src
+
+
+def test_section_4_bring_your_own_trace(executed):
+    """FAILS if the bring-your-own-trace cell does not load a file trace (two requests become two
+    sequences) and print its records with the cost columns."""
+    text = _text(executed["d-byo"])
+    assert "demo.npz" in text and "sequences=2" in text
+    assert "| cache_size | cache_bytes | policy | hit_rate |" in text
+    assert "modeled_ms_per_token" in text
+
+
+def test_the_stated_run_time_is_the_measured_one(executed):
+    """The intro's time is what this run measures (printed here, not asserted: speed belongs in
+    benchmarks); FAILS only if the intro stops citing this test as its measurement."""
+    seconds = executed["_seconds"]
+    print(f"notebook executed in {seconds:.1f} s")
+    intro = "".join(executed["intro"]["source"])
+    assert "measured by\n`tests/test_notebook.py`" in intro and "under a minute" in intro

@@ -36,19 +36,26 @@ def reference_replay(trace, config):
               "fraction": lambda: ReferencePolicy.fraction(float(value)),
               "cap": lambda: ReferencePolicy.fixed_cap(int(value))}[kind]()
     cpu = 0
+    pairs = {}
     layers, routes = trace.to_array()
     for layer, route in zip(layers, routes):
         plan = cache.ensure_hybrid(int(layer), route, policy, order=config.order,
                                    admission=config.admission)
         cpu += int(plan.cpu.sum())
+        # The cost model's per-call pair: copies made, distinct experts the CPU computes.
+        pair = (int(plan.count), len(set(np.asarray(route)[np.asarray(plan.cpu)].tolist())))
+        pairs[pair] = pairs.get(pair, 0) + 1
     stats = cache.stats()
     return dict(calls=stats.calls, active=stats.active, missing=stats.missing,
-                fetched=stats.fetched, cpu_routes=cpu, empty_slots=int((cache.id_of_slot < 0).sum()))
+                fetched=stats.fetched, cpu_routes=cpu, empty_slots=int((cache.id_of_slot < 0).sum()),
+                pair_counts=sorted((f, c, n) for (f, c), n in pairs.items()))
 
 
 def test_a_compiled_replay_counts_exactly_what_the_reference_counts():
     """FAILS if configurations sharing a program leak into each other, if padding calls of the
-    last chunk count, or if cpu routes are counted per distinct expert instead of per route."""
+    last chunk count, if cpu routes are counted per distinct expert instead of per route, or if
+    the per-call (fetched, cpu_experts) pairs of the cost model count CPU routes instead of
+    distinct CPU experts."""
     trace = small_trace()
     configs = config_grid([6, 9], ["full", "fraction:0.4", "cap:1"], ["recency", "lowest_id"],
                           ["promote_one", "reuse"])
@@ -56,6 +63,7 @@ def test_a_compiled_replay_counts_exactly_what_the_reference_counts():
     for config, result in zip(configs, results):
         expected = reference_replay(trace, config)
         got = {k: getattr(result, k) for k in expected}
+        got["pair_counts"] = sorted(got["pair_counts"])
         assert got == expected, config
         assert result.routes == int((trace.routes >= 0).sum())
         assert result.hit_rate == pytest.approx(1 - expected["missing"] / expected["active"])

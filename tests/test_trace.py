@@ -213,14 +213,18 @@ def test_npy_is_token_major_then_layer_and_keeps_all_padding_cells(tmp_path):
     assert trace.routes.dtype == np.int32
 
 
-def test_npz_prefers_routes_then_experts_then_the_first_array(tmp_path):
-    a = np.zeros((1, 1, 1), np.int32)
-    b = np.ones((1, 1, 1), np.int32)
-    np.savez(tmp_path / "r.npz", other=a, routes=b)
-    np.savez(tmp_path / "e.npz", other=a, experts=b)
-    np.savez(tmp_path / "f.npz", first=b, second=a)
-    for name in ("r", "e", "f"):
-        assert load_trace(tmp_path / f"{name}.npz").routes.tolist() == [[1]], name
+def test_npz_every_array_is_one_sequence_in_archive_order(tmp_path):
+    """FAILS if an .npz with several arrays reads only one of them (the old silent drop)."""
+    a = np.zeros((2, 1, 1), np.int32)                 # 2 tokens, 1 layer, top-1
+    b = np.array([[[1, 2], [3, -1]]], np.int16)       # 1 token, 2 layers, top-2
+    np.savez(tmp_path / "two.npz", second=a, first=b)
+    trace = load_trace(tmp_path / "two.npz")
+    assert trace.sequence_names == ("second", "first")
+    assert trace.sequence.tolist() == [0, 0, 1, 1]
+    assert trace.token_idx.tolist() == [0, 1, 0, 0]
+    assert trace.layers.tolist() == [0, 0, 0, 1]
+    assert trace.routes.tolist() == [[0, -1], [0, -1], [1, 2], [3, -1]]
+    assert (trace.num_layers, trace.num_experts, trace.top_k) == (2, 4, 2)
 
 
 @pytest.mark.parametrize("array,message", [

@@ -2,13 +2,19 @@
 
 Layers: :mod:`~pallas_cache.sizing.trace` (the trace type and its readers),
 :mod:`~pallas_cache.sizing.synthetic` (seeded synthetic traces), :mod:`~pallas_cache.sizing.bounds`
-(Belady's optimum and the stationary oracle), :mod:`~pallas_cache.sizing.replay` (the compiled
+(Belady's optimum, the bypass optimum and the stationary oracle), :mod:`~pallas_cache.sizing.replay` (the compiled
 sweep), :mod:`~pallas_cache.sizing.cli` (``pallas-cache replay``) and
-:mod:`~pallas_cache.sizing.scenarios` (the seed-000 table).
+:mod:`~pallas_cache.sizing.scenarios` (the seed-000 table); :func:`records`/:func:`format_records`
+(:mod:`~pallas_cache.sizing.report`: one record schema, five formats) and :func:`plot`
+(:mod:`~pallas_cache.sizing.plotting`: the sweep as a figure) are what the CLI and the notebook
+print and draw.
 """
 
-from pallas_cache.sizing.bounds import belady, stationary_oracle
+from pallas_cache.sizing.bounds import belady, bypass_optimum, stationary_oracle
+from pallas_cache.sizing.engines import routes_from_router_logits
+from pallas_cache.sizing.plotting import plot
 from pallas_cache.sizing.replay import ReplayConfig, ReplayResult, config_grid, parse_policy, replay
+from pallas_cache.sizing.report import format_records, records
 from pallas_cache.sizing.synthetic import PRESETS, synthetic_trace
 from pallas_cache.sizing.trace import Trace, TraceError, load_trace
 
@@ -19,10 +25,15 @@ __all__ = [
     "Trace",
     "TraceError",
     "belady",
+    "bypass_optimum",
     "config_grid",
+    "format_records",
     "load_trace",
     "parse_policy",
+    "plot",
+    "records",
     "replay",
+    "routes_from_router_logits",
     "stationary_oracle",
     "synthetic_trace",
 ]

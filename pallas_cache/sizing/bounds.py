@@ -1,38 +1,52 @@
-"""Offline bounds for a routing trace: Belady's optimum and the per-layer stationary oracle.
+"""Offline bounds for a routing trace: Belady's optimum, the bypass optimum and the stationary oracle.
 
 A replay says what hit rate a policy *gets* at a cache size; these say what is *possible*, so a
-user can tell "the policy loses residency it could keep" from "the trace leaves nothing to keep":
+user can tell "the policy loses residency it could keep" from "the trace leaves nothing to keep"
+(docs/semantics.md §5.14). All share the cache's model (docs/semantics.md §2, 5.2): one pool of
+``S`` slots shared by all layers (flat id ``layer * E + expert``), and a call never evicts an
+expert it routes.
 
-* :func:`belady` -- the fewest misses any eviction policy could have on this trace under the
-  cache's own constraints (docs/semantics.md §2, 5.2): one pool of ``S`` slots shared by all layers (flat id
-  ``layer * E + expert``); each call must have all its distinct routed experts resident; every
-  miss is fetched (pure-offload ``ensure``); an expert the current call needs is never evicted.
-  On a miss with a full pool it evicts the resident whose next use (the next call routing it) is
-  furthest away -- never used again counts as infinitely far. With requests grouped per call this
-  greedy rule stays optimal (the usual exchange argument: swapping a furthest-use victim for any
-  other choice never saves a miss); ``tests/test_belady.py`` checks it against an exhaustive
-  search on small traces.
-* :func:`stationary_oracle` -- docs/semantics.md §5.10's ``oracle_hit_at_slots``: with a fair share of
-  ``S / L`` slots per layer and a fixed set of residents, the best hit share is the routing mass
-  of each layer's hottest experts. It ignores time (no warm-up, no phases), so it is a different
-  bound from Belady's, quoted the same way as the cache's skew report.
+* :func:`belady` -- the fewest misses of any *pure-offload* schedule (every miss fetched and
+  admitted, as ``ensure`` and a ``full`` policy do): on a miss with a full pool it evicts the
+  resident whose next use (the next call routing it) is furthest away, never used again counting
+  as infinitely far, ties to the higher flat id. With requests grouped per call this greedy rule
+  stays optimal (the exchange argument); it bounds the ``full`` rows of a replay.
+* :func:`bypass_optimum` -- the fewest misses of any schedule in which a miss may be served
+  *without* being admitted (the CPU path of ``ensure_hybrid``): after each call the pool holds
+  that call's hits plus the best ``S - |hits|`` of (residents not routed in the call and the
+  call's misses), ranked by their sequence of later uses compared from the front (the next use,
+  then on a tie the use after it, and so on; never again counts as infinitely far), then flat id,
+  never keeping an item that is not used again. It bounds every row (any policy, order,
+  admission).
+* :func:`stationary_oracle` -- docs/semantics.md §5.10's ``oracle_hit_at_slots``: with a fair
+  share of ``S / L`` slots per layer (at least one) and a fixed set of residents, the best hit
+  share is the routing mass of each layer's hottest experts. It ignores time (no warm-up, no
+  phases), so it is a different quantity from the two optima, quoted the same way as the cache's
+  skew report.
 
-Counting matches the cache's stats exactly (docs/semantics.md §5.2 step 8): per layer-call over *distinct*
-experts, ``-1`` padding ignored; ``active`` = distinct experts of the call, ``missing`` = those
-not resident when the call starts. So ``belady(...).miss_rate`` is directly comparable with a
-replayed cache's ``stats(state).miss_rate``.
+``tests/test_bounds.py`` checks both optima against exhaustive searches on small traces (where a
+tie-break on the next use and the one after it alone is not enough for the bypass optimum).
+Counting matches the cache's stats exactly (docs/semantics.md §5.2 step 8): per layer-call over
+*distinct* experts, ``-1`` padding ignored; ``active`` = distinct experts of the call,
+``missing`` = those not resident when the call starts.
 
-Complexity: next uses are precomputed with one sort; the simulation keeps a max-heap keyed by
-next use with lazy deletion (a stale entry is skipped when popped, and the heap is rebuilt from
-the live entries whenever stale ones outnumber them, so it never exceeds ``O(L*E)`` entries): a
-trace of ``N`` distinct routes costs ``O(N log(L*E))`` -- about 1-2 s on one CPU core for 48
-layers x 128 experts x 2000 tokens x top-8 (768k routes).
+Cost: the accesses (distinct routes) live in a few int32 arrays; next uses come from one stable
+radix sort by flat id. The simulation is a Python loop over a heap of int keys, visiting only the
+accesses whose outcome is not settled in advance: an access whose reuse window (the calls up to
+its next use) holds fewer than ``S`` other accesses can never lose its slot (an eviction needs
+``S`` other residents used sooner), so it is a hit and needs no heap entry. Lazy deletion needs no
+per-id bookkeeping: an entry whose next use has passed is stale, and it is never popped because
+enough live ones rank above it; stale entries are dropped when they outnumber the live ones.
+Memory is linear in the accesses (about 30 bytes each at peak); the access arrays of the last
+:class:`Trace` seen are kept (its arrays are read-only), so both optima at several sizes build
+them once. Times are in ``benchmarks/RESULTS.md`` (``benchmarks/bounds_cost.py``).
 """
 
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -43,16 +57,21 @@ from pallas_cache.validate import is_int
 
 __all__ = [
     "BeladyResult",
+    "BypassOptimumResult",
     "belady",
+    "bypass_optimum",
     "StationaryOracle",
     "stationary_oracle",
     "oracle_slots_for",
 ]
 
+#: Visited accesses converted to Python ints at a time (bounds the loop's transient memory).
+_CHUNK = 1 << 16
+
 
 @dataclass(frozen=True, eq=False)
 class BeladyResult:
-    """Counters of Belady's optimal schedule, in the cache's stats vocabulary (docs/semantics.md §5.9).
+    """Counters of an optimal schedule, in the cache's stats vocabulary (docs/semantics.md §5.9).
 
     Rates with a zero denominator are ``0.0`` for ``miss_rate`` (as the cache's stats define it),
     hence ``1.0`` for ``hit_rate = 1 - miss_rate``.
@@ -63,7 +82,7 @@ class BeladyResult:
         num_experts: ``E``.
         calls: layer-calls replayed (padding-only calls included, as the cache counts them).
         active: distinct non-padding experts summed over calls.
-        missing: distinct experts not resident at the start of their call (= fetched).
+        missing: distinct experts not resident at the start of their call.
         layer_calls: int64 ``[L]``, calls per layer.
         layer_active: int64 ``[L]``, ``active`` per layer.
         layer_missing: int64 ``[L]``, ``missing`` per layer; sums to ``missing``.
@@ -86,7 +105,7 @@ class BeladyResult:
 
     @property
     def hit_rate(self) -> float:
-        """``1 - missing / active``: the best hit rate any policy could reach at this size."""
+        """``1 - missing / active``: the best hit rate of the schedules this bound ranges over."""
         return 1.0 - self.miss_rate
 
     @property
@@ -102,14 +121,23 @@ class BeladyResult:
         return 1.0 - self.layer_miss_rate
 
     def __repr__(self) -> str:
-        return (f"BeladyResult(cache_size={self.cache_size}, calls={self.calls}, "
+        return (f"{type(self).__name__}(cache_size={self.cache_size}, calls={self.calls}, "
                 f"active={self.active}, missing={self.missing}, "
                 f"hit_rate={self.hit_rate:.4f})")
 
 
+class BypassOptimumResult(BeladyResult):
+    """Counters of the bypass optimum (misses may go unadmitted); fields as :class:`BeladyResult`.
+
+    ``missing`` counts every miss, admitted or served without admission, as the cache's
+    ``missing`` counter does; ``layer_missing`` is that of the schedule :func:`bypass_optimum`
+    describes (another optimal schedule may spread its misses over layers differently).
+    """
+
+
 def belady(trace: Trace | tuple[Any, Any], cache_size: int, *,
            num_experts: int | None = None, num_layers: int | None = None) -> BeladyResult:
-    """Replay a trace under Belady's furthest-next-use eviction: the fewest possible misses.
+    """Replay a trace under Belady's furthest-next-use eviction: the fewest pure-offload misses.
 
     Args:
         trace: a :class:`~pallas_cache.sizing.trace.Trace`, or a pair ``(layers, routes)`` of integer
@@ -126,88 +154,371 @@ def belady(trace: Trace | tuple[Any, Any], cache_size: int, *,
     Raises:
         ValueError: a cache size below ``E``, inconsistent geometry, or malformed arrays.
     """
-    layers, routes, num_layers, num_experts = _coerce_trace(trace, num_layers, num_experts)
-    if not is_int(cache_size) or cache_size < num_experts:
-        raise ValueError(f"cache_size must be an integer >= num_experts={num_experts} (the cache "
-                         f"cannot hold one layer otherwise), got {cache_size!r}")
-    slots = int(cache_size)
-    calls = routes.shape[0]
-    id_space = num_layers * num_experts
-
-    # Distinct non-padding routes per call, in call order: (call, flat id) pairs.
-    sorted_routes = np.sort(routes, axis=1)
-    distinct = sorted_routes >= 0
-    distinct[:, 1:] &= sorted_routes[:, 1:] != sorted_routes[:, :-1]
-    call_of = np.nonzero(distinct)[0]
-    flat_of = layers[call_of] * num_experts + sorted_routes[distinct]
-
-    # Next use of each (call, flat) occurrence: the call of the next occurrence of the same id,
-    # or `calls` (= never again, the furthest possible) for the last one.
-    by_id = np.lexsort((call_of, flat_of))
-    next_use = np.full(call_of.size, calls, dtype=np.int64)
-    repeats = flat_of[by_id[1:]] == flat_of[by_id[:-1]]
-    next_use[by_id[:-1][repeats]] = call_of[by_id[1:][repeats]]
-
-    missed = _simulate(call_of, flat_of, next_use, calls, slots, id_space)
-
-    layer_of = layers[call_of]
-    layer_active = np.bincount(layer_of, minlength=num_layers).astype(np.int64)
-    layer_missing = np.bincount(layer_of, weights=missed, minlength=num_layers).astype(np.int64)
-    return BeladyResult(
-        cache_size=slots, num_layers=num_layers, num_experts=num_experts, calls=int(calls),
-        active=int(layer_active.sum()), missing=int(layer_missing.sum()),
-        layer_calls=np.bincount(layers, minlength=num_layers).astype(np.int64),
-        layer_active=layer_active, layer_missing=layer_missing)
+    accesses = _Accesses.of(trace, num_layers, num_experts)
+    slots = accesses.check_size(cache_size)
+    layer_missing = _simulate(accesses, slots, bypass=False)
+    return accesses.result(BeladyResult, slots, layer_missing)
 
 
-def _simulate(call_of: np.ndarray, flat_of: np.ndarray, next_use: np.ndarray, calls: int,
-              slots: int, id_space: int) -> np.ndarray:
-    """The eviction loop; returns a 0/1 miss flag per (call, flat) occurrence.
+def bypass_optimum(trace: Trace | tuple[Any, Any], cache_size: int, *,
+                   num_experts: int | None = None,
+                   num_layers: int | None = None) -> BypassOptimumResult:
+    """The fewest misses when a miss may be served without being admitted (docs/semantics.md §5.14).
 
-    Heap entries are ints ``-(next_use * id_space + flat)``: a max-heap on next use (ties to the
-    higher flat id -- any tie-break is optimal). An entry is live iff its flat id is resident with
-    exactly that next use; any other entry is stale and skipped when popped.
+    The schedules it ranges over are those of the cache's hybrid path: a call's routed experts
+    stay resident through the call (its hits are never evicted by it), and each miss is either
+    admitted (into a free slot or over a resident the call does not route) or not. After each call
+    the pool holds the call's hits plus the best ``S - |hits|`` of (residents not routed in the
+    call and the call's misses), ranked by their sequences of later uses compared from the front
+    (never again = infinitely far), then flat id, never keeping an item not used again. ``hit_rate`` is therefore an upper bound for every replay row, hybrid or
+    not, and at least :func:`belady`'s.
 
-    A call's evictions run *before* its own entries are refreshed, which is what keeps the call's
-    experts safe without a check: a resident the call hits still carries next use == this call,
-    smaller than that of every resident the call does not route (whose next use lies beyond
-    this call), so the max-heap reaches all of those first -- and there are enough of them,
-    because the call's distinct experts fit in the pool (``S >= E``).
+    Args and Raises: as :func:`belady`.
+
+    Returns:
+        The counters of that schedule (:class:`BypassOptimumResult`).
     """
-    flat_list = flat_of.tolist()
-    next_list = next_use.tolist()
-    bounds = np.searchsorted(call_of, np.arange(calls + 1)).tolist()
-    resident_next = [-1] * id_space   # next use of a resident id; -1 = not resident
-    missed = np.zeros(len(flat_list), dtype=np.float64)
-    heap: list[int] = []
-    push, pop = heapq.heappush, heapq.heappop
-    resident = 0
-    # Each compaction costs O(L*E) and removes at least `compact_above - S` stale entries.
-    compact_above = 2 * max(slots, id_space) + 64
-    for call in range(calls):
-        start, stop = bounds[call], bounds[call + 1]
-        misses = 0
-        for i in range(start, stop):
-            if resident_next[flat_list[i]] < 0:
-                missed[i] = 1.0
-                misses += 1
-        evictions = resident + misses - slots
-        for _ in range(evictions):  # no-op while the pool has room
-            while True:
-                victim_next, victim = divmod(-pop(heap), id_space)
-                if resident_next[victim] == victim_next:
-                    break  # live (stale entries fall through and are dropped)
-            resident_next[victim] = -1
-        resident += misses - max(0, evictions)
-        for i in range(start, stop):  # install misses, refresh hits: both now used at `call`
-            flat, upcoming = flat_list[i], next_list[i]
-            resident_next[flat] = upcoming
-            push(heap, -(upcoming * id_space + flat))
-        if len(heap) > compact_above:  # drop stale entries: the heap stays O(L*E)
-            heap = [-(upcoming * id_space + flat) for flat, upcoming in enumerate(resident_next)
-                    if upcoming >= 0]
-            heapq.heapify(heap)
-    return missed
+    accesses = _Accesses.of(trace, num_layers, num_experts)
+    slots = accesses.check_size(cache_size)
+    layer_missing = _simulate(accesses, slots, bypass=True)
+    return accesses.result(BypassOptimumResult, slots, layer_missing)
+
+
+@dataclass(frozen=True, eq=False)
+class _Accesses:
+    """The trace as accesses: one per distinct non-padding expert of a call, in call order.
+
+    Within a call, accesses are in ascending expert id. Index arrays are int32 whenever the
+    counts allow (int64 otherwise); nothing here depends on the cache size.
+    """
+
+    num_layers: int
+    num_experts: int
+    layers: np.ndarray      # int [C], the layer of each call
+    before: np.ndarray      # int64 [C + 1], accesses in calls < c
+    call_of: np.ndarray     # int [N], the call of each access
+    flat: np.ndarray        # int [N], its flat id
+    next_index: np.ndarray  # int [N], the next access of the same flat id, -1 if none
+    next_call: np.ndarray   # int [N], the call of that next access, C if none
+    between: np.ndarray     # int [N], accesses in calls c+1 .. next_call (0 if none)
+
+    @classmethod
+    def of(cls, trace, num_layers, num_experts) -> "_Accesses":
+        if isinstance(trace, Trace) and num_layers is None and num_experts is None:
+            cached = _LAST_ACCESSES[0]
+            if cached is not None and cached[0]() is trace:
+                return cached[1]
+            accesses = cls._build(trace, None, None)
+            _LAST_ACCESSES[0] = (weakref.ref(trace), accesses)
+            return accesses
+        return cls._build(trace, num_layers, num_experts)
+
+    @classmethod
+    def _build(cls, trace, num_layers, num_experts) -> "_Accesses":
+        layers, routes, num_layers, num_experts = _coerce_trace(trace, num_layers, num_experts)
+        calls = routes.shape[0]
+        id_space = num_layers * num_experts
+        flat_type = np.int32 if id_space < 2**31 else np.int64
+        routes = np.sort(routes, axis=1)
+        distinct = routes >= 0
+        distinct[:, 1:] &= routes[:, 1:] != routes[:, :-1]
+        per_call = distinct.sum(axis=1)
+        before = np.zeros(calls + 1, dtype=np.int64)
+        np.cumsum(per_call, out=before[1:])
+        count = int(before[-1])
+        index_type = np.int32 if max(count, calls) < 2**31 - 1 else np.int64
+        base = (layers.astype(flat_type) * flat_type(num_experts))[:, None]
+        flat = (routes.astype(flat_type, copy=False) + base)[distinct]
+        del routes, distinct, base
+        call_of = np.repeat(np.arange(calls, dtype=index_type), per_call)
+        # Next access of the same id: a stable sort by id keeps call order within an id (a radix
+        # sort when the ids fit 16 bits).
+        key = flat.astype(np.uint16) if id_space <= 2**16 else flat
+        order = np.argsort(key, kind="stable").astype(index_type, copy=False)
+        del key
+        next_index = np.full(count, -1, dtype=index_type)
+        same = flat[order[1:]] == flat[order[:-1]]
+        next_index[order[:-1][same]] = order[1:][same]
+        del order, same
+        has_next = next_index >= 0
+        next_call = np.full(count, calls, dtype=index_type)
+        next_call[has_next] = call_of[next_index[has_next]]
+        between = np.zeros(count, dtype=index_type)
+        between[has_next] = (before[next_call[has_next] + 1]
+                             - before[call_of[has_next] + 1]).astype(index_type)
+        return cls(num_layers, num_experts, layers, before, call_of, flat, next_index, next_call,
+                   between)
+
+    @property
+    def calls(self) -> int:
+        return int(self.before.size - 1)
+
+    def check_size(self, cache_size: Any) -> int:
+        if not is_int(cache_size) or cache_size < self.num_experts:
+            raise ValueError(f"cache_size must be an integer >= num_experts={self.num_experts} "
+                             f"(the cache cannot hold one layer otherwise), got {cache_size!r}")
+        return int(cache_size)
+
+    def result(self, kind: type, slots: int, layer_missing: np.ndarray) -> BeladyResult:
+        layer_active = np.bincount(self.layers, weights=np.diff(self.before),
+                                   minlength=self.num_layers)
+        return kind(cache_size=slots, num_layers=self.num_layers, num_experts=self.num_experts,
+                    calls=self.calls, active=int(layer_active.sum()),
+                    missing=int(layer_missing.sum()),
+                    layer_calls=np.bincount(self.layers,
+                                            minlength=self.num_layers).astype(np.int64),
+                    layer_active=layer_active.astype(np.int64),
+                    layer_missing=layer_missing.astype(np.int64))
+
+
+#: ``[(weakref to a Trace, its _Accesses)]`` or ``[None]``: the last trace's accesses, so the two
+#: optima at several sizes share them (a Trace's arrays are read-only, so they cannot go stale).
+_LAST_ACCESSES: list = [None]
+
+
+def _simulate(accesses: _Accesses, slots: int, *, bypass: bool) -> np.ndarray:
+    """Belady's schedule (``bypass=False``) or the bypass optimum's; returns missing per layer.
+
+    Heap entries are negative ints ``-(n * unit + tag)``, a max-heap on the next use ``n``. For
+    Belady ``tag`` is the flat id (ties to the higher one; any tie-break gives the same counts,
+    per layer too: tied ids are routed by the same call). For the bypass optimum ``tag`` is the
+    access index, and :func:`_evict_bypass` ranks ids tied on ``n`` by walking their later uses.
+    An entry is live iff its next use lies beyond the current call; only a resident's latest
+    access can have one, so a live entry names a resident.
+
+    Settled accesses. For an access at call ``c`` with next use ``n``, let ``W`` be the accesses
+    of calls ``c+1..n`` (Belady) or ``c..n`` (bypass) other than this id's own. Were the id
+    dropped at a call ``e`` of that window, the pool after ``e`` would be full of ``S`` other ids,
+    each routed at ``e`` or ranked no later (so used by call ``n``) -- all in ``W``. So ``|W| < S``
+    settles it: the id stays resident until ``n`` (a certain hit there) and needs no heap entry.
+    An access that is a certain hit and needs no entry is skipped entirely; the schedule is the
+    same as with every entry present, because a settled id is never the one popped.
+
+    A call pushes its entries as it goes, then evicts: a popped entry of an id the call routes
+    (its stamp, see :class:`_LoopState`) is set aside and pushed back afterwards, so victims are
+    the best-to-drop live entries among the other residents (and, for the bypass optimum, the
+    call's own misses). They always number enough: the exact rule drops only ids that rank
+    below ``S`` others, none of them settled, so no stale entry is ever popped.
+    """
+    calls = accesses.calls
+    id_space = accesses.num_layers * accesses.num_experts
+    call_of, flat, next_index = accesses.call_of, accesses.flat, accesses.next_index
+    next_call, before = accesses.next_call, accesses.before
+    if slots >= id_space:  # everything fits: only first uses miss
+        first = np.ones(flat.size, dtype=bool)
+        first[next_index[next_index >= 0]] = False
+        return np.bincount(accesses.layers[call_of[first]],
+                           minlength=accesses.num_layers).astype(np.int64)
+    has_next = next_index >= 0
+    # Entry keys: -(n * unit + tag), n the next use; tag = the flat id (Belady) or the access
+    # index (bypass, whose ties on n are broken deeper, by walking the ids' later uses).
+    unit = flat.size if bypass else id_space
+    exact = (calls + 1) * unit < 2**62
+    if bypass:
+        own_call = np.diff(before).astype(accesses.between.dtype)[call_of]
+        settled = has_next & (accesses.between + own_call - 2 < slots)
+        del own_call
+    else:
+        settled = has_next & (accesses.between - 1 < slots)
+    del has_next
+    skip = np.zeros(flat.size, dtype=bool)
+    skip[next_index[settled]] = True  # certain hits ...
+    skip &= settled                   # ... that need no entry either
+
+    state = _LoopState(slots=slots, id_space=id_space, calls=calls, unit=unit,
+                       resident=[0] * id_space, layer_missing=[0] * accesses.num_layers,
+                       flat=memoryview(flat), next_index=memoryview(next_index),
+                       next_call=memoryview(next_call))
+    loop = _bypass_loop if bypass else _belady_loop
+    start = 0
+    while start < flat.size:  # chunks of whole calls
+        stop = min(start + _CHUNK, flat.size)
+        if stop < flat.size:
+            stop = int(before[call_of[stop]])
+            if stop == start:  # one call longer than a chunk
+                stop = int(before[call_of[start] + 1])
+        visit = ~skip[start:stop]
+        chunk_calls = call_of[start:stop][visit]
+        if chunk_calls.size:
+            rank = next_call[start:stop][visit].astype(np.int64)
+            v_flat = flat[start:stop][visit]
+            tag = np.flatnonzero(visit) + start if bypass else v_flat
+            if not exact:  # Python ints: exact for any trace length
+                rank = rank.astype(object)
+            keys = -(rank * unit + tag)
+            keys[settled[start:stop][visit]] = 0
+            last = np.ones(chunk_calls.size, dtype=bool)
+            last[:-1] = chunk_calls[1:] != chunk_calls[:-1]
+            ends = np.where(last, accesses.layers[chunk_calls] + 1, 0).tolist()
+            stamps = (chunk_calls[last].astype(np.int64) + 1).tolist()
+            loop(state, v_flat.tolist(), keys.tolist(), stamps, ends)
+        start = stop
+    return np.asarray(state.layer_missing, dtype=np.int64)
+
+
+@dataclass
+class _LoopState:
+    """What the simulation carries from one chunk to the next.
+
+    ``resident[f]`` is 0 for an id not resident, else a stamp: ``c + 1`` for the latest call
+    ``c`` that routed it while resident (a hit there, or a Belady miss, which is always
+    admitted), ``-(c + 1)`` for a bypass miss admitted at ``c`` (still a candidate to drop in
+    that call). A popped entry whose id carries the current call's positive stamp belongs to
+    that call and is pushed back after the evictions.
+    """
+
+    slots: int
+    id_space: int
+    calls: int
+    unit: int             # key = -(next use * unit + tag); live at call c iff next use > c
+    resident: list
+    layer_missing: list
+    flat: memoryview        # the access arrays, read by index without copies
+    next_index: memoryview
+    next_call: memoryview
+    heap: list = field(default_factory=list)
+    count: int = 0        # residents
+
+
+def _evict(state: _LoopState, over: int, stamp: int) -> None:
+    """Belady: pop the ``over`` furthest live entries not protected by ``stamp``; drop their ids."""
+    heap, resident, id_space, pop = state.heap, state.resident, state.id_space, heapq.heappop
+    own = []
+    for _ in range(over):
+        while True:
+            key = pop(heap)
+            victim = -key % id_space
+            if resident[victim] != stamp:
+                break
+            own.append(key)  # an id the call routes: protected, back in after the evictions
+        resident[victim] = 0
+    for key in own:
+        heapq.heappush(heap, key)
+
+
+def _evict_bypass(state: _LoopState, over: int, stamp: int) -> None:
+    """The bypass optimum's drops: the ``over`` worst candidates, ties on next use broken deeper.
+
+    Candidates with the same next use ``n`` (ids routed together at ``n``) are ranked by their
+    whole sequence of later uses, compared from the front (never again = infinitely far), the
+    higher flat id first when the sequences are equal. Ids never used again are dropped first,
+    in any order (dropping one or the other changes no later miss).
+    """
+    heap, resident, unit, pop = state.heap, state.resident, state.unit, heapq.heappop
+    flat_of, never = state.flat, state.calls
+    own = []
+    for _ in range(over):
+        while True:
+            key = pop(heap)
+            if resident[flat_of[-key % unit]] != stamp:
+                break
+            own.append(key)
+        use = -key // unit
+        if use < never and heap and -heap[0] // unit == use:
+            tied = [key]
+            while heap and -heap[0] // unit == use:
+                other = pop(heap)
+                (own if resident[flat_of[-other % unit]] == stamp else tied).append(other)
+            key = tied[0]
+            for other in tied[1:]:
+                if _ranks_later(state, -other % unit, -key % unit):
+                    key = other
+            for other in tied:
+                if other != key:
+                    heapq.heappush(heap, other)
+        resident[flat_of[-key % unit]] = 0
+    for key in own:
+        heapq.heappush(heap, key)
+
+
+def _ranks_later(state: _LoopState, first: int, second: int) -> bool:
+    """Whether access ``first``'s id is worse to keep than ``second``'s (same next use)."""
+    next_index, next_call, never = state.next_index, state.next_call, state.calls
+    a, b = next_index[first], next_index[second]
+    while True:  # a, b: the two ids' accesses at the same call
+        use_a, use_b = next_call[a], next_call[b]
+        if use_a != use_b:
+            return use_a > use_b
+        if use_a == never:
+            return state.flat[a] > state.flat[b]
+        a, b = next_index[a], next_index[b]
+
+
+def _compact(state: _LoopState, stamp: int) -> None:
+    """Drop stale entries (next use at or before the current call ``stamp - 1``)."""
+    live = -stamp * state.unit
+    state.heap = [key for key in state.heap if key <= live]
+    heapq.heapify(state.heap)
+
+
+def _belady_loop(state: _LoopState, flats: list, keys: list, stamps: list, ends: list) -> None:
+    """Belady over one chunk: every miss admitted.
+
+    Per access: its flat id, key (0: no entry) and ``end`` (layer + 1 on the call's last access,
+    else 0); per call: its stamp ``c + 1``.
+    """
+    resident, layer_missing, slots = state.resident, state.layer_missing, state.slots
+    heap, push, count = state.heap, heapq.heappush, state.count
+    compact_above = 2 * slots + 1024
+    misses = 0
+    stamp_of_call = iter(stamps)
+    stamp = next(stamp_of_call)
+    for flat, key, end in zip(flats, keys, ends):
+        if not resident[flat]:
+            misses += 1
+        resident[flat] = stamp
+        if key:
+            push(heap, key)
+        if end:  # the call's last access: count, evict
+            if misses:
+                layer_missing[end - 1] += misses
+                count += misses
+                misses = 0
+                if count > slots:
+                    state.heap = heap
+                    _evict(state, count - slots, stamp)
+                    count = slots
+            if len(heap) > compact_above:
+                _compact(state, stamp)
+                heap = state.heap
+            stamp = next(stamp_of_call, 0)
+    state.heap, state.count = heap, count
+
+
+def _bypass_loop(state: _LoopState, flats: list, keys: list, stamps: list, ends: list) -> None:
+    """The bypass optimum over one chunk (arguments as :func:`_belady_loop`)."""
+    resident, layer_missing, slots = state.resident, state.layer_missing, state.slots
+    heap, push, count = state.heap, heapq.heappush, state.count
+    dead = -state.calls * state.unit  # keys <= dead: never used again
+    compact_above = 2 * slots + 1024
+    misses = 0
+    stamp_of_call = iter(stamps)
+    stamp = next(stamp_of_call)
+    for flat, key, end in zip(flats, keys, ends):
+        if resident[flat]:  # a hit: kept through the call (protected by its stamp)
+            resident[flat] = stamp
+            if key:
+                push(heap, key)
+        else:
+            misses += 1
+            if key > dead:  # used again: admitted unless ranked out below
+                resident[flat] = -stamp
+                count += 1
+                if key:
+                    push(heap, key)
+        if end:
+            if misses:
+                layer_missing[end - 1] += misses
+                misses = 0
+                if count > slots:
+                    state.heap = heap
+                    _evict_bypass(state, count - slots, stamp)
+                    count = slots
+            if len(heap) > compact_above:
+                _compact(state, stamp)
+                heap = state.heap
+            stamp = next(stamp_of_call, 0)
+    state.heap, state.count = heap, count
 
 
 # ---- the stationary oracle ------------------------------------------------------------------
@@ -271,14 +582,13 @@ def stationary_oracle(trace: Trace, cache_size: int) -> StationaryOracle:
 
 def _coerce_trace(trace: Trace | tuple[Any, Any], num_layers: int | None,
                   num_experts: int | None) -> tuple[np.ndarray, np.ndarray, int, int]:
-    """``(layers int64 [C], routes int64 [C, K], L, E)`` from a Trace or a (layers, routes) pair."""
+    """``(layers [C], routes [C, K], L, E)``, integer arrays, from a Trace or a (layers, routes) pair."""
     if isinstance(trace, Trace):
         for name, given, own in (("num_layers", num_layers, trace.num_layers),
                                  ("num_experts", num_experts, trace.num_experts)):
             if given is not None and given != own:
                 raise ValueError(f"{name}={given} contradicts the trace's {name}={own}")
-        return (trace.layers.astype(np.int64), trace.routes.astype(np.int64),
-                trace.num_layers, trace.num_experts)
+        return trace.layers, trace.routes, trace.num_layers, trace.num_experts
     try:
         layers_in, routes_in = trace
     except (TypeError, ValueError):

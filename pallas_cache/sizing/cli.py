@@ -1,40 +1,80 @@
 """The ``pallas-cache`` command: size an expert cache by replaying routing traces.
 
 ``pallas-cache replay`` with no arguments replays the embedded synthetic ``mixtral-like`` trace
-through a small grid of cache sizes and policies and prints, for each configuration, the hit rate
-next to Belady's offline optimum and the stationary per-layer oracle. ``pallas-cache scenarios``
-prints the seed-000 promotion table computed by the library.
+through a grid of cache sizes and policies and prints, for each configuration, the hit rate next
+to the offline bounds; given an expert size (``--model`` or ``--expert-bytes``) and the two
+bandwidths it also prints bytes and modeled milliseconds per token and the best configuration
+(docs/semantics.md §11). ``pallas-cache scenarios`` prints the seed-000 promotion table computed
+by the library.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import os
+import re
 import sys
+import tempfile
+import textwrap
 
 from pallas_cache.sizing import synthetic
-from pallas_cache.sizing.trace import TraceError, load_trace
+from pallas_cache.sizing.cost import CostModel
+from pallas_cache.sizing.models import MODELS, resolve_model
+from pallas_cache.sizing.report import FORMATS, format_records, legend_text, records
+from pallas_cache.sizing.trace import (FIELD_KEYS, TraceError, check_memory,
+                                       default_memory_limit, load_trace, parse_fields)
+from pallas_cache.sizing.units import format_bandwidth, format_bytes, parse_bandwidth, parse_bytes
 
 DEFAULT_PRESET = "mixtral-like"
 DEFAULT_POLICIES = ("full", "fraction:0.4")
+#: The default policies once both bandwidths are known: the balanced split joins them.
+DEFAULT_TIMED_POLICIES = ("full", "fraction:auto", "fraction:0.4")
+#: File written inside a directory given to ``--plot``.
+DEFAULT_PLOT_NAME = "hit_rate.png"
+#: Exit status after Ctrl-C (128 + SIGINT), as shells report it.
+EXIT_INTERRUPTED = 130
 
-REPLAY_HELP = """\
+REPLAY_HELP = r"""
 Replay a routing trace through a grid of cache configurations and report, for each one, how
 often the routed experts were already on the device.
 
   pallas-cache replay                                   # the embedded mixtral-like trace
+  pallas-cache replay --model mixtral-8x7b --link-bandwidth 25GB/s --cpu-bandwidth 60GB/s
+  pallas-cache replay --model mixtral-8x7b:fp8 --cache-size 12GiB 24GiB --device-budget 20GiB \
+                      --link-bandwidth 25GB/s --cpu-bandwidth 60GB/s
   pallas-cache replay --synthetic fine-grained --cache-size 256 1024 2048
   pallas-cache replay --trace routes.jsonl --cache-size 64 128 --policy full fraction:0.4 cap:1
   pallas-cache replay --order recency lowest_id --admission promote_one none --json
+  pallas-cache replay --format csv > sweep.csv          # or json, jsonl, markdown
 
 Trace files: JSONL, one record per (token, layer):
   {"layer": 3, "token_idx": 17, "experts": [5, 1], "sequence": "prompt-42"}
-or a .npy/.npz integer array [tokens, layers, top_k] (-1 = padding).
+(gzipped is fine; other key names: --field layer=layer_idx,experts=topk_ids), or a .npy/.npz
+integer array [tokens, layers, top_k] (-1 = padding; each array of an .npz is one sequence).
+From transformers router logits: np.save("routes.npy",
+  pallas_cache.sizing.routes_from_router_logits(out.router_logits, top_k)).
 
-hit_rate = 1 - missing/active, counted per layer-call over distinct experts. belady is the
-offline optimum for the same pool (evict the resident used furthest in the future); oracle is
-the best a fixed per-layer share of S/L slots could do on this traffic.
-"""
+hit_rate = 1 - missing/active, counted per layer-call over distinct experts. The bounds:
+  belady_hit_rate          the offline optimum when every miss is admitted (evict the resident
+                           used furthest in the future): it bounds `full` rows only; a hybrid
+                           row may beat it.
+  bypass_optimum_hit_rate  the offline optimum when a miss may be served without being admitted
+                           (e.g. on the CPU): it bounds every row.
+  oracle_hit_rate          the best a fixed set of max(1, round(S/L)) slots per layer could do on
+                           this traffic; not a bound (below S = L it uses more than S slots).
+
+Cost model (docs/semantics.md §11): with W the bytes of one expert (--model or --expert-bytes),
+a layer-call that copies `fetched` experts while the CPU computes `cpu_experts` distinct ones
+takes max(fetched*W/B_link, cpu_experts*W/B_cpu); a token, the sum over its layer-calls.
+modeled_ms_per_token leaves out GPU compute, attention, dense layers and launch latency.
+best marks the fastest row at each cache size; --device-budget names the fastest that fits.
+Sizes: auto = max(E, L*k) .. L*E in steps of x1.41; rows below L*k are flagged in `note`.
+Bytes and bandwidths: 336MiB, 24GiB, 12GB; 25GB/s, 12GiB/s, 800MB/s (GB = 10^9 bytes).
+Models: """ + ", ".join(MODELS) + """ (NAME:DTYPE for bf16, fp16, fp32, fp8, int8, int4).
+
+Columns (the keys of every record; json, jsonl and csv carry all of them, table and markdown
+the informative ones; an absent value is null in json, empty in csv, - in a table):
+""" + legend_text(96) + "\n"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -55,115 +95,367 @@ def _parser() -> argparse.ArgumentParser:
     replay.add_argument("--tokens", type=int, default=None,
                         help="tokens to generate for --synthetic (default: the preset's)")
     replay.add_argument("--seed", type=int, default=0, help="seed for --synthetic (default: 0)")
+    replay.add_argument("--field", metavar="KEY=NAME[,...]", default=None,
+                        help="the names a JSONL --trace uses for the record keys "
+                             f"({', '.join(FIELD_KEYS)}), e.g. layer=layer_idx,experts=topk_ids")
     replay.add_argument("--num-layers", type=int, default=None,
                         help="declared layer count of --trace (default: inferred)")
     replay.add_argument("--num-experts", type=int, default=None,
                         help="declared experts per layer of --trace (default: inferred)")
-    replay.add_argument("--cache-size", type=int, nargs="+", metavar="N",
-                        help="pool sizes in slots, each >= experts per layer "
-                             "(default: E, L*E/8, L*E/4, L*E/2)")
-    replay.add_argument("--policy", nargs="+", default=list(DEFAULT_POLICIES), metavar="P",
-                        help="full | fraction:Q | cap:N (default: full fraction:0.4)")
+    replay.add_argument("--cache-size", nargs="+", metavar="SIZE", default=["auto"],
+                        help="pool sizes: auto (max(E, L*k) up to L*E in steps of x1.41), N "
+                             "slots (>= experts per layer), or bytes such as 12GiB (needs "
+                             "--model or --expert-bytes; rounded down to whole slots) "
+                             "(default: auto)")
+    replay.add_argument("--policy", nargs="+", default=None, metavar="P",
+                        help="full | fraction:Q | fraction:auto | cap:N (default: full "
+                             "fraction:0.4, plus fraction:auto when both bandwidths are given); "
+                             "fraction:auto = B_link/(B_link+B_cpu)")
+    weight = replay.add_mutually_exclusive_group()
+    weight.add_argument("--model", metavar="NAME[:DTYPE]",
+                        help=f"take the expert size W from a model: {', '.join(MODELS)} "
+                             f"(dtype default bf16)")
+    weight.add_argument("--expert-bytes", metavar="SIZE",
+                        help="bytes of one routed expert, e.g. 336MiB")
+    replay.add_argument("--link-bandwidth", metavar="RATE",
+                        help="host-to-device copy bandwidth B_link, e.g. 25GB/s")
+    replay.add_argument("--cpu-bandwidth", metavar="RATE",
+                        help="expert bytes per second the CPU MoE path processes, B_cpu, "
+                             "e.g. 60GB/s")
+    replay.add_argument("--device-budget", metavar="SIZE",
+                        help="device memory for the pool, e.g. 24GiB: names the fastest "
+                             "configuration whose cache_bytes fits (needs W and both bandwidths)")
     replay.add_argument("--order", nargs="+", default=["recency"], choices=["recency", "lowest_id"],
                         help="which misses win a capped fetch (default: recency)")
     replay.add_argument("--admission", nargs="+", default=["promote_one"],
                         choices=["promote_one", "none", "reuse"],
                         help="fetches beyond the split (default: promote_one)")
-    replay.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
+    output = replay.add_mutually_exclusive_group()
+    output.add_argument("--format", choices=FORMATS, default=None,
+                        help="table (default), json (a list of records), jsonl (one record per "
+                             "line), csv (stdlib csv; pair_counts as one JSON cell) or markdown; "
+                             "every format uses the record keys listed above")
+    output.add_argument("--json", action="store_true", help="the same as --format json")
     replay.add_argument("--plot", metavar="FILE.png",
-                        help="draw hit rate against cache size (needs matplotlib)")
+                        help="draw hit rate and per-token traffic against cache size "
+                             "(pallas_cache.sizing.plot; needs matplotlib); a directory "
+                             f"gets {DEFAULT_PLOT_NAME} inside it")
+    replay.add_argument("--max-memory", type=_memory_size, default=None, metavar="BYTES",
+                        help="refuse a trace, synthetic size or cache state estimated above this "
+                             "(e.g. 8GiB, 512MiB, 2e9; default: half the machine's memory)")
 
     commands.add_parser("scenarios", help="print the seed-000 promotion table")
+
+    bench = commands.add_parser(
+        "bench-bandwidth", help="measure B_link and B_cpu roughly, for replay's cost model",
+        description="Measure the host-to-device copy bandwidth (B_link: jax.device_put of pageable "
+                    "host memory) and the CPU's expert streaming rate (B_cpu: a one-token float32 "
+                    "matrix-vector product over one expert matrix), and print them as replay "
+                    "flags. Rough: a serving engine's pinned buffers and CPU kernels differ.")
+    bench.add_argument("--mib", type=int, default=256,
+                       help="MiB copied per B_link measurement (default: 256)")
+    bench.add_argument("--d-model", type=int, default=4096, help="expert matrix rows (default: "
+                                                                 "4096, Mixtral-8x7B)")
+    bench.add_argument("--d-expert", type=int, default=14336,
+                       help="expert matrix columns (default: 14336, Mixtral-8x7B)")
+    bench.add_argument("--repeats", type=int, default=5, help="timed runs, median (default: 5)")
     return parser
 
 
 def _load(args):
     if args.trace:
-        return load_trace(args.trace, num_layers=args.num_layers, num_experts=args.num_experts)
+        fields = parse_fields(args.field) if args.field is not None else None
+        return load_trace(args.trace, num_layers=args.num_layers, num_experts=args.num_experts,
+                          max_memory=args.max_memory, fields=fields)
     return synthetic.synthetic_trace(args.synthetic or DEFAULT_PRESET, num_tokens=args.tokens,
-                                     seed=args.seed)
+                                     seed=args.seed, max_memory=args.max_memory)
 
 
-def _default_sizes(num_layers: int, num_experts: int) -> list[int]:
-    total = num_layers * num_experts
-    return sorted({num_experts, *(max(num_experts, total // d) for d in (8, 4, 2))})
+# ---- argument checks: everything that can fail does so before the work ----------------------
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
+          "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12,
+          "tib": 2**40}
 
 
-def _table(results, trace) -> str:
-    header = ("cache_size", "policy", "order", "admission", "hit_rate", "belady", "oracle",
-              "fetched/call", "cpu_routes", "empty_slots")
-    rows = [header]
-    for r in results:
-        rows.append((
-            str(r.cache_size), r.policy, r.order, r.admission, f"{r.hit_rate:.4f}",
-            f"{r.belady_hit_rate:.4f}", f"{r.oracle_hit_rate:.4f}",
-            f"{r.fetched / r.calls if r.calls else 0.0:.3f}", str(r.cpu_routes), str(r.empty_slots),
-        ))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    lines = [f"trace: {trace.source}  layers={trace.num_layers} experts={trace.num_experts} "
-             f"top_k={trace.top_k} calls={trace.num_calls}"]
-    for i, row in enumerate(rows):
-        lines.append("  ".join(cell.rjust(w) for cell, w in zip(row, widths)))
-        if i == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+def _memory_size(text: str) -> int:
+    """``--max-memory``: ``8GiB``, ``512MiB``, ``2e9``, ``1000000`` -> bytes (argparse type)."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a memory size (e.g. 8GiB, 512MiB, "
+                                         f"2e9)")
+    value = int(float(match.group(1)) * _UNITS[unit])
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive memory size")
+    return value
 
 
-def _plot(results, path: str, trace) -> None:
+def _check_plot_path(path: str) -> str:
+    """The file ``--plot`` will write, checked now: matplotlib importable, a known image format,
+    an existing, writable directory. A directory gets :data:`DEFAULT_PLOT_NAME` inside it.
+
+    Raises:
+        ValueError: the one-line reason.
+    """
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from matplotlib.backend_bases import FigureCanvasBase
     except ImportError:
-        raise SystemExit("--plot needs matplotlib: pip install 'pallas-cache[plot]'") from None
-    figure, axes = plt.subplots(figsize=(7, 4.5))
-    sizes = sorted({r.cache_size for r in results})
-    series: dict[str, list] = {}
-    for r in results:
-        series.setdefault(f"{r.policy} / {r.order} / {r.admission}", []).append(r)
-    for label, rs in series.items():
-        rs = sorted(rs, key=lambda r: r.cache_size)
-        axes.plot([r.cache_size for r in rs], [r.hit_rate for r in rs], marker="o", label=label)
-    optimum = {r.cache_size: r.belady_hit_rate for r in results}
-    oracle = {r.cache_size: r.oracle_hit_rate for r in results}
-    axes.plot(sizes, [optimum[s] for s in sizes], "k--", marker="x", label="Belady (optimum)")
-    axes.plot(sizes, [oracle[s] for s in sizes], "k:", label="stationary oracle")
-    axes.set_xlabel("cache size (slots)")
-    axes.set_ylabel("hit rate (1 - missing / active)")
-    axes.set_ylim(0, 1.02)
-    axes.set_title(f"{trace.source}", fontsize=9)
-    axes.grid(alpha=0.3)
-    axes.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
+        raise ValueError("--plot needs matplotlib: pip install 'pallas-cache[plot]'") from None
+    if os.path.isdir(path):
+        path = os.path.join(path, DEFAULT_PLOT_NAME)
+    elif path.endswith(("/", os.sep)):
+        raise ValueError(f"--plot {path}: no such directory")
+    formats = sorted(FigureCanvasBase.get_supported_filetypes())
+    extension = os.path.splitext(path)[1].lstrip(".").lower()
+    if extension not in formats:
+        raise ValueError(f"--plot {path}: unknown image format "
+                         f"{('.' + extension) if extension else '(no extension)'}; use one of "
+                         f"{', '.join('.' + f for f in formats)}")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(f"--plot {path}: no such directory {folder}")
+    try:  # a real write: permission bits say nothing to root or on a read-only mount
+        handle, probe = tempfile.mkstemp(dir=folder, prefix=".pallas-cache-probe-")
+        os.close(handle)
+        os.remove(probe)
+    except OSError as error:
+        raise ValueError(f"--plot {path}: cannot write in {folder}: "
+                         f"{error.strerror or error}") from None
+    return path
+
+
+def _policy_warnings(policies) -> list[str]:
+    """One line per ``fraction:Q`` whose clamping or rounding changes what it means
+    (docs/semantics.md §5.3: ``q`` clamps to ``[0, 1]`` and is kept in 1/65536 steps)."""
+    from pallas_cache.policy import ONE
+    from pallas_cache.sizing.replay import parse_policy
+
+    lines = []
+    for text in policies:
+        kind, _, value = str(text).partition(":")
+        try:
+            requested, f16 = float(value), int(parse_policy(text).fraction16)
+        except ValueError:
+            continue  # not a fraction, or malformed: config_grid reports it
+        if kind != "fraction":
+            continue
+        if f16 == 0 and requested != 0:
+            lines.append(f"pallas-cache: warning: {text} means fetch fraction 0 (q clamps to "
+                         f"[0, 1] in steps of 1/{ONE}): the split fetches no miss")
+        elif f16 == ONE and requested > 1:
+            lines.append(f"pallas-cache: warning: {text} means fetch fraction 1 (q clamps to "
+                         f"[0, 1]): the split fetches every miss, as 'full'")
+    return lines
+
+
+#: Bytes of one cache state per flat id (slot map, recency, routing histogram and prefill
+#: snapshot: int32 [L, E] each) and per slot (id_of_slot, usage: int32 [S] each).
+_STATE_BYTES_PER_ID = 16
+_STATE_BYTES_PER_SLOT = 8
+
+
+def _check_state_memory(sizes, configs_per_size: int, num_layers: int, num_experts: int,
+                        limit: int) -> None:
+    """Refuse cache sizes whose replay state would exceed ``limit``, before any is allocated.
+
+    A size replays its ``configs_per_size`` configurations as one batch: the stacked states, the
+    program's output batch and the initial state, ``2 * n + 1`` states in all.
+    """
+    for size in sorted(set(sizes), reverse=True):
+        state = (num_layers * num_experts * _STATE_BYTES_PER_ID + size * _STATE_BYTES_PER_SLOT
+                 + num_layers * 16)
+        check_memory((2 * configs_per_size + 1) * state, limit, f"--cache-size {size}",
+                     f"{configs_per_size} cache state(s) of {size} slots for {num_layers} "
+                     f"layers x {num_experts} experts")
+
+
+def _cost_options(args):
+    """``(CostModel, model label or None)`` from the flags; ValueError names the bad one."""
+    model = label = None
+    width = None
+    if args.model:
+        model, dtype = resolve_model(args.model)
+        width = model.expert_bytes(dtype)
+        label = (f"{model.name} {dtype}: W = 3 x {model.d_model} x {model.d_expert} x "
+                 f"{width * 8 // (3 * model.d_model * model.d_expert)} bits = {format_bytes(width)}")
+    elif args.expert_bytes:
+        width = parse_bytes(args.expert_bytes)
+        label = f"W = {format_bytes(width)} ({width} bytes)"
+    link = parse_bandwidth(args.link_bandwidth) if args.link_bandwidth else None
+    cpu = parse_bandwidth(args.cpu_bandwidth) if args.cpu_bandwidth else None
+    budget = parse_bytes(args.device_budget) if args.device_budget else None
+    cost = CostModel(width, link, cpu, budget)
+    if budget is not None and not cost.timed:
+        raise ValueError("--device-budget needs an expert size (--model or --expert-bytes) and "
+                         "both --link-bandwidth and --cpu-bandwidth")
+    return cost, model, label
+
+
+def _model_mismatch(model, trace) -> str | None:
+    """A warning when the trace's geometry is not the model's, else ``None``."""
+    ours = (trace.num_layers, trace.num_experts, trace.top_k)
+    theirs = (model.moe_layers, model.routed_experts, model.top_k)
+    if ours == theirs:
+        return None
+    return (f"pallas-cache: warning: the trace has {ours[0]} layers x {ours[1]} experts, "
+            f"top-{ours[2]}, but {model.name} has {theirs[0]} MoE layers x {theirs[1]} routed "
+            f"experts, top-{theirs[2]}: W comes from the model, the routing from the trace")
+
+
+def _sizes(texts, trace, cost):
+    """``(slot counts, lines saying how byte sizes were rounded)`` from ``--cache-size``."""
+    from pallas_cache.sizing.replay import auto_cache_sizes
+
+    sizes, shown = [], []
+    for text in texts:
+        if text == "auto":
+            sizes += auto_cache_sizes(trace.num_layers, trace.num_experts, trace.top_k)
+        elif text.isdigit():
+            sizes.append(int(text))
+        else:
+            wanted = parse_bytes(text)
+            if cost.expert_bytes is None:
+                raise ValueError(f"cache size {text!r} is in bytes: give --model or "
+                                 f"--expert-bytes to turn it into slots")
+            slots = wanted // cost.expert_bytes
+            shown.append(f"{text} = {slots} slots of {format_bytes(cost.expert_bytes)} "
+                         f"({format_bytes(slots * cost.expert_bytes)})")
+            if slots < trace.num_experts:
+                raise ValueError(f"cache size {text} holds {slots} experts of "
+                                 f"{format_bytes(cost.expert_bytes)}, fewer than one layer's "
+                                 f"{trace.num_experts}")
+            sizes.append(slots)
+    sizes = sorted(set(sizes))
+    too_small = [s for s in sizes if s < trace.num_experts]
+    if too_small:
+        raise ValueError(f"cache size {too_small[0]} cannot hold one layer of "
+                         f"{trace.num_experts} experts")
+    return sizes, shown
+
+
+def _policies(requested, cost):
+    """The policy list with ``fraction:auto`` resolved (docs/semantics.md §11.4)."""
+    if requested is None:
+        requested = DEFAULT_TIMED_POLICIES if cost.link_bandwidth and cost.cpu_bandwidth \
+            else DEFAULT_POLICIES
+    resolved = [cost.auto_policy() if p == "fraction:auto" else p for p in requested]
+    return list(dict.fromkeys(resolved))
+
+
+def _legend(results, trace, cost) -> list[str]:
+    """What a newcomer needs to read the table: the bounds, the model, the verdict."""
+    k = min(trace.top_k, trace.num_experts)
+    paragraphs = [
+        "hit_rate = 1 - missing/active per layer-call. Bounds: belady_hit_rate bounds the `full` "
+        "rows (every miss admitted); bypass_optimum_hit_rate bounds every row (a miss may be "
+        "served without being admitted); oracle_hit_rate (a fixed max(1, round(S/L)) slots per "
+        f"layer) is a reference, not a bound. L*k = {trace.num_layers * k} slots hold one "
+        "token's experts.",
+    ]
+    if not cost.expert_bytes:
+        paragraphs.append("For bytes and ms per token add --model NAME (or --expert-bytes 336MiB) "
+                          "and --link-bandwidth 25GB/s --cpu-bandwidth 60GB/s (your machine's "
+                          "numbers: see the README).")
+    elif not cost.timed:
+        paragraphs.append("For modeled ms per token add --link-bandwidth and --cpu-bandwidth.")
+    else:
+        paragraphs.append("modeled_ms_per_token: per layer-call max(fetched*W/B_link, "
+                          "cpu_experts*W/B_cpu), summed per token (docs/semantics.md §11); "
+                          "best = the fastest row at its cache_size.")
+        if cost.device_budget is None:
+            paragraphs.append("No --device-budget: in this model a bigger cache is never slower, "
+                              "so only a budget picks one (e.g. --device-budget 24GiB).")
+        else:
+            chosen = [r for r in results if r.budget_best]
+            budget = format_bytes(cost.device_budget)
+            if not chosen:
+                smallest = min(r.cache_bytes for r in results)
+                paragraphs.append(f"No configuration fits the {budget} device budget (the "
+                                  f"smallest pool takes {format_bytes(smallest)}).")
+            for r in chosen:
+                paragraphs.append(
+                    f"Best within {budget}: cache_size={r.cache_size} "
+                    f"({format_bytes(r.cache_bytes)}) policy={r.policy} order={r.order} "
+                    f"admission={r.admission}: {r.modeled_ms_per_token:.1f} ms/token modeled.")
+    return [textwrap.fill(text, width=100, break_on_hyphens=False) for text in paragraphs]
+
+
+def _write_atomically(path: str, write) -> None:
+    """``write(temp_path)`` next to ``path``, then rename over it: an interrupt or error leaves
+    no partial file behind."""
+    folder, name = os.path.split(os.path.abspath(path))
+    handle, temp = tempfile.mkstemp(dir=folder, prefix=f".{name}.",
+                                    suffix=os.path.splitext(name)[1])
+    os.close(handle)
+    try:
+        write(temp)
+        os.replace(temp, path)
+    finally:
+        if os.path.exists(temp):
+            os.remove(temp)
+
+
+def _plot(rows, path: str) -> None:
+    from pallas_cache.sizing.plotting import plot
+
+    figure = plot(rows)
+    extension = os.path.splitext(path)[1].lstrip(".").lower()
+    _write_atomically(path, lambda temp: figure.savefig(temp, dpi=120, format=extension))
 
 
 def _replay(args) -> int:
     from pallas_cache.sizing.replay import config_grid, replay  # jax import deferred until needed
 
     try:
+        if args.max_memory is None:
+            args.max_memory = default_memory_limit()
+        if args.field is not None:
+            if not args.trace:
+                raise ValueError("--field names the keys of a JSONL --trace")
+            parse_fields(args.field)
+        if args.plot:
+            args.plot = _check_plot_path(args.plot)
+        cost, model, weight_label = _cost_options(args)
+        policies = _policies(args.policy, cost)
         trace = _load(args)
-    except (TraceError, OSError, KeyError, ValueError) as error:
+        sizes, size_lines = _sizes(args.cache_size, trace, cost)
+        configs = config_grid(sizes, policies, args.order, args.admission)
+    except (TraceError, OSError, KeyError, TypeError, ValueError) as error:
         print(f"pallas-cache: {error}", file=sys.stderr)
         return 2
-    sizes = args.cache_size or _default_sizes(trace.num_layers, trace.num_experts)
     try:
-        configs = config_grid(sizes, args.policy, args.order, args.admission)
-        too_small = [s for s in sizes if s < trace.num_experts]
-        if too_small:
-            raise ValueError(f"cache size {too_small[0]} cannot hold one layer of "
-                             f"{trace.num_experts} experts")
+        _check_state_memory(sizes, len(configs) // len(set(sizes)), trace.num_layers,
+                            trace.num_experts, args.max_memory)
     except (TypeError, ValueError) as error:
         print(f"pallas-cache: {error}", file=sys.stderr)
         return 2
-    results = replay(trace, configs)
-    if args.json:
-        print(json.dumps([r.as_dict() for r in results], indent=1))
+    for line in _policy_warnings(policies):
+        print(line, file=sys.stderr)
+    if model is not None and _model_mismatch(model, trace):
+        print(_model_mismatch(model, trace), file=sys.stderr)
+    results = replay(trace, configs, cost=cost)
+    fmt = args.format or ("json" if args.json else "table")
+    rows = records(results, trace, cost)
+    if fmt != "table":
+        print(format_records(rows, fmt))
     else:
-        print(_table(results, trace))
+        header = []
+        if weight_label:
+            header.append(f"expert: {weight_label}")
+        if cost.link_bandwidth or cost.cpu_bandwidth:
+            header.append("bandwidth: " + "  ".join(
+                f"{name}={format_bandwidth(value)}" for name, value in
+                (("B_link", cost.link_bandwidth), ("B_cpu", cost.cpu_bandwidth)) if value))
+        if args.policy is None or "fraction:auto" in args.policy:
+            if cost.link_bandwidth and cost.cpu_bandwidth:
+                header.append(f"fraction:auto = B_link/(B_link+B_cpu) = "
+                              f"{cost.auto_fraction():.4f} -> {cost.auto_policy()}")
+        header += [f"size: {line}" for line in size_lines]
+        print(format_records(rows, "table", header))
+        print("\n".join(_legend(results, trace, cost)))
     if args.plot:
-        _plot(results, args.plot, trace)
+        _plot(rows, args.plot)
         print(f"plot written to {args.plot}", file=sys.stderr)
     return 0
 
@@ -180,11 +472,41 @@ def _scenarios(_args) -> int:
     return 0
 
 
+def _bench_bandwidth(args) -> int:
+    if min(args.mib, args.d_model, args.d_expert, args.repeats) < 1:
+        print("pallas-cache: --mib, --d-model, --d-expert and --repeats must be >= 1",
+              file=sys.stderr)
+        return 2
+    import jax
+
+    from pallas_cache.sizing.bandwidth import cpu_bandwidth, link_bandwidth
+
+    device = jax.devices()[0]
+    link = link_bandwidth(args.mib * 2**20, args.repeats, device)
+    cpu = cpu_bandwidth(args.d_model, args.d_expert, args.repeats)
+    print(f"device: {device.platform}:{device.id} ({device.device_kind})")
+    where = "host -> device" if device.platform != "cpu" else "host -> host (no accelerator)"
+    print(f"B_link ~ {format_bandwidth(link)}  ({where} copy of {args.mib}MiB, pageable memory, "
+          f"median of {args.repeats})")
+    print(f"B_cpu  ~ {format_bandwidth(cpu)}  (one-token float32 x @ W, W {args.d_model} x "
+          f"{args.d_expert}, median of {args.repeats})")
+    print(f"flags: --link-bandwidth {format_bandwidth(link)} --cpu-bandwidth {format_bandwidth(cpu)}")
+    return 0
+
+
 def main(argv=None) -> int:
-    args = _parser().parse_args(argv)
-    if args.command == "replay":
-        return _replay(args)
-    return _scenarios(args)
+    """Run ``pallas-cache``; returns the exit status (``130`` after Ctrl-C, with one line on
+    stderr and no partial output file)."""
+    try:
+        args = _parser().parse_args(argv)
+        if args.command == "replay":
+            return _replay(args)
+        if args.command == "bench-bandwidth":
+            return _bench_bandwidth(args)
+        return _scenarios(args)
+    except KeyboardInterrupt:
+        print("pallas-cache: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -15,8 +15,13 @@ compiled JAX, for a whole grid of configurations:
   compiles once.
 - **Several devices**: the configuration axis is sharded across them with ``jax.sharding`` (a
   1-D mesh named ``"configs"``, padded to a multiple of the device count).
-- **The bounds** next to each result: Belady's offline optimum for the same pool and the
-  stationary per-layer oracle of docs/semantics.md §5.10 (both from :mod:`pallas_cache.sizing.bounds`).
+- **The bounds** next to each result: Belady's offline optimum for the same pool (a bound for
+  ``full`` rows), the bypass optimum (a miss may be served without being admitted: a bound for
+  every row) and the stationary per-layer oracle of docs/semantics.md §5.10 (all from
+  :mod:`pallas_cache.sizing.bounds`).
+- **The cost model** of docs/semantics.md §11: the scan counts how many calls had each
+  ``(fetched, cpu_experts)`` pair (exact integers, inside the compiled loop), from which
+  :mod:`pallas_cache.sizing.cost` derives bytes and modeled milliseconds per token.
 
 ``hit_rate`` is ``1 - missing / active``, counted per layer-call over distinct experts, exactly as
 the cache's own stats (docs/semantics.md §5.9). The padding calls of the last chunk are layer ``-1`` calls,
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import sys
 import time
 from typing import Callable, Iterable, Sequence
@@ -38,13 +44,16 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from pallas_cache.sizing import bounds as belady_lib
+from pallas_cache.sizing.bounds import bypass_optimum
+from pallas_cache.sizing.cost import CostModel
 from pallas_cache.ops import Rules, ensure_with_rules  # the core, with order/admission as data
 from pallas_cache.policy import Admission, FetchOrder, FetchPolicy
 from pallas_cache.state import init
-from pallas_cache.validate import is_int
 from pallas_cache.sizing.trace import Trace
+from pallas_cache.validate import is_int
 
-__all__ = ["ReplayConfig", "ReplayResult", "parse_policy", "replay", "config_grid"]
+__all__ = ["ReplayConfig", "ReplayResult", "parse_policy", "replay", "config_grid",
+           "auto_cache_sizes"]
 
 #: Layer-calls per compiled chunk: long enough that dispatch is noise, short enough for progress.
 DEFAULT_CHUNK_CALLS = 2048
@@ -98,6 +107,26 @@ def config_grid(cache_sizes: Iterable[int], policies: Iterable[str], orders: Ite
     ]
 
 
+def auto_cache_sizes(num_layers: int, num_experts: int, top_k: int) -> list[int]:
+    """The ``--cache-size auto`` grid (docs/semantics.md §11.3): from ``max(E, L*k)`` up to ``L*E``
+    in steps of x sqrt(2), each rounded half up to whole slots, plus ``L*E`` itself.
+
+    ``L*k`` bounds one token's working set (``k = min(top_k, E)``); below it global LRU thrashes
+    on the cyclic layer sweep, so the grid starts there.
+    """
+    total = num_layers * num_experts
+    start = max(num_experts, num_layers * min(top_k, num_experts))
+    sizes, step = [], 0
+    while True:
+        size = math.floor(start * math.sqrt(2) ** step + 0.5)
+        if size >= total:
+            break
+        if not sizes or size > sizes[-1]:
+            sizes.append(size)
+        step += 1
+    return sizes + [total]
+
+
 @dataclasses.dataclass(frozen=True)
 class ReplayResult:
     """What one configuration did over the whole trace.
@@ -107,8 +136,26 @@ class ReplayResult:
       active / missing / fetched: the cache's counters (distinct experts per call).
       cpu_routes: routes the CPU computed (hybrid misses not fetched; duplicates counted).
       empty_slots: slots never filled (or emptied) at the end of the trace.
-      hit_rate: ``1 - missing / active``. belady_hit_rate: the offline optimum at this size.
-      oracle_hit_rate: the stationary per-layer oracle at this size (mean over routed layers).
+      hit_rate: ``1 - missing / active``. belady_hit_rate: the offline optimum at this size when
+        every miss is admitted (bounds ``full`` rows only: a hybrid row may beat it).
+      bypass_optimum_hit_rate: the offline optimum when a miss may be served without being
+        admitted (bounds every row).
+      oracle_hit_rate: the stationary per-layer oracle at this size (mean over routed layers; it
+        grants every layer at least one slot, so below ``S = L`` it uses more than ``S``).
+      tokens: decode tokens of the trace (distinct (sequence, token) pairs).
+      cpu_experts: distinct experts the CPU computed, summed over calls (``missing - fetched``).
+      fetched_per_token / cpu_experts_per_token: ``fetched / tokens``, ``cpu_experts / tokens``.
+      pair_counts: ``(fetched, cpu_experts, calls)`` for every per-call pair that occurred:
+        exact, and enough to model any bandwidths (docs/semantics.md §11.2).
+      cache_bytes: ``S * W`` (``None`` without ``W``; likewise the per-token bytes).
+      fetched_bytes_per_token / cpu_bytes_per_token: ``fetched * W / tokens``,
+        ``cpu_experts * W / tokens``.
+      modeled_ms_per_token: docs/semantics.md §11.2's time (``None`` without both bandwidths).
+      best: the lowest modeled ms/token among the rows of its cache size (ties all true; ``None``
+        when untimed).
+      budget_best: the lowest modeled ms/token among all rows whose ``cache_bytes`` fits the
+        device budget (``None`` without a budget).
+      note: why the row is flagged (semicolon-separated), else empty.
     """
 
     cache_size: int
@@ -124,7 +171,20 @@ class ReplayResult:
     empty_slots: int
     hit_rate: float
     belady_hit_rate: float | None
+    bypass_optimum_hit_rate: float | None
     oracle_hit_rate: float | None
+    tokens: int = 0
+    cpu_experts: int = 0
+    fetched_per_token: float = 0.0
+    cpu_experts_per_token: float = 0.0
+    pair_counts: tuple = ()
+    cache_bytes: int | None = None
+    fetched_bytes_per_token: float | None = None
+    cpu_bytes_per_token: float | None = None
+    modeled_ms_per_token: float | None = None
+    best: bool | None = None
+    budget_best: bool | None = None
+    note: str = ""
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -138,26 +198,31 @@ def _stack(trees):
 def _program():
     """The jitted chunk program: every configuration of one cache size over one chunk of calls.
 
-    Args (of the returned function): ``(states, cpu_routes, policies, rules)`` batched over the
-    configurations, and the chunk's ``layers [C]`` and ``routes [C, K]``.
+    Args (of the returned function): ``(states, cpu_routes, pairs, policies, rules)`` batched
+    over the configurations, and the chunk's ``layers [C]`` and ``routes [C, K]``. ``pairs``
+    is int32 ``[K'+1, K'+1]`` per configuration: accepted calls by ``(fetched, cpu_experts)``.
     """
 
-    def one_cache(state, cpu_routes, policy, rules, layers, routes):
+    def one_cache(state, cpu_routes, pairs, policy, rules, layers, routes):
         def call(carry, layer_routes):
-            state, cpu_routes = carry
+            state, cpu_routes, pairs = carry
             layer, route = layer_routes
             state, plan = ensure_with_rules(state, layer, route, policy, rules, backend="xla")
-            return (state, cpu_routes + jnp.sum(plan.cpu, dtype=jnp.int32)), None
+            # The cost model's per-call pair (docs/semantics.md §11.2); refused calls add nothing.
+            pairs = pairs.at[plan.fetched, plan.missing - plan.fetched].add(
+                (plan.error == 0).astype(jnp.int32))
+            return (state, cpu_routes + jnp.sum(plan.cpu, dtype=jnp.int32), pairs), None
 
         # Unrolling amortises XLA:CPU's per-iteration loop overhead (measured: ~1.4x at unroll 4).
-        (state, cpu_routes), _ = lax.scan(call, (state, cpu_routes), (layers, routes), unroll=4)
-        return state, cpu_routes
+        (state, cpu_routes, pairs), _ = lax.scan(
+            call, (state, cpu_routes, pairs), (layers, routes), unroll=4)
+        return state, cpu_routes, pairs
 
     def run(configs, layers, routes):
-        states, cpu_routes, policies, rules = configs
-        states, cpu_routes = jax.vmap(one_cache, in_axes=(0, 0, 0, 0, None, None))(
-            states, cpu_routes, policies, rules, layers, routes)
-        return states, cpu_routes, policies, rules
+        states, cpu_routes, pairs, policies, rules = configs
+        states, cpu_routes, pairs = jax.vmap(one_cache, in_axes=(0, 0, 0, 0, 0, None, None))(
+            states, cpu_routes, pairs, policies, rules, layers, routes)
+        return states, cpu_routes, pairs, policies, rules
 
     return jax.jit(run, donate_argnums=0)
 
@@ -174,6 +239,7 @@ def replay(
     *,
     chunk_calls: int = DEFAULT_CHUNK_CALLS,
     bounds: bool = True,
+    cost: CostModel | None = None,
     devices: Sequence[jax.Device] | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> list[ReplayResult]:
@@ -183,7 +249,10 @@ def replay(
       trace: the routing trace (see :mod:`pallas_cache.sizing.trace`, :mod:`pallas_cache.sizing.synthetic`).
       configs: the configurations, any mix of sizes and options; results come back in this order.
       chunk_calls: layer-calls per compiled scan chunk.
-      bounds: also compute Belady's optimum and the stationary oracle per cache size.
+      bounds: also compute Belady's optimum, the bypass optimum and the stationary oracle per
+        cache size.
+      cost: the expert size, bandwidths and device budget that turn counts into bytes and
+        modeled milliseconds (docs/semantics.md §11); ``None``: counts and hit rates only.
       devices: devices to shard the configuration axis over (default: all local devices of the
         default backend; one device means no sharding).
       progress: called with a one-line status after each chunk (``None``: a bar on stderr when
@@ -213,6 +282,8 @@ def replay(
     routes = np.concatenate(
         [routes.astype(np.int32), np.full((padded - num_calls, routes.shape[1]), -1, np.int32)])
     num_routes = int((routes >= 0).sum())
+    num_tokens = trace.num_tokens
+    pair_side = min(trace.top_k, trace.num_experts) + 1  # fetched, cpu_experts in [0, K']
 
     results: dict[int, ReplayResult] = {}
     sizes = sorted({c.cache_size for c in configs})
@@ -225,6 +296,7 @@ def replay(
         batch = (
             _stack([init(trace.num_layers, trace.num_experts, size)] * count),
             jnp.zeros(count, jnp.int32),
+            jnp.zeros((count, pair_side, pair_side), jnp.int32),
             _stack([parse_policy(configs[i].policy) for i in lanes]),
             _stack([Rules.of(True, configs[i].order, configs[i].admission) for i in lanes]),
         )
@@ -238,13 +310,15 @@ def replay(
 
         if bounds:
             optimum = belady_lib.belady(trace, size).hit_rate
+            bypass = bypass_optimum(trace, size).hit_rate
             oracle = belady_lib.stationary_oracle(trace, size).mean_hit_rate
         else:
-            optimum = oracle = None
-        states, cpu_routes = jax.device_get(batch[:2])
+            optimum = bypass = oracle = None
+        states, cpu_routes, pairs = jax.device_get(batch[:3])
         for row, index in enumerate(members):
             calls, active, missing, fetched = (int(v) for v in states.stats[row].sum(axis=0))
             config = configs[index]
+            fetched_of, cpu_of = np.nonzero(pairs[row])
             results[index] = ReplayResult(
                 cache_size=size,
                 policy=config.policy,
@@ -259,11 +333,60 @@ def replay(
                 empty_slots=int((states.id_of_slot[row] < 0).sum()),
                 hit_rate=1.0 - missing / active if active else 1.0,
                 belady_hit_rate=optimum,
+                bypass_optimum_hit_rate=bypass,
                 oracle_hit_rate=oracle,
+                tokens=num_tokens,
+                cpu_experts=missing - fetched,
+                fetched_per_token=fetched / max(num_tokens, 1),
+                cpu_experts_per_token=(missing - fetched) / max(num_tokens, 1),
+                pair_counts=tuple((int(f), int(c), int(pairs[row][f, c]))
+                                  for f, c in zip(fetched_of, cpu_of)),
+                note=_note(size, trace),
             )
     if hasattr(report, "close"):
         report.close()
-    return [results[i] for i in range(len(configs))]
+    return _with_costs([results[i] for i in range(len(configs))], cost)
+
+
+def _note(size: int, trace: Trace) -> str:
+    """Why a row of this size deserves a second look (docs/semantics.md §11.3), else ``""``."""
+    num_layers, top_k = trace.num_layers, min(trace.top_k, trace.num_experts)
+    notes = []
+    if size < num_layers * top_k:
+        notes.append(f"S < L*k = {num_layers * top_k}: LRU thrashes on the cyclic layer sweep")
+    if size < num_layers:
+        notes.append(f"oracle assumes 1 slot/layer = {num_layers} > S")
+    return "; ".join(notes)
+
+
+def _with_costs(results: list[ReplayResult], cost: CostModel | None) -> list[ReplayResult]:
+    """Fill the cost model's fields (docs/semantics.md §11): bytes, modeled ms, best, budget."""
+    if cost is None or cost.expert_bytes is None:
+        return results
+    width = cost.expert_bytes
+    out = []
+    for r in results:
+        tokens = max(r.tokens, 1)
+        ms = 1e3 * cost.seconds(r.pair_counts) / tokens if cost.timed else None
+        out.append(dataclasses.replace(
+            r, cache_bytes=r.cache_size * width,
+            fetched_bytes_per_token=r.fetched * width / tokens,
+            cpu_bytes_per_token=r.cpu_experts * width / tokens,
+            modeled_ms_per_token=ms))
+    if not cost.timed:
+        return out
+    fastest = {}
+    for r in out:
+        fastest[r.cache_size] = min(fastest.get(r.cache_size, math.inf), r.modeled_ms_per_token)
+    out = [dataclasses.replace(r, best=r.modeled_ms_per_token == fastest[r.cache_size])
+           for r in out]
+    if cost.device_budget is not None:
+        fits = [r.modeled_ms_per_token for r in out if r.cache_bytes <= cost.device_budget]
+        floor = min(fits, default=None)
+        out = [dataclasses.replace(r, budget_best=(r.cache_bytes <= cost.device_budget
+                                                   and r.modeled_ms_per_token == floor))
+               for r in out]
+    return out
 
 
 class _StderrBar:

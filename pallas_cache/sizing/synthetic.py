@@ -46,7 +46,7 @@ from typing import Sequence
 import numpy as np
 
 from pallas_cache.host.metrics import histogram_metrics
-from pallas_cache.sizing.trace import Trace
+from pallas_cache.sizing.trace import Trace, check_memory, resolve_memory_limit, trace_bytes
 from pallas_cache.validate import is_int
 
 __all__ = [
@@ -168,7 +168,8 @@ def layer_exponents(params: SyntheticParams, seed: int = 0) -> np.ndarray:
 
 
 def synthetic_trace(preset_or_params: str | SyntheticParams | RealisticParams,
-                    num_tokens: int | None = None, seed: int = 0) -> Trace:
+                    num_tokens: int | None = None, seed: int = 0, *,
+                    max_memory: int | None = None) -> Trace:
     """Generate a seeded synthetic routing trace.
 
     Args:
@@ -177,6 +178,8 @@ def synthetic_trace(preset_or_params: str | SyntheticParams | RealisticParams,
             :data:`DEFAULT_PRESET_TOKENS`).
         seed: non-negative integer; the same seed and parameters give an identical trace, and
             a larger ``num_tokens`` with the same seed extends it (the first tokens are equal).
+        max_memory: bytes the generated arrays may take (``None``: the trace module's
+            ``default_memory_limit()``); checked before anything is generated.
 
     Returns:
         A dense trace: one sequence, tokens ``0..T-1``, each calling layers ``0..L-1`` in order
@@ -186,6 +189,8 @@ def synthetic_trace(preset_or_params: str | SyntheticParams | RealisticParams,
     Raises:
         KeyError: an unknown preset name (the message lists the presets).
         ValueError: invalid knobs or seed.
+        MemoryLimitError: (a ``ValueError``) ``num_tokens`` whose arrays would exceed
+            ``max_memory``.
     """
     if isinstance(preset_or_params, str):
         if preset_or_params not in PRESETS:
@@ -202,17 +207,22 @@ def synthetic_trace(preset_or_params: str | SyntheticParams | RealisticParams,
     if not is_int(seed) or seed < 0:
         raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
 
+    calls = params.num_tokens * params.num_layers
+    check_memory(4 * calls * params.top_k + 2 * trace_bytes(calls, params.top_k),
+                 resolve_memory_limit(max_memory), f"synthetic:{label}",
+                 f"num_tokens={params.num_tokens} ({calls} calls x top_k {params.top_k})")
     if isinstance(params, RealisticParams):
         return Trace.from_dense(_realistic_routes(params, seed), num_layers=params.num_layers,
                                 num_experts=params.num_experts,
                                 source=f"synthetic:{label}(tokens={params.num_tokens}, "
-                                       f"seed={seed})")
+                                       f"seed={seed})", max_memory=max_memory)
     rng = np.random.default_rng(seed)
     _, log_popularity = _layer_popularity(params, rng)
     routes = _generate_routes(params, log_popularity, rng)
     return Trace.from_dense(routes, num_layers=params.num_layers,
                             num_experts=params.num_experts,
-                            source=f"synthetic:{label}(tokens={params.num_tokens}, seed={seed})")
+                            source=f"synthetic:{label}(tokens={params.num_tokens}, seed={seed})",
+                            max_memory=max_memory)
 
 
 def _layer_popularity(params: SyntheticParams, rng: np.random.Generator

@@ -1,17 +1,13 @@
 """Routing traces: what a cache replay feeds on.
 
-(Why one module of ~600 lines: most of it is input validation -- one precise, located message per
-way a JSONL record or an array can be malformed -- and the readers funnel into the checks of the
-:class:`Trace` constructor, so the type, its readers and their messages are read together.)
-
 Sizing an expert cache means replaying what the router actually asked for. A *routing trace* is
 that record: for every MoE layer-call, in the order the decode loop made them, the layer index and
 the experts the router picked (docs/semantics.md §2: layer-local ids in ``[0, E)``, ``-1`` = padding route).
 
 This module turns the formats traces come in into one dense, validated :class:`Trace`, because
 the replay runs a ``lax.scan`` over calls and wants two plain arrays -- ``layers`` int32 ``[C]``
-and ``routes`` int32 ``[C, K]`` -- not a ragged list of records. Everything here is NumPy; of
-the cache it uses only the input validators (:mod:`pallas_cache.validate`).
+and ``routes`` int32 ``[C, K]`` -- not a ragged list of records. Everything here is NumPy; it
+does not import the cache.
 
 Formats (:func:`load_trace` picks one from the file suffix):
 
@@ -26,14 +22,21 @@ Formats (:func:`load_trace` picks one from the file suffix):
   decode loop makes them, whatever order the file was written in. A missing (token, layer) record
   is simply absent (no call); a record whose ``experts`` list is shorter than the longest one is
   padded with ``-1``.
-* **NumPy** (``.npy``, or ``.npz`` with an array named ``routes`` or ``experts``, else its first
-  array): an integer array ``[tokens, layers, top_k]`` with ``-1`` padding, read token-major then
-  layer. Every cell is a call, including one that is all padding (it is a call with no active
-  expert, as an empty batch would be).
+  Gzip-compressed JSONL (``.jsonl.gz``, or any JSONL file whose first bytes are the gzip magic)
+  is read transparently.
+* **NumPy** (``.npy``, or ``.npz``): integer arrays ``[tokens, layers, top_k]`` with ``-1``
+  padding, read token-major then layer. An ``.npz`` holds one sequence per array (named after it,
+  in archive order). Every cell is a call, including one that is all padding (it is a call with
+  no active expert, as an empty batch would be).
 
 Geometry (``num_layers``, ``num_experts``) is either declared by the caller -- then every value
 is checked against it -- or inferred as ``max + 1`` of what the trace contains (for an array, the
-layer count is its second dimension).
+layer count is its second dimension); an inferred size set by one outlier id far above the rest
+is refused (:data:`OUTLIER_RATIO`). Hostile sizes cannot eat the machine: the bytes of every dense
+array (the trace's own, and the per-expert tables its geometry sizes downstream) are estimated
+from the records or the ``.npy`` headers before anything is allocated, and a size above the memory
+limit (``max_memory``, default :func:`default_memory_limit`) raises :class:`MemoryLimitError`
+naming the line or array that set it.
 
 Malformed input never escapes as a bare ``json``/``numpy`` traceback: it raises
 :class:`TraceError` (a ``ValueError``) whose message names the file, the line (JSONL) or array
@@ -42,11 +45,16 @@ index (NumPy), and the offending field, so a user can fix the trace without read
 
 from __future__ import annotations
 
+import array
+import gzip
 import json
+import lzma
 import os
+import tokenize
 import zipfile
+import zlib
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 import numpy as np
 
@@ -57,10 +65,17 @@ __all__ = [
     "TraceError",
     "load_trace",
     "load_jsonl_trace",
+    "parse_fields",
     "load_array_trace",
     "save_trace",
     "JSONL_SUFFIXES",
     "ARRAY_SUFFIXES",
+    "MemoryLimitError",
+    "default_memory_limit",
+    "resolve_memory_limit",
+    "check_memory",
+    "trace_bytes",
+    "format_bytes",
 ]
 
 #: File suffixes read as one-record-per-line JSON.
@@ -70,8 +85,9 @@ ARRAY_SUFFIXES = (".npy", ".npz")
 
 #: Keys that name a record's sequence, in order of precedence.
 SEQUENCE_KEYS = ("sequence", "problem_id")
-#: Array names an ``.npz`` is searched for, in order, before falling back to its first array.
-NPZ_ROUTE_KEYS = ("routes", "experts")
+
+#: The JSONL record keys a file may name otherwise (:func:`parse_fields`, ``--field``).
+FIELD_KEYS = ("layer", "token_idx", "experts", "sequence")
 
 _TOKEN_MAX = 2**62
 
@@ -178,9 +194,9 @@ class Trace:
         for name, value, dtype in (("routes", routes, np.int32), ("layers", layers, np.int32),
                                    ("token_idx", token_idx, np.int64),
                                    ("sequence", sequence, np.int32)):
-            array = np.array(value, dtype=dtype, copy=True)
-            array.setflags(write=False)
-            object.__setattr__(self, name, array)
+            column = np.array(value, dtype=dtype, copy=True)
+            column.setflags(write=False)
+            object.__setattr__(self, name, column)
         object.__setattr__(self, "num_layers", num_layers)
         object.__setattr__(self, "num_experts", num_experts)
         object.__setattr__(self, "sequence_names", names)
@@ -288,7 +304,8 @@ class Trace:
 
     @classmethod
     def from_dense(cls, routes: Any, *, num_layers: int | None = None,
-                   num_experts: int | None = None, source: str = "<array>") -> "Trace":
+                   num_experts: int | None = None, source: str = "<array>",
+                   max_memory: int | None = None) -> "Trace":
         """Build a trace from an integer array ``[tokens, layers, top_k]`` (``-1`` = padding).
 
         Calls are token-major, then layer. Geometry is declared or inferred as in
@@ -300,6 +317,7 @@ class Trace:
                 to use that dimension.
             num_experts: declared ``E``, or ``None`` to infer ``max expert + 1``.
             source: label for error messages.
+            max_memory: as in :func:`load_trace` (the trace and its geometry's tables).
 
         Returns:
             The trace.
@@ -308,42 +326,274 @@ class Trace:
             TraceError: wrong dtype, rank, empty array, or a value outside the geometry.
         """
         return _trace_from_dense(np.asarray(routes), num_layers=num_layers,
-                                 num_experts=num_experts, where=source, field_name="routes")
+                                 num_experts=num_experts, where=source, field_name="routes",
+                                 max_memory=max_memory)
+
+
+# ---- memory budget ---------------------------------------------------------------------------
+
+#: Share of the machine's physical memory the default limit lets one trace (and the tables its
+#: geometry sizes) take.
+DEFAULT_MEMORY_FRACTION = 0.5
+#: The limit when the machine's memory cannot be read.
+FALLBACK_MEMORY_LIMIT = 4 * 2**30
+#: Bytes a replay holds per flat id (layer, expert) however short the trace: one cache state's four
+#: int32 ``[L, E]`` tables (slot map, recency, routing histogram, prefill snapshot) and the int64
+#: ``[L, E]`` histograms of the bounds and reports. A floor, used to refuse a geometry before any
+#: of them is allocated.
+BYTES_PER_FLAT_ID = 32
+#: Outlier rule for inferred geometry: the largest id ``m`` (layer or expert) is refused when
+#: ``m >= OUTLIER_FLOOR`` and ``m + 1 > OUTLIER_RATIO * (n + 1)``, ``n`` being the next distinct
+#: largest id (``-1`` when there is none), i.e. when the size it implies is more than 4x the size
+#: the rest of the trace implies. Declaring the geometry skips the rule.
+OUTLIER_RATIO = 4
+OUTLIER_FLOOR = 1024
+#: Longest JSONL line read (a record with ~100k experts); a longer "line" is not a record.
+MAX_LINE_BYTES = 1 << 20
+#: Bytes per call a JSONL reader holds before the dense arrays exist (sequence, token, layer,
+#: line, expert count), plus 4 per expert.
+_RECORD_BYTES = 28
+_GZIP_MAGIC = b"\x1f\x8b"
+_ZIP_MAGIC = b"PK"
+#: What a corrupt or hostile file can raise while being read (gzip, zip, npy header parsing).
+_READ_ERRORS = (OSError, EOFError, ValueError, TypeError, SyntaxError, RecursionError,
+                OverflowError, zipfile.BadZipFile, zlib.error, lzma.LZMAError,
+                tokenize.TokenError, NotImplementedError, RuntimeError)
+
+
+class MemoryLimitError(TraceError):
+    """A trace, or the tables its geometry sizes, would need more memory than the limit allows.
+
+    Raised before the array is allocated; the message names the file and the line (JSONL) or
+    array (NumPy) that set the size, the estimate and the limit.
+    """
+
+
+def default_memory_limit() -> int:
+    """The default memory limit: :data:`DEFAULT_MEMORY_FRACTION` of the physical memory.
+
+    Read from ``os.sysconf`` (else ``/proc/meminfo``); :data:`FALLBACK_MEMORY_LIMIT` when neither
+    answers.
+    """
+    total = 0
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        pass
+    if total <= 0:
+        try:
+            with open("/proc/meminfo", encoding="ascii") as handle:
+                for line in handle:
+                    if line.startswith("MemTotal:"):
+                        total = int(line.split()[1]) * 1024
+                        break
+        except (OSError, ValueError, IndexError):
+            total = 0
+    return int(total * DEFAULT_MEMORY_FRACTION) if total > 0 else FALLBACK_MEMORY_LIMIT
+
+
+def resolve_memory_limit(max_memory: int | None) -> int:
+    """``None`` -> :func:`default_memory_limit`; else ``max_memory`` bytes (a positive int)."""
+    if max_memory is None:
+        return default_memory_limit()
+    if isinstance(max_memory, bool) or not isinstance(max_memory, (int, np.integer)) \
+            or max_memory < 1:
+        raise ValueError(f"max_memory must be a positive number of bytes or None, got "
+                         f"{max_memory!r}")
+    return int(max_memory)
+
+
+def format_bytes(nbytes: int) -> str:
+    """``1536`` -> ``'1.5 KiB'``: a byte count for messages."""
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if value < 1024 or unit == "PiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def trace_bytes(calls: int, top_k: int) -> int:
+    """Bytes of a :class:`Trace`'s arrays: routes int32 ``[C, K]``, layers, sequence (int32) and
+    token_idx (int64) ``[C]``."""
+    return int(calls) * (4 * int(top_k) + 16)
+
+
+def check_memory(nbytes: int, limit: int, where: str, what: str) -> None:
+    """Raise :class:`MemoryLimitError` (``"{where}: {what} would need about ..."``) when
+    ``nbytes > limit``."""
+    if nbytes > limit:
+        raise MemoryLimitError(f"{where}: {what} would need about {format_bytes(nbytes)}, above "
+                               f"the memory limit of {format_bytes(limit)} (raise it with "
+                               f"max_memory= or --max-memory)")
+
+
+def _check_geometry(num_layers: int, num_experts: int, limit: int, where: str,
+                    declared: str) -> None:
+    check_memory(num_layers * num_experts * BYTES_PER_FLAT_ID, limit, where,
+                 f"the geometry {num_layers} layers x {num_experts} experts{declared} (per-expert "
+                 f"tables of {num_layers * num_experts} entries)")
+
+
+def _check_outlier(kind: str, largest: int, next_largest: int, where: str) -> None:
+    """Refuse an inferred size set by one id far above the rest (see :data:`OUTLIER_RATIO`)."""
+    if largest >= OUTLIER_FLOOR and largest + 1 > OUTLIER_RATIO * (next_largest + 1):
+        rest = (f"the next largest {kind} is {next_largest}" if next_largest >= 0
+                else f"no other {kind} id occurs")
+        raise TraceError(f"{where}: field {kind + 's' if kind == 'expert' else kind!r}: {kind} "
+                         f"{largest} is an outlier ({rest}); inferring num_{kind}s="
+                         f"{largest + 1} from it would size every per-{kind} table by this one "
+                         f"id. Pass num_{kind}s= (--num-{kind}s) if it is real")
+
+
+def _next_largest(values: np.ndarray, largest: int) -> int:
+    below = values[values < largest]
+    return int(below.max()) if below.size else -1
 
 
 # ---- loading ---------------------------------------------------------------------------------
 
 
 def load_trace(path: str | os.PathLike, *, num_layers: int | None = None,
-               num_experts: int | None = None) -> Trace:
+               num_experts: int | None = None, max_memory: int | None = None,
+               fields: Mapping[str, str] | None = None) -> Trace:
     """Read a routing trace file; the format follows the suffix (see the module docstring).
 
     Args:
-        path: a ``.jsonl``/``.ndjson`` or ``.npy``/``.npz`` file.
+        path: a ``.jsonl``/``.ndjson`` (optionally gzip-compressed, ``.jsonl.gz``) or
+            ``.npy``/``.npz`` file.
         num_layers: declared ``L``; every layer in the trace must be below it. ``None``: infer.
         num_experts: declared ``E``; every expert must lie in ``[-1, E)``. ``None``: infer
-            ``max expert + 1``.
+            ``max expert + 1`` (refusing an outlier, see :data:`OUTLIER_RATIO`).
+        max_memory: bytes the trace and the tables its geometry sizes may take; ``None``:
+            :func:`default_memory_limit`.
+        fields: JSONL only: the file's names of the record keys, ``{"layer": "layer_idx",
+            "experts": "topk_ids"}`` (see :func:`parse_fields`); unnamed keys keep their names.
 
     Returns:
         The trace, calls in replay order.
 
     Raises:
-        TraceError: unknown suffix, unreadable file, malformed content, or an empty trace.
-        ValueError: a declared geometry that is not a positive integer.
+        TraceError: ``fields`` for an array file, unknown suffix, unreadable file, malformed content, an empty trace, an
+            outlier id, or (:class:`MemoryLimitError`) a size above ``max_memory``.
+        ValueError: a declared geometry or limit that is not a positive integer.
     """
     path_str = os.fspath(path)
-    suffix = os.path.splitext(path_str)[1].lower()
+    name = path_str.lower()
+    if name.endswith(".gz"):
+        name = name[:-3]
+    suffix = os.path.splitext(name)[1]
     if suffix in JSONL_SUFFIXES:
-        return load_jsonl_trace(path_str, num_layers=num_layers, num_experts=num_experts)
-    if suffix in ARRAY_SUFFIXES:
-        return load_array_trace(path_str, num_layers=num_layers, num_experts=num_experts)
+        return load_jsonl_trace(path_str, num_layers=num_layers, num_experts=num_experts,
+                                max_memory=max_memory, fields=fields)
+    if fields:
+        raise TraceError(f"{path_str}: field names apply to JSONL traces only")
+    if suffix in ARRAY_SUFFIXES and not path_str.lower().endswith(".gz"):
+        return load_array_trace(path_str, num_layers=num_layers, num_experts=num_experts,
+                                max_memory=max_memory)
     raise TraceError(f"{path_str}: unknown trace format {suffix or '(no suffix)'!r}; expected "
-                     f"one of {', '.join(JSONL_SUFFIXES + ARRAY_SUFFIXES)}")
+                     f"one of {', '.join(JSONL_SUFFIXES + ARRAY_SUFFIXES)} (JSONL may be "
+                     f"gzipped: .jsonl.gz)")
+
+
+def _numbered_lines(path_str: str) -> Iterator[tuple[int, bytes]]:
+    """Yield ``(line number, raw line)``; gzip input is recognised by its magic bytes."""
+    try:
+        handle = open(path_str, "rb")
+    except OSError as exc:
+        raise TraceError(f"{path_str}: cannot open trace file: {exc.strerror or exc}") from exc
+    with handle:
+        try:
+            compressed = handle.read(2) == _GZIP_MAGIC
+            handle.seek(0)
+        except OSError as exc:
+            raise TraceError(f"{path_str}: cannot read trace file: {exc.strerror or exc}") from exc
+        stream = gzip.GzipFile(fileobj=handle, mode="rb") if compressed else handle
+        line_no = 0
+        while True:
+            line_no += 1
+            try:
+                raw = stream.readline(MAX_LINE_BYTES + 1)
+            except _READ_ERRORS as exc:
+                kind = "gzip data" if compressed else "trace file"
+                raise TraceError(f"{path_str}:{line_no}: cannot read {kind}: {exc}") from None
+            if not raw:
+                return
+            if len(raw) > MAX_LINE_BYTES:
+                raise TraceError(f"{path_str}:{line_no}: line is longer than {MAX_LINE_BYTES} "
+                                 f"bytes; not a routing record")
+            yield line_no, raw
+
+
+def parse_fields(text: str) -> dict[str, str]:
+    """``"layer=layer_idx,experts=topk_ids"`` -> ``{"layer": "layer_idx", "experts": "topk_ids"}``:
+    the names a JSONL file uses for the record keys :data:`FIELD_KEYS` (``--field``).
+
+    Raises:
+        ValueError: an item that is not ``KEY=NAME``, an unknown key or a key given twice.
+    """
+    mapping: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in str(text).split(","))):
+        key, equals, name = (part.strip() for part in item.partition("="))
+        if not equals or not key or not name:
+            raise ValueError(f"--field {item!r}: expected KEY=NAME, e.g. layer=layer_idx")
+        if key not in FIELD_KEYS:
+            raise ValueError(f"--field {item!r}: unknown key {key!r}; the keys are "
+                             f"{', '.join(FIELD_KEYS)}")
+        if key in mapping:
+            raise ValueError(f"--field: key {key!r} given twice")
+        mapping[key] = name
+    if not mapping:
+        raise ValueError("--field: expected KEY=NAME[,KEY=NAME...], e.g. layer=layer_idx")
+    return mapping
+
+
+def _renamed(record: dict, fields: Mapping[str, str]) -> dict:
+    """``record`` with the file's names replaced by the record keys (a renamed key is read from
+    its file name only)."""
+    out = {key: value for key, value in record.items() if key not in fields}
+    for key, name in fields.items():
+        if name in record:
+            out[key] = record[name]
+    return out
 
 
 def load_jsonl_trace(path: str | os.PathLike, *, num_layers: int | None = None,
-                     num_experts: int | None = None) -> Trace:
+                     num_experts: int | None = None, max_memory: int | None = None,
+                     fields: Mapping[str, str] | None = None) -> Trace:
+    """Read a JSONL trace (one ``{"layer", "token_idx", "experts"}`` record per line), whose keys
+    may carry other names (``fields``, as :func:`load_trace`); messages name the file's keys.
+
+    Args, Returns and Raises: as :func:`_read_jsonl`.
+    """
+    if not fields:
+        return _read_jsonl(path, num_layers=num_layers, num_experts=num_experts,
+                           max_memory=max_memory)
+    unknown = set(fields) - set(FIELD_KEYS)
+    if unknown:
+        raise ValueError(f"fields: unknown keys {sorted(unknown)}; the keys are "
+                         f"{', '.join(FIELD_KEYS)}")
+    try:
+        return _read_jsonl(path, num_layers=num_layers, num_experts=num_experts,
+                           max_memory=max_memory, fields=dict(fields))
+    except TraceError as error:
+        if type(error) is not TraceError:
+            raise
+        message = str(error)
+        for key, name in fields.items():
+            message = message.replace(f"field '{key}'", f"field '{name}'").replace(
+                f"'{key}'", f"'{name}'")
+        raise TraceError(message) from None
+
+
+def _read_jsonl(path: str | os.PathLike, *, num_layers: int | None = None,
+                     num_experts: int | None = None, max_memory: int | None = None,
+                     fields: Mapping[str, str] | None = None) -> Trace:
     """Read a JSONL trace (one ``{"layer", "token_idx", "experts"}`` record per line).
+
+    Gzip-compressed input is recognised by its magic bytes, whatever the file is called.
+    Records are held as packed int32/int64 columns while reading (about 28 bytes per record plus
+    4 per expert), not as Python objects.
 
     Args and Returns: as :func:`load_trace`.
 
@@ -351,207 +601,397 @@ def load_jsonl_trace(path: str | os.PathLike, *, num_layers: int | None = None,
         TraceError: with ``file:line: field 'name': ...`` for a line that is not a JSON object,
             lacks a required key, holds a value of the wrong type (``bool`` and ``3.0`` are not
             integers), a negative layer or ``token_idx``, a layer ``>= num_layers`` (declared),
-            an expert outside ``[-1, num_experts)`` (declared; ``< -1`` always), or repeats a
-            (sequence, token, layer) already seen; and for a file with no records.
+            an expert outside ``[-1, num_experts)`` (declared; ``< -1`` always), repeats a
+            (sequence, token, layer) already seen, or holds an outlier id (inferred geometry);
+            for a corrupt gzip stream or an over-long line; for a file with no records; and
+            (:class:`MemoryLimitError`) when the records, the routes table or the geometry would
+            exceed ``max_memory``, naming the line that set the size.
     """
     path_str = os.fspath(path)
     declared_layers = _optional_positive_int(num_layers, "num_layers")
     declared_experts = _optional_positive_int(num_experts, "num_experts")
+    limit = resolve_memory_limit(max_memory)
 
     sequence_index: dict[Any, int] = {}
-    seq_of: list[int] = []
-    token_of: list[int] = []
-    layer_of: list[int] = []
-    experts_of: list[list[int]] = []
-    line_of: list[int] = []
+    seq_of, layer_of, count_of = array.array("i"), array.array("i"), array.array("i")
+    token_of, line_of = array.array("q"), array.array("q")
+    experts_flat = array.array("i")
+    widest, widest_line, held = 0, 0, 0
 
-    try:
-        handle = open(path_str, "rb")
-    except OSError as exc:
-        raise TraceError(f"{path_str}: cannot open trace file: {exc.strerror or exc}") from exc
-    with handle:
-        for line_no, raw in enumerate(handle, start=1):
-            where = f"{path_str}:{line_no}"
-            if not raw.strip():
-                continue
-            try:
-                record = json.loads(raw)
-            except json.JSONDecodeError as exc:
-                raise TraceError(f"{where}: not valid JSON: {exc.msg} at column "
-                                 f"{exc.colno}") from None
-            except (ValueError, RecursionError) as exc:  # UnicodeDecodeError, deep nesting
-                raise TraceError(f"{where}: not valid JSON: {exc}") from None
-            if not isinstance(record, dict):
-                raise TraceError(f"{where}: expected a JSON object per line, got "
-                                 f"{type(record).__name__}")
+    for line_no, raw in _numbered_lines(path_str):
+        where = f"{path_str}:{line_no}"
+        if not raw.strip():
+            continue
+        try:
+            record = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise TraceError(f"{where}: not valid JSON: {exc.msg} at column "
+                             f"{exc.colno}") from None
+        except (ValueError, RecursionError) as exc:  # UnicodeDecodeError, deep nesting
+            raise TraceError(f"{where}: not valid JSON: {exc}") from None
+        if not isinstance(record, dict):
+            raise TraceError(f"{where}: expected a JSON object per line, got "
+                             f"{type(record).__name__}")
+        if fields:
+            record = _renamed(record, fields)
 
-            layer = _record_int(record, "layer", where)
-            if layer < 0:
-                raise TraceError(f"{where}: field 'layer': layer {layer} is negative")
-            if declared_layers is not None and layer >= declared_layers:
-                raise TraceError(f"{where}: field 'layer': layer {layer} is outside "
-                                 f"[0, {declared_layers}) (num_layers={declared_layers})")
-            if layer > INT32_MAX - 1:
-                raise TraceError(f"{where}: field 'layer': layer {layer} does not fit int32")
-            token = _record_int(record, "token_idx", where)
-            if token < 0:
-                raise TraceError(f"{where}: field 'token_idx': token_idx {token} is negative")
-            if token > _TOKEN_MAX:
-                raise TraceError(f"{where}: field 'token_idx': token_idx {token} is too large "
-                                 f"(limit 2**62)")
+        layer = _record_int(record, "layer", where)
+        if layer < 0:
+            raise TraceError(f"{where}: field 'layer': layer {layer} is negative")
+        if declared_layers is not None and layer >= declared_layers:
+            raise TraceError(f"{where}: field 'layer': layer {layer} is outside "
+                             f"[0, {declared_layers}) (num_layers={declared_layers})")
+        if layer > INT32_MAX - 1:
+            raise TraceError(f"{where}: field 'layer': layer {layer} does not fit int32")
+        token = _record_int(record, "token_idx", where)
+        if token < 0:
+            raise TraceError(f"{where}: field 'token_idx': token_idx {token} is negative")
+        if token > _TOKEN_MAX:
+            raise TraceError(f"{where}: field 'token_idx': token_idx {token} is too large "
+                             f"(limit 2**62)")
 
-            experts = record.get("experts", _MISSING)
-            if experts is _MISSING:
-                raise TraceError(f"{where}: field 'experts': missing (required keys: 'layer', "
-                                 f"'token_idx', 'experts')")
-            if not isinstance(experts, list):
-                raise TraceError(f"{where}: field 'experts': expected a list of integers, got "
-                                 f"{type(experts).__name__} {_short(experts)}")
-            for position, expert in enumerate(experts):
-                if not is_int(expert):
-                    raise TraceError(f"{where}: field 'experts': entry {position} is "
-                                     f"{_short(expert)}, expected an integer expert id")
-                if expert < -1:
-                    raise TraceError(f"{where}: field 'experts': expert {expert} is below -1 "
-                                     f"(-1 is the only padding value)")
-                if declared_experts is not None and expert >= declared_experts:
-                    raise TraceError(f"{where}: field 'experts': expert {expert} is outside "
-                                     f"[-1, {declared_experts}) (num_experts={declared_experts})")
-                if expert > INT32_MAX - 1:
-                    raise TraceError(f"{where}: field 'experts': expert {expert} does not fit "
-                                     f"int32")
+        experts = record.get("experts", _MISSING)
+        if experts is _MISSING:
+            raise TraceError(f"{where}: field 'experts': missing (required keys: 'layer', "
+                             f"'token_idx', 'experts')")
+        if not isinstance(experts, list):
+            raise TraceError(f"{where}: field 'experts': expected a list of integers, got "
+                             f"{type(experts).__name__} {_short(experts)}")
+        for position, expert in enumerate(experts):
+            if not is_int(expert):
+                raise TraceError(f"{where}: field 'experts': entry {position} is "
+                                 f"{_short(expert)}, expected an integer expert id")
+            if expert < -1:
+                raise TraceError(f"{where}: field 'experts': expert {expert} is below -1 "
+                                 f"(-1 is the only padding value)")
+            if declared_experts is not None and expert >= declared_experts:
+                raise TraceError(f"{where}: field 'experts': expert {expert} is outside "
+                                 f"[-1, {declared_experts}) (num_experts={declared_experts})")
+            if expert > INT32_MAX - 1:
+                raise TraceError(f"{where}: field 'experts': expert {expert} does not fit "
+                                 f"int32")
 
-            label = None
-            for key in SEQUENCE_KEYS:
-                if key in record and record[key] is not None:
-                    label = record[key]
-                    if not (isinstance(label, str) or is_int(label)):
-                        raise TraceError(f"{where}: field {key!r}: expected a string or integer "
-                                         f"sequence label, got {_short(label)}")
-                    break
-            seq_of.append(sequence_index.setdefault(label, len(sequence_index)))
-            token_of.append(token)
-            layer_of.append(layer)
-            experts_of.append(experts)
-            line_of.append(line_no)
+        label = None
+        for key in SEQUENCE_KEYS:
+            if key in record and record[key] is not None:
+                label = record[key]
+                if not (isinstance(label, str) or is_int(label)):
+                    raise TraceError(f"{where}: field {key!r}: expected a string or integer "
+                                     f"sequence label, got {_short(label)}")
+                break
+        held += _RECORD_BYTES + 4 * len(experts)
+        check_memory(held, limit, where, "reading the records up to this line")
+        seq_of.append(sequence_index.setdefault(label, len(sequence_index)))
+        token_of.append(token)
+        layer_of.append(layer)
+        line_of.append(line_no)
+        count_of.append(len(experts))
+        experts_flat.extend(experts)
+        if len(experts) > widest:
+            widest, widest_line = len(experts), line_no
 
     if not line_of:
         raise TraceError(f"{path_str}: the trace is empty (no records)")
+    calls, top_k = len(line_of), widest
+    lines = np.frombuffer(line_of, dtype=np.int64)
+    layer_file = np.frombuffer(layer_of, dtype=np.intc)
 
     # Replay order: sequence (first appearance), token ascending, layer ascending.
-    seq_arr = np.asarray(seq_of, dtype=np.int64)
-    token_arr = np.asarray(token_of, dtype=np.int64)
-    layer_arr = np.asarray(layer_of, dtype=np.int64)
-    order = np.lexsort((layer_arr, token_arr, seq_arr))
-    seq_arr, token_arr, layer_arr = seq_arr[order], token_arr[order], layer_arr[order]
+    seq_arr = np.frombuffer(seq_of, dtype=np.intc)
+    token_arr = np.frombuffer(token_of, dtype=np.int64)
+    order = np.lexsort((layer_file, token_arr, seq_arr))
+    seq_arr, token_arr, layer_arr = seq_arr[order], token_arr[order], layer_file[order]
     same = ((seq_arr[1:] == seq_arr[:-1]) & (token_arr[1:] == token_arr[:-1])
             & (layer_arr[1:] == layer_arr[:-1]))
     if same.any():
         first = int(np.argmax(same))
-        lines = sorted((line_of[order[first]], line_of[order[first + 1]]))
-        raise TraceError(f"{path_str}:{lines[1]}: field 'layer': duplicate record for token_idx "
+        pair = sorted((int(lines[order[first]]), int(lines[order[first + 1]])))
+        raise TraceError(f"{path_str}:{pair[1]}: field 'layer': duplicate record for token_idx "
                          f"{token_arr[first]}, layer {layer_arr[first]} (first seen on line "
-                         f"{lines[0]})")
-
-    top_k = max(len(e) for e in experts_of)
+                         f"{pair[0]})")
     if top_k == 0:
         raise TraceError(f"{path_str}: field 'experts': every record has an empty list (no "
                          f"routes to replay)")
-    routes = np.full((len(order), top_k), -1, dtype=np.int64)
-    for row, record_index in enumerate(order.tolist()):
-        experts = experts_of[record_index]
-        routes[row, :len(experts)] = experts
 
-    inferred_layers = int(layer_arr.max()) + 1
-    inferred_experts = int(routes.max()) + 1
-    if declared_experts is None and inferred_experts < 1:
+    # Geometry: refuse an outlier or a geometry above the limit, naming the line that set it.
+    flat = np.frombuffer(experts_flat, dtype=np.intc)
+    counts = np.frombuffer(count_of, dtype=np.intc)
+    max_layer = int(layer_file.max())
+    layer_where = f"{path_str}:{int(lines[int(np.argmax(layer_file == max_layer))])}"
+    max_expert = int(flat.max()) if flat.size else -1
+    expert_where = path_str
+    if max_expert >= 0:
+        record_of_max = int(np.searchsorted(np.cumsum(counts), int(np.argmax(flat == max_expert)),
+                                            side="right"))
+        expert_where = f"{path_str}:{int(lines[record_of_max])}"
+    if declared_experts is None and max_expert < 0:
         raise TraceError(f"{path_str}: field 'experts': every route is padding (-1), so "
                          f"num_experts cannot be inferred; pass num_experts=")
-    return Trace(routes=routes, layers=layer_arr,
-                 num_layers=declared_layers if declared_layers is not None else inferred_layers,
-                 num_experts=(declared_experts if declared_experts is not None
-                              else inferred_experts),
-                 token_idx=token_arr, sequence=seq_arr,
+    if declared_layers is None and max_layer >= OUTLIER_FLOOR:
+        _check_outlier("layer", max_layer, _next_largest(layer_file, max_layer), layer_where)
+    if declared_experts is None and max_expert >= OUTLIER_FLOOR:
+        _check_outlier("expert", max_expert, _next_largest(flat, max_expert), expert_where)
+    geometry = (declared_layers or max_layer + 1, declared_experts or max_expert + 1)
+    # Name the line of the inferred size that makes the geometry large.
+    if declared_layers is not None and declared_experts is not None:
+        geometry_where, note = path_str, " (declared)"
+    elif declared_experts is not None or (declared_layers is None
+                                          and geometry[0] >= geometry[1]):
+        geometry_where, note = layer_where, ""
+    else:
+        geometry_where, note = expert_where, ""
+    _check_geometry(*geometry, limit, geometry_where, note)
+    check_memory(held + 2 * trace_bytes(calls, top_k), limit, f"{path_str}:{widest_line}",
+                 f"field 'experts': the routes table [{calls} calls, top_k {top_k} set by this "
+                 f"line]")
+
+    if bool((counts == top_k).all()):
+        routes = flat.reshape(calls, top_k)[order]
+    else:
+        padded = np.full((calls, top_k), -1, dtype=np.int32)
+        padded[np.arange(top_k)[None, :] < counts[:, None]] = flat
+        routes = padded[order]
+        del padded
+    del flat, counts, experts_flat
+    return Trace(routes=routes, layers=layer_arr, num_layers=geometry[0],
+                 num_experts=geometry[1], token_idx=token_arr, sequence=seq_arr,
                  sequence_names=tuple(sequence_index), source=path_str)
 
 
-def load_array_trace(path: str | os.PathLike, *, num_layers: int | None = None,
-                     num_experts: int | None = None) -> Trace:
-    """Read a ``.npy``/``.npz`` trace: an integer array ``[tokens, layers, top_k]``.
+@dataclass(frozen=True)
+class _Member:
+    """One ``[tokens, layers, top_k]`` array of a NumPy trace file, known from its header."""
 
-    For ``.npz`` the array named ``routes`` is used, else ``experts``, else the first array in
-    the archive. Pickled (object) arrays are refused.
+    name: str            # the array's name ('routes' for a .npy)
+    label: str           # "file: array 'name'", for messages
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    fortran: bool
+    read: Any            # () -> np.ndarray, reading the data (or returning the array)
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=object)) * self.dtype.itemsize
+
+
+def _read_npy_header(stream: Any, label: str) -> tuple[tuple[int, ...], bool, np.dtype]:
+    try:
+        version = np.lib.format.read_magic(stream)
+        if version == (1, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_1_0(stream)
+        elif version == (2, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_2_0(stream)
+        else:
+            raise ValueError(f"unsupported .npy format version {version[0]}.{version[1]}")
+    except _READ_ERRORS as exc:
+        raise TraceError(f"{label}: not a readable NumPy .npy/.npz file: {exc}") from None
+    if dtype.hasobject:
+        raise TraceError(f"{label}: not a readable NumPy .npy/.npz file: object (pickled) "
+                         f"arrays are refused")
+    if any(int(d) < 0 for d in shape):
+        raise TraceError(f"{label}: not a readable NumPy .npy/.npz file: negative shape {shape}")
+    return tuple(int(d) for d in shape), bool(fortran), dtype
+
+
+def _read_npy_data(stream: Any, label: str, shape: tuple[int, ...], dtype: np.dtype,
+                   fortran: bool) -> np.ndarray:
+    nbytes = int(np.prod(shape, dtype=object)) * dtype.itemsize
+    try:
+        data = stream.read(nbytes)
+    except _READ_ERRORS as exc:
+        raise TraceError(f"{label}: cannot read the array data: {exc}") from None
+    if len(data) != nbytes:
+        raise TraceError(f"{label}: the header claims shape {shape} ({format_bytes(nbytes)}) but "
+                         f"only {len(data)} bytes of data follow (truncated or corrupt file)")
+    return np.frombuffer(data, dtype=dtype).reshape(shape, order="F" if fortran else "C")
+
+
+def _npy_members(path_str: str) -> list[_Member]:
+    label = f"{path_str}: array 'routes'"
+    try:
+        with open(path_str, "rb") as handle:
+            shape, fortran, dtype = _read_npy_header(handle, path_str)
+            offset, size = handle.tell(), os.fstat(handle.fileno()).st_size
+    except OSError as exc:
+        raise TraceError(f"{path_str}: cannot open trace file: {exc.strerror or exc}") from exc
+
+    def read() -> np.ndarray:
+        try:
+            with open(path_str, "rb") as handle:
+                handle.seek(offset)
+                return _read_npy_data(handle, label, shape, dtype, fortran)
+        except OSError as exc:
+            raise TraceError(f"{path_str}: cannot read trace file: {exc}") from None
+
+    member = _Member("routes", label, shape, dtype, fortran, read)
+    _check_member(member)
+    if member.nbytes > size - offset:
+        raise TraceError(f"{label}: the header claims shape {shape} "
+                         f"({format_bytes(member.nbytes)}) but the file holds only "
+                         f"{size - offset} bytes of data (truncated or corrupt file)")
+    return [member]
+
+
+def _npz_members(path_str: str) -> list[_Member]:
+    try:
+        with zipfile.ZipFile(path_str) as archive:
+            infos = archive.infolist()
+            headers = []
+            for info in infos:
+                name = info.filename[:-4] if info.filename.endswith(".npy") else info.filename
+                label = f"{path_str}: array {name!r}"
+                with archive.open(info) as stream:
+                    headers.append((info, name, label, *_read_npy_header(stream, label)))
+    except TraceError:
+        raise
+    except _READ_ERRORS as exc:
+        raise TraceError(f"{path_str}: not a readable NumPy .npy/.npz file: {exc}") from None
+    if not headers:
+        raise TraceError(f"{path_str}: the .npz archive holds no arrays")
+
+    def reader(info: zipfile.ZipInfo, label: str, shape, dtype, fortran):
+        def read() -> np.ndarray:
+            try:
+                with zipfile.ZipFile(path_str) as archive, archive.open(info) as stream:
+                    _read_npy_header(stream, label)
+                    return _read_npy_data(stream, label, shape, dtype, fortran)
+            except TraceError:
+                raise
+            except _READ_ERRORS as exc:
+                raise TraceError(f"{label}: cannot read the array data: {exc}") from None
+        return read
+
+    members = [_Member(name, label, shape, dtype, fortran,
+                       reader(info, label, shape, dtype, fortran))
+               for info, name, label, shape, fortran, dtype in headers]
+    for member in members:
+        _check_member(member)
+    return members
+
+
+def _check_member(member: _Member) -> None:
+    """Dtype, rank and emptiness, from the header alone."""
+    if member.dtype.kind not in "iu":
+        raise TraceError(f"{member.label}: expected an integer array of expert ids, got dtype "
+                         f"{member.dtype}")
+    if len(member.shape) != 3:
+        raise TraceError(f"{member.label}: expected shape [tokens, layers, top_k], got "
+                         f"{len(member.shape)}-D shape {member.shape}")
+    if 0 in member.shape:
+        raise TraceError(f"{member.label}: the trace is empty (shape {member.shape})")
+
+
+def load_array_trace(path: str | os.PathLike, *, num_layers: int | None = None,
+                     num_experts: int | None = None, max_memory: int | None = None) -> Trace:
+    """Read a ``.npy``/``.npz`` trace: integer arrays ``[tokens, layers, top_k]``.
+
+    A ``.npy`` holds one sequence. In an ``.npz`` *every* array is one sequence, named after the
+    array, in archive order (an archive of one array gives one unnamed sequence, as a ``.npy``);
+    arrays may differ in token count, layer count (``num_layers`` is the largest) and ``top_k``
+    (narrower ones are ``-1`` padded). Every array must be an integer array of rank 3. Sizes come
+    from the headers and are checked against the memory limit (and the file size) before any
+    data is read. Pickled (object) arrays are refused.
 
     Args and Returns: as :func:`load_trace`.
 
     Raises:
-        TraceError: unreadable file, empty archive, non-integer dtype, a rank other than 3, an
-            empty array, a layer dimension above a declared ``num_layers``, or an expert outside
-            ``[-1, num_experts)`` (the message gives its ``[token, layer, k]`` index).
+        TraceError: unreadable or truncated file, empty archive, an array of non-integer dtype,
+            a rank other than 3, or empty (naming the array), a layer dimension above a declared
+            ``num_layers``, an expert outside ``[-1, num_experts)`` or an outlier expert (the
+            message gives its ``[token, layer, k]`` index), or (:class:`MemoryLimitError`) a
+            size above ``max_memory``.
     """
     path_str = os.fspath(path)
     declared_layers = _optional_positive_int(num_layers, "num_layers")
     declared_experts = _optional_positive_int(num_experts, "num_experts")
+    limit = resolve_memory_limit(max_memory)
     try:
-        loaded = np.load(path_str, allow_pickle=False)
-    except FileNotFoundError as exc:
+        with open(path_str, "rb") as handle:
+            magic = handle.read(2)
+    except OSError as exc:
         raise TraceError(f"{path_str}: cannot open trace file: {exc.strerror or exc}") from exc
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
-        raise TraceError(f"{path_str}: not a readable NumPy .npy/.npz file: {exc}") from None
-    if isinstance(loaded, np.lib.npyio.NpzFile):
-        with loaded:
-            names = list(loaded.files)
-            if not names:
-                raise TraceError(f"{path_str}: the .npz archive holds no arrays")
-            key = next((k for k in NPZ_ROUTE_KEYS if k in names), names[0])
-            try:
-                array = loaded[key]
-            except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
-                raise TraceError(f"{path_str}: array {key!r} cannot be read: {exc}") from None
-    else:
-        key, array = "routes", loaded
-    return _trace_from_dense(array, num_layers=declared_layers, num_experts=declared_experts,
-                             where=path_str, field_name=key)
+    members = _npz_members(path_str) if magic == _ZIP_MAGIC else _npy_members(path_str)
+    return _assemble_dense(members, path_str, declared_layers, declared_experts, limit,
+                           names=len(members) > 1)
 
 
-def _trace_from_dense(array: np.ndarray, *, num_layers: int | None, num_experts: int | None,
-                      where: str, field_name: str) -> Trace:
-    """Validate a ``[tokens, layers, top_k]`` array and flatten it into a token-major trace."""
-    declared_layers = _optional_positive_int(num_layers, "num_layers")
-    declared_experts = _optional_positive_int(num_experts, "num_experts")
+def _trace_from_dense(dense: np.ndarray, *, num_layers: int | None, num_experts: int | None,
+                      where: str, field_name: str, max_memory: int | None = None) -> Trace:
+    """Validate an in-memory ``[tokens, layers, top_k]`` array into a token-major trace."""
     label = f"{where}: array {field_name!r}"
-    if not np.issubdtype(array.dtype, np.integer):
+    member = _Member(field_name, label, tuple(dense.shape), dense.dtype, False, lambda: dense)
+    if dense.dtype.hasobject or member.dtype.kind not in "iu":
         raise TraceError(f"{label}: expected an integer array of expert ids, got dtype "
-                         f"{array.dtype}")
-    if array.ndim != 3:
-        raise TraceError(f"{label}: expected shape [tokens, layers, top_k], got "
-                         f"{array.ndim}-D shape {array.shape}")
-    tokens, layers, top_k = array.shape
-    if array.size == 0:
-        raise TraceError(f"{label}: the trace is empty (shape {array.shape})")
-    if declared_layers is not None and layers > declared_layers:
-        raise TraceError(f"{label}: {layers} layers in the array but num_layers="
-                         f"{declared_layers} was declared")
-    values = array.astype(np.int64)
-    limit = declared_experts if declared_experts is not None else INT32_MAX
-    bad = (values < -1) | (values >= limit)
-    if bad.any():
-        index = tuple(int(i) for i in np.argwhere(bad)[0])
-        value = int(values[index])
-        bound = (f"[-1, {declared_experts}) (num_experts={declared_experts})"
-                 if declared_experts is not None else "[-1, 2**31 - 1)")
-        raise TraceError(f"{label}[token={index[0]}, layer={index[1]}, k={index[2]}]: expert "
-                         f"{value} is outside {bound}")
-    inferred_experts = int(values.max()) + 1
-    if declared_experts is None and inferred_experts < 1:
-        raise TraceError(f"{label}: every route is padding (-1), so num_experts cannot be "
-                         f"inferred; pass num_experts=")
-    return Trace(routes=values.reshape(tokens * layers, top_k),
-                 layers=np.tile(np.arange(layers, dtype=np.int32), tokens),
-                 num_layers=declared_layers if declared_layers is not None else layers,
-                 num_experts=(declared_experts if declared_experts is not None
-                              else inferred_experts),
-                 token_idx=np.repeat(np.arange(tokens, dtype=np.int64), layers),
+                         f"{dense.dtype}")
+    _check_member(member)
+    return _assemble_dense([member], where, _optional_positive_int(num_layers, "num_layers"),
+                           _optional_positive_int(num_experts, "num_experts"),
+                           resolve_memory_limit(max_memory), names=False, held=dense.nbytes)
+
+
+def _assemble_dense(members: list[_Member], where: str, declared_layers: int | None,
+                    declared_experts: int | None, limit: int, *, names: bool,
+                    held: int = 0) -> Trace:
+    """Validate the members' values and concatenate them, one sequence each, token-major."""
+    for member in members:
+        if declared_layers is not None and member.shape[1] > declared_layers:
+            raise TraceError(f"{member.label}: {member.shape[1]} layers in the array but "
+                             f"num_layers={declared_layers} was declared")
+    calls = sum(m.shape[0] * m.shape[1] for m in members)
+    top_k = max(m.shape[2] for m in members)
+    biggest = max(members, key=lambda m: m.nbytes)
+    check_memory(held + biggest.nbytes + 2 * trace_bytes(calls, top_k), limit, biggest.label,
+                 f"the shape {biggest.shape} ({biggest.dtype}) in its header makes the trace "
+                 f"[{calls} calls, top_k {top_k}], which")
+    num_layers = declared_layers or max(m.shape[1] for m in members)
+    if declared_experts is not None:
+        _check_geometry(num_layers, declared_experts, limit, where, " (declared)")
+
+    routes = np.full((calls, top_k), -1, dtype=np.int32)
+    bound = declared_experts if declared_experts is not None else INT32_MAX
+    offsets, row = [], 0
+    for member in members:
+        values = member.read()
+        lo, hi = int(values.min()), int(values.max())
+        if lo < -1 or hi >= bound:
+            bad = (values < -1) | (values >= bound)
+            index = tuple(int(i) for i in np.argwhere(bad)[0])
+            text = (f"[-1, {declared_experts}) (num_experts={declared_experts})"
+                    if declared_experts is not None else "[-1, 2**31 - 1)")
+            raise TraceError(f"{member.label}[token={index[0]}, layer={index[1]}, "
+                             f"k={index[2]}]: expert {int(values[index])} is outside {text}")
+        tokens, layers, width = member.shape
+        routes[row:row + tokens * layers, :width] = values.reshape(tokens * layers, width)
+        offsets.append(row)
+        row += tokens * layers
+        del values
+
+    def locate(flat_index: int) -> str:
+        call, k = divmod(flat_index, top_k)
+        number = int(np.searchsorted(offsets, call, side="right")) - 1
+        member = members[number]
+        token, layer = divmod(call - offsets[number], member.shape[1])
+        return f"{member.label}[token={token}, layer={layer}, k={k}]"
+
+    max_expert = int(routes.max())
+    if declared_experts is None:
+        if max_expert < 0:
+            raise TraceError(f"{members[0].label}: every route is padding (-1), so num_experts "
+                             f"cannot be inferred; pass num_experts=")
+        max_where = locate(int(np.argmax(routes == max_expert)))
+        if max_expert >= OUTLIER_FLOOR:
+            _check_outlier("expert", max_expert, _next_largest(routes, max_expert), max_where)
+        _check_geometry(num_layers, max_expert + 1, limit, max_where, "")
+    sequence = np.repeat(np.arange(len(members), dtype=np.int32),
+                         [m.shape[0] * m.shape[1] for m in members])
+    layer_column = np.concatenate([np.tile(np.arange(m.shape[1], dtype=np.int32), m.shape[0])
+                                   for m in members])
+    token_column = np.concatenate([np.repeat(np.arange(m.shape[0], dtype=np.int64), m.shape[1])
+                                   for m in members])
+    return Trace(routes=routes, layers=layer_column, num_layers=num_layers,
+                 num_experts=declared_experts if declared_experts is not None else max_expert + 1,
+                 token_idx=token_column, sequence=sequence,
+                 sequence_names=tuple(m.name for m in members) if names else (None,),
                  source=where)
 
 

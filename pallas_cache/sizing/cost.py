@@ -1,0 +1,79 @@
+"""The decode-time cost model of a replay: bytes and milliseconds per token (docs/semantics.md §11).
+
+Nobody sizes an expert cache by hit rate: they size it by what it does to decode time. With ``W``
+the bytes of one expert, ``B_link`` the host-to-device bandwidth and ``B_cpu`` the rate at which
+the CPU MoE path streams expert weights, one layer-call that copies ``fetched`` experts while the
+CPU computes ``cpu_experts`` distinct ones costs ``t = max(fetched * W / B_link, cpu_experts * W /
+B_cpu)`` (the copy and the CPU work overlap), and a token costs the sum over its layer-calls.
+Because ``t`` is a max per call, totals cannot give it: the replay counts, inside its compiled
+loop, how many calls had each ``(fetched, cpu_experts)`` pair (exact integers), and this module
+turns those counts into seconds for any bandwidths without replaying again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable
+
+__all__ = ["CostModel", "modeled_seconds"]
+
+
+def modeled_seconds(pair_counts: Iterable[tuple[int, int, int]], expert_bytes: int,
+                    link_bandwidth: float, cpu_bandwidth: float) -> float:
+    """``sum(calls * max(fetched * W / B_link, cpu_experts * W / B_cpu))`` over the pairs.
+
+    Args:
+      pair_counts: ``(fetched, cpu_experts, calls)`` triples, as a replay reports them.
+      expert_bytes: ``W``.
+      link_bandwidth: ``B_link`` in bytes per second.
+      cpu_bandwidth: ``B_cpu`` in bytes per second.
+    """
+    return sum(calls * max(fetched * expert_bytes / link_bandwidth,
+                           cpu_experts * expert_bytes / cpu_bandwidth)
+               for fetched, cpu_experts, calls in pair_counts)
+
+
+@dataclasses.dataclass(frozen=True)
+class CostModel:
+    """What turns counts into bytes and milliseconds; every field optional.
+
+    Attributes:
+      expert_bytes: ``W``, bytes of one routed expert (``None``: hit rates only).
+      link_bandwidth: ``B_link``, host-to-device bytes per second.
+      cpu_bandwidth: ``B_cpu``, expert bytes per second the CPU MoE path processes.
+      device_budget: device bytes the pool may take; names the best configuration that fits.
+    """
+
+    expert_bytes: int | None = None
+    link_bandwidth: float | None = None
+    cpu_bandwidth: float | None = None
+    device_budget: int | None = None
+
+    def __post_init__(self):
+        for name in ("expert_bytes", "link_bandwidth", "cpu_bandwidth", "device_budget"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be positive, got {value!r}")
+
+    @property
+    def timed(self) -> bool:
+        """Whether ``W`` and both bandwidths are known, so milliseconds can be modeled."""
+        return None not in (self.expert_bytes, self.link_bandwidth, self.cpu_bandwidth)
+
+    def auto_fraction(self) -> float:
+        """``B_link / (B_link + B_cpu)``: the share of misses to copy so that, for a call's
+        misses, the copy and the CPU work take the same time (the upstream engine's rule)."""
+        if self.link_bandwidth is None or self.cpu_bandwidth is None:
+            raise ValueError("fraction:auto needs both --link-bandwidth and --cpu-bandwidth")
+        return self.link_bandwidth / (self.link_bandwidth + self.cpu_bandwidth)
+
+    def auto_policy(self) -> str:
+        """``fraction:auto`` resolved, to 4 significant digits: the row runs what it shows."""
+        return f"fraction:{self.auto_fraction():.4g}"
+
+    def seconds(self, pair_counts: Iterable[tuple[int, int, int]]) -> float:
+        """Modeled seconds of the calls in ``pair_counts`` (see :func:`modeled_seconds`)."""
+        if not self.timed:
+            raise ValueError("modeled time needs the expert size and both bandwidths")
+        return modeled_seconds(pair_counts, self.expert_bytes, self.link_bandwidth,
+                               self.cpu_bandwidth)

@@ -1,0 +1,138 @@
+"""One picture of a replay sweep: :func:`plot` draws hit rate against cache size next to both
+offline optima, and the per-token traffic (bytes, and modeled milliseconds when timed), on a
+bare :class:`matplotlib.figure.Figure` (no pyplot state, any backend). ``pallas-cache replay
+--plot`` and the example notebook both call it. Needs matplotlib (the ``plot`` extra).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable, Sequence
+
+__all__ = ["plot", "series_style"]
+
+#: Ten colours (matplotlib's tab10), four line styles and seven markers: series ``i`` takes
+#: colour ``i % 10``, marker ``i % 7`` and line style ``(i // 10) % 4``, so the first 70 series
+#: differ in (colour, marker) and the first 40 also in (colour, line style).
+_COLOURS = tuple(f"C{i}" for i in range(10))
+_LINESTYLES = ("-", "--", "-.", ":")
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X")
+
+#: ``gid`` of the bound and reference lines, so a caller (or a test) can find them.
+BELADY_GID, BYPASS_GID, ORACLE_GID = "belady_hit_rate", "bypass_optimum_hit_rate", "oracle_hit_rate"
+
+
+def series_style(index: int) -> dict:
+    """Line keyword arguments of series ``index`` (colour x marker x line style)."""
+    return {"color": _COLOURS[index % len(_COLOURS)], "marker": _MARKERS[index % len(_MARKERS)],
+            "linestyle": _LINESTYLES[(index // len(_COLOURS)) % len(_LINESTYLES)]}
+
+
+def _rows(results: Iterable) -> list[dict]:
+    rows = [r if isinstance(r, dict) else dataclasses.asdict(r) for r in results]
+    if not rows:
+        raise ValueError("plot needs at least one replay result")
+    return rows
+
+
+def _gib(value):
+    return None if value is None else value / 2**30
+
+
+def plot(results: Sequence, axes=None, *, title: str | None = None):
+    """Draw a sweep and return the :class:`~matplotlib.figure.Figure`.
+
+    Left panel: ``hit_rate`` against the cache size (GiB when every row knows ``cache_bytes``,
+    else slots), one line per (policy, order, admission), with ``bypass_optimum_hit_rate`` (a
+    bound for every row), ``belady_hit_rate`` (a bound for ``full`` rows) and the stationary
+    ``oracle_hit_rate`` (a reference). Right panel: host-to-device traffic per token
+    (``fetched_bytes_per_token`` in GiB, or ``fetched_per_token`` experts without ``W``) and,
+    when the rows are timed, ``modeled_ms_per_token`` on a second y axis (thin, hollow markers).
+    The legend sits outside the data, right of the panels.
+
+    Args:
+      results: :class:`~pallas_cache.sizing.replay.ReplayResult` rows or their records
+        (:func:`pallas_cache.sizing.report.records`).
+      axes: a pair of matplotlib Axes to draw on (default: a new 12 x 4.5 inch figure).
+      title: the figure's title (default: the records' ``source`` when given records).
+
+    Raises:
+      ValueError: no results, or ``axes`` is not a pair.
+    """
+    rows = _rows(results)
+    if axes is None:
+        from matplotlib.figure import Figure
+
+        figure = Figure(figsize=(12, 4.5), layout="constrained")
+        axes = figure.subplots(1, 2)
+        own = True
+    else:
+        if len(axes) != 2:
+            raise ValueError(f"axes must be a pair of Axes, got {len(axes)}")
+        figure, own = axes[0].figure, False
+    hit_axes, traffic_axes = axes
+    weighed = all(r.get("cache_bytes") is not None for r in rows)
+    timed = all(r.get("modeled_ms_per_token") is not None for r in rows)
+
+    def x(r):
+        return _gib(r["cache_bytes"]) if weighed else r["cache_size"]
+
+    groups: dict[str, list[dict]] = {}
+    for r in rows:
+        groups.setdefault(f"{r['policy']} / {r['order']} / {r['admission']}", []).append(r)
+    ms_axes = traffic_axes.twinx() if timed else None
+    for index, (label, group) in enumerate(groups.items()):
+        group = sorted(group, key=lambda r: r["cache_size"])
+        style = series_style(index)
+        xs = [x(r) for r in group]
+        hit_axes.plot(xs, [r["hit_rate"] for r in group], label=label, gid=f"series:{label}",
+                      **style)
+        traffic = [_gib(r["fetched_bytes_per_token"]) if weighed else r["fetched_per_token"]
+                   for r in group]
+        traffic_axes.plot(xs, traffic, gid=f"traffic:{label}", **style)
+        if ms_axes is not None:
+            ms_axes.plot(xs, [r["modeled_ms_per_token"] for r in group], gid=f"ms:{label}",
+                         linewidth=0.8, alpha=0.7, markerfacecolor="none", **style)
+
+    by_size = {r["cache_size"]: r for r in rows}
+    sizes = sorted(by_size)
+    xs = [x(by_size[s]) for s in sizes]
+    # Wide and pale under a thin dashed line: both stay visible where the two optima coincide.
+    bounds = ((BYPASS_GID, "bypass optimum (bounds every row)",
+               {"color": "0.55", "linewidth": 4.0, "linestyle": "-", "alpha": 0.6, "zorder": 1}),
+              (BELADY_GID, "Belady (bounds `full` rows)",
+               {"color": "black", "linewidth": 1.2, "linestyle": "--", "zorder": 3}),
+              (ORACLE_GID, "stationary oracle (reference)",
+               {"color": "0.4", "linewidth": 1.0, "linestyle": ":", "zorder": 1}))
+    for key, label, style in bounds:
+        values = [by_size[s][key] for s in sizes]
+        if all(v is not None for v in values):
+            hit_axes.plot(xs, values, label=label, gid=key, **style)
+
+    unit = "cache size (GiB)" if weighed else "cache size (slots)"
+    hit_axes.set_xlabel(unit)
+    hit_axes.set_ylabel("hit rate (1 - missing / active)")
+    hit_axes.set_ylim(0, 1.02)
+    hit_axes.grid(alpha=0.3)
+    traffic_axes.set_xlabel(unit)
+    traffic_axes.set_ylabel("fetched GiB per token" if weighed else "experts fetched per token")
+    traffic_axes.set_ylim(bottom=0)
+    traffic_axes.grid(alpha=0.3)
+    if ms_axes is not None:
+        ms_axes.set_ylabel("modeled ms per token (thin, hollow)")
+        ms_axes.set_ylim(bottom=0)
+    if title is None:
+        title = rows[0].get("source")
+    if title:
+        figure.suptitle(str(title), fontsize=9)
+    handles, labels = hit_axes.get_legend_handles_labels()
+    columns = -(-len(labels) // 16)  # at most 16 entries a column: the legend fits the height
+    if own:
+        figure.set_figwidth(12 + 2.8 * (columns - 1))
+        figure.legend(handles, labels, loc="outside right upper", fontsize=8, ncols=columns)
+    else:
+        (ms_axes or traffic_axes).legend(handles, labels, loc="upper left", fontsize=8,
+                                         ncols=columns,
+                                         bbox_to_anchor=(1.15 if ms_axes else 1.02, 1),
+                                         borderaxespad=0)
+    return figure

@@ -1,0 +1,240 @@
+"""Replay results as records and as text: one flat record schema for every output format.
+
+:func:`records` turns :class:`~pallas_cache.sizing.replay.ReplayResult` rows, the trace they came
+from and the cost model into flat dicts whose keys are :data:`RECORD_KEYS` (trace metadata, then
+the configuration, then every counter, rate and cost field); :func:`format_records` prints them
+as ``table``, ``json``, ``jsonl``, ``csv`` or ``markdown``. ``json``, ``jsonl`` and ``csv`` carry
+every key; ``table`` and ``markdown`` carry the informative subset (:func:`table_columns`), each
+column headed by its record key. In ``csv`` the one nested value, ``pair_counts``, is one cell
+holding its JSON text; an absent value (``None``) is an empty cell. :data:`COLUMN_LEGEND` says
+what each key means (printed by ``pallas-cache replay --help``).
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import io
+import json
+import textwrap
+from typing import Iterable, Sequence
+
+from pallas_cache.sizing.units import format_bytes
+
+__all__ = ["COLUMN_LEGEND", "FORMATS", "RECORD_KEYS", "format_records", "legend_text", "records",
+           "table_columns"]
+
+#: The output formats of :func:`format_records` (``pallas-cache replay --format``).
+FORMATS = ("table", "json", "jsonl", "csv", "markdown")
+
+#: Every record key with its meaning, in record order.
+COLUMN_LEGEND: dict[str, str] = {
+    # trace metadata
+    "source": "where the trace came from (a path or synthetic:PRESET(...))",
+    "layers": "L, MoE layers of the trace's model",
+    "experts": "E, routed experts per layer",
+    "top_k": "k, route columns per layer-call (-1 padded)",
+    "tokens": "decode tokens: distinct (sequence, token) pairs",
+    "calls": "layer-calls replayed (one per token and layer)",
+    "sequences": "sequences (requests) in the trace",
+    # configuration
+    "cache_size": "S, device slots shared by all layers",
+    "policy": "full | fraction:Q | cap:N: how many misses of a call are copied",
+    "order": "which misses win a capped fetch: recency | lowest_id",
+    "admission": "fetches beyond the split: promote_one | none | reuse",
+    "expert_bytes": "W, bytes of one routed expert (empty without --model/--expert-bytes)",
+    "link_bandwidth": "B_link in bytes/s (empty when not given)",
+    "cpu_bandwidth": "B_cpu in bytes/s (empty when not given)",
+    "device_budget": "--device-budget in bytes (empty when not given)",
+    # counters, summed over layer-calls
+    "routes": "non-padding routes (duplicates counted)",
+    "active": "distinct experts routed, summed over calls",
+    "missing": "distinct routed experts not resident when their call came",
+    "fetched": "experts copied host -> device (a miss admitted into a slot)",
+    "cpu_routes": "routes the CPU computed: hybrid misses not fetched (duplicates counted)",
+    "cpu_experts": "distinct experts the CPU computed, summed over calls (missing - fetched)",
+    "empty_slots": "slots empty at the end of the trace (never filled, or emptied)",
+    # rates
+    "hit_rate": "1 - missing/active",
+    "belady_hit_rate": "offline optimum when every miss is admitted: bounds `full` rows only",
+    "bypass_optimum_hit_rate": "offline optimum when a miss may stay on the CPU: bounds every row",
+    "oracle_hit_rate": "a fixed max(1, round(S/L)) slots per layer; a reference, not a bound",
+    "fetched_per_token": "fetched / tokens: expert copies per token",
+    "cpu_experts_per_token": "cpu_experts / tokens: experts the CPU computes per token",
+    # cost model (docs/semantics.md §11); empty without W (bytes) or the bandwidths (ms)
+    "cache_bytes": "S * W, device bytes of the pool",
+    "fetched_bytes_per_token": "fetched * W / tokens",
+    "cpu_bytes_per_token": "cpu_experts * W / tokens",
+    "modeled_ms_per_token": "per call max(fetched*W/B_link, cpu_experts*W/B_cpu), summed per token",
+    "best": "the fastest modeled row at its cache_size",
+    "budget_best": "the fastest modeled row whose cache_bytes fits --device-budget",
+    "note": "why the row deserves a second look (e.g. S < L*k), else empty",
+    "pair_counts": "[fetched, cpu_experts, calls] for every per-call pair that occurred (exact; "
+                   "enough to model any bandwidths); csv: one cell of JSON",
+}
+
+#: The keys of every record, in order.
+RECORD_KEYS: tuple[str, ...] = tuple(COLUMN_LEGEND)
+
+_TRACE_KEYS = ("source", "layers", "experts", "top_k", "tokens", "calls", "sequences")
+_COST_KEYS = ("expert_bytes", "link_bandwidth", "cpu_bandwidth", "device_budget")
+
+
+def records(results: Iterable, trace, cost=None) -> list[dict]:
+    """One flat dict per result, keys :data:`RECORD_KEYS` in that order.
+
+    Args:
+      results: :class:`~pallas_cache.sizing.replay.ReplayResult` rows (from ``replay``).
+      trace: the :class:`~pallas_cache.sizing.trace.Trace` they replayed (its metadata).
+      cost: the :class:`~pallas_cache.sizing.cost.CostModel` used, or ``None``.
+
+    ``pair_counts`` becomes a list of ``[fetched, cpu_experts, calls]`` lists (JSON's shape).
+
+    Raises:
+      ValueError: a result field that is not a record key (the schema and the result diverged).
+    """
+    meta = {"source": str(trace.source), "layers": int(trace.num_layers),
+            "experts": int(trace.num_experts), "top_k": int(trace.top_k),
+            "tokens": int(trace.num_tokens), "calls": int(trace.num_calls),
+            "sequences": len(trace.sequence_names)}
+    config = {key: (getattr(cost, key) if cost is not None else None) for key in _COST_KEYS}
+    out = []
+    for result in results:
+        fields = dataclasses.asdict(result)
+        unknown = set(fields) - set(RECORD_KEYS)
+        if unknown:
+            raise ValueError(f"result fields {sorted(unknown)} are not record keys")
+        fields["pair_counts"] = [[int(v) for v in pair] for pair in fields["pair_counts"]]
+        merged = {**fields, **meta, **config}
+        merged["tokens"], merged["calls"] = fields["tokens"], fields["calls"]
+        out.append({key: merged.get(key) for key in RECORD_KEYS})
+    return out
+
+
+def table_columns(rows: Sequence[dict]) -> list[str]:
+    """The keys ``table`` and ``markdown`` show: the configuration that varies, the bounds, the
+    per-token traffic (bytes when ``W`` is known, else experts), the modeled time when timed, and
+    the note. Everything else is constant (printed above the table) or in the other formats."""
+    weighed = any(r["cache_bytes"] is not None for r in rows)
+    timed = any(r["modeled_ms_per_token"] is not None for r in rows)
+    columns = ["cache_size"] + (["cache_bytes"] if weighed else []) + ["policy"]
+    columns += [key for key in ("order", "admission") if len({r[key] for r in rows}) > 1]
+    columns += ["hit_rate", "belady_hit_rate", "bypass_optimum_hit_rate", "oracle_hit_rate"]
+    columns += (["fetched_bytes_per_token", "cpu_bytes_per_token"] if weighed
+                else ["fetched_per_token", "cpu_experts_per_token"])
+    if timed:
+        columns += ["modeled_ms_per_token", "best"]
+    return columns + ["note"]
+
+
+def _cell(key: str, value) -> str:
+    """A value as the table shows it (the machine formats keep the exact value)."""
+    if value is None:
+        return "-"
+    if key in ("cache_bytes", "fetched_bytes_per_token", "cpu_bytes_per_token"):
+        return format_bytes(value)
+    if key == "best":
+        return "yes" if value else ""
+    if key.endswith("_rate"):
+        return f"{value:.4f}"
+    if key == "modeled_ms_per_token":
+        return f"{value:.1f}"
+    if isinstance(value, float):
+        return f"{value:.2f}"
+    return str(value)
+
+
+def _preamble(rows: Sequence[dict]) -> list[str]:
+    first = rows[0]
+    shown = set(table_columns(rows))
+    constant = "".join(f" {key}={first[key]}" for key in ("order", "admission")
+                       if key not in shown)
+    return [f"trace: {first['source']}  layers={first['layers']} experts={first['experts']} "
+            f"top_k={first['top_k']} calls={first['calls']} tokens={first['tokens']} "
+            f"sequences={first['sequences']}", f"cache:{constant}"]
+
+
+def _split_key(key: str, width: int) -> tuple[str, str]:
+    """A record key as a two-line header when it is wider than its values: split after the
+    underscore nearest its middle, so the two lines read as the key (``belady_`` / ``hit_rate``)."""
+    cuts = [i + 1 for i, char in enumerate(key) if char == "_"]
+    if len(key) <= width or not cuts:
+        return "", key
+    cut = min(cuts, key=lambda i: abs(len(key) - 2 * i))
+    return key[:cut], key[cut:]
+
+
+def _table(rows: Sequence[dict], header_lines: Sequence[str]) -> str:
+    columns = table_columns(rows)
+    body = [[_cell(key, r[key]) for key in columns] for r in rows]
+    names = [_split_key(key, max([len(row[i]) for row in body] + [len("cache_size")]))
+             for i, key in enumerate(columns)]
+    if all(top == "" for top, _ in names):
+        head = [[bottom for _, bottom in names]]
+    else:
+        head = [[top for top, _ in names], [bottom for _, bottom in names]]
+    grid = head + body
+    widths = [max(len(row[i]) for row in grid) for i in range(len(columns))]
+    lines = [*_preamble(rows), *header_lines]
+    for i, row in enumerate(grid):
+        cells = [cell.rjust(w) for cell, w in zip(row[:-1], widths)] + [row[-1]]
+        lines.append("  ".join(cells).rstrip())
+        if i == len(head) - 1:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _markdown(rows: Sequence[dict], header_lines: Sequence[str]) -> str:
+    columns = table_columns(rows)
+
+    def line(cells):
+        return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
+
+    lines = [f"{text}  " for text in (*_preamble(rows), *header_lines)] + [""]
+    lines += [line(columns), line(["---:" if key not in ("policy", "note") else "---"
+                                   for key in columns])]
+    lines += [line([_cell(key, r[key]) for key in columns]) for r in rows]
+    return "\n".join(lines)
+
+
+def _csv(rows: Sequence[dict]) -> str:
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=RECORD_KEYS, lineterminator="\n")
+    writer.writeheader()
+    for r in rows:
+        writer.writerow({key: ("" if r[key] is None else
+                               json.dumps(r[key]) if key == "pair_counts" else r[key])
+                         for key in RECORD_KEYS})
+    return buffer.getvalue().rstrip("\n")
+
+
+def format_records(rows: Sequence[dict], fmt: str = "table", header_lines: Sequence[str] = ()
+                   ) -> str:
+    """``rows`` (from :func:`records`) as text in one of :data:`FORMATS`.
+
+    ``json``: a list of records; ``jsonl``: one record per line; ``csv``: a header of
+    :data:`RECORD_KEYS` and one line per record; ``table`` (for a terminal) and ``markdown``:
+    the :func:`table_columns` of the records under the trace line and ``header_lines``.
+
+    Raises:
+      ValueError: an unknown format, or no rows for ``table``/``markdown``.
+    """
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown format {fmt!r}: use one of {', '.join(FORMATS)}")
+    if fmt == "json":
+        return json.dumps(list(rows), indent=1)
+    if fmt == "jsonl":
+        return "\n".join(json.dumps(r) for r in rows)
+    if fmt == "csv":
+        return _csv(rows)
+    if not rows:
+        raise ValueError(f"no results to show as a {fmt}")
+    return _table(rows, header_lines) if fmt == "table" else _markdown(rows, header_lines)
+
+
+def legend_text(width: int = 100) -> str:
+    """:data:`COLUMN_LEGEND` as an aligned, wrapped block (``--help``, the README)."""
+    pad = max(len(key) for key in COLUMN_LEGEND) + 2
+    return "\n".join(textwrap.fill(text, width=width, initial_indent=f"  {key.ljust(pad)}",
+                                   subsequent_indent=" " * (pad + 2))
+                     for key, text in COLUMN_LEGEND.items())

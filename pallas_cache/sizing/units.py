@@ -1,0 +1,72 @@
+"""Byte sizes and bandwidths as people write them: ``336MiB``, ``24GiB``, ``25GB/s``, ``60 GB/s``.
+
+Decimal prefixes are powers of 1000 (``GB = 10**9`` bytes, as link and memory bandwidths are
+quoted) and binary ones powers of 1024 (``GiB = 2**30``, as memory sizes are quoted); a bare
+number is bytes (or bytes per second). The unit must end in a capital ``B``: a lower-case ``b``
+would mean bits and is refused rather than guessed. Parsers raise ``ValueError`` naming the text.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+__all__ = ["parse_bytes", "parse_bandwidth", "format_bytes", "format_bandwidth"]
+
+_PREFIX = {
+    "": 1, "k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
+    "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40,
+}
+_QUANTITY = re.compile(r"^\s*(?P<number>[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*"
+                       r"(?P<unit>(?P<prefix>[kKMGT]i?)?(?P<b>[Bb])?)\s*$")
+
+
+def _parse(text: str, what: str, example: str, quantity: str | None = None) -> float:
+    """The number of ``quantity`` (default: ``text``) in units; errors quote ``text``."""
+    match = _QUANTITY.match(str(text if quantity is None else quantity))
+    if match is None or (match.group("prefix") and not match.group("b")):
+        raise ValueError(f"bad {what} {text!r}: expected a number with a unit such as {example}")
+    if match.group("b") == "b":
+        raise ValueError(f"bad {what} {text!r}: 'b' means bits; write bytes with a capital B "
+                         f"(e.g. {example})")
+    value = float(match.group("number")) * _PREFIX[match.group("prefix") or ""]
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"bad {what} {text!r}: must be positive")
+    return value
+
+
+def parse_bytes(text: str) -> int:
+    """``"336MiB"`` -> ``352321536``; ``"24GB"`` -> ``24 * 10**9``; a bare number is bytes.
+
+    A fractional byte count rounds down (``"1.5KiB"`` is 1536, ``"0.5B"`` is refused as 0).
+    """
+    value = int(_parse(text, "byte size", "336MiB, 24GiB or 12GB"))
+    if value < 1:
+        raise ValueError(f"bad byte size {text!r}: less than one byte")
+    return value
+
+
+def parse_bandwidth(text: str) -> float:
+    """``"25GB/s"`` -> ``25e9`` bytes per second; ``GiB/s``, ``MB/s``, ``MiB/s`` and so on too."""
+    stripped = str(text).strip()
+    if not stripped.endswith("/s"):
+        raise ValueError(f"bad bandwidth {text!r}: expected bytes per second such as 25GB/s, "
+                         f"12GiB/s or 800MB/s")
+    return _parse(text, "bandwidth", "25GB/s, 12GiB/s or 800MB/s", stripped[:-2])
+
+
+def format_bytes(count: float) -> str:
+    """Binary units: ``352321536`` -> ``"336MiB"``, ``2**34`` -> ``"16.0GiB"`` (one decimal below 100)."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if count >= scale:
+            value = count / scale
+            return f"{value:.0f}{unit}" if value >= 100 else f"{value:.1f}{unit}"
+    return f"{count:.0f}B"
+
+
+def format_bandwidth(rate: float) -> str:
+    """Decimal units: ``25e9`` -> ``"25GB/s"``."""
+    for unit, scale in (("TB/s", 1e12), ("GB/s", 1e9), ("MB/s", 1e6), ("kB/s", 1e3)):
+        if rate >= scale:
+            return f"{rate / scale:.4g}{unit}"
+    return f"{rate:.4g}B/s"

@@ -1,0 +1,187 @@
+"""The CLI fails before the work, with one line: plot paths, memory limits, Ctrl-C, odd fractions.
+
+Each test calls ``cli.main`` in-process. Where a failure used to surface only after the replay
+(a bad ``--plot`` path), the replay is replaced by a sentinel that fails the test if it runs.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import re
+import sys
+
+import pytest
+
+from pallas_cache.sizing import cli
+replay_mod = importlib.import_module("pallas_cache.sizing.replay")  # the package re-exports a
+# function of the same name, so `from pallas_cache.sizing import replay` is not the module
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMALL = ["replay", "--synthetic", "mixtral-like", "--tokens", "4", "--cache-size", "64",
+         "--policy", "full"]
+
+
+@pytest.fixture
+def no_replay(monkeypatch):
+    """Make any replay fail the test: the error must come before the work."""
+    def replay(*args, **kwargs):
+        raise AssertionError("the replay ran before the argument error was reported")
+
+    monkeypatch.setattr(replay_mod, "replay", replay)
+
+
+def one_line_error(capsys, code):
+    err = capsys.readouterr().err
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("pallas-cache: "), err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+@pytest.mark.parametrize("make_path,message", [
+    (lambda tmp: tmp / "missing" / "plot.png", r"no such directory"),
+    (lambda tmp: tmp / "plot.bmp", r"unknown image format \.bmp; use one of .*\.png"),
+    (lambda tmp: tmp / "plot", r"unknown image format \(no extension\)"),
+    (lambda tmp: "/proc/plot.png", r"cannot write in /proc"),
+], ids=["missing-dir", "bad-extension", "no-extension", "unwritable"])
+def test_a_bad_plot_path_fails_before_the_replay(tmp_path, capsys, no_replay, make_path, message):
+    """FAILS if --plot is only checked when the figure is saved, after the whole replay."""
+    path = make_path(tmp_path)
+    line = one_line_error(capsys, cli.main(SMALL + ["--plot", str(path)]))
+    assert str(path) in line
+    assert re.search(message, line), line
+
+
+def test_plot_without_matplotlib_fails_before_the_replay(capsys, no_replay, monkeypatch,
+                                                         tmp_path):
+    """FAILS if a missing matplotlib is discovered after the replay."""
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    line = one_line_error(capsys, cli.main(SMALL + ["--plot", str(tmp_path / "p.png")]))
+    assert "--plot needs matplotlib" in line
+
+
+def test_plot_into_a_directory_writes_the_default_name(tmp_path, capsys):
+    """FAILS if --plot DIR tries to write the directory itself (IsADirectoryError after the
+    replay) instead of a file inside it."""
+    assert cli.main(SMALL + ["--json", "--plot", str(tmp_path)]) == 0
+    written = os.listdir(tmp_path)
+    assert len(written) == 1 and written[0].endswith(".png"), written
+    assert (tmp_path / written[0]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(json.loads(capsys.readouterr().out)) == 1
+
+
+def test_ctrl_c_prints_one_line_exits_130_and_leaves_no_partial_plot(tmp_path, capsys,
+                                                                     monkeypatch):
+    """FAILS if Ctrl-C escapes as a KeyboardInterrupt traceback, or an interrupted plot leaves a
+    partial (or temporary) file behind."""
+    import matplotlib.figure
+
+    def interrupted_savefig(self, fname, *args, **kwargs):
+        with open(fname, "wb") as handle:
+            handle.write(b"\x89PNG partial")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", interrupted_savefig)
+    target = tmp_path / "plot.png"
+    assert cli.main(SMALL + ["--plot", str(target)]) == 130
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == "pallas-cache: interrupted" and "Traceback" not in err
+    assert os.listdir(tmp_path) == []
+
+    def interrupted_replay(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(replay_mod, "replay", interrupted_replay)
+    assert cli.main(SMALL) == 130
+    assert capsys.readouterr().err.strip().splitlines() == ["pallas-cache: interrupted"]
+
+
+@pytest.mark.parametrize("policy,meaning", [
+    ("fraction:-1", "fetch fraction 0"), ("fraction:1e-9", "fetch fraction 0"),
+    ("fraction:2", "fetch fraction 1"),
+])
+def test_a_clamped_fraction_warns_what_it_means(capsys, monkeypatch, policy, meaning):
+    """FAILS if fraction:-1 / fraction:1e-9 run silently as "never fetch"."""
+    monkeypatch.setattr(replay_mod, "replay", lambda trace, configs, **options: [])
+    argv = ["replay", "--synthetic", "mixtral-like", "--tokens", "2", "--cache-size", "64",
+            "--json", "--policy", "fraction:0.4", policy, "fraction:0"]
+    assert cli.main(argv) == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert len(warnings) == 1, warnings
+    assert warnings[0].startswith(f"pallas-cache: warning: {policy} means {meaning}")
+
+
+def test_huge_tokens_and_cache_sizes_are_refused_before_allocation(capsys, no_replay):
+    """FAILS if --tokens 100000000 or --cache-size 3000000000 start allocating (MemoryError or a
+    raw RESOURCE_EXHAUSTED traceback after minutes)."""
+    line = one_line_error(capsys, cli.main(["replay", "--tokens", "100000000"]))
+    assert "num_tokens=100000000" in line and "above the memory limit" in line
+    line = one_line_error(capsys, cli.main(SMALL[:-3] + ["3000000000"]))
+    assert line.startswith("pallas-cache: --cache-size 3000000000: ") and "memory limit" in line
+
+
+def test_max_memory_flag_sets_the_limit(tmp_path, capsys, no_replay):
+    """FAILS if there is no way to lower (or raise) the limit from the command line, or a bad
+    value is accepted."""
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps({"layer": 0, "token_idx": t, "experts": [1, 2]}) + "\n"
+                            for t in range(100)))
+    line = one_line_error(capsys, cli.main(["replay", "--trace", str(path), "--max-memory",
+                                            "1KiB"]))
+    assert "t.jsonl:" in line and "above the memory limit of 1.0 KiB" in line
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["replay", "--max-memory", "lots"])
+    assert exit_info.value.code == 2
+    assert "'lots' is not a memory size" in capsys.readouterr().err
+    assert cli._memory_size("8GiB") == 8 * 2**30 and cli._memory_size("2e9") == 2 * 10**9
+    assert cli._memory_size("512 MiB") == 512 * 2**20
+
+
+def test_state_memory_counts_every_configuration_of_a_size():
+    """FAILS if the cache-state estimate ignores the configuration batch or the geometry."""
+    one = 32 * 8 * 16 + 1024 * 8 + 32 * 16
+    cli._check_state_memory([1024], 1, 32, 8, 3 * one)
+    with pytest.raises(ValueError, match=r"--cache-size 1024: 2 cache state"):
+        cli._check_state_memory([64, 1024], 2, 32, 8, 3 * one)
+    with pytest.raises(ValueError, match=r"10000 layers x 8 experts"):
+        cli._check_state_memory([64], 1, 10_000, 8, 3 * one)
+
+
+def test_hostile_trace_through_the_cli_is_one_line(tmp_path, capsys, no_replay):
+    """FAILS if a one-record outlier id reaches the replay as a giant geometry."""
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"layer": 0, "token_idx": 0, "experts": [1, 2]}\n'
+                    '{"layer": 10000000, "token_idx": 0, "experts": [1, 2]}\n')
+    line = one_line_error(capsys, cli.main(["replay", "--trace", str(path)]))
+    assert "t.jsonl:2: field 'layer': layer 10000000 is an outlier" in line
+
+
+def test_a_real_sigint_during_the_replay_exits_130_without_a_traceback(tmp_path):
+    """FAILS if SIGINT during a running replay ends in a KeyboardInterrupt traceback (the
+    40-82 lines seen before) or leaves a plot file: the whole process, as a user runs it."""
+    import signal
+    import subprocess
+
+    target = tmp_path / "plot.png"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "pallas_cache.sizing.cli", "replay", "--synthetic",
+         "fine-grained", "--tokens", "2000", "--cache-size", "1024", "2048", "--plot",
+         str(target)],
+        stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, cwd=REPO,
+        env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO})
+    seen = b""
+    while b"cache_size=" not in seen:  # the progress bar: the replay is running
+        chunk = process.stderr.read1(256)
+        assert chunk, seen.decode(errors="replace")
+        seen += chunk
+    process.send_signal(signal.SIGINT)
+    seen += process.stderr.read()
+    assert process.wait(timeout=120) == 130, seen.decode(errors="replace")
+    text = seen.decode(errors="replace")
+    assert "Traceback" not in text and text.rstrip().endswith("pallas-cache: interrupted"), text
+    assert os.listdir(tmp_path) == []
