@@ -26,6 +26,7 @@ import jax.numpy as jnp
 __all__ = [
     "apply_copy_plan",
     "check_bank_layer",
+    "check_plan_geometry",
     "gather_rows",
     "host_memory_kind",
     "memory_space",
@@ -124,6 +125,29 @@ def check_bank_layer(host_bank, layer):
     return layer.astype(jnp.int32)
 
 
+def check_plan_geometry(copy, pool, host_bank, layer) -> None:
+    """Refuse, at trace time, a pool or host bank of another geometry than the plan's.
+
+    ``copy`` is a :class:`~pallas_cache.ops.CopyPlan`; its static ``num_slots`` / ``num_experts``
+    (None on a hand-built plan: nothing to check) must equal every pool leaf's leading axis and
+    every bank leaf's expert axis (axis 0, or axis 1 with ``layer=``). A smaller pool would drop
+    copies past its end and a smaller bank would clamp two experts onto one row, silently
+    (docs/semantics.md §5.13).
+    """
+    num_slots = getattr(copy, "num_slots", None)
+    num_experts = getattr(copy, "num_experts", None)
+    for leaf in jax.tree.leaves(pool):
+        if num_slots is not None and leaf.shape[0] != num_slots:
+            raise ValueError(f"the plan is for a pool of {num_slots} slots, but a pool leaf has "
+                             f"shape {tuple(leaf.shape)} ({leaf.shape[0]} slots)")
+    axis = 0 if layer is None else 1
+    for leaf in jax.tree.leaves(host_bank):
+        if num_experts is not None and leaf.ndim > axis and leaf.shape[axis] != num_experts:
+            raise ValueError(f"the plan is for {num_experts} experts per layer, but a host bank "
+                             f"leaf has shape {tuple(leaf.shape)} ({leaf.shape[axis]} rows on "
+                             f"its expert axis {axis})")
+
+
 def apply_copy_plan(pool, host_bank, plan, *, layer=None):
     """Copy a plan's fetched experts from the host bank into their device slots.
 
@@ -143,12 +167,17 @@ def apply_copy_plan(pool, host_bank, plan, *, layer=None):
 
     Returns:
       The new pool, same structure, shapes, dtypes and memory placement as ``pool``.
+
+    Raises:
+      ValueError: at trace time, a pool or bank whose geometry differs from the plan's
+        (:func:`check_plan_geometry`), naming both shapes.
     """
     copy = getattr(plan, "copy", plan)
     dst_slots = jnp.asarray(copy.dst_slots, jnp.int32)
     src_rows = jnp.asarray(copy.src_rows, jnp.int32)
     count = jnp.asarray(copy.count, jnp.int32)
     layer = check_bank_layer(host_bank, layer)
+    check_plan_geometry(copy, pool, host_bank, layer)
 
     pool_leaves, pool_tree = jax.tree.flatten(pool)
     bank_leaves, bank_tree = jax.tree.flatten(host_bank)

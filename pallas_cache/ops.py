@@ -36,7 +36,7 @@ from pallas_cache import clock, errors, validate
 from pallas_cache.kernels import dispatch as backends
 from pallas_cache.policy import Admission, FetchOrder, FetchPolicy
 from pallas_cache.state import CacheState
-from pallas_cache.tree import pytree_dataclass
+from pallas_cache.tree import pytree_dataclass, static_field
 
 __all__ = [
     "CopyPlan",
@@ -64,11 +64,17 @@ class CopyPlan:
       src_rows: int32[K']. The **layer-local** host row (expert id) of each copy, so it indexes the
         layer's own host bank; -1 past ``count``.
       count: int32[]. Number of valid entries.
+      num_slots: static. The pool size ``S`` the plan was made for (None for a hand-built plan).
+      num_experts: static. The experts per layer ``E`` its ``src_rows`` index (None likewise).
+        Both let :func:`~pallas_cache.moe.apply_copy_plan` refuse a pool or bank of another
+        geometry at trace time instead of dropping or misdirecting copies.
     """
 
     dst_slots: jax.Array
     src_rows: jax.Array
     count: jax.Array
+    num_slots: int | None = static_field(default=None)
+    num_experts: int | None = static_field(default=None)
 
 
 @pytree_dataclass
@@ -344,7 +350,8 @@ def ensure_with_rules(state: CacheState, layer, routes, policy: FetchPolicy, rul
     plan = EnsurePlan(
         slots=route_slot.reshape(routes.shape),
         cpu=cpu.reshape(routes.shape),
-        copy=CopyPlan(dst_slots=victims, src_rows=experts, count=num_fetch),
+        copy=CopyPlan(dst_slots=victims, src_rows=experts, count=num_fetch, num_slots=S,
+                      num_experts=E),
         active=num_active,
         missing=num_missing,
         fetched=num_fetch,
@@ -457,7 +464,7 @@ def _materialize_layer(state: CacheState, layer):
         step=jnp.where(accepted, step, state.step),
     )
     count = jnp.where(accepted, E, 0).astype(jnp.int32)
-    copy = CopyPlan(dst_slots=experts, src_rows=experts, count=count)
+    copy = CopyPlan(dst_slots=experts, src_rows=experts, count=count, num_slots=S, num_experts=E)
     return new_state, MaterializePlan(copy=copy, error=error)
 
 

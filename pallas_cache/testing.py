@@ -17,7 +17,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from pallas_cache.moe import check_bank_layer, gather_rows, memory_space
+from pallas_cache.moe import check_bank_layer, check_plan_geometry, gather_rows, memory_space
 
 __all__ = ["moe_combine", "moe_dense"]
 
@@ -97,6 +97,7 @@ def moe_combine(x, expert_ids, gates, plan, pool, host_bank,
       (``plan.cpu``); padding routes (and any route the plan assigned to neither) contribute 0.
     """
     layer = check_bank_layer(host_bank, layer)
+    check_plan_geometry(plan.copy, pool, host_bank, layer)
     x_routes, ids, gate = _route_inputs(x, expert_ids, gates)
     slots = jnp.asarray(plan.slots).reshape(-1)
     cpu = jnp.asarray(plan.cpu).reshape(-1)
