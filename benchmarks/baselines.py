@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pallas_cache.sizing.trace import Trace
+from pallas_cache.sizing.traces import Trace
 
 
 def per_layer_lru_hit_rate(trace: Trace, cache_size: int) -> float:

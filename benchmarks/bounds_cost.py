@@ -42,7 +42,7 @@ CHILD = r"""
 import json, resource, sys, time
 import numpy as np
 trace_path, calls, size, module_dir = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-from pallas_cache.sizing.trace import Trace
+from pallas_cache.sizing.traces import Trace
 if module_dir:
     sys.path.insert(0, module_dir)
     import baseline_bounds as bounds

@@ -48,8 +48,8 @@ def peak_mb():  # VmHWM: ru_maxrss survives exec, so it would count the parent's
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 if replay_too:
     import jax  # noqa: F401
-    from pallas_cache.sizing.replay import ReplayConfig, replay
-from pallas_cache.sizing.trace import load_trace
+    from pallas_cache.sizing.sweep import ReplayConfig, replay
+from pallas_cache.sizing.traces import load_trace
 out = {"imports_mb": peak_mb()}
 start = time.perf_counter()
 trace = load_trace(path)

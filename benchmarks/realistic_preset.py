@@ -36,7 +36,7 @@ import numpy as np  # noqa: E402
 
 from baselines import per_layer_lru_hit_rate  # noqa: E402
 from pallas_cache.sizing.bounds import belady  # noqa: E402
-from pallas_cache.sizing.replay import ReplayConfig, replay  # noqa: E402
+from pallas_cache.sizing.sweep import ReplayConfig, replay  # noqa: E402
 from pallas_cache.sizing.synthetic import (  # noqa: E402
     lag_repeat_probability, neighbour_precision, synthetic_trace, trace_statistics)
 from results_file import write_section  # noqa: E402

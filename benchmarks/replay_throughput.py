@@ -2,7 +2,7 @@
 
 For both synthetic presets, in one run:
   (a) a Python loop over the NumPy reference (``ReferenceCache.ensure_hybrid``),
-  (b) one compiled replay of one configuration (``pallas_cache.sizing.replay``),
+  (b) one compiled replay of one configuration (``pallas_cache.sizing.sweep``),
   (c) one compiled replay of 64 configurations (one vmapped program),
 and the ratios (b)/(a) and (c)/(64 x (b)) -- the second compares the vmapped program against 64
 single-configuration replays run one after another. Compile time is excluded (a warm-up replay
@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 
-from pallas_cache.sizing.replay import ReplayConfig, replay  # noqa: E402
+from pallas_cache.sizing.sweep import ReplayConfig, replay  # noqa: E402
 from pallas_cache.sizing.synthetic import synthetic_trace  # noqa: E402
 from reference import ReferenceCache, ReferencePolicy  # noqa: E402
 from results_file import write_section  # noqa: E402

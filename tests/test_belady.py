@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from pallas_cache.sizing.bounds import belady, oracle_slots_for, stationary_oracle
 from pallas_cache.sizing.synthetic import PRESETS, SyntheticParams, synthetic_trace
-from pallas_cache.sizing.trace import Trace
+from pallas_cache.sizing.traces import Trace
 
 # ---- independent simulators (test-only) ------------------------------------------------------
 

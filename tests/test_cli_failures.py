@@ -15,8 +15,7 @@ import sys
 import pytest
 
 from pallas_cache.sizing import cli
-replay_mod = importlib.import_module("pallas_cache.sizing.replay")  # the package re-exports a
-# function of the same name, so `from pallas_cache.sizing import replay` is not the module
+replay_mod = importlib.import_module("pallas_cache.sizing.sweep")  # the module of replay()
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["replay", "--synthetic", "mixtral-like", "--tokens", "4", "--cache-size", "64",

@@ -12,8 +12,8 @@ import pytest
 
 from pallas_cache.sizing.cost import CostModel, modeled_seconds
 from pallas_cache.sizing.models import MODELS, resolve_model
-from pallas_cache.sizing.replay import ReplayConfig, auto_cache_sizes, config_grid, replay
-from pallas_cache.sizing.trace import Trace
+from pallas_cache.sizing.sweep import ReplayConfig, auto_cache_sizes, config_grid, replay
+from pallas_cache.sizing.traces import Trace
 from pallas_cache.sizing.units import parse_bandwidth, parse_bytes
 
 QUIET = dict(progress=lambda s: None)

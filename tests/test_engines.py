@@ -69,7 +69,7 @@ def test_field_names_read_a_generic_jsonl_as_the_canonical_one(tmp_path, capsys)
     # A decoy 'layer' key must not win over layer_idx.
     renamed = _write(tmp_path / "g.jsonl", RECORDS, NAMES, extra={"layer": 7})
     spec = "layer=layer_idx,token_idx=pos,experts=topk_ids,sequence=req"
-    from pallas_cache.sizing.trace import parse_fields
+    from pallas_cache.sizing.traces import parse_fields
 
     assert parse_fields(spec) == NAMES
     got = load_trace(renamed, fields=NAMES)

@@ -20,7 +20,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from jax import lax
 
-from pallas_cache.kernels import dispatch, promotion, victims
+from pallas_cache.kernels import dispatch
+from pallas_cache.kernels.promotion import promotion
+from pallas_cache.kernels.victims import victims
 from pallas_cache.kernels.promotion import promotion_call
 from pallas_cache.kernels.victims import victims_call
 

@@ -19,7 +19,8 @@ import jax.numpy as jnp
 import pytest
 from jax import lax
 
-from pallas_cache.kernels import promotion, victims
+from pallas_cache.kernels.promotion import promotion
+from pallas_cache.kernels.victims import victims
 
 SIZES = [64, 2048, 16384]
 EXPERTS = [16, 128, 256]

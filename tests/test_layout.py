@@ -99,12 +99,6 @@ def test_private_import_checker_catches_each_form(tmp_path):
     assert private_imports("def _own(): pass\n_own()\n", "pallas_cache.ops", root) == []
 
 
-# sizing/trace.py predates this rule; renaming it touches the CLI, the replay, the tests and the
-# docs, which other work is editing now. The strict xfail keeps it visible: it turns into a
-# failure the moment the module is renamed, so this entry must then be removed.
-KNOWN_STDLIB_NAMES = {"pallas_cache.sizing.trace"}
-
-
 def _stdlib_named():
     return sorted(module for path, module in package_modules()
                   if module.rsplit(".", 1)[-1] in sys.stdlib_module_names)
@@ -113,12 +107,5 @@ def _stdlib_named():
 def test_no_module_named_like_the_stdlib():
     """FAILS if a package module is named like a standard-library module (``inspect``, ``types``,
     ``statistics``...), which shadows it for anyone running from inside the folder and misleads
-    readers, beyond the one known case listed above."""
-    assert set(_stdlib_named()) <= KNOWN_STDLIB_NAMES, _stdlib_named()
-
-
-@pytest.mark.xfail(strict=True, reason="pallas_cache/sizing/trace.py shadows the stdlib `trace`")
-def test_known_stdlib_named_modules_are_gone():
-    """XFAILS while ``sizing/trace.py`` keeps its stdlib name; FAILS (strict XPASS) once renamed,
-    so the exception list above cannot outlive the module."""
-    assert not set(_stdlib_named()) & KNOWN_STDLIB_NAMES
+    readers."""
+    assert _stdlib_named() == []

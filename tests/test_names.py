@@ -10,11 +10,7 @@ import pallas_cache as pc
 
 # Submodules that a same-named function of their package still hides; each belongs to work in
 # progress elsewhere (kernels/ and sizing/). Remove an entry when its package stops re-binding it.
-KNOWN_SHADOWED = {
-    "pallas_cache.kernels.promotion",
-    "pallas_cache.kernels.victims",
-    "pallas_cache.sizing.replay",
-}
+KNOWN_SHADOWED: set[str] = set()
 
 
 def _submodules():

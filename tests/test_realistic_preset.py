@@ -19,7 +19,7 @@ from benchmarks.baselines import per_layer_lru_hit_rate, per_layer_lru_hit_rate_
 from pallas_cache.sizing.synthetic import (PRESETS, RealisticParams, lag_repeat_probability,
                                            neighbour_precision, realistic_token_ids,
                                            synthetic_trace, trace_statistics)
-from pallas_cache.sizing.trace import Trace, TraceError
+from pallas_cache.sizing.traces import Trace, TraceError
 
 REALISTIC = ("mixtral-realistic", "fine-grained-realistic")
 

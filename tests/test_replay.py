@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from pallas_cache.sizing import cli
-from pallas_cache.sizing.replay import ReplayConfig, config_grid, parse_policy, replay
+from pallas_cache.sizing.sweep import ReplayConfig, config_grid, parse_policy, replay
 from pallas_cache.sizing.synthetic import synthetic_trace
-from pallas_cache.sizing.trace import Trace
+from pallas_cache.sizing.traces import Trace
 from reference import ReferenceCache, ReferencePolicy
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -80,7 +80,7 @@ def test_parse_policy_names_the_bad_policy():
 
 SHARDED = textwrap.dedent("""
     import json, jax
-    from pallas_cache.sizing.replay import config_grid, replay
+    from pallas_cache.sizing.sweep import config_grid, replay
     from pallas_cache.sizing.synthetic import synthetic_trace
     assert len(jax.devices()) == 4, jax.devices()
     trace = synthetic_trace("mixtral-like", num_tokens=24)

@@ -10,7 +10,7 @@ import pytest
 
 from pallas_cache.sizing import cli
 from pallas_cache.sizing.cost import CostModel
-from pallas_cache.sizing.replay import ReplayResult, config_grid, replay
+from pallas_cache.sizing.sweep import ReplayResult, config_grid, replay
 from pallas_cache.sizing.report import (COLUMN_LEGEND, FORMATS, RECORD_KEYS, format_records,
                                         records, table_columns)
 from pallas_cache.sizing.synthetic import synthetic_trace

@@ -17,7 +17,7 @@ import pytest
 
 from pallas_cache.sizing.synthetic import (DEFAULT_PRESET_TOKENS, PRESETS, SyntheticParams,
                                     layer_exponents, synthetic_trace, trace_statistics)
-from pallas_cache.sizing.trace import Trace
+from pallas_cache.sizing.traces import Trace
 
 TOKENS = 2000
 

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pallas_cache.sizing.trace import Trace, TraceError, load_trace, save_trace
+from pallas_cache.sizing.traces import Trace, TraceError, load_trace, save_trace
 
 
 def write_jsonl(path, records):

@@ -20,7 +20,7 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pallas_cache.sizing.trace import Trace, TraceError, load_trace
+from pallas_cache.sizing.traces import Trace, TraceError, load_trace
 
 LIMIT = 16 * 2**20
 SUFFIXES = (".jsonl", ".jsonl.gz", ".npy", ".npz")

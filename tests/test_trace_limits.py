@@ -17,9 +17,9 @@ import re
 import numpy as np
 import pytest
 
-from pallas_cache.sizing import trace as trace_mod
+from pallas_cache.sizing import traces as trace_mod
 from pallas_cache.sizing.synthetic import synthetic_trace
-from pallas_cache.sizing.trace import TraceError, load_trace, save_trace
+from pallas_cache.sizing.traces import TraceError, load_trace, save_trace
 
 MiB = 2**20
 

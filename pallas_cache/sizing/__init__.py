@@ -1,8 +1,8 @@
 """The offline sizing tool: routing traces in, replays of many cache configurations out.
 
-Layers: :mod:`~pallas_cache.sizing.trace` (the trace type and its readers),
+Layers: :mod:`~pallas_cache.sizing.traces` (the trace type and its readers),
 :mod:`~pallas_cache.sizing.synthetic` (seeded synthetic traces), :mod:`~pallas_cache.sizing.bounds`
-(Belady's optimum, the bypass optimum and the stationary oracle), :mod:`~pallas_cache.sizing.replay` (the compiled
+(Belady's optimum, the bypass optimum and the stationary oracle), :mod:`~pallas_cache.sizing.sweep` (the compiled
 sweep), :mod:`~pallas_cache.sizing.cli` (``pallas-cache replay``) and
 :mod:`~pallas_cache.sizing.scenarios` (the seed-000 table); :func:`records`/:func:`format_records`
 (:mod:`~pallas_cache.sizing.report`: one record schema, five formats) and :func:`plot`
@@ -13,10 +13,10 @@ print and draw.
 from pallas_cache.sizing.bounds import belady, bypass_optimum, stationary_oracle
 from pallas_cache.sizing.engines import routes_from_router_logits
 from pallas_cache.sizing.plotting import plot
-from pallas_cache.sizing.replay import ReplayConfig, ReplayResult, config_grid, parse_policy, replay
+from pallas_cache.sizing.sweep import ReplayConfig, ReplayResult, config_grid, parse_policy, replay
 from pallas_cache.sizing.report import format_records, records
 from pallas_cache.sizing.synthetic import PRESETS, synthetic_trace
-from pallas_cache.sizing.trace import Trace, TraceError, load_trace
+from pallas_cache.sizing.traces import Trace, TraceError, load_trace
 
 __all__ = [
     "PRESETS",

@@ -52,7 +52,7 @@ from typing import Any
 import numpy as np
 
 from pallas_cache.host.metrics import histogram_metrics, oracle_slots_for
-from pallas_cache.sizing.trace import Trace
+from pallas_cache.sizing.traces import Trace
 from pallas_cache.validate import is_int
 
 __all__ = [
@@ -140,7 +140,7 @@ def belady(trace: Trace | tuple[Any, Any], cache_size: int, *,
     """Replay a trace under Belady's furthest-next-use eviction: the fewest pure-offload misses.
 
     Args:
-        trace: a :class:`~pallas_cache.sizing.trace.Trace`, or a pair ``(layers, routes)`` of integer
+        trace: a :class:`~pallas_cache.sizing.traces.Trace`, or a pair ``(layers, routes)`` of integer
             arrays ``[C]`` and ``[C, K]`` (``-1`` = padding), e.g. ``trace.to_array()``.
         cache_size: ``S``, slots in the shared pool; must be ``>= num_experts`` (the cache's own
             rule, docs/semantics.md §5.1, which also guarantees one call's experts always fit).

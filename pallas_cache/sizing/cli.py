@@ -21,7 +21,7 @@ from pallas_cache.sizing import synthetic
 from pallas_cache.sizing.cost import CostModel
 from pallas_cache.sizing.models import MODELS, resolve_model
 from pallas_cache.sizing.report import FORMATS, format_records, legend_text, records
-from pallas_cache.sizing.trace import (FIELD_KEYS, TraceError, check_memory,
+from pallas_cache.sizing.traces import (FIELD_KEYS, TraceError, check_memory,
                                        default_memory_limit, load_trace, parse_fields)
 from pallas_cache.sizing.units import format_bandwidth, format_bytes, parse_bandwidth, parse_bytes
 
@@ -229,7 +229,7 @@ def _policy_warnings(policies) -> list[str]:
     """One line per ``fraction:Q`` whose clamping or rounding changes what it means
     (docs/semantics.md §5.3: ``q`` clamps to ``[0, 1]`` and is kept in 1/65536 steps)."""
     from pallas_cache.policy import ONE
-    from pallas_cache.sizing.replay import parse_policy
+    from pallas_cache.sizing.sweep import parse_policy
 
     lines = []
     for text in policies:
@@ -305,7 +305,7 @@ def _model_mismatch(model, trace) -> str | None:
 
 def _sizes(texts, trace, cost):
     """``(slot counts, lines saying how byte sizes were rounded)`` from ``--cache-size``."""
-    from pallas_cache.sizing.replay import auto_cache_sizes
+    from pallas_cache.sizing.sweep import auto_cache_sizes
 
     sizes, shown = [], []
     for text in texts:
@@ -405,7 +405,7 @@ def _plot(rows, path: str) -> None:
 
 
 def _replay(args) -> int:
-    from pallas_cache.sizing.replay import config_grid, replay  # jax import deferred until needed
+    from pallas_cache.sizing.sweep import config_grid, replay  # jax import deferred until needed
 
     try:
         if args.max_memory is None:

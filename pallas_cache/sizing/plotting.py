@@ -51,7 +51,7 @@ def plot(results: Sequence, axes=None, *, title: str | None = None):
     The legend sits outside the data, right of the panels.
 
     Args:
-      results: :class:`~pallas_cache.sizing.replay.ReplayResult` rows or their records
+      results: :class:`~pallas_cache.sizing.sweep.ReplayResult` rows or their records
         (:func:`pallas_cache.sizing.report.records`).
       axes: a pair of matplotlib Axes to draw on (default: a new 12 x 4.5 inch figure).
       title: the figure's title (default: the records' ``source`` when given records).

@@ -1,6 +1,6 @@
 """Replay results as records and as text: one flat record schema for every output format.
 
-:func:`records` turns :class:`~pallas_cache.sizing.replay.ReplayResult` rows, the trace they came
+:func:`records` turns :class:`~pallas_cache.sizing.sweep.ReplayResult` rows, the trace they came
 from and the cost model into flat dicts whose keys are :data:`RECORD_KEYS` (trace metadata, then
 the configuration, then every counter, rate and cost field); :func:`format_records` prints them
 as ``table``, ``json``, ``jsonl``, ``csv`` or ``markdown``. ``json``, ``jsonl`` and ``csv`` carry
@@ -84,8 +84,8 @@ def records(results: Iterable, trace, cost=None) -> list[dict]:
     """One flat dict per result, keys :data:`RECORD_KEYS` in that order.
 
     Args:
-      results: :class:`~pallas_cache.sizing.replay.ReplayResult` rows (from ``replay``).
-      trace: the :class:`~pallas_cache.sizing.trace.Trace` they replayed (its metadata).
+      results: :class:`~pallas_cache.sizing.sweep.ReplayResult` rows (from ``replay``).
+      trace: the :class:`~pallas_cache.sizing.traces.Trace` they replayed (its metadata).
       cost: the :class:`~pallas_cache.sizing.cost.CostModel` used, or ``None``.
 
     ``pair_counts`` becomes a list of ``[fetched, cpu_experts, calls]`` lists (JSON's shape).

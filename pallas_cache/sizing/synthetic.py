@@ -46,7 +46,7 @@ from typing import Sequence
 import numpy as np
 
 from pallas_cache.host.metrics import histogram_metrics
-from pallas_cache.sizing.trace import Trace, check_memory, resolve_memory_limit, trace_bytes
+from pallas_cache.sizing.traces import Trace, check_memory, resolve_memory_limit, trace_bytes
 from pallas_cache.validate import is_int
 
 __all__ = [

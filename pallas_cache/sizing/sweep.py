@@ -49,7 +49,7 @@ from pallas_cache.sizing.cost import CostModel
 from pallas_cache.ops import Rules, ensure_with_rules  # the core, with order/admission as data
 from pallas_cache.policy import Admission, FetchOrder, FetchPolicy
 from pallas_cache.state import init
-from pallas_cache.sizing.trace import Trace
+from pallas_cache.sizing.traces import Trace
 from pallas_cache.validate import is_int
 
 __all__ = ["ReplayConfig", "ReplayResult", "parse_policy", "replay", "config_grid",
@@ -246,7 +246,7 @@ def replay(
     """Replay ``trace`` through every configuration and return one result per configuration.
 
     Args:
-      trace: the routing trace (see :mod:`pallas_cache.sizing.trace`, :mod:`pallas_cache.sizing.synthetic`).
+      trace: the routing trace (see :mod:`pallas_cache.sizing.traces`, :mod:`pallas_cache.sizing.synthetic`).
       configs: the configurations, any mix of sizes and options; results come back in this order.
       chunk_calls: layer-calls per compiled scan chunk.
       bounds: also compute Belady's optimum, the bypass optimum and the stationary oracle per
