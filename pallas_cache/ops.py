@@ -22,6 +22,10 @@ routes, so that duplicates and padding need no special casing:
 Every write is gated by one ``accepted`` flag, computed from the inputs before anything else
 (docs/semantics.md §6, docs/design.md): a refused call returns the input state and an empty plan with the error
 bits, and no op ever writes part of an update.
+
+(Why one module of ~500 lines: the four decode ops share the plan types, the `accepted`-gated
+write helpers and the core `_ensure`; splitting them would spread one step's rules over several
+files. Two thirds of the lines are docstrings stating those rules.)
 """
 
 from __future__ import annotations

@@ -40,6 +40,10 @@ enough live ones rank above it; stale entries are dropped when they outnumber th
 Memory is linear in the accesses (about 30 bytes each at peak); the access arrays of the last
 :class:`Trace` seen are kept (its arrays are read-only), so both optima at several sizes build
 them once. Times are in ``benchmarks/RESULTS.md`` (``benchmarks/bounds_cost.py``).
+
+(Why one module of ~600 lines: Belady and the bypass optimum share the access arrays, the
+next-use pass and the eviction loop, which differ only in whether a miss may bypass; the
+stationary oracle is the third bound users read next to them.)
 """
 
 from __future__ import annotations

@@ -6,6 +6,10 @@ to the offline bounds; given an expert size (``--model`` or ``--expert-bytes``) 
 bandwidths it also prints bytes and modeled milliseconds per token and the best configuration
 (docs/semantics.md §11). ``pallas-cache scenarios`` prints the seed-000 promotion table computed
 by the library.
+
+(Why one module of ~500 lines: it is the argument parser, the checks that fail before the
+work, and the help text with its column legend, all of which must agree on every flag; the
+records, formats and plot it prints live in report.py and plotting.py.)
 """
 
 from __future__ import annotations

@@ -26,6 +26,9 @@ compiled JAX, for a whole grid of configurations:
 ``hit_rate`` is ``1 - missing / active``, counted per layer-call over distinct experts, exactly as
 the cache's own stats (docs/semantics.md §5.9). The padding calls of the last chunk are layer ``-1`` calls,
 which the cache refuses with ``ERR_LAYER`` and which therefore change nothing and count nothing.
+
+(Why one module of ~400 lines: the configuration grid, the compiled chunk program, the device
+sharding and the per-configuration results are one pipeline; about half is docstrings.)
 """
 
 from __future__ import annotations

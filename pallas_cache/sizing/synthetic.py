@@ -35,6 +35,10 @@ A second family, :class:`RealisticParams` (presets ``mixtral-realistic`` and
 vocabulary with copied spans and each (token, layer) routes from a seeded embedding filtered over
 recent tokens, so a past token whose routes match predicts the next layers
 (:func:`neighbour_precision`) and repeats fade with lag (:func:`lag_repeat_probability`).
+
+(Why one module of ~700 lines: both preset families and the statistics that calibrate them
+(repeat probability, neighbour precision, skew) are read together when a preset is tuned; a
+split into generators and statistics is a candidate once a third family arrives.)
 """
 
 from __future__ import annotations
