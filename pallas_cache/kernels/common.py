@@ -14,6 +14,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_cache.validate import INT32_MAX, INT32_MIN  # noqa: F401  (re-exported to the kernels)
+
 __all__ = [
     "INT32_MAX",
     "INT32_MIN",
@@ -28,8 +30,6 @@ __all__ = [
     "preload",
 ]
 
-INT32_MIN = int(np.iinfo(np.int32).min)
-INT32_MAX = int(np.iinfo(np.int32).max)
 
 # Widest block a kernel reduces at once (elements). 4096 x i32 spread over 8 warps is 16
 # registers per thread per live vector.

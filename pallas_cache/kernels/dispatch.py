@@ -20,13 +20,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_cache.validate import INT32_MAX
+
 __all__ = [
     "BACKENDS", "argmin_among", "first_in_order", "promotion_decision", "resolve_backend",
     "select_victims",
 ]
 
 BACKENDS = ("xla", "pallas", "interpret")
-_INT32_MAX = jnp.iinfo(jnp.int32).max
 # Arrays up to this length take the single-pass argmin (see _next_pair).
 _SINGLE_PASS_MAX = 1024
 # Arrays longer than this take the two-level first_in_order.
@@ -53,7 +54,7 @@ def argmin_among(values, candidate):
     with no overflow) it is the "largest value, lowest index" of the fetch order.
     """
     _, best = _next_pair(values, candidate, None, None)
-    return jnp.where(best == _INT32_MAX, -1, best).astype(jnp.int32)
+    return jnp.where(best == INT32_MAX, -1, best).astype(jnp.int32)
 
 
 def _next_pair(values, candidate, prev_value, prev_index, index=None):
@@ -79,10 +80,10 @@ def _next_pair(values, candidate, prev_value, prev_index, index=None):
             return jnp.where(a_first, a[0], b[0]), jnp.where(a_first, a[1], b[1])
 
         return lax.reduce(
-            (jnp.where(candidate, values, _INT32_MAX), jnp.where(candidate, index, _INT32_MAX)),
-            (jnp.int32(_INT32_MAX), jnp.int32(_INT32_MAX)), smaller, (0,))
-    smallest = jnp.min(jnp.where(candidate, values, _INT32_MAX))
-    return smallest, jnp.min(jnp.where(candidate & (values == smallest), index, _INT32_MAX))
+            (jnp.where(candidate, values, INT32_MAX), jnp.where(candidate, index, INT32_MAX)),
+            (jnp.int32(INT32_MAX), jnp.int32(INT32_MAX)), smaller, (0,))
+    smallest = jnp.min(jnp.where(candidate, values, INT32_MAX))
+    return smallest, jnp.min(jnp.where(candidate & (values == smallest), index, INT32_MAX))
 
 
 def _before(a_value, a_index, b_value, b_index):
@@ -127,20 +128,20 @@ def _rounds(values, candidate, num_out, index=None):
         index = lax.iota(jnp.int32, size)
     k = min(_ROUND_WIDTH, 1 << (num_out - 1).bit_length())
     merge = _merge_smallest(k)
-    none = jnp.full((size,), _INT32_MAX, jnp.int32)
-    init = (jnp.int32(_INT32_MAX),) * (2 * k)
+    none = jnp.full((size,), INT32_MAX, jnp.int32)
+    init = (jnp.int32(INT32_MAX),) * (2 * k)
     picks, last_value, last_index = [], None, None
     for _ in range(-(-num_out // k)):
         live = candidate
         if last_value is not None:
             live = live & ((values > last_value) | ((values == last_value) & (index > last_index)))
-        operands = ((jnp.where(live, values, _INT32_MAX),) + (none,) * (k - 1)
-                    + (jnp.where(live, index, _INT32_MAX),) + (none,) * (k - 1))
+        operands = ((jnp.where(live, values, INT32_MAX),) + (none,) * (k - 1)
+                    + (jnp.where(live, index, INT32_MAX),) + (none,) * (k - 1))
         best = lax.reduce(operands, init, merge, (0,))
         picks.extend(best[k:])
         last_value, last_index = best[k - 1], best[2 * k - 1]
     picks = jnp.stack(picks[:num_out])
-    return jnp.where(picks == _INT32_MAX, -1, picks).astype(jnp.int32)
+    return jnp.where(picks == INT32_MAX, -1, picks).astype(jnp.int32)
 
 
 def first_in_order(values, candidate, num_out: int):
@@ -162,7 +163,7 @@ def first_in_order(values, candidate, num_out: int):
     pad = num_rows * width - size
     values = jnp.pad(values, (0, pad)).reshape(num_rows, width)
     candidate = jnp.pad(candidate, (0, pad)).reshape(num_rows, width)
-    row_min = jnp.min(jnp.where(candidate, values, _INT32_MAX), axis=1)
+    row_min = jnp.min(jnp.where(candidate, values, INT32_MAX), axis=1)
     # Rows cover ascending slot ranges, so (row minimum, row) orders rows like their first pairs.
     rows = _rounds(row_min, jnp.any(candidate, axis=1), min(num_out, num_rows))
     taken = jnp.maximum(rows, 0)
