@@ -13,7 +13,6 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import functools
-import itertools
 import math
 
 import numpy as np
@@ -28,35 +27,12 @@ from pallas_cache.sizing.traces import Trace
 # ---- independent simulators (test-only) ------------------------------------------------------
 
 
-def distinct_calls(trace: Trace) -> list[frozenset[int]]:
-    """Per call, the set of distinct flat ids it routes (padding dropped)."""
-    return [frozenset(int(f) for f in row if f >= 0) for row in trace.flat_ids()]
+from exhaustive import distinct_calls, exhaustive_min_misses  # noqa: E402
 
 
 def brute_force_min_misses(trace: Trace, cache_size: int) -> int:
-    """The fewest misses over every schedule that keeps each call's experts resident.
-
-    At each call the schedule may evict any subset of the residents the call does not need, as
-    long as the call's misses then fit; fetching happens only on a miss.
-    """
-    calls = distinct_calls(trace)
-
-    @functools.lru_cache(maxsize=None)
-    def best(index: int, resident: frozenset[int]) -> int:
-        if index == len(calls):
-            return 0
-        need = calls[index]
-        misses = need - resident
-        evictable = sorted(resident - need)
-        must_evict = max(0, len(resident) + len(misses) - cache_size)
-        result = None
-        for count in range(must_evict, len(evictable) + 1):
-            for evicted in itertools.combinations(evictable, count):
-                total = len(misses) + best(index + 1, (resident - set(evicted)) | need)
-                result = total if result is None else min(result, total)
-        return result
-
-    return best(0, frozenset())
+    """The fewest misses over every schedule that keeps each call's experts resident."""
+    return exhaustive_min_misses(trace, cache_size, bypass=False)
 
 
 def lru_misses(trace: Trace, cache_size: int) -> int:

@@ -28,39 +28,8 @@ from pallas_cache.sizing.synthetic import SyntheticParams, synthetic_trace
 
 # ---- independent versions (test-only) ---------------------------------------------------------
 
+from exhaustive import distinct_calls, exhaustive_min_misses  # noqa: E402
 
-def distinct_calls(trace: Trace) -> list[frozenset[int]]:
-    """Per call, the set of distinct flat ids it routes (padding dropped)."""
-    return [frozenset(int(f) for f in row if f >= 0) for row in trace.flat_ids()]
-
-
-def exhaustive_min_misses(trace: Trace, cache_size: int, *, bypass: bool) -> int:
-    """The fewest misses over every schedule of the model (see the module docstring)."""
-    calls = distinct_calls(trace)
-
-    @functools.lru_cache(maxsize=None)
-    def best(index: int, resident: frozenset[int]) -> int:
-        if index == len(calls):
-            return 0
-        need = calls[index]
-        hits, misses = need & resident, need - resident
-        result = None
-        if bypass:  # keep the hits plus any subset of (unrouted residents | misses) that fits
-            optional = sorted((resident - need) | misses)
-            choices = (hits | set(kept) for size in range(min(cache_size - len(hits),
-                                                                 len(optional)) + 1)
-                       for kept in itertools.combinations(optional, size))
-        else:  # keep the whole call plus any subset of the unrouted residents that fits
-            optional = sorted(resident - need)
-            choices = (need | set(kept) for size in range(min(cache_size - len(need),
-                                                                 len(optional)) + 1)
-                       for kept in itertools.combinations(optional, size))
-        for after in choices:
-            total = len(misses) + best(index + 1, frozenset(after))
-            result = total if result is None else min(result, total)
-        return result
-
-    return best(0, frozenset())
 
 
 def textbook_bypass(trace: Trace, cache_size: int) -> tuple[int, list[int]]:
