@@ -12,8 +12,6 @@ any policy beats the bypass optimum, no ``full`` row beats Belady.
 from __future__ import annotations
 
 import bisect
-import functools
-import itertools
 import math
 
 import numpy as np
