@@ -1,12 +1,14 @@
-"""Exhaustive offline optima on tiny traces, shared by the bound tests (test-only).
+"""Offline optima computed the slow, obvious way, shared by the bound tests (test-only).
 
 Independent of ``pallas_cache.sizing.bounds``: a search over every schedule of the model, so
 Belady's optimum (every miss admitted) and the bypass optimum (a miss may be served without
 being admitted) can be checked against the true minimum.
 """
 
+import bisect
 import functools
 import itertools
+import math
 
 from pallas_cache.sizing import Trace
 
@@ -43,3 +45,28 @@ def exhaustive_min_misses(trace: Trace, cache_size: int, *, bypass: bool) -> int
         return result
 
     return best(0, frozenset())
+
+
+def textbook_belady(trace: Trace, cache_size: int) -> tuple[int, list[int]]:
+    """Belady by the book (scan every evictable resident): ``(missing, missing per layer)``."""
+    calls = distinct_calls(trace)
+    uses: dict[int, list[int]] = {}
+    for index, need in enumerate(calls):
+        for flat in need:
+            uses.setdefault(flat, []).append(index)
+
+    def next_use(flat: int, after: int) -> float:
+        times = uses[flat]
+        later = bisect.bisect_right(times, after)
+        return times[later] if later < len(times) else math.inf
+
+    resident: set[int] = set()
+    layer_missing = [0] * trace.num_layers
+    for index, (need, layer) in enumerate(zip(calls, trace.layers.tolist())):
+        for flat in sorted(need - resident):
+            layer_missing[layer] += 1
+            if len(resident) == cache_size:
+                victim = max(sorted(resident - need), key=lambda f: next_use(f, index))
+                resident.remove(victim)
+            resident.add(flat)
+    return sum(layer_missing), layer_missing

@@ -10,9 +10,7 @@ rule) bounds Belady from above.
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
-import math
 
 import numpy as np
 import pytest
@@ -26,7 +24,7 @@ from pallas_cache.sizing.traces import Trace
 # ---- independent simulators (test-only) ------------------------------------------------------
 
 
-from exhaustive import distinct_calls, exhaustive_min_misses  # noqa: E402
+from exhaustive import distinct_calls, exhaustive_min_misses, textbook_belady  # noqa: E402
 
 
 def brute_force_min_misses(trace: Trace, cache_size: int) -> int:
@@ -56,26 +54,7 @@ def lru_misses(trace: Trace, cache_size: int) -> int:
 
 def straightforward_belady_misses(trace: Trace, cache_size: int) -> int:
     """Belady by the book: at each eviction, scan every evictable resident for its next use."""
-    calls = distinct_calls(trace)
-    uses: dict[int, list[int]] = {}
-    for index, need in enumerate(calls):
-        for flat in need:
-            uses.setdefault(flat, []).append(index)
-
-    def next_use(flat: int, after: int) -> float:
-        later = uses[flat][bisect.bisect_right(uses[flat], after):]
-        return later[0] if later else math.inf
-
-    resident: set[int] = set()
-    missing = 0
-    for index, need in enumerate(calls):
-        for flat in sorted(need - resident):
-            missing += 1
-            if len(resident) == cache_size:
-                victim = max(sorted(resident - need), key=lambda f: next_use(f, index))
-                resident.remove(victim)
-            resident.add(flat)
-    return missing
+    return textbook_belady(trace, cache_size)[0]
 
 
 @st.composite

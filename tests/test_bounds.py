@@ -26,7 +26,7 @@ from pallas_cache.sizing.synthetic import SyntheticParams, synthetic_trace
 
 # ---- independent versions (test-only) ---------------------------------------------------------
 
-from exhaustive import distinct_calls, exhaustive_min_misses  # noqa: E402
+from exhaustive import distinct_calls, exhaustive_min_misses, textbook_belady  # noqa: E402
 
 
 
@@ -49,31 +49,6 @@ def textbook_bypass(trace: Trace, cache_size: int) -> tuple[int, list[int]]:
                         for later in [uses[flat][bisect.bisect_right(uses[flat], index):]]
                         if later)
         resident = set(hits) | {flat for _, flat in ranked[:cache_size - len(hits)]}
-    return sum(layer_missing), layer_missing
-
-
-def textbook_belady(trace: Trace, cache_size: int) -> tuple[int, list[int]]:
-    """Belady by the book (scan every evictable resident): ``(missing, missing per layer)``."""
-    calls = distinct_calls(trace)
-    uses: dict[int, list[int]] = {}
-    for index, need in enumerate(calls):
-        for flat in need:
-            uses.setdefault(flat, []).append(index)
-
-    def next_use(flat: int, after: int) -> float:
-        times = uses[flat]
-        later = bisect.bisect_right(times, after)
-        return times[later] if later < len(times) else math.inf
-
-    resident: set[int] = set()
-    layer_missing = [0] * trace.num_layers
-    for index, (need, layer) in enumerate(zip(calls, trace.layers.tolist())):
-        for flat in sorted(need - resident):
-            layer_missing[layer] += 1
-            if len(resident) == cache_size:
-                victim = max(sorted(resident - need), key=lambda f: next_use(f, index))
-                resident.remove(victim)
-            resident.add(flat)
     return sum(layer_missing), layer_missing
 
 

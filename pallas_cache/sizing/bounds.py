@@ -490,7 +490,11 @@ def _belady_loop(state: _LoopState, flats: list, keys: list, stamps: list, ends:
 
 
 def _bypass_loop(state: _LoopState, flats: list, keys: list, stamps: list, ends: list) -> None:
-    """The bypass optimum over one chunk (arguments as :func:`_belady_loop`)."""
+    """The bypass optimum over one chunk (arguments as :func:`_belady_loop`).
+
+    Deliberately a twin of :func:`_belady_loop` rather than one loop with a ``bypass`` flag: this
+    is the per-access Python hot loop of both bounds, and a branch per access costs more than the
+    ten shared lines."""
     resident, layer_missing, slots = state.resident, state.layer_missing, state.slots
     heap, push, count = state.heap, heapq.heappush, state.count
     dead = -state.calls * state.unit  # keys <= dead: never used again
