@@ -566,6 +566,25 @@ def _loop_impl(state, layers, routes, policy, backend):
 decode_loop = jax.jit(_loop_impl, static_argnames=("backend",))
 
 
+def _floor_impl(state, layers, routes):
+    # The same carry and inputs with a trivial body: what one scan iteration costs on this device.
+    def body(carry, x):
+        state, acc = carry
+        state = state.replace(step=state.step + 1)
+        return (state, acc + x[0] + x[1][0]), None
+    return lax.scan(body, (state, jnp.int32(0)), (layers, routes))[0]
+
+
+scan_floor = jax.jit(_floor_impl)
+
+
+def kernels_in(compiled_text: str) -> int:
+    """The device kernels one compiled program launches per loop iteration, roughly: the fusions,
+    custom calls (the Pallas kernels) and unfused scatters/sorts in its optimized HLO."""
+    ops = (" fusion(", " custom-call(", " scatter(", " sort(", " reduce(", " gather(")
+    return sum(line.count(op) for line in compiled_text.splitlines() for op in ops)
+
+
 def loop_rows(args):
     """``[(S, routes, fetched per step, {backend: us/step})]`` for both geometries."""
     policy = pc.FetchPolicy.fraction(FRACTION)
@@ -597,6 +616,23 @@ def loop_rows(args):
             log(f"decode loop [S={S}, {label}]: {fetched:.2f} fetched/step, "
                 + ", ".join(f"{b} {t:.2f} us/step" for b, t in per_backend.items()))
             rows.append((S, label, fetched, per_backend))
+        # The floor: a scan iteration with a trivial body, and how many kernels the step has.
+        layers, routes = jnp.asarray(layers_np), jnp.asarray(uniform[: args.loop_steps], jnp.int32)
+        jax.block_until_ready(scan_floor(state0, layers, routes))
+        samples = []
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            jax.block_until_ready(scan_floor(state0, layers, routes))
+            samples.append((time.perf_counter() - start) / args.loop_steps * 1e6)
+        floor = statistics.median(samples)
+        kernels = {b: kernels_in(decode_loop.lower(state0, layers, routes, policy, backend=b)
+                                 .compile().as_text())
+                   for b in ("xla", args.candidate)}
+        log(f"decode loop [S={S}, trivial body]: {floor:.2f} us/step; kernels in the compiled "
+            "loop: " + ", ".join(f"{b} {n}" for b, n in kernels.items()))
+        rows.append((S, "trivial body (scan floor)", 0.0,
+                     {b: floor for b in ("xla", args.candidate)}))
+        rows.append((S, "kernels in the compiled loop (count)", 0.0, kernels))
     return rows
 
 
@@ -684,6 +720,9 @@ def markdown(args, results, rows, matched, elapsed, loops=()) -> str:
                   f"| Slots | Routes | fetched/step | xla us/step | {cand} us/step |",
                   "|---:|---|---:|---:|---:|"]
         for S, label, fetched, times in loops:
+            if label.startswith("kernels"):
+                lines.append(f"| {S} | {label} | | {times['xla']} | {times[cand]} |")
+                continue
             lines.append(f"| {S} | {label} | {fetched:.2f} | {times['xla']:.2f} | "
                          f"{times[cand]:.2f} |")
     return "\n".join(lines) + "\n"
