@@ -9,7 +9,7 @@ the replay runs a ``lax.scan`` over calls and wants two plain arrays -- ``layers
 and ``routes`` int32 ``[C, K]`` -- not a ragged list of records. Everything here is NumPy; it
 does not import the cache.
 
-Formats (:func:`load_trace` picks one from the file suffix):
+Formats (:func:`load_trace` picks one from the file suffix, or takes ``trace_format=``):
 
 * **JSONL** (``.jsonl``, ``.ndjson``): one JSON object per line and per (token, layer)::
 
@@ -28,6 +28,11 @@ Formats (:func:`load_trace` picks one from the file suffix):
   padding, read token-major then layer. An ``.npz`` holds one sequence per array (named after it,
   in archive order). Every cell is a call, including one that is all padding (it is a call with
   no active expert, as an empty batch would be).
+* **vLLM routed experts** (a directory of ``.npy`` files, or ``trace_format="vllm"`` for an
+  ``.npz``/``.npy``): the same layout, one int16 ``[gen_len, layers, top_k]`` array per request
+  (:func:`load_vllm_trace`), every request one sequence with the same layers and ``top_k``.
+* **Parquet** (``.parquet``, ``.pq``; needs ``pyarrow``): the JSONL records as columns
+  (:mod:`pallas_cache.sizing.parquet`).
 
 Geometry (``num_layers``, ``num_experts``) is either declared by the caller -- then every value
 is checked against it -- or inferred as ``max + 1`` of what the trace contains (for an array, the
@@ -73,9 +78,13 @@ __all__ = [
     "load_jsonl_trace",
     "parse_fields",
     "load_array_trace",
+    "load_vllm_trace",
+    "trace_format_of",
     "save_trace",
     "JSONL_SUFFIXES",
     "ARRAY_SUFFIXES",
+    "PARQUET_SUFFIXES",
+    "TRACE_FORMATS",
     "MemoryLimitError",
     "default_memory_limit",
     "resolve_memory_limit",
@@ -88,6 +97,10 @@ __all__ = [
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 #: File suffixes read as a dense ``[tokens, layers, top_k]`` integer array.
 ARRAY_SUFFIXES = (".npy", ".npz")
+#: File suffixes read as Parquet (``pyarrow``: the ``parquet`` extra).
+PARQUET_SUFFIXES = (".parquet", ".pq")
+#: What ``trace_format=`` (``--trace-format``) names; ``"auto"`` picks one by :func:`trace_format_of`.
+TRACE_FORMATS = ("jsonl", "array", "vllm", "parquet")
 
 #: Keys that name a record's sequence, in order of precedence.
 SEQUENCE_KEYS = ("sequence", "problem_id")
@@ -460,21 +473,52 @@ def _next_largest(values: np.ndarray, largest: int) -> int:
 # ---- loading ---------------------------------------------------------------------------------
 
 
+def trace_format_of(path: str | os.PathLike) -> str:
+    """The format :func:`load_trace` reads ``path`` as: a directory is ``"vllm"``, else the
+    suffix decides (``.jsonl``/``.ndjson``, gzipped or not: ``"jsonl"``; ``.npy``/``.npz``:
+    ``"array"``; ``.parquet``/``.pq``: ``"parquet"``).
+
+    Raises:
+        TraceError: an unknown suffix.
+    """
+    path_str = os.fspath(path)
+    if os.path.isdir(path_str):
+        return "vllm"
+    name = path_str.lower()
+    gzipped = name.endswith(".gz")
+    suffix = os.path.splitext(name[:-3] if gzipped else name)[1]
+    if suffix in JSONL_SUFFIXES:
+        return "jsonl"
+    if suffix in ARRAY_SUFFIXES and not gzipped:
+        return "array"
+    if suffix in PARQUET_SUFFIXES and not gzipped:
+        return "parquet"
+    raise TraceError(f"{path_str}: unknown trace format {suffix or '(no suffix)'!r}; expected "
+                     f"one of {', '.join(JSONL_SUFFIXES + ARRAY_SUFFIXES + PARQUET_SUFFIXES)} "
+                     f"(JSONL may be gzipped: .jsonl.gz) or a directory of vLLM .npy files, or "
+                     f"name the format (--trace-format)")
+
+
 def load_trace(path: str | os.PathLike, *, num_layers: int | None = None,
                num_experts: int | None = None, max_memory: int | None = None,
-               fields: Mapping[str, str] | None = None) -> Trace:
+               fields: Mapping[str, str] | None = None, trace_format: str = "auto") -> Trace:
     """Read a routing trace file; the format follows the suffix (see the module docstring).
 
     Args:
-        path: a ``.jsonl``/``.ndjson`` (optionally gzip-compressed, ``.jsonl.gz``) or
-            ``.npy``/``.npz`` file.
+        path: a ``.jsonl``/``.ndjson`` (optionally gzip-compressed, ``.jsonl.gz``),
+            ``.npy``/``.npz`` or ``.parquet`` file, or a directory of vLLM ``.npy`` files.
         num_layers: declared ``L``; every layer in the trace must be below it. ``None``: infer.
         num_experts: declared ``E``; every expert must lie in ``[-1, E)``. ``None``: infer
             ``max expert + 1`` (refusing an outlier, see :data:`OUTLIER_RATIO`).
         max_memory: bytes the trace and the tables its geometry sizes may take; ``None``:
             :func:`default_memory_limit`.
-        fields: JSONL only: the file's names of the record keys, ``{"layer": "layer_idx",
-            "experts": "topk_ids"}`` (see :func:`parse_fields`); unnamed keys keep their names.
+        fields: JSONL and Parquet only: the file's names of the record keys, ``{"layer":
+            "layer_idx", "experts": "topk_ids"}`` (see :func:`parse_fields`); unnamed keys keep
+            their names.
+        trace_format: ``"auto"`` (:func:`trace_format_of`) or one of :data:`TRACE_FORMATS`:
+            ``"jsonl"``, ``"array"`` (:func:`load_array_trace`), ``"vllm"``
+            (:func:`load_vllm_trace`) or ``"parquet"``
+            (:func:`pallas_cache.sizing.parquet.load_parquet_trace`, needs ``pyarrow``).
 
     Returns:
         The trace, calls in replay order.
@@ -482,24 +526,26 @@ def load_trace(path: str | os.PathLike, *, num_layers: int | None = None,
     Raises:
         TraceError: ``fields`` for an array file, unknown suffix, unreadable file, malformed content, an empty trace, an
             outlier id, or (:class:`MemoryLimitError`) a size above ``max_memory``.
-        ValueError: a declared geometry or limit that is not a positive integer.
+        ValueError: a declared geometry or limit that is not a positive integer, an unknown
+            ``trace_format``, or (Parquet) ``pyarrow`` missing.
     """
     path_str = os.fspath(path)
-    name = path_str.lower()
-    if name.endswith(".gz"):
-        name = name[:-3]
-    suffix = os.path.splitext(name)[1]
-    if suffix in JSONL_SUFFIXES:
-        return load_jsonl_trace(path_str, num_layers=num_layers, num_experts=num_experts,
-                                max_memory=max_memory, fields=fields)
+    if trace_format not in ("auto",) + TRACE_FORMATS:
+        raise ValueError(f"unknown trace format {trace_format!r}; expected auto or one of "
+                         f"{', '.join(TRACE_FORMATS)}")
+    kind = trace_format_of(path_str) if trace_format == "auto" else trace_format
+    geometry = dict(num_layers=num_layers, num_experts=num_experts, max_memory=max_memory)
+    if kind == "jsonl":
+        return load_jsonl_trace(path_str, fields=fields, **geometry)
+    if kind == "parquet":
+        from pallas_cache.sizing.parquet import load_parquet_trace  # pyarrow: optional
+
+        return load_parquet_trace(path_str, fields=fields, **geometry)
     if fields:
-        raise TraceError(f"{path_str}: field names apply to JSONL traces only")
-    if suffix in ARRAY_SUFFIXES and not path_str.lower().endswith(".gz"):
-        return load_array_trace(path_str, num_layers=num_layers, num_experts=num_experts,
-                                max_memory=max_memory)
-    raise TraceError(f"{path_str}: unknown trace format {suffix or '(no suffix)'!r}; expected "
-                     f"one of {', '.join(JSONL_SUFFIXES + ARRAY_SUFFIXES)} (JSONL may be "
-                     f"gzipped: .jsonl.gz)")
+        raise TraceError(f"{path_str}: field names apply to JSONL and Parquet traces only")
+    if kind == "vllm":
+        return load_vllm_trace(path_str, **geometry)
+    return load_array_trace(path_str, **geometry)
 
 
 def _numbered_lines(path_str: str) -> Iterator[tuple[int, bytes]]:
@@ -812,8 +858,8 @@ def _read_npy_data(stream: Any, label: str, shape: tuple[int, ...], dtype: np.dt
     return np.frombuffer(data, dtype=dtype).reshape(shape, order="F" if fortran else "C")
 
 
-def _npy_members(path_str: str) -> list[_Member]:
-    label = f"{path_str}: array 'routes'"
+def _npy_members(path_str: str, name: str = "routes", label: str | None = None) -> list[_Member]:
+    label = label or f"{path_str}: array {name!r}"
     try:
         with open(path_str, "rb") as handle:
             shape, fortran, dtype = _read_npy_header(handle, path_str)
@@ -829,8 +875,7 @@ def _npy_members(path_str: str) -> list[_Member]:
         except OSError as exc:
             raise TraceError(f"{path_str}: cannot read trace file: {exc}") from None
 
-    member = _Member("routes", label, shape, dtype, fortran, read)
-    _check_member(member)
+    member = _Member(name, label, shape, dtype, fortran, read)
     if member.nbytes > size - offset:
         raise TraceError(f"{label}: the header claims shape {shape} "
                          f"({format_bytes(member.nbytes)}) but the file holds only "
@@ -867,23 +912,20 @@ def _npz_members(path_str: str) -> list[_Member]:
                 raise TraceError(f"{label}: cannot read the array data: {exc}") from None
         return read
 
-    members = [_Member(name, label, shape, dtype, fortran,
-                       reader(info, label, shape, dtype, fortran))
-               for info, name, label, shape, fortran, dtype in headers]
-    for member in members:
-        _check_member(member)
-    return members
+    return [_Member(name, label, shape, dtype, fortran, reader(info, label, shape, dtype, fortran))
+            for info, name, label, shape, fortran, dtype in headers]
 
 
-def _check_member(member: _Member) -> None:
-    """Dtype, rank and emptiness, from the header alone."""
+def _check_member(member: _Member, tokens: str = "tokens", empty_tokens: bool = False) -> None:
+    """Dtype, rank and emptiness, from the header alone (``empty_tokens``: a first dimension of
+    0 is allowed)."""
     if member.dtype.kind not in "iu":
         raise TraceError(f"{member.label}: expected an integer array of expert ids, got dtype "
-                         f"{member.dtype}")
+                         f"{member.dtype} (shape {member.shape})")
     if len(member.shape) != 3:
-        raise TraceError(f"{member.label}: expected shape [tokens, layers, top_k], got "
+        raise TraceError(f"{member.label}: expected shape [{tokens}, layers, top_k], got "
                          f"{len(member.shape)}-D shape {member.shape}")
-    if 0 in member.shape:
+    if 0 in member.shape[empty_tokens:]:
         raise TraceError(f"{member.label}: the trace is empty (shape {member.shape})")
 
 
@@ -917,8 +959,66 @@ def load_array_trace(path: str | os.PathLike, *, num_layers: int | None = None,
     except OSError as exc:
         raise TraceError(f"{path_str}: cannot open trace file: {exc.strerror or exc}") from exc
     members = _npz_members(path_str) if magic == _ZIP_MAGIC else _npy_members(path_str)
+    for member in members:
+        _check_member(member)
     return _assemble_dense(members, path_str, declared_layers, declared_experts, limit,
                            names=len(members) > 1)
+
+
+def load_vllm_trace(path: str | os.PathLike, *, num_layers: int | None = None,
+                    num_experts: int | None = None, max_memory: int | None = None) -> Trace:
+    """Read vLLM's routed experts: one ``[gen_len, layers, top_k]`` array per request, each
+    request one sequence.
+
+    vLLM (``--enable-return-routed-experts``) returns each completion's ``routed_experts`` as an
+    int16 array ``[gen_len, num_moe_layers, top_k]``. Saved as a directory of ``.npy`` files (one
+    per request, named after the file without ``.npy``, in name order; other files are ignored),
+    an ``.npz`` (one array per request, in archive order) or one ``.npy``. Unlike
+    :func:`load_array_trace`, every request must have the same layers and ``top_k`` (one model's
+    routing), and a request with ``gen_len`` 0 is skipped. Headers (dtype, rank, shapes) are
+    checked for every request before any data is read.
+
+    Args and Returns: as :func:`load_trace`.
+
+    Raises:
+        TraceError: no ``.npy`` in the directory, a non-integer dtype or a rank other than 3
+            (naming the file and shape), requests whose layers or ``top_k`` differ (naming both
+            files and shapes), every request empty, an id below ``-1`` (naming the file and
+            ``[token, layer, k]``), or as :func:`load_array_trace`.
+    """
+    path_str = os.fspath(path)
+    declared_layers = _optional_positive_int(num_layers, "num_layers")
+    declared_experts = _optional_positive_int(num_experts, "num_experts")
+    limit = resolve_memory_limit(max_memory)
+    if os.path.isdir(path_str):
+        try:
+            files = sorted(f for f in os.listdir(path_str) if f.lower().endswith(".npy"))
+        except OSError as exc:
+            raise TraceError(f"{path_str}: cannot list the directory: {exc.strerror or exc}") from exc
+        if not files:
+            raise TraceError(f"{path_str}: no .npy files in the directory (vLLM routed experts: "
+                             f"one [gen_len, layers, top_k] .npy per request)")
+        members = [member for name in files
+                   for member in _npy_members(os.path.join(path_str, name), name[:-4],
+                                              os.path.join(path_str, name))]
+    else:
+        try:
+            with open(path_str, "rb") as handle:
+                magic = handle.read(2)
+        except OSError as exc:
+            raise TraceError(f"{path_str}: cannot open trace file: {exc.strerror or exc}") from exc
+        members = _npz_members(path_str) if magic == _ZIP_MAGIC else _npy_members(path_str)
+    for member in members:
+        _check_member(member, tokens="gen_len", empty_tokens=True)
+        if member.shape[1:] != members[0].shape[1:]:
+            raise TraceError(f"{member.label}: shape {member.shape} but {members[0].label} has "
+                             f"shape {members[0].shape}: every request of one model routes the "
+                             f"same [layers, top_k]")
+    kept = [member for member in members if member.shape[0] > 0]
+    if not kept:
+        raise TraceError(f"{path_str}: every request has gen_len 0 (no routes)")
+    return _assemble_dense(kept, path_str, declared_layers, declared_experts, limit,
+                           names=len(members) > 1 or os.path.isdir(path_str))
 
 
 def _trace_from_dense(dense: np.ndarray, *, num_layers: int | None, num_experts: int | None,
@@ -964,8 +1064,10 @@ def _assemble_dense(members: list[_Member], where: str, declared_layers: int | N
             index = tuple(int(i) for i in np.argwhere(bad)[0])
             text = (f"[-1, {declared_experts}) (num_experts={declared_experts})"
                     if declared_experts is not None else "[-1, 2**31 - 1)")
+            note = " (-1 is the only padding value)" if int(values[index]) < -1 else ""
             raise TraceError(f"{member.label}[token={index[0]}, layer={index[1]}, "
-                             f"k={index[2]}]: expert {int(values[index])} is outside {text}")
+                             f"k={index[2]}]: expert {int(values[index])} is outside {text}"
+                             f"{note}")
         tokens, layers, width = member.shape
         routes[row:row + tokens * layers, :width] = values.reshape(tokens * layers, width)
         offsets.append(row)
