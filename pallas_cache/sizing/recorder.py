@@ -11,7 +11,7 @@ a trace.)
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp

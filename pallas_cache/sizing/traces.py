@@ -65,7 +65,7 @@ import tokenize
 import zipfile
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
 
@@ -79,6 +79,7 @@ __all__ = [
     "parse_fields",
     "load_array_trace",
     "load_vllm_trace",
+    "trace_from_records",
     "trace_format_of",
     "save_trace",
     "JSONL_SUFFIXES",
@@ -668,7 +669,7 @@ def _read_jsonl(path: str | os.PathLike, *, num_layers: int | None = None,
     seq_of, layer_of, count_of = array.array("i"), array.array("i"), array.array("i")
     token_of, line_of = array.array("q"), array.array("q")
     experts_flat = array.array("i")
-    widest, widest_line, held = 0, 0, 0
+    held = 0
 
     for line_no, raw in _numbered_lines(path_str):
         where = f"{path_str}:{line_no}"
@@ -739,43 +740,119 @@ def _read_jsonl(path: str | os.PathLike, *, num_layers: int | None = None,
         line_of.append(line_no)
         count_of.append(len(experts))
         experts_flat.extend(experts)
-        if len(experts) > widest:
-            widest, widest_line = len(experts), line_no
 
     if not line_of:
         raise TraceError(f"{path_str}: the trace is empty (no records)")
-    calls, top_k = len(line_of), widest
-    lines = np.frombuffer(line_of, dtype=np.int64)
-    layer_file = np.frombuffer(layer_of, dtype=np.intc)
+    return trace_from_records(
+        path_str, sequence=np.frombuffer(seq_of, dtype=np.intc),
+        token_idx=np.frombuffer(token_of, dtype=np.int64),
+        layer=np.frombuffer(layer_of, dtype=np.intc),
+        experts=np.frombuffer(experts_flat, dtype=np.intc),
+        counts=np.frombuffer(count_of, dtype=np.intc), sequence_names=tuple(sequence_index),
+        positions=np.frombuffer(line_of, dtype=np.int64),
+        locate=lambda line: f"{path_str}:{line}", unit="line", num_layers=declared_layers,
+        num_experts=declared_experts, max_memory=limit, held=held)
+
+
+def trace_from_records(source: str, *, sequence: np.ndarray, token_idx: np.ndarray,
+                       layer: np.ndarray, experts: np.ndarray, counts: np.ndarray,
+                       sequence_names: tuple[Any, ...], positions: np.ndarray,
+                       locate: Callable[[int], str], unit: str = "record",
+                       num_layers: int | None = None, num_experts: int | None = None,
+                       max_memory: int | None = None, held: int = 0) -> Trace:
+    """The trace of records read as columns (what the JSONL and Parquet readers hold), in
+    replay order: sequence (first appearance), ``token_idx``, then ``layer``.
+
+    Args:
+        source: the file, for messages and :attr:`Trace.source`.
+        sequence: int ``[R]``, each record's index into ``sequence_names``.
+        token_idx, layer: int ``[R]``.
+        experts: int ``[sum(counts)]``, the records' expert lists concatenated.
+        counts: int ``[R]``, the length of each record's list (shorter ones are ``-1`` padded).
+        sequence_names: the sequence labels.
+        positions: int ``[R]``, each record's line or row number, for ``locate``.
+        locate: ``position -> "file:line"`` (or ``"file: row N"``), the start of a message.
+        unit: what a position counts (``"line"``, ``"row"``), for messages.
+        num_layers, num_experts, max_memory: as :func:`load_trace`.
+        held: bytes the caller already holds, counted against the limit.
+
+    Raises:
+        TraceError: a negative layer or ``token_idx``, a value outside the declared geometry or
+            int32, an expert below ``-1``, a repeated (sequence, token, layer), no routes, an
+            outlier id (inferred geometry), each naming the record; (:class:`MemoryLimitError`)
+            a size above the limit.
+    """
+    path_str = source
+    declared_layers = _optional_positive_int(num_layers, "num_layers")
+    declared_experts = _optional_positive_int(num_experts, "num_experts")
+    limit = resolve_memory_limit(max_memory)
+    calls = int(layer.shape[0])
+    if calls == 0:
+        raise TraceError(f"{path_str}: the trace is empty (no records)")
+    lines = np.asarray(positions, dtype=np.int64)
+    ends = np.cumsum(counts, dtype=np.int64)
+
+    def record_of_flat(flat_index: int) -> int:
+        return int(np.searchsorted(ends, flat_index, side="right"))
+
+    def first(bad: np.ndarray, flat: bool = False) -> tuple[str, int]:
+        index = int(np.argmax(bad))
+        return locate(int(lines[record_of_flat(index) if flat else index])), index
+
+    limit_layer = declared_layers if declared_layers is not None else INT32_MAX
+    for name, column, low, high in (("layer", layer, 0, limit_layer),
+                                    ("token_idx", token_idx, 0, _TOKEN_MAX + 1)):
+        if int(column.min()) < low or int(column.max()) >= high:
+            where, index = first((column < low) | (column >= high))
+            value = int(column[index])
+            if value < 0:
+                raise TraceError(f"{where}: field {name!r}: {name} {value} is negative")
+            if name == "layer" and declared_layers is not None and value >= declared_layers:
+                raise TraceError(f"{where}: field 'layer': layer {value} is outside "
+                                 f"[0, {declared_layers}) (num_layers={declared_layers})")
+            raise TraceError(f"{where}: field {name!r}: {name} {value} is too large "
+                             f"({'does not fit int32' if name == 'layer' else 'limit 2**62'})")
+    if experts.size:
+        limit_expert = declared_experts if declared_experts is not None else INT32_MAX
+        if int(experts.min()) < -1 or int(experts.max()) >= limit_expert:
+            where, index = first((experts < -1) | (experts >= limit_expert), flat=True)
+            value = int(experts[index])
+            if value < -1:
+                raise TraceError(f"{where}: field 'experts': expert {value} is below -1 (-1 is "
+                                 f"the only padding value)")
+            if declared_experts is not None and value >= declared_experts:
+                raise TraceError(f"{where}: field 'experts': expert {value} is outside "
+                                 f"[-1, {declared_experts}) (num_experts={declared_experts})")
+            raise TraceError(f"{where}: field 'experts': expert {value} does not fit int32")
+    top_k = int(counts.max())
+    widest_line = int(lines[int(np.argmax(counts))])
+    layer_file = np.asarray(layer, dtype=np.int32)
 
     # Replay order: sequence (first appearance), token ascending, layer ascending.
-    seq_arr = np.frombuffer(seq_of, dtype=np.intc)
-    token_arr = np.frombuffer(token_of, dtype=np.int64)
+    seq_arr = np.asarray(sequence, dtype=np.int32)
+    token_arr = np.asarray(token_idx, dtype=np.int64)
     order = np.lexsort((layer_file, token_arr, seq_arr))
     seq_arr, token_arr, layer_arr = seq_arr[order], token_arr[order], layer_file[order]
     same = ((seq_arr[1:] == seq_arr[:-1]) & (token_arr[1:] == token_arr[:-1])
             & (layer_arr[1:] == layer_arr[:-1]))
     if same.any():
-        first = int(np.argmax(same))
-        pair = sorted((int(lines[order[first]]), int(lines[order[first + 1]])))
-        raise TraceError(f"{path_str}:{pair[1]}: field 'layer': duplicate record for token_idx "
-                         f"{token_arr[first]}, layer {layer_arr[first]} (first seen on line "
-                         f"{pair[0]})")
+        first_same = int(np.argmax(same))
+        pair = sorted((int(lines[order[first_same]]), int(lines[order[first_same + 1]])))
+        raise TraceError(f"{locate(pair[1])}: field 'layer': duplicate record for token_idx "
+                         f"{token_arr[first_same]}, layer {layer_arr[first_same]} (first seen on "
+                         f"{unit} {pair[0]})")
     if top_k == 0:
         raise TraceError(f"{path_str}: field 'experts': every record has an empty list (no "
                          f"routes to replay)")
 
     # Geometry: refuse an outlier or a geometry above the limit, naming the line that set it.
-    flat = np.frombuffer(experts_flat, dtype=np.intc)
-    counts = np.frombuffer(count_of, dtype=np.intc)
+    flat = np.asarray(experts, dtype=np.int32)
     max_layer = int(layer_file.max())
-    layer_where = f"{path_str}:{int(lines[int(np.argmax(layer_file == max_layer))])}"
+    layer_where = locate(int(lines[int(np.argmax(layer_file == max_layer))]))
     max_expert = int(flat.max()) if flat.size else -1
     expert_where = path_str
     if max_expert >= 0:
-        record_of_max = int(np.searchsorted(np.cumsum(counts), int(np.argmax(flat == max_expert)),
-                                            side="right"))
-        expert_where = f"{path_str}:{int(lines[record_of_max])}"
+        expert_where = locate(int(lines[record_of_flat(int(np.argmax(flat == max_expert)))]))
     if declared_experts is None and max_expert < 0:
         raise TraceError(f"{path_str}: field 'experts': every route is padding (-1), so "
                          f"num_experts cannot be inferred; pass num_experts=")
@@ -793,21 +870,20 @@ def _read_jsonl(path: str | os.PathLike, *, num_layers: int | None = None,
     else:
         geometry_where, note = expert_where, ""
     _check_geometry(*geometry, limit, geometry_where, note)
-    check_memory(held + 2 * trace_bytes(calls, top_k), limit, f"{path_str}:{widest_line}",
+    check_memory(held + 2 * trace_bytes(calls, top_k), limit, locate(widest_line),
                  f"field 'experts': the routes table [{calls} calls, top_k {top_k} set by this "
-                 f"line]")
+                 f"{unit}]")
 
     if bool((counts == top_k).all()):
         routes = flat.reshape(calls, top_k)[order]
     else:
         padded = np.full((calls, top_k), -1, dtype=np.int32)
-        padded[np.arange(top_k)[None, :] < counts[:, None]] = flat
+        padded[np.arange(top_k)[None, :] < np.asarray(counts)[:, None]] = flat
         routes = padded[order]
         del padded
-    del flat, counts, experts_flat
     return Trace(routes=routes, layers=layer_arr, num_layers=geometry[0],
                  num_experts=geometry[1], token_idx=token_arr, sequence=seq_arr,
-                 sequence_names=tuple(sequence_index), source=path_str)
+                 sequence_names=tuple(sequence_names), source=path_str)
 
 
 @dataclass(frozen=True)
@@ -1112,8 +1188,9 @@ def save_trace(trace: Trace, path: str | os.PathLike) -> None:
     JSONL writes one record per call (``sequence`` only when the trace has named sequences; the
     ``experts`` list keeps its ``-1`` padding so ``top_k`` survives the round trip). ``.npy`` and
     ``.npz`` (array ``routes``) need a full grid (:meth:`Trace.is_dense`); the declared geometry
-    is not stored in them, so pass ``num_layers``/``num_experts`` when loading if the trace does
-    not reach them.
+    is not stored in them (nor in JSONL or Parquet), so pass ``num_layers``/``num_experts`` when
+    loading if the trace does not reach them. ``.parquet`` writes the JSONL records as columns
+    (needs ``pyarrow``).
 
     Args:
         trace: the trace to write.
@@ -1121,6 +1198,7 @@ def save_trace(trace: Trace, path: str | os.PathLike) -> None:
 
     Raises:
         TraceError: unknown suffix, or a non-grid trace written as an array.
+        ValueError: ``.parquet`` without ``pyarrow``.
     """
     path_str = os.fspath(path)
     suffix = os.path.splitext(path_str)[1].lower()
@@ -1139,9 +1217,14 @@ def save_trace(trace: Trace, path: str | os.PathLike) -> None:
         np.save(path_str, trace.to_dense())
     elif suffix == ".npz":
         np.savez_compressed(path_str, routes=trace.to_dense())
+    elif suffix in PARQUET_SUFFIXES:
+        from pallas_cache.sizing.parquet import save_parquet_trace  # pyarrow: optional
+
+        save_parquet_trace(trace, path_str)
     else:
         raise TraceError(f"{path_str}: unknown trace format {suffix or '(no suffix)'!r}; "
-                         f"expected one of {', '.join(JSONL_SUFFIXES + ARRAY_SUFFIXES)}")
+                         f"expected one of "
+                         f"{', '.join(JSONL_SUFFIXES + ARRAY_SUFFIXES + PARQUET_SUFFIXES)}")
 
 
 # ---- small helpers ---------------------------------------------------------------------------
