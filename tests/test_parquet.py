@@ -122,3 +122,22 @@ def test_without_pyarrow_a_parquet_trace_names_the_extra(tmp_path, capsys, monke
             pytest.raises(ValueError):
         monkeypatch.undo()
         load_trace(tmp_path / "t.parquet")
+
+
+@needs_pyarrow
+def test_parquet_size_is_refused_from_the_metadata(tmp_path, monkeypatch):
+    """FAILS if a Parquet trace above the memory limit is read before it is refused (the
+    estimate must come from the row count and the list values in the file's metadata)."""
+    many = [{**r, "token_idx": r["token_idx"] + 2 * copy} for copy in range(50) for r in RECORDS]
+    path = _write_parquet(tmp_path / "t.parquet", many)
+    read = pq.ParquetFile.read
+
+    def no_read(self, *args, **kwargs):
+        raise AssertionError("the data was read before the size was checked")
+
+    monkeypatch.setattr(pq.ParquetFile, "read", no_read)
+    with pytest.raises(TraceError, match=r"t\.parquet: reading 300 rows with \d+ expert entries "
+                                         r"would need about .* above the memory limit of 1\.0 KiB"):
+        load_trace(path, max_memory=1024)
+    monkeypatch.setattr(pq.ParquetFile, "read", read)
+    assert load_trace(path, max_memory=1024 * 1024).num_calls == 300

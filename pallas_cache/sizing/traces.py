@@ -47,11 +47,13 @@ Malformed input never escapes as a bare ``json``/``numpy`` traceback: it raises
 :class:`TraceError` (a ``ValueError``) whose message names the file, the line (JSONL) or array
 index (NumPy), and the offending field, so a user can fix the trace without reading this code.
 
-(Why one module of ~1,000 lines: most of it is input validation -- one located message per way
+(Why one module of ~1,250 lines: most of it is input validation -- one located message per way
 a JSONL record, a gzip stream or an array header can be malformed or hostile, and the memory
-estimate made before any allocation -- and every reader funnels into the same checks of the
-:class:`Trace` constructor, so the type, its readers and their messages are read together. The
-next split, if it grows, is one module per format behind this one.)
+estimate made before any allocation -- and every reader funnels into the same checks
+(:func:`trace_from_records` for records, the :class:`Trace` constructor for all), so the type,
+its readers and their messages are read together. Formats that need an optional dependency
+live in a module of their own behind :func:`load_trace` (:mod:`pallas_cache.sizing.parquet`);
+the next split, if this one grows, is the JSONL and array readers likewise.)
 """
 
 from __future__ import annotations
