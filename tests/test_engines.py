@@ -95,7 +95,7 @@ def test_field_mistakes_fail_before_the_replay_naming_the_files_keys(tmp_path, c
     cases = [(["--trace", str(renamed), "--field", "lyr=x"], "unknown key 'lyr'"),
              (["--trace", str(renamed), "--field", "layer"], "expected KEY=NAME"),
              (["--trace", str(renamed), "--field", "layer=a,layer=b"], "given twice"),
-             (["--field", "layer=layer_idx"], "--field names the keys of a JSONL --trace"),
+             (["--field", "layer=layer_idx"], "--field names the keys of a JSONL or Parquet --trace"),
              (["--trace", str(renamed), "--field", "layer=layer_idx,experts=topk"],
               "field 'topk': missing")]
     for argv, message in cases:
@@ -103,5 +103,106 @@ def test_field_mistakes_fail_before_the_replay_naming_the_files_keys(tmp_path, c
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and message in err, (argv, err)
     np.save(tmp_path / "r.npy", np.zeros((2, 2, 2), np.int32))
-    with pytest.raises(ValueError, match="JSONL traces only"):
+    with pytest.raises(ValueError, match="JSONL and Parquet traces only"):
         load_trace(tmp_path / "r.npy", fields={"layer": "layer_idx"})
+
+
+# ---- vLLM routed experts ---------------------------------------------------------------------
+
+LAYERS, TOP_K = 3, 2
+
+
+def _vllm_requests():
+    """Three requests as vLLM returns them: int16 [gen_len, layers, top_k], one of gen_len 0."""
+    rng = np.random.default_rng(1)
+    return {"cmpl-a": rng.integers(0, 8, (4, LAYERS, TOP_K)).astype(np.int16),
+            "cmpl-b": np.zeros((0, LAYERS, TOP_K), np.int16),
+            "cmpl-c": rng.integers(0, 8, (2, LAYERS, TOP_K)).astype(np.int16)}
+
+
+def _vllm_dir(root, requests):
+    root.mkdir()
+    for name, routes in requests.items():
+        np.save(root / f"{name}.npy", routes)
+    (root / "README.txt").write_text("not a request")  # other files are ignored
+    return root
+
+
+def test_vllm_directory_and_npz_become_one_sequence_per_request(tmp_path, capsys):
+    """FAILS if a directory (or an .npz read as vllm) of vLLM requests is not read as one
+    sequence per request, in name / archive order, token-major then layer, with an empty
+    request skipped; or the CLI does not autodetect the directory."""
+    import json
+
+    from pallas_cache.sizing import cli, load_trace
+
+    requests = _vllm_requests()
+    folder = _vllm_dir(tmp_path / "routes", requests)
+    np.savez(tmp_path / "routes.npz", **requests)
+    kept = {k: v for k, v in requests.items() if len(v)}
+    expected = np.concatenate([v.reshape(-1, TOP_K) for v in kept.values()])
+    for trace in (load_trace(folder), load_trace(tmp_path / "routes.npz", trace_format="vllm")):
+        assert trace.sequence_names == tuple(kept)
+        np.testing.assert_array_equal(trace.routes, expected)
+        assert trace.layers.tolist() == list(range(LAYERS)) * 6
+        assert trace.token_idx.tolist() == [t for t in range(4) for _ in range(LAYERS)] + [
+            t for t in range(2) for _ in range(LAYERS)]
+        assert trace.sequence.tolist() == [0] * 12 + [1] * 6
+        assert (trace.num_layers, trace.top_k, trace.num_tokens) == (LAYERS, TOP_K, 6)
+    args = ["replay", "--cache-size", "8", "--policy", "full", "--format", "jsonl"]
+    assert cli.main(args + ["--trace", str(folder)]) == 0
+    from_dir = json.loads(capsys.readouterr().out)
+    assert cli.main(args + ["--trace", str(tmp_path / "routes.npz"), "--trace-format",
+                            "vllm"]) == 0
+    from_npz = json.loads(capsys.readouterr().out)
+    assert from_dir["sequences"] == 2 and from_dir["tokens"] == 6
+    assert {k: v for k, v in from_dir.items() if k != "source"} == {
+        k: v for k, v in from_npz.items() if k != "source"}
+
+
+@pytest.mark.parametrize("name,array,message", [
+    ("cmpl-c", np.zeros((2, LAYERS, TOP_K), np.float32),
+     r"cmpl-c\.npy: expected an integer array of expert ids, got dtype float32 "
+     r"\(shape \(2, 3, 2\)\)"),
+    ("cmpl-c", np.zeros((2, LAYERS), np.int16),
+     r"cmpl-c\.npy: expected shape \[gen_len, layers, top_k\], got 2-D shape \(2, 3\)"),
+    ("cmpl-c", np.zeros((2, LAYERS + 1, TOP_K), np.int16),
+     r"cmpl-c\.npy: shape \(2, 4, 2\) but \S*cmpl-a\.npy has shape \(4, 3, 2\): every request"),
+    ("cmpl-c", np.array([[[0, 1]] * LAYERS, [[3, -2]] * LAYERS], np.int16),
+     r"cmpl-c\.npy\[token=1, layer=0, k=1\]: expert -2 is outside .*only padding value"),
+], ids=["float", "2-D", "layers-differ", "negative-id"])
+def test_vllm_bad_requests_fail_before_the_replay_naming_file_and_shapes(
+        tmp_path, capsys, monkeypatch, name, array, message):
+    """FAILS if a float or 2-D request, requests of different layer counts, or an id below -1
+    reach the replay, or the one-line message does not name the file and the shapes."""
+    import importlib
+    import re
+
+    from pallas_cache.sizing import cli
+
+    def replay(*args, **kwargs):
+        raise AssertionError("the replay ran before the error was reported")
+
+    monkeypatch.setattr(importlib.import_module("pallas_cache.sizing.sweep"), "replay", replay)
+    requests = _vllm_requests()
+    requests[name] = array
+    folder = _vllm_dir(tmp_path / "routes", requests)
+    assert cli.main(["replay", "--trace", str(folder), "--cache-size", "8"]) == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("pallas-cache: ") and "Traceback" not in err
+    assert re.search(message, lines[0]), lines[0]
+    assert str(folder) in lines[0]
+
+
+def test_vllm_empty_inputs_are_trace_errors(tmp_path):
+    """FAILS if a directory without requests, or only empty requests, yields an empty trace or
+    a bare numpy error instead of a TraceError naming the path."""
+    from pallas_cache.sizing import TraceError, load_trace
+
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(TraceError, match=r"empty: no \.npy files in the directory"):
+        load_trace(tmp_path / "empty")
+    np.savez(tmp_path / "none.npz", a=np.zeros((0, 2, 2), np.int16))
+    with pytest.raises(TraceError, match=r"none\.npz: every request has gen_len 0"):
+        load_trace(tmp_path / "none.npz", trace_format="vllm")

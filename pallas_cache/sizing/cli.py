@@ -25,7 +25,7 @@ from pallas_cache.sizing import synthetic
 from pallas_cache.sizing.cost import CostModel
 from pallas_cache.sizing.models import MODELS, resolve_model
 from pallas_cache.sizing.report import FORMATS, format_records, legend_text, records
-from pallas_cache.sizing.traces import (FIELD_KEYS, TraceError, check_memory,
+from pallas_cache.sizing.traces import (FIELD_KEYS, TRACE_FORMATS, TraceError, check_memory,
                                        default_memory_limit, load_trace, parse_fields)
 from pallas_cache.sizing.units import format_bandwidth, format_bytes, parse_bandwidth, parse_bytes
 
@@ -53,10 +53,15 @@ often the routed experts were already on the device.
 
 Trace files: JSONL, one record per (token, layer):
   {"layer": 3, "token_idx": 17, "experts": [5, 1], "sequence": "prompt-42"}
-(gzipped is fine; other key names: --field layer=layer_idx,experts=topk_ids), or a .npy/.npz
+(gzipped is fine; other key names: --field layer=layer_idx,experts=topk_ids); the same columns
+in .parquet (experts: list<int>; needs pip install 'pallas-cache[parquet]'); or a .npy/.npz
 integer array [tokens, layers, top_k] (-1 = padding; each array of an .npz is one sequence).
+From vLLM (--enable-return-routed-experts): a directory with one .npy per request,
+  np.save(f"routes/{out.request_id}.npy", out.outputs[0].routed_experts)
+(or an .npz of them with --trace-format vllm); each request is one sequence.
 From transformers router logits: np.save("routes.npy",
   pallas_cache.sizing.routes_from_router_logits(out.router_logits, top_k)).
+From a JAX decode loop: pallas_cache.sizing.trace_from_routes or RouteRecorder (README).
 
 hit_rate = 1 - missing/active, counted per layer-call over distinct experts. The bounds:
   belady_hit_rate          the offline optimum when every miss is admitted (evict the resident
@@ -92,15 +97,22 @@ def _parser() -> argparse.ArgumentParser:
         "replay", help="replay a routing trace through cache configurations",
         description=REPLAY_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     source = replay.add_mutually_exclusive_group()
-    source.add_argument("--trace", metavar="FILE", help="a .jsonl, .npy or .npz routing trace")
+    source.add_argument("--trace", metavar="PATH",
+                        help="a .jsonl, .npy, .npz or .parquet routing trace, or a directory of "
+                             "vLLM routed-experts .npy files (one per request)")
     source.add_argument("--synthetic", metavar="PRESET", choices=sorted(synthetic.PRESETS),
                         help=f"a generated trace: {', '.join(sorted(synthetic.PRESETS))} "
                              f"(default: {DEFAULT_PRESET})")
     replay.add_argument("--tokens", type=int, default=None,
                         help="tokens to generate for --synthetic (default: the preset's)")
     replay.add_argument("--seed", type=int, default=0, help="seed for --synthetic (default: 0)")
+    replay.add_argument("--trace-format", choices=("auto",) + TRACE_FORMATS, default="auto",
+                        help="how to read --trace: auto (a directory is vllm, else the suffix "
+                             "decides), jsonl, array (.npy/.npz [tokens, layers, top_k]), vllm "
+                             "(the array layout, one request per file or .npz array, every "
+                             "request the same layers and top_k) or parquet (default: auto)")
     replay.add_argument("--field", metavar="KEY=NAME[,...]", default=None,
-                        help="the names a JSONL --trace uses for the record keys "
+                        help="the names a JSONL or Parquet --trace uses for the record keys "
                              f"({', '.join(FIELD_KEYS)}), e.g. layer=layer_idx,experts=topk_ids")
     replay.add_argument("--num-layers", type=int, default=None,
                         help="declared layer count of --trace (default: inferred)")
@@ -170,7 +182,8 @@ def _load(args):
     if args.trace:
         fields = parse_fields(args.field) if args.field is not None else None
         return load_trace(args.trace, num_layers=args.num_layers, num_experts=args.num_experts,
-                          max_memory=args.max_memory, fields=fields)
+                          max_memory=args.max_memory, fields=fields,
+                          trace_format=args.trace_format)
     return synthetic.synthetic_trace(args.synthetic or DEFAULT_PRESET, num_tokens=args.tokens,
                                      seed=args.seed, max_memory=args.max_memory)
 
@@ -416,7 +429,7 @@ def _replay(args) -> int:
             args.max_memory = default_memory_limit()
         if args.field is not None:
             if not args.trace:
-                raise ValueError("--field names the keys of a JSONL --trace")
+                raise ValueError("--field names the keys of a JSONL or Parquet --trace")
             parse_fields(args.field)
         if args.plot:
             args.plot = _check_plot_path(args.plot)

@@ -9,7 +9,7 @@ the replay runs a ``lax.scan`` over calls and wants two plain arrays -- ``layers
 and ``routes`` int32 ``[C, K]`` -- not a ragged list of records. Everything here is NumPy; it
 does not import the cache.
 
-Formats (:func:`load_trace` picks one from the file suffix):
+Formats (:func:`load_trace` picks one from the file suffix, or takes ``trace_format=``):
 
 * **JSONL** (``.jsonl``, ``.ndjson``): one JSON object per line and per (token, layer)::
 
@@ -28,6 +28,11 @@ Formats (:func:`load_trace` picks one from the file suffix):
   padding, read token-major then layer. An ``.npz`` holds one sequence per array (named after it,
   in archive order). Every cell is a call, including one that is all padding (it is a call with
   no active expert, as an empty batch would be).
+* **vLLM routed experts** (a directory of ``.npy`` files, or ``trace_format="vllm"`` for an
+  ``.npz``/``.npy``): the same layout, one int16 ``[gen_len, layers, top_k]`` array per request
+  (:func:`load_vllm_trace`), every request one sequence with the same layers and ``top_k``.
+* **Parquet** (``.parquet``, ``.pq``; needs ``pyarrow``): the JSONL records as columns
+  (:mod:`pallas_cache.sizing.parquet`).
 
 Geometry (``num_layers``, ``num_experts``) is either declared by the caller -- then every value
 is checked against it -- or inferred as ``max + 1`` of what the trace contains (for an array, the
@@ -42,11 +47,13 @@ Malformed input never escapes as a bare ``json``/``numpy`` traceback: it raises
 :class:`TraceError` (a ``ValueError``) whose message names the file, the line (JSONL) or array
 index (NumPy), and the offending field, so a user can fix the trace without reading this code.
 
-(Why one module of ~1,000 lines: most of it is input validation -- one located message per way
+(Why one module of ~1,250 lines: most of it is input validation -- one located message per way
 a JSONL record, a gzip stream or an array header can be malformed or hostile, and the memory
-estimate made before any allocation -- and every reader funnels into the same checks of the
-:class:`Trace` constructor, so the type, its readers and their messages are read together. The
-next split, if it grows, is one module per format behind this one.)
+estimate made before any allocation -- and every reader funnels into the same checks
+(:func:`trace_from_records` for records, the :class:`Trace` constructor for all), so the type,
+its readers and their messages are read together. Formats that need an optional dependency
+live in a module of their own behind :func:`load_trace` (:mod:`pallas_cache.sizing.parquet`);
+the next split, if this one grows, is the JSONL and array readers likewise.)
 """
 
 from __future__ import annotations
@@ -60,7 +67,7 @@ import tokenize
 import zipfile
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
 
@@ -73,9 +80,14 @@ __all__ = [
     "load_jsonl_trace",
     "parse_fields",
     "load_array_trace",
+    "load_vllm_trace",
+    "trace_from_records",
+    "trace_format_of",
     "save_trace",
     "JSONL_SUFFIXES",
     "ARRAY_SUFFIXES",
+    "PARQUET_SUFFIXES",
+    "TRACE_FORMATS",
     "MemoryLimitError",
     "default_memory_limit",
     "resolve_memory_limit",
@@ -88,6 +100,10 @@ __all__ = [
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 #: File suffixes read as a dense ``[tokens, layers, top_k]`` integer array.
 ARRAY_SUFFIXES = (".npy", ".npz")
+#: File suffixes read as Parquet (``pyarrow``: the ``parquet`` extra).
+PARQUET_SUFFIXES = (".parquet", ".pq")
+#: What ``trace_format=`` (``--trace-format``) names; ``"auto"`` picks one by :func:`trace_format_of`.
+TRACE_FORMATS = ("jsonl", "array", "vllm", "parquet")
 
 #: Keys that name a record's sequence, in order of precedence.
 SEQUENCE_KEYS = ("sequence", "problem_id")
@@ -460,21 +476,52 @@ def _next_largest(values: np.ndarray, largest: int) -> int:
 # ---- loading ---------------------------------------------------------------------------------
 
 
+def trace_format_of(path: str | os.PathLike) -> str:
+    """The format :func:`load_trace` reads ``path`` as: a directory is ``"vllm"``, else the
+    suffix decides (``.jsonl``/``.ndjson``, gzipped or not: ``"jsonl"``; ``.npy``/``.npz``:
+    ``"array"``; ``.parquet``/``.pq``: ``"parquet"``).
+
+    Raises:
+        TraceError: an unknown suffix.
+    """
+    path_str = os.fspath(path)
+    if os.path.isdir(path_str):
+        return "vllm"
+    name = path_str.lower()
+    gzipped = name.endswith(".gz")
+    suffix = os.path.splitext(name[:-3] if gzipped else name)[1]
+    if suffix in JSONL_SUFFIXES:
+        return "jsonl"
+    if suffix in ARRAY_SUFFIXES and not gzipped:
+        return "array"
+    if suffix in PARQUET_SUFFIXES and not gzipped:
+        return "parquet"
+    raise TraceError(f"{path_str}: unknown trace format {suffix or '(no suffix)'!r}; expected "
+                     f"one of {', '.join(JSONL_SUFFIXES + ARRAY_SUFFIXES + PARQUET_SUFFIXES)} "
+                     f"(JSONL may be gzipped: .jsonl.gz) or a directory of vLLM .npy files, or "
+                     f"name the format (--trace-format)")
+
+
 def load_trace(path: str | os.PathLike, *, num_layers: int | None = None,
                num_experts: int | None = None, max_memory: int | None = None,
-               fields: Mapping[str, str] | None = None) -> Trace:
+               fields: Mapping[str, str] | None = None, trace_format: str = "auto") -> Trace:
     """Read a routing trace file; the format follows the suffix (see the module docstring).
 
     Args:
-        path: a ``.jsonl``/``.ndjson`` (optionally gzip-compressed, ``.jsonl.gz``) or
-            ``.npy``/``.npz`` file.
+        path: a ``.jsonl``/``.ndjson`` (optionally gzip-compressed, ``.jsonl.gz``),
+            ``.npy``/``.npz`` or ``.parquet`` file, or a directory of vLLM ``.npy`` files.
         num_layers: declared ``L``; every layer in the trace must be below it. ``None``: infer.
         num_experts: declared ``E``; every expert must lie in ``[-1, E)``. ``None``: infer
             ``max expert + 1`` (refusing an outlier, see :data:`OUTLIER_RATIO`).
         max_memory: bytes the trace and the tables its geometry sizes may take; ``None``:
             :func:`default_memory_limit`.
-        fields: JSONL only: the file's names of the record keys, ``{"layer": "layer_idx",
-            "experts": "topk_ids"}`` (see :func:`parse_fields`); unnamed keys keep their names.
+        fields: JSONL and Parquet only: the file's names of the record keys, ``{"layer":
+            "layer_idx", "experts": "topk_ids"}`` (see :func:`parse_fields`); unnamed keys keep
+            their names.
+        trace_format: ``"auto"`` (:func:`trace_format_of`) or one of :data:`TRACE_FORMATS`:
+            ``"jsonl"``, ``"array"`` (:func:`load_array_trace`), ``"vllm"``
+            (:func:`load_vllm_trace`) or ``"parquet"``
+            (:func:`pallas_cache.sizing.parquet.load_parquet_trace`, needs ``pyarrow``).
 
     Returns:
         The trace, calls in replay order.
@@ -482,24 +529,26 @@ def load_trace(path: str | os.PathLike, *, num_layers: int | None = None,
     Raises:
         TraceError: ``fields`` for an array file, unknown suffix, unreadable file, malformed content, an empty trace, an
             outlier id, or (:class:`MemoryLimitError`) a size above ``max_memory``.
-        ValueError: a declared geometry or limit that is not a positive integer.
+        ValueError: a declared geometry or limit that is not a positive integer, an unknown
+            ``trace_format``, or (Parquet) ``pyarrow`` missing.
     """
     path_str = os.fspath(path)
-    name = path_str.lower()
-    if name.endswith(".gz"):
-        name = name[:-3]
-    suffix = os.path.splitext(name)[1]
-    if suffix in JSONL_SUFFIXES:
-        return load_jsonl_trace(path_str, num_layers=num_layers, num_experts=num_experts,
-                                max_memory=max_memory, fields=fields)
+    if trace_format not in ("auto",) + TRACE_FORMATS:
+        raise ValueError(f"unknown trace format {trace_format!r}; expected auto or one of "
+                         f"{', '.join(TRACE_FORMATS)}")
+    kind = trace_format_of(path_str) if trace_format == "auto" else trace_format
+    geometry = dict(num_layers=num_layers, num_experts=num_experts, max_memory=max_memory)
+    if kind == "jsonl":
+        return load_jsonl_trace(path_str, fields=fields, **geometry)
+    if kind == "parquet":
+        from pallas_cache.sizing.parquet import load_parquet_trace  # pyarrow: optional
+
+        return load_parquet_trace(path_str, fields=fields, **geometry)
     if fields:
-        raise TraceError(f"{path_str}: field names apply to JSONL traces only")
-    if suffix in ARRAY_SUFFIXES and not path_str.lower().endswith(".gz"):
-        return load_array_trace(path_str, num_layers=num_layers, num_experts=num_experts,
-                                max_memory=max_memory)
-    raise TraceError(f"{path_str}: unknown trace format {suffix or '(no suffix)'!r}; expected "
-                     f"one of {', '.join(JSONL_SUFFIXES + ARRAY_SUFFIXES)} (JSONL may be "
-                     f"gzipped: .jsonl.gz)")
+        raise TraceError(f"{path_str}: field names apply to JSONL and Parquet traces only")
+    if kind == "vllm":
+        return load_vllm_trace(path_str, **geometry)
+    return load_array_trace(path_str, **geometry)
 
 
 def _numbered_lines(path_str: str) -> Iterator[tuple[int, bytes]]:
@@ -622,7 +671,7 @@ def _read_jsonl(path: str | os.PathLike, *, num_layers: int | None = None,
     seq_of, layer_of, count_of = array.array("i"), array.array("i"), array.array("i")
     token_of, line_of = array.array("q"), array.array("q")
     experts_flat = array.array("i")
-    widest, widest_line, held = 0, 0, 0
+    held = 0
 
     for line_no, raw in _numbered_lines(path_str):
         where = f"{path_str}:{line_no}"
@@ -693,43 +742,119 @@ def _read_jsonl(path: str | os.PathLike, *, num_layers: int | None = None,
         line_of.append(line_no)
         count_of.append(len(experts))
         experts_flat.extend(experts)
-        if len(experts) > widest:
-            widest, widest_line = len(experts), line_no
 
     if not line_of:
         raise TraceError(f"{path_str}: the trace is empty (no records)")
-    calls, top_k = len(line_of), widest
-    lines = np.frombuffer(line_of, dtype=np.int64)
-    layer_file = np.frombuffer(layer_of, dtype=np.intc)
+    return trace_from_records(
+        path_str, sequence=np.frombuffer(seq_of, dtype=np.intc),
+        token_idx=np.frombuffer(token_of, dtype=np.int64),
+        layer=np.frombuffer(layer_of, dtype=np.intc),
+        experts=np.frombuffer(experts_flat, dtype=np.intc),
+        counts=np.frombuffer(count_of, dtype=np.intc), sequence_names=tuple(sequence_index),
+        positions=np.frombuffer(line_of, dtype=np.int64),
+        locate=lambda line: f"{path_str}:{line}", unit="line", num_layers=declared_layers,
+        num_experts=declared_experts, max_memory=limit, held=held)
+
+
+def trace_from_records(source: str, *, sequence: np.ndarray, token_idx: np.ndarray,
+                       layer: np.ndarray, experts: np.ndarray, counts: np.ndarray,
+                       sequence_names: tuple[Any, ...], positions: np.ndarray,
+                       locate: Callable[[int], str], unit: str = "record",
+                       num_layers: int | None = None, num_experts: int | None = None,
+                       max_memory: int | None = None, held: int = 0) -> Trace:
+    """The trace of records read as columns (what the JSONL and Parquet readers hold), in
+    replay order: sequence (first appearance), ``token_idx``, then ``layer``.
+
+    Args:
+        source: the file, for messages and :attr:`Trace.source`.
+        sequence: int ``[R]``, each record's index into ``sequence_names``.
+        token_idx, layer: int ``[R]``.
+        experts: int ``[sum(counts)]``, the records' expert lists concatenated.
+        counts: int ``[R]``, the length of each record's list (shorter ones are ``-1`` padded).
+        sequence_names: the sequence labels.
+        positions: int ``[R]``, each record's line or row number, for ``locate``.
+        locate: ``position -> "file:line"`` (or ``"file: row N"``), the start of a message.
+        unit: what a position counts (``"line"``, ``"row"``), for messages.
+        num_layers, num_experts, max_memory: as :func:`load_trace`.
+        held: bytes the caller already holds, counted against the limit.
+
+    Raises:
+        TraceError: a negative layer or ``token_idx``, a value outside the declared geometry or
+            int32, an expert below ``-1``, a repeated (sequence, token, layer), no routes, an
+            outlier id (inferred geometry), each naming the record; (:class:`MemoryLimitError`)
+            a size above the limit.
+    """
+    path_str = source
+    declared_layers = _optional_positive_int(num_layers, "num_layers")
+    declared_experts = _optional_positive_int(num_experts, "num_experts")
+    limit = resolve_memory_limit(max_memory)
+    calls = int(layer.shape[0])
+    if calls == 0:
+        raise TraceError(f"{path_str}: the trace is empty (no records)")
+    lines = np.asarray(positions, dtype=np.int64)
+    ends = np.cumsum(counts, dtype=np.int64)
+
+    def record_of_flat(flat_index: int) -> int:
+        return int(np.searchsorted(ends, flat_index, side="right"))
+
+    def first(bad: np.ndarray, flat: bool = False) -> tuple[str, int]:
+        index = int(np.argmax(bad))
+        return locate(int(lines[record_of_flat(index) if flat else index])), index
+
+    limit_layer = declared_layers if declared_layers is not None else INT32_MAX
+    for name, column, low, high in (("layer", layer, 0, limit_layer),
+                                    ("token_idx", token_idx, 0, _TOKEN_MAX + 1)):
+        if int(column.min()) < low or int(column.max()) >= high:
+            where, index = first((column < low) | (column >= high))
+            value = int(column[index])
+            if value < 0:
+                raise TraceError(f"{where}: field {name!r}: {name} {value} is negative")
+            if name == "layer" and declared_layers is not None and value >= declared_layers:
+                raise TraceError(f"{where}: field 'layer': layer {value} is outside "
+                                 f"[0, {declared_layers}) (num_layers={declared_layers})")
+            raise TraceError(f"{where}: field {name!r}: {name} {value} is too large "
+                             f"({'does not fit int32' if name == 'layer' else 'limit 2**62'})")
+    if experts.size:
+        limit_expert = declared_experts if declared_experts is not None else INT32_MAX
+        if int(experts.min()) < -1 or int(experts.max()) >= limit_expert:
+            where, index = first((experts < -1) | (experts >= limit_expert), flat=True)
+            value = int(experts[index])
+            if value < -1:
+                raise TraceError(f"{where}: field 'experts': expert {value} is below -1 (-1 is "
+                                 f"the only padding value)")
+            if declared_experts is not None and value >= declared_experts:
+                raise TraceError(f"{where}: field 'experts': expert {value} is outside "
+                                 f"[-1, {declared_experts}) (num_experts={declared_experts})")
+            raise TraceError(f"{where}: field 'experts': expert {value} does not fit int32")
+    top_k = int(counts.max())
+    widest_line = int(lines[int(np.argmax(counts))])
+    layer_file = np.asarray(layer, dtype=np.int32)
 
     # Replay order: sequence (first appearance), token ascending, layer ascending.
-    seq_arr = np.frombuffer(seq_of, dtype=np.intc)
-    token_arr = np.frombuffer(token_of, dtype=np.int64)
+    seq_arr = np.asarray(sequence, dtype=np.int32)
+    token_arr = np.asarray(token_idx, dtype=np.int64)
     order = np.lexsort((layer_file, token_arr, seq_arr))
     seq_arr, token_arr, layer_arr = seq_arr[order], token_arr[order], layer_file[order]
     same = ((seq_arr[1:] == seq_arr[:-1]) & (token_arr[1:] == token_arr[:-1])
             & (layer_arr[1:] == layer_arr[:-1]))
     if same.any():
-        first = int(np.argmax(same))
-        pair = sorted((int(lines[order[first]]), int(lines[order[first + 1]])))
-        raise TraceError(f"{path_str}:{pair[1]}: field 'layer': duplicate record for token_idx "
-                         f"{token_arr[first]}, layer {layer_arr[first]} (first seen on line "
-                         f"{pair[0]})")
+        first_same = int(np.argmax(same))
+        pair = sorted((int(lines[order[first_same]]), int(lines[order[first_same + 1]])))
+        raise TraceError(f"{locate(pair[1])}: field 'layer': duplicate record for token_idx "
+                         f"{token_arr[first_same]}, layer {layer_arr[first_same]} (first seen on "
+                         f"{unit} {pair[0]})")
     if top_k == 0:
         raise TraceError(f"{path_str}: field 'experts': every record has an empty list (no "
                          f"routes to replay)")
 
     # Geometry: refuse an outlier or a geometry above the limit, naming the line that set it.
-    flat = np.frombuffer(experts_flat, dtype=np.intc)
-    counts = np.frombuffer(count_of, dtype=np.intc)
+    flat = np.asarray(experts, dtype=np.int32)
     max_layer = int(layer_file.max())
-    layer_where = f"{path_str}:{int(lines[int(np.argmax(layer_file == max_layer))])}"
+    layer_where = locate(int(lines[int(np.argmax(layer_file == max_layer))]))
     max_expert = int(flat.max()) if flat.size else -1
     expert_where = path_str
     if max_expert >= 0:
-        record_of_max = int(np.searchsorted(np.cumsum(counts), int(np.argmax(flat == max_expert)),
-                                            side="right"))
-        expert_where = f"{path_str}:{int(lines[record_of_max])}"
+        expert_where = locate(int(lines[record_of_flat(int(np.argmax(flat == max_expert)))]))
     if declared_experts is None and max_expert < 0:
         raise TraceError(f"{path_str}: field 'experts': every route is padding (-1), so "
                          f"num_experts cannot be inferred; pass num_experts=")
@@ -747,21 +872,20 @@ def _read_jsonl(path: str | os.PathLike, *, num_layers: int | None = None,
     else:
         geometry_where, note = expert_where, ""
     _check_geometry(*geometry, limit, geometry_where, note)
-    check_memory(held + 2 * trace_bytes(calls, top_k), limit, f"{path_str}:{widest_line}",
+    check_memory(held + 2 * trace_bytes(calls, top_k), limit, locate(widest_line),
                  f"field 'experts': the routes table [{calls} calls, top_k {top_k} set by this "
-                 f"line]")
+                 f"{unit}]")
 
     if bool((counts == top_k).all()):
         routes = flat.reshape(calls, top_k)[order]
     else:
         padded = np.full((calls, top_k), -1, dtype=np.int32)
-        padded[np.arange(top_k)[None, :] < counts[:, None]] = flat
+        padded[np.arange(top_k)[None, :] < np.asarray(counts)[:, None]] = flat
         routes = padded[order]
         del padded
-    del flat, counts, experts_flat
     return Trace(routes=routes, layers=layer_arr, num_layers=geometry[0],
                  num_experts=geometry[1], token_idx=token_arr, sequence=seq_arr,
-                 sequence_names=tuple(sequence_index), source=path_str)
+                 sequence_names=tuple(sequence_names), source=path_str)
 
 
 @dataclass(frozen=True)
@@ -812,8 +936,8 @@ def _read_npy_data(stream: Any, label: str, shape: tuple[int, ...], dtype: np.dt
     return np.frombuffer(data, dtype=dtype).reshape(shape, order="F" if fortran else "C")
 
 
-def _npy_members(path_str: str) -> list[_Member]:
-    label = f"{path_str}: array 'routes'"
+def _npy_members(path_str: str, name: str = "routes", label: str | None = None) -> list[_Member]:
+    label = label or f"{path_str}: array {name!r}"
     try:
         with open(path_str, "rb") as handle:
             shape, fortran, dtype = _read_npy_header(handle, path_str)
@@ -829,8 +953,7 @@ def _npy_members(path_str: str) -> list[_Member]:
         except OSError as exc:
             raise TraceError(f"{path_str}: cannot read trace file: {exc}") from None
 
-    member = _Member("routes", label, shape, dtype, fortran, read)
-    _check_member(member)
+    member = _Member(name, label, shape, dtype, fortran, read)
     if member.nbytes > size - offset:
         raise TraceError(f"{label}: the header claims shape {shape} "
                          f"({format_bytes(member.nbytes)}) but the file holds only "
@@ -867,23 +990,20 @@ def _npz_members(path_str: str) -> list[_Member]:
                 raise TraceError(f"{label}: cannot read the array data: {exc}") from None
         return read
 
-    members = [_Member(name, label, shape, dtype, fortran,
-                       reader(info, label, shape, dtype, fortran))
-               for info, name, label, shape, fortran, dtype in headers]
-    for member in members:
-        _check_member(member)
-    return members
+    return [_Member(name, label, shape, dtype, fortran, reader(info, label, shape, dtype, fortran))
+            for info, name, label, shape, fortran, dtype in headers]
 
 
-def _check_member(member: _Member) -> None:
-    """Dtype, rank and emptiness, from the header alone."""
+def _check_member(member: _Member, tokens: str = "tokens", empty_tokens: bool = False) -> None:
+    """Dtype, rank and emptiness, from the header alone (``empty_tokens``: a first dimension of
+    0 is allowed)."""
     if member.dtype.kind not in "iu":
         raise TraceError(f"{member.label}: expected an integer array of expert ids, got dtype "
-                         f"{member.dtype}")
+                         f"{member.dtype} (shape {member.shape})")
     if len(member.shape) != 3:
-        raise TraceError(f"{member.label}: expected shape [tokens, layers, top_k], got "
+        raise TraceError(f"{member.label}: expected shape [{tokens}, layers, top_k], got "
                          f"{len(member.shape)}-D shape {member.shape}")
-    if 0 in member.shape:
+    if 0 in member.shape[empty_tokens:]:
         raise TraceError(f"{member.label}: the trace is empty (shape {member.shape})")
 
 
@@ -917,8 +1037,66 @@ def load_array_trace(path: str | os.PathLike, *, num_layers: int | None = None,
     except OSError as exc:
         raise TraceError(f"{path_str}: cannot open trace file: {exc.strerror or exc}") from exc
     members = _npz_members(path_str) if magic == _ZIP_MAGIC else _npy_members(path_str)
+    for member in members:
+        _check_member(member)
     return _assemble_dense(members, path_str, declared_layers, declared_experts, limit,
                            names=len(members) > 1)
+
+
+def load_vllm_trace(path: str | os.PathLike, *, num_layers: int | None = None,
+                    num_experts: int | None = None, max_memory: int | None = None) -> Trace:
+    """Read vLLM's routed experts: one ``[gen_len, layers, top_k]`` array per request, each
+    request one sequence.
+
+    vLLM (``--enable-return-routed-experts``) returns each completion's ``routed_experts`` as an
+    int16 array ``[gen_len, num_moe_layers, top_k]``. Saved as a directory of ``.npy`` files (one
+    per request, named after the file without ``.npy``, in name order; other files are ignored),
+    an ``.npz`` (one array per request, in archive order) or one ``.npy``. Unlike
+    :func:`load_array_trace`, every request must have the same layers and ``top_k`` (one model's
+    routing), and a request with ``gen_len`` 0 is skipped. Headers (dtype, rank, shapes) are
+    checked for every request before any data is read.
+
+    Args and Returns: as :func:`load_trace`.
+
+    Raises:
+        TraceError: no ``.npy`` in the directory, a non-integer dtype or a rank other than 3
+            (naming the file and shape), requests whose layers or ``top_k`` differ (naming both
+            files and shapes), every request empty, an id below ``-1`` (naming the file and
+            ``[token, layer, k]``), or as :func:`load_array_trace`.
+    """
+    path_str = os.fspath(path)
+    declared_layers = _optional_positive_int(num_layers, "num_layers")
+    declared_experts = _optional_positive_int(num_experts, "num_experts")
+    limit = resolve_memory_limit(max_memory)
+    if os.path.isdir(path_str):
+        try:
+            files = sorted(f for f in os.listdir(path_str) if f.lower().endswith(".npy"))
+        except OSError as exc:
+            raise TraceError(f"{path_str}: cannot list the directory: {exc.strerror or exc}") from exc
+        if not files:
+            raise TraceError(f"{path_str}: no .npy files in the directory (vLLM routed experts: "
+                             f"one [gen_len, layers, top_k] .npy per request)")
+        members = [member for name in files
+                   for member in _npy_members(os.path.join(path_str, name), name[:-4],
+                                              os.path.join(path_str, name))]
+    else:
+        try:
+            with open(path_str, "rb") as handle:
+                magic = handle.read(2)
+        except OSError as exc:
+            raise TraceError(f"{path_str}: cannot open trace file: {exc.strerror or exc}") from exc
+        members = _npz_members(path_str) if magic == _ZIP_MAGIC else _npy_members(path_str)
+    for member in members:
+        _check_member(member, tokens="gen_len", empty_tokens=True)
+        if member.shape[1:] != members[0].shape[1:]:
+            raise TraceError(f"{member.label}: shape {member.shape} but {members[0].label} has "
+                             f"shape {members[0].shape}: every request of one model routes the "
+                             f"same [layers, top_k]")
+    kept = [member for member in members if member.shape[0] > 0]
+    if not kept:
+        raise TraceError(f"{path_str}: every request has gen_len 0 (no routes)")
+    return _assemble_dense(kept, path_str, declared_layers, declared_experts, limit,
+                           names=len(members) > 1 or os.path.isdir(path_str))
 
 
 def _trace_from_dense(dense: np.ndarray, *, num_layers: int | None, num_experts: int | None,
@@ -964,8 +1142,10 @@ def _assemble_dense(members: list[_Member], where: str, declared_layers: int | N
             index = tuple(int(i) for i in np.argwhere(bad)[0])
             text = (f"[-1, {declared_experts}) (num_experts={declared_experts})"
                     if declared_experts is not None else "[-1, 2**31 - 1)")
+            note = " (-1 is the only padding value)" if int(values[index]) < -1 else ""
             raise TraceError(f"{member.label}[token={index[0]}, layer={index[1]}, "
-                             f"k={index[2]}]: expert {int(values[index])} is outside {text}")
+                             f"k={index[2]}]: expert {int(values[index])} is outside {text}"
+                             f"{note}")
         tokens, layers, width = member.shape
         routes[row:row + tokens * layers, :width] = values.reshape(tokens * layers, width)
         offsets.append(row)
@@ -1010,8 +1190,9 @@ def save_trace(trace: Trace, path: str | os.PathLike) -> None:
     JSONL writes one record per call (``sequence`` only when the trace has named sequences; the
     ``experts`` list keeps its ``-1`` padding so ``top_k`` survives the round trip). ``.npy`` and
     ``.npz`` (array ``routes``) need a full grid (:meth:`Trace.is_dense`); the declared geometry
-    is not stored in them, so pass ``num_layers``/``num_experts`` when loading if the trace does
-    not reach them.
+    is not stored in them (nor in JSONL or Parquet), so pass ``num_layers``/``num_experts`` when
+    loading if the trace does not reach them. ``.parquet`` writes the JSONL records as columns
+    (needs ``pyarrow``).
 
     Args:
         trace: the trace to write.
@@ -1019,6 +1200,7 @@ def save_trace(trace: Trace, path: str | os.PathLike) -> None:
 
     Raises:
         TraceError: unknown suffix, or a non-grid trace written as an array.
+        ValueError: ``.parquet`` without ``pyarrow``.
     """
     path_str = os.fspath(path)
     suffix = os.path.splitext(path_str)[1].lower()
@@ -1037,9 +1219,14 @@ def save_trace(trace: Trace, path: str | os.PathLike) -> None:
         np.save(path_str, trace.to_dense())
     elif suffix == ".npz":
         np.savez_compressed(path_str, routes=trace.to_dense())
+    elif suffix in PARQUET_SUFFIXES:
+        from pallas_cache.sizing.parquet import save_parquet_trace  # pyarrow: optional
+
+        save_parquet_trace(trace, path_str)
     else:
         raise TraceError(f"{path_str}: unknown trace format {suffix or '(no suffix)'!r}; "
-                         f"expected one of {', '.join(JSONL_SUFFIXES + ARRAY_SUFFIXES)}")
+                         f"expected one of "
+                         f"{', '.join(JSONL_SUFFIXES + ARRAY_SUFFIXES + PARQUET_SUFFIXES)}")
 
 
 # ---- small helpers ---------------------------------------------------------------------------
