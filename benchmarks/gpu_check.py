@@ -226,7 +226,7 @@ def _branches(num_experts: int, cache_size: int, backend: str):
 
 
 def _run_sequence_impl(state, xs, backend):
-    E, S = state.num_experts, state.cache_size
+    E, S = state.num_experts, state.capacity  # a static slot count (capacity == usable size here)
     branches = _branches(E, S, backend)
 
     def body(state, x):

@@ -19,6 +19,7 @@ docs/semantics.md for the contract and docs/design.md for the reasons behind it.
 """
 
 from pallas_cache.errors import (
+    ERR_CACHE_SIZE,
     ERR_EXPERT_ID,
     ERR_LAYER,
     ERR_PREFILL_BUSY,
@@ -61,10 +62,19 @@ from pallas_cache.prefill import (
     prefill_overlap_fits,
     release_prefill_layer,
 )
-from pallas_cache.state import CacheState, RebuildRejected, init, rebuild, reset
+from pallas_cache.state import (
+    CacheState,
+    RebuildRejected,
+    ResizePlan,
+    init,
+    rebuild,
+    reset,
+    resize,
+)
 
 __all__ = [
     "BACKENDS",
+    "ERR_CACHE_SIZE",
     "ERR_EXPERT_ID",
     "ERR_LAYER",
     "ERR_PREFILL_BUSY",
@@ -83,6 +93,7 @@ __all__ = [
     "PrefillDoesNotFit",
     "PrefillPlan",
     "RebuildRejected",
+    "ResizePlan",
     "apply_copy_plan",
     "begin_prefill",
     "check",
@@ -104,6 +115,7 @@ __all__ = [
     "reset",
     "reset_routing",
     "reset_stats",
+    "resize",
     "routing_histogram",
     "routing_skew",
     "set_collect_routing",

@@ -7,7 +7,7 @@ Two kinds of misuse, handled two ways:
   raises ``TypeError``/``ValueError`` at call or trace time, naming the offending value. The
   coercers of :mod:`pallas_cache.validate` implement it.
 * **Value errors** -- an expert id outside ``[-1, E)``, a layer outside ``[0, L)``, a slot outside
-  ``[0, S)``, prefill misuse -- depend on traced values, which a jitted decode loop cannot
+  ``[0, S)``, prefill misuse, a cache size outside ``[E, capacity]`` -- depend on traced values, which a jitted decode loop cannot
   inspect without a host sync. The op then returns the **input state unchanged** and a plan whose
   ``error`` field carries the bits below (an empty plan otherwise: -1 slots, zero counts). Nothing
   is ever half-applied. :func:`check` turns the bits into a readable exception eagerly;
@@ -27,6 +27,7 @@ __all__ = [
     "ERR_SLOT",
     "ERR_PREFILL_NOT_BEGUN",
     "ERR_PREFILL_BUSY",
+    "ERR_CACHE_SIZE",
     "ERROR_NAMES",
     "CacheError",
     "check",
@@ -39,6 +40,8 @@ ERR_LAYER = 2  # a layer outside [0, L)
 ERR_SLOT = 4  # forget_slot with a slot outside [0, S)
 ERR_PREFILL_NOT_BEGUN = 8  # staging a layer without begin_prefill
 ERR_PREFILL_BUSY = 16  # staging into a buffer that holds another, unreleased layer
+# resize outside [E, capacity] or under a busy prefill buffer; prefill on a usable size < 2E
+ERR_CACHE_SIZE = 64
 
 ERROR_NAMES = {
     ERR_EXPERT_ID: ("ERR_EXPERT_ID", "an expert id outside [-1, num_experts)"),
@@ -49,6 +52,11 @@ ERROR_NAMES = {
     ERR_PREFILL_BUSY: (
         "ERR_PREFILL_BUSY",
         "a prefill buffer still holds another layer that was not released",
+    ),
+    ERR_CACHE_SIZE: (
+        "ERR_CACHE_SIZE",
+        "a cache size outside [num_experts, capacity], a shrink under a busy prefill buffer, "
+        "or prefill on a usable pool below 2 * num_experts",
     ),
 }
 
@@ -109,7 +117,8 @@ def checked(plan):
     checkify.check(
         jnp.all(error == 0),
         "pallas_cache refused the call and returned the state unchanged: error bits {} "
-        "(1 ERR_EXPERT_ID, 2 ERR_LAYER, 4 ERR_SLOT, 8 ERR_PREFILL_NOT_BEGUN, 16 ERR_PREFILL_BUSY)",
+        "(1 ERR_EXPERT_ID, 2 ERR_LAYER, 4 ERR_SLOT, 8 ERR_PREFILL_NOT_BEGUN, 16 ERR_PREFILL_BUSY, "
+        "64 ERR_CACHE_SIZE)",
         jnp.bitwise_or.reduce(error.ravel()) if error.ndim else error,
     )
     return plan
@@ -129,6 +138,7 @@ def route_bits(routes: jax.Array, num_experts: int) -> jax.Array:
     return jnp.where(bad, ERR_EXPERT_ID, 0).astype(jnp.int32)
 
 
-def slot_bits(slot: jax.Array, cache_size: int) -> jax.Array:
-    """ERR_SLOT if ``slot`` is outside ``[0, cache_size)``, else 0 (int32 scalar)."""
+def slot_bits(slot: jax.Array, cache_size) -> jax.Array:
+    """ERR_SLOT if ``slot`` is outside ``[0, cache_size)`` (the usable size, possibly traced),
+    else 0 (int32 scalar)."""
     return jnp.where((slot < 0) | (slot >= cache_size), ERR_SLOT, 0).astype(jnp.int32)

@@ -70,7 +70,8 @@ class CopyPlan:
       count: int32[]. Number of valid entries.
       num_slots: static. The pool size ``S`` the plan was made for (None for a hand-built plan).
       num_experts: static. The experts per layer ``E`` its ``src_rows`` index (None likewise).
-        Both let :func:`~pallas_cache.moe.apply_copy_plan` refuse a pool or bank of another
+        ``num_slots`` is the capacity ``C`` (the pool's allocated leading axis), not the usable
+      size. Both let :func:`~pallas_cache.moe.apply_copy_plan` refuse a pool or bank of another
         geometry at trace time instead of dropping or misdirecting copies.
     """
 
@@ -253,7 +254,9 @@ def ensure_with_rules(state: CacheState, layer, routes, policy: FetchPolicy, rul
     Returns:
       ``(state, EnsurePlan)``, exactly as the public op with the same options.
     """
-    L, E, S = state.num_layers, state.num_experts, state.cache_size
+    # S here is the static capacity (shapes, out-of-range scatter indices); the usable size is
+    # state.cache_size, which the victim search masks (docs/semantics.md §5.15).
+    L, E, S = state.num_layers, state.num_experts, state.capacity
     flat_routes = routes.reshape(-1)
     num_out = min(flat_routes.shape[0], E)  # K': distinct routes of one layer never exceed E
 
@@ -284,7 +287,8 @@ def ensure_with_rules(state: CacheState, layer, routes, policy: FetchPolicy, rul
     # loop-free, and what the admission rules below read. Only the first num_fetch are installed.
     experts = _misses_in_fetch_order(flat_routes, is_route, miss, recency_row,
                                      rules.by_recency, num_out)
-    victims = backends.select_victims(usage, step, num_out, num_out=num_out, backend=backend)
+    victims = backends.select_victims(usage, step, num_out, num_out=num_out, backend=backend,
+                                      cache_size=state.cache_size)
 
     # PROMOTE_ONE (docs/semantics.md §5.5): with F = 0, the first miss in recency order takes the
     # first victim if that slot is empty and the miss was routed before. Both are computed above,
@@ -436,7 +440,7 @@ def materialize_layer(state: CacheState, layer):
 
 @jax.jit
 def _materialize_layer(state: CacheState, layer):
-    L, E, S = state.num_layers, state.num_experts, state.cache_size
+    L, E, S = state.num_layers, state.num_experts, state.capacity  # [0, E) is always usable
     error = errors.layer_bits(layer, L)
     accepted = error == 0
     state = clock.rebase_if_due(state, accepted)
@@ -480,15 +484,15 @@ def forget_slot(state: CacheState, slot):
 
     Returns:
       ``(state, ForgetPlan)``; ``plan.old`` is the flat id it held or -1. A slot outside
-      ``[0, S)`` sets ERR_SLOT (state unchanged).
+      ``[0, S)`` (``S`` the usable size ``state.cache_size``) sets ERR_SLOT (state unchanged).
     """
     return _forget_slot(state, validate.as_index("slot", slot))
 
 
 @jax.jit
 def _forget_slot(state: CacheState, slot):
-    L, E, S = state.num_layers, state.num_experts, state.cache_size
-    error = errors.slot_bits(slot, S)
+    L, E, S = state.num_layers, state.num_experts, state.capacity
+    error = errors.slot_bits(slot, state.cache_size)  # an unusable slot is out of range
     accepted = error == 0
     slot_c = jnp.clip(slot, 0, S - 1)
     old = jnp.where(accepted, state.id_of_slot[slot_c], -1)

@@ -18,8 +18,9 @@ trace time. Byte counts can exceed int32, so they are computed on the host by
 
 Refusals set error bits and leave the state unchanged: ERR_LAYER, ERR_PREFILL_NOT_BEGUN (no
 ``begin_prefill``), ERR_PREFILL_BUSY (the buffer holds another layer that was not released;
-reusing it would overwrite bytes a running multiply reads). A pool with ``S < 2E`` cannot lend the
-buffers at all; that is static and raises :class:`PrefillDoesNotFit`.
+reusing it would overwrite bytes a running multiply reads), ERR_CACHE_SIZE (the usable size, a
+traced value, is below ``2E``: docs/semantics.md §5.15). A pool whose *capacity* is below ``2E``
+can never lend the buffers; that is static and raises :class:`PrefillDoesNotFit`.
 """
 
 from __future__ import annotations
@@ -54,8 +55,9 @@ SMALL_BANK_FEAT_BYTES = 256 * 1024
 
 
 class PrefillDoesNotFit(ValueError):
-    """The pool has fewer than ``2 * E`` slots, so it cannot lend the two prefill buffers their
-    slots (docs/semantics.md §5.11). Raised at call/trace time: geometry is static."""
+    """The pool's capacity is below ``2 * E`` slots, so it can never lend the two prefill buffers
+    their slots (docs/semantics.md §5.11). Raised at call/trace time: the capacity is static (a
+    usable size below ``2E`` within a larger capacity is the value error ``ERR_CACHE_SIZE``)."""
 
     def __init__(self, cache_size: int, num_experts: int):
         self.cache_size = cache_size
@@ -157,28 +159,34 @@ class PrefillPlan:
         return np.where(bank >= 0, rows * feat[np.clip(bank, 0, feat.size - 1)], -1)
 
 
-def prefill_overlap_fits(state: CacheState) -> bool:
-    """Whether the pool can lend the two buffers their ``2E`` slots (``S >= 2E``). Static."""
-    return state.cache_size >= 2 * state.num_experts
+def prefill_overlap_fits(state: CacheState) -> jax.Array:
+    """Whether the usable pool can lend the two buffers their ``2E`` slots (``S >= 2E``), as a
+    bool[] (traced under ``jit``: the usable size is data). Always False when the capacity is
+    below ``2E``."""
+    fits = state.capacity >= 2 * state.num_experts
+    return jnp.asarray(fits) & (state.cache_size >= 2 * state.num_experts)
 
 
 def _require_fit(state: CacheState):
-    if not prefill_overlap_fits(state):
-        raise PrefillDoesNotFit(state.cache_size, state.num_experts)
+    if state.capacity < 2 * state.num_experts:
+        raise PrefillDoesNotFit(state.capacity, state.num_experts)
 
 
 def begin_prefill(state: CacheState) -> CacheState:
     """Open a prefill chunk: both buffers empty and released, ``slot_for_id`` snapshotted.
 
     The chunk classifies every row against this snapshot, so the classification is stable for
-    the whole chunk. Raises :class:`PrefillDoesNotFit` when ``S < 2E``. Jittable.
+    the whole chunk. Raises :class:`PrefillDoesNotFit` when the capacity is below ``2E``; when
+    only the usable size is (a traced value), the state comes back unchanged and no chunk is
+    opened (docs/semantics.md §5.15), as a pool of that size would have raised. Jittable.
     """
     _require_fit(state)
+    fits = state.cache_size >= 2 * state.num_experts
     return state.replace(
-        prefill_layer=jnp.full((2,), -1, jnp.int32),
-        prefill_released=jnp.ones((2,), jnp.bool_),
-        prefill_open=jnp.ones((), jnp.bool_),
-        prefill_snapshot=state.slot_for_id,
+        prefill_layer=jnp.where(fits, -1, state.prefill_layer),
+        prefill_released=state.prefill_released | fits,
+        prefill_open=state.prefill_open | fits,
+        prefill_snapshot=jnp.where(fits, state.slot_for_id, state.prefill_snapshot),
     )
 
 
@@ -203,8 +211,11 @@ def prefetch_prefill_layer(state: CacheState, layer, bank_feat_bytes):
       nothing else changes. Otherwise: ``prefill_hit_rows += hits``, ``prefill_rows += E``, the
       buffer's slots are invalidated, and the buffer now holds ``layer``, not released.
 
+      A usable size below ``2E`` (within a capacity of at least ``2E``) sets ERR_CACHE_SIZE.
+
     Raises:
-      PrefillDoesNotFit: ``S < 2E``. TypeError/ValueError: bad ``bank_feat_bytes`` or layer type.
+      PrefillDoesNotFit: capacity ``< 2E``. TypeError/ValueError: bad ``bank_feat_bytes`` or
+      layer type.
     """
     _require_fit(state)
     return _prefetch_prefill_layer(state, validate.as_index("layer", layer),
@@ -213,7 +224,7 @@ def prefetch_prefill_layer(state: CacheState, layer, bank_feat_bytes):
 
 @functools.partial(jax.jit, static_argnames=("banks",))
 def _prefetch_prefill_layer(state: CacheState, layer, banks: tuple):
-    L, E, S = state.num_layers, state.num_experts, state.cache_size
+    L, E, S = state.num_layers, state.num_experts, state.capacity
     buffer_id = jnp.remainder(layer, 2)
     held = state.prefill_layer[buffer_id]
     layer_error = errors.layer_bits(layer, L)
@@ -224,6 +235,7 @@ def _prefetch_prefill_layer(state: CacheState, layer, banks: tuple):
         layer_error
         | jnp.where(state.prefill_open, 0, errors.ERR_PREFILL_NOT_BEGUN)
         | jnp.where(busy, errors.ERR_PREFILL_BUSY, 0)
+        | jnp.where(state.cache_size < 2 * E, errors.ERR_CACHE_SIZE, 0)
     ).astype(jnp.int32)
     accepted = error == 0
     already_loaded = accepted & (held == layer)

@@ -6,9 +6,12 @@ be traced into one compiled program, scanned over layers with a *traced* layer i
 over a batch of independent caches (a sweep over fetch fractions or cache sizes). An object with
 methods that mutate Python attributes can do none of that.
 
-The geometry (``L`` layers, ``E`` experts per layer, ``S`` slots) is read from the array shapes,
-so the pytree has no static fields: two caches of the same geometry share a compiled function, and
-a change of geometry is a change of shapes (``rebuild``), which is a recompilation anyway.
+The geometry (``L`` layers, ``E`` experts per layer, ``capacity`` allocated slots) is read from
+the array shapes, so the pytree has no static fields: two caches of the same geometry share a
+compiled function, and a change of geometry is a change of shapes (``rebuild``), which is a
+recompilation anyway. The *usable* pool size ``S`` (``cache_size``, the first ``S`` of the
+``capacity`` slots) is a traced leaf, so a pool shrinks or grows (``resize``) and a sweep over
+sizes runs in one compiled program (docs/semantics.md §5.15).
 
 Everything is int32 (bools for flags); ``jax_enable_x64`` is never needed. The LRU clock stays in
 range by the rebase of ``clock.py``. The counters (``stats``, prefill row counters,
@@ -22,15 +25,18 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_cache import validate
+from pallas_cache import errors, validate
 from pallas_cache.tree import pytree_dataclass
 
 __all__ = [
     "CacheState",
     "RebuildRejected",
+    "ResizePlan",
     "init",
     "rebuild",
     "reset",
+    "resize",
+    "usable_slots",
 ]
 
 # The default clock threshold of docs/semantics.md §5.12: far below the int32 wrap, far above any test.
@@ -43,10 +49,15 @@ class CacheState:
 
     Attributes:
       slot_for_id: int32[L, E]. Expert -> slot holding it, -1 = not resident.
-      id_of_slot: int32[S]. Slot -> flat id ``layer * E + expert`` it holds, -1 = empty.
-      usage: int32[S]. The step that last touched each slot (hit or fill). 0 for a slot that was
-        never filled or was emptied by a prefill, the smallest int32 for a slot dropped by
-        ``forget_slot`` (the very first victim).
+      id_of_slot: int32[C]. Slot -> flat id ``layer * E + expert`` it holds, -1 = empty; ``C`` is
+        the static ``capacity``. Slots at or past ``cache_size`` are always -1.
+      usage: int32[C]. The step that last touched each slot (hit or fill). 0 for a slot that was
+        never filled or was emptied by a prefill or a shrink, the smallest int32 for a slot
+        dropped by ``forget_slot`` (the very first victim). Slots at or past ``cache_size`` are
+        always 0.
+      cache_size: int32[]. ``S``, the usable pool size, ``E <= S <= C``: only slots ``[0, S)``
+        hold experts, are victims or count in reports (docs/semantics.md §5.15). Traced, so
+        :func:`resize` changes it without a recompile.
       step: int32[]. The clock: +1 at the start of every ensure / ensure_hybrid /
         materialize_layer call, so the first call of a fresh cache runs at step 1.
       recency: int32[L, E]. The step at which each expert was last routed to by a hybrid call,
@@ -69,6 +80,7 @@ class CacheState:
     slot_for_id: jax.Array
     id_of_slot: jax.Array
     usage: jax.Array
+    cache_size: jax.Array
     step: jax.Array
     recency: jax.Array
     stats: jax.Array
@@ -93,9 +105,15 @@ class CacheState:
         return self.slot_for_id.shape[-1]
 
     @property
-    def cache_size(self) -> int:
+    def capacity(self) -> int:
+        """``C``, the allocated slots (a shape, static); the usable ones are ``cache_size``."""
         return self.id_of_slot.shape[-1]
 
+
+def usable_slots(state: CacheState) -> jax.Array:
+    """bool[..., C]: which slots are usable (``slot < cache_size``); traced, batch-aware."""
+    slots = jnp.arange(state.capacity, dtype=jnp.int32)
+    return slots < jnp.expand_dims(state.cache_size, -1)
 
 
 class RebuildRejected(ValueError):
@@ -115,13 +133,16 @@ class RebuildRejected(ValueError):
         )
 
 
-def _empty_state(num_layers, num_experts, cache_size, rebase_threshold, collect_routing):
-    """The cold state of a geometry; ``reset`` and ``rebuild`` reuse it so the three agree."""
-    L, E, S = num_layers, num_experts, cache_size
+def _empty_state(num_layers, num_experts, capacity, cache_size, rebase_threshold,
+                 collect_routing):
+    """The cold state of a geometry; ``reset`` and ``rebuild`` reuse it so the three agree.
+    ``cache_size`` may be traced (``reset`` keeps the usable size)."""
+    L, E, C = num_layers, num_experts, capacity
     return CacheState(
         slot_for_id=jnp.full((L, E), -1, jnp.int32),
-        id_of_slot=jnp.full((S,), -1, jnp.int32),
-        usage=jnp.zeros((S,), jnp.int32),
+        id_of_slot=jnp.full((C,), -1, jnp.int32),
+        usage=jnp.zeros((C,), jnp.int32),
+        cache_size=jnp.asarray(cache_size, jnp.int32),
         step=jnp.zeros((), jnp.int32),
         recency=jnp.full((L, E), -1, jnp.int32),
         stats=jnp.zeros((L, 4), jnp.int32),
@@ -137,14 +158,30 @@ def _empty_state(num_layers, num_experts, cache_size, rebase_threshold, collect_
     )
 
 
-def init(num_layers: int, num_experts: int, cache_size: int, *,
+def _capacity(cache_size: int, capacity) -> int:
+    """``capacity`` checked against ``cache_size`` (``None``: the same), for init and rebuild."""
+    if capacity is None:
+        return cache_size
+    capacity = validate.positive_int("capacity", capacity)
+    if capacity < cache_size:
+        raise ValueError(f"capacity {capacity} is below cache_size {cache_size}: the usable "
+                         f"slots are the first cache_size of the capacity")
+    if capacity > validate.INT32_MAX:
+        raise ValueError(f"capacity must fit in int32, got {capacity}")
+    return capacity
+
+
+def init(num_layers: int, num_experts: int, cache_size: int, *, capacity: int | None = None,
          rebase_threshold: int = DEFAULT_REBASE_THRESHOLD) -> CacheState:
     """A cold cache (docs/semantics.md §5.1).
 
     Args:
       num_layers: ``L``, MoE layers (>= 1).
       num_experts: ``E``, experts per layer (>= 1).
-      cache_size: ``S``, device slots shared by all layers; must hold one layer (``S >= E``).
+      cache_size: ``S``, usable device slots shared by all layers; must hold one layer
+        (``S >= E``).
+      capacity: ``C``, allocated slots (static shapes, ``C >= S``; default ``S``). The slots
+        ``[S, C)`` are unusable until :func:`resize` grows the pool.
       rebase_threshold: the clock value at which stamps are renumbered (docs/semantics.md §5.12); lower it
         only to test the rebase.
 
@@ -153,7 +190,7 @@ def init(num_layers: int, num_experts: int, cache_size: int, *,
       collection off and no prefill chunk open.
 
     Raises:
-      TypeError: a non-integer argument. ValueError: an argument < 1, or ``S < E``.
+      TypeError: a non-integer argument. ValueError: an argument < 1, ``S < E`` or ``C < S``.
     """
     L = validate.positive_int("num_layers", num_layers)
     E = validate.positive_int("num_experts", num_experts)
@@ -161,35 +198,120 @@ def init(num_layers: int, num_experts: int, cache_size: int, *,
     threshold = validate.positive_int("rebase_threshold", rebase_threshold)
     if S < E:
         raise ValueError(f"cache_size {S} cannot hold one layer of {E} experts")
+    C = _capacity(S, capacity)
     if threshold > validate.INT32_MAX:
         raise ValueError(f"rebase_threshold must fit in int32, got {threshold}")
-    return _empty_state(L, E, S, threshold, collect_routing=False)
+    return _empty_state(L, E, C, S, threshold, collect_routing=False)
 
 
 def reset(state: CacheState) -> CacheState:
     """A cold start with the same geometry (docs/semantics.md §5.8).
 
     Maps emptied, usage 0, step 0, recency -1, counters, histogram and prefill bookkeeping
-    cleared. The routing-collection switch and the rebase threshold are settings, not state, and
-    are kept. Jittable.
+    cleared. The routing-collection switch, the rebase threshold, the capacity and the usable
+    size are settings or geometry, not contents, and are kept. Jittable.
     """
-    return _empty_state(state.num_layers, state.num_experts, state.cache_size,
+    return _empty_state(state.num_layers, state.num_experts, state.capacity, state.cache_size,
                         state.rebase_threshold, state.collect_routing)
 
 
-def rebuild(state: CacheState, cache_size: int) -> CacheState:
-    """A new pool of ``cache_size`` slots for the same model (docs/semantics.md §5.8).
+def rebuild(state: CacheState, cache_size: int, *, capacity: int | None = None) -> CacheState:
+    """A new pool of ``cache_size`` usable slots for the same model (docs/semantics.md §5.8).
 
-    Everything resident is dropped (slot ids index an allocation that no longer exists), and the
-    counters, histogram and prefill bookkeeping are cleared, as in :func:`reset`. Not jittable in
-    ``cache_size``: it is a shape.
+    A new allocation, exactly as :func:`init` makes one: ``capacity`` defaults to the new
+    ``cache_size`` (the old capacity is not kept; to change the usable size within the
+    allocation, without a recompile, use :func:`resize`). Everything
+    resident is dropped (slot ids index an allocation that no longer exists), and the counters,
+    histogram and prefill bookkeeping are cleared, as in :func:`reset`. Not jittable: the
+    capacity is a shape.
 
     Raises:
       RebuildRejected: ``cache_size < E``; the caller keeps the old state, which is untouched.
-      TypeError: ``cache_size`` is not an integer.
+      TypeError: ``cache_size`` or ``capacity`` is not an integer. ValueError: ``capacity <
+        cache_size``.
     """
     requested = validate.as_host_int("cache_size", cache_size)
     if requested < state.num_experts:
         raise RebuildRejected(requested=requested, minimum=state.num_experts)
-    return _empty_state(state.num_layers, state.num_experts, requested,
-                        state.rebase_threshold, state.collect_routing)
+    return _empty_state(state.num_layers, state.num_experts, _capacity(requested, capacity),
+                        requested, state.rebase_threshold, state.collect_routing)
+
+
+@pytree_dataclass
+class ResizePlan:
+    """What :func:`resize` freed (docs/semantics.md §5.15): the device buffers a caller may release.
+
+    Attributes:
+      freed_slots: int32[C]. The slots at or past the new size that were usable before, in
+        ascending order; -1 past ``count``.
+      freed_ids: int32[C]. The flat id (``layer * E + expert``) each freed slot held, -1 for an
+        empty one (and past ``count``). Those experts are no longer resident.
+      count: int32[]. Number of freed slots (``old size - new size`` on a shrink, else 0).
+      error: int32[]. 0 or ``ERR_CACHE_SIZE`` (then nothing was freed and the state is unchanged).
+    """
+
+    freed_slots: jax.Array
+    freed_ids: jax.Array
+    count: jax.Array
+    error: jax.Array
+
+
+def resize(state: CacheState, cache_size) -> tuple[CacheState, ResizePlan]:
+    """Change the usable pool size within the capacity, without a recompile (docs/semantics.md §5.15).
+
+    Growing adds empty usable slots (usage 0). Shrinking frees the slots at or past the new size:
+    their experts lose residency, the slots become unusable (id -1, usage 0) and the plan lists
+    them with their old occupants. Nothing else changes: no clock advance, no rebase, counters,
+    recency and histogram kept. A shrink below ``2E`` also ends the prefill buffer at ``[E, 2E)``
+    (its record is cleared), and is refused while that buffer holds a layer not yet released.
+
+    Args:
+      state: the cache.
+      cache_size: integer scalar, possibly traced: the new usable size, in ``[E, capacity]``.
+
+    Returns:
+      ``(state, ResizePlan)``. A size outside ``[E, capacity]``, or a shrink below ``2E`` while
+      the second prefill buffer is busy, sets ``ERR_CACHE_SIZE``: state unchanged, empty plan.
+
+    Raises:
+      TypeError / ValueError: ``cache_size`` is not an integer scalar.
+    """
+    return _resize(state, validate.as_index("cache_size", cache_size))
+
+
+@jax.jit
+def _resize(state: CacheState, new_size):
+    L, E, C = state.num_layers, state.num_experts, state.capacity
+    below_buffers = new_size < 2 * E
+    # The buffer at [E, 2E) (buffer 1) loses slots on a shrink below 2E: refused while a staged
+    # layer there is still being read (docs/semantics.md §5.15).
+    busy = below_buffers & (state.prefill_layer[1] >= 0) & ~state.prefill_released[1]
+    bad = (new_size < E) | (new_size > C) | busy
+    error = jnp.where(bad, errors.ERR_CACHE_SIZE, 0).astype(jnp.int32)
+    accepted = error == 0
+    size = jnp.where(accepted, new_size, state.cache_size)
+
+    slots = jnp.arange(C, dtype=jnp.int32)
+    freed = accepted & (slots >= size) & (slots < state.cache_size)
+    occupant = state.id_of_slot
+    dropped = freed & (occupant >= 0)
+    slot_for_id = state.slot_for_id.reshape(-1).at[jnp.where(dropped, occupant, L * E)].set(
+        -1, mode="drop").reshape(L, E)
+    end_buffer = accepted & below_buffers & (jnp.arange(2) == 1)
+    new_state = state.replace(
+        slot_for_id=slot_for_id,
+        id_of_slot=jnp.where(freed, -1, occupant),
+        usage=jnp.where(freed, 0, state.usage),
+        cache_size=size.astype(jnp.int32),
+        prefill_layer=jnp.where(end_buffer, -1, state.prefill_layer),
+        prefill_released=state.prefill_released | end_buffer,
+    )
+    position = jnp.cumsum(freed, dtype=jnp.int32) - 1
+    target = jnp.where(freed, position, C)
+    plan = ResizePlan(
+        freed_slots=jnp.full((C,), -1, jnp.int32).at[target].set(slots, mode="drop"),
+        freed_ids=jnp.full((C,), -1, jnp.int32).at[target].set(occupant, mode="drop"),
+        count=jnp.sum(freed, dtype=jnp.int32),
+        error=error,
+    )
+    return new_state, plan

@@ -7,6 +7,7 @@ the JAX plans' type names and structure.
 """
 
 from .cache import (  # noqa: F401
+    ERR_CACHE_SIZE,
     ERR_EXPERT_ID,
     ERR_LAYER,
     ERR_PREFILL_BUSY,
@@ -24,6 +25,7 @@ from .cache import (  # noqa: F401
     PrefillGather,
     PrefillPlan,
     RebuildRejected,
+    ResizePlan,
     ReferenceCache,
     ReferencePlan,
     ReferencePrefillPlan,

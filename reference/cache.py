@@ -28,6 +28,7 @@ Why the rules are what they are, in one place:
 from __future__ import annotations
 
 from .errors import (  # noqa: F401  (re-exported: the reference's public names)
+    ERR_CACHE_SIZE,
     ERR_EXPERT_ID,
     ERR_LAYER,
     ERR_PREFILL_BUSY,
@@ -57,6 +58,7 @@ from .state import (  # noqa: F401
     DEFAULT_REBASE_THRESHOLD,
     FORGOTTEN,
     RebuildRejected,
+    ResizePlan,
     ReferenceState,
 )
 

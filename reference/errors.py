@@ -10,6 +10,7 @@ ERR_LAYER = 2  # a layer outside [0, L)
 ERR_SLOT = 4  # a slot outside [0, S)
 ERR_PREFILL_NOT_BEGUN = 8  # staging a layer before begin_prefill
 ERR_PREFILL_BUSY = 16  # staging into a buffer whose layer was not released
+ERR_CACHE_SIZE = 64  # resize outside [E, capacity] or under a busy buffer; prefill below 2E
 
 
 def int_arg(value, what) -> int:

@@ -107,7 +107,7 @@ class DecodeOps:
         A slot whose usage is ``step`` was touched by this very call (a hit, or a victim already
         claimed) and is never a victim: without that rule a step could evict an expert it is
         about to read. The k-th entry is what ``k + 1`` repeated argmins with the claimed slot
-        knocked out would pick.
+        knocked out would pick. Only the usable slots ``[0, cache_size)`` are candidates.
         """
         return sorted(
             (slot for slot in range(self.cache_size) if self.usage[slot] != step),
@@ -297,7 +297,7 @@ class DecodeOps:
         so a pool under pressure spends it before evicting a real resident. Idempotent.
         """
         slot = int_arg(slot, "slot")
-        if not 0 <= slot < self.cache_size:
+        if not 0 <= slot < self.cache_size:  # the usable size: unusable slots hold nothing
             return ForgetPlan(old=-1, error=ERR_SLOT)
         old = int(self.id_of_slot[slot])
         if old < 0:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import ERR_LAYER, ERR_PREFILL_BUSY, ERR_PREFILL_NOT_BEGUN, int_arg
+from .errors import ERR_CACHE_SIZE, ERR_LAYER, ERR_PREFILL_BUSY, ERR_PREFILL_NOT_BEGUN, int_arg
 
 #: Per-expert row size below which a bank ships its whole layer as one prefill entry.
 SMALL_BANK_FEAT_BYTES = 256 * 1024
@@ -81,13 +81,15 @@ class PrefillOps:
     """The prefill operations, mixed into ``ReferenceCache`` over a ``ReferenceState``."""
 
     def prefill_overlap_fits(self) -> bool:
-        """Whether the pool can lend the two buffers slots ``[0, 2E)``."""
-        return self.cache_size >= 2 * self.num_experts
+        """Whether the usable pool can lend the two buffers slots ``[0, 2E)``."""
+        return self.capacity >= 2 * self.num_experts and self.cache_size >= 2 * self.num_experts
 
     def _require_prefill_fits(self):
-        if not self.prefill_overlap_fits():
+        # The capacity is a shape in the JAX cache, so this is a trace-time error there; a usable
+        # size below 2E is a value (docs/semantics.md §5.15) and handled by each operation.
+        if self.capacity < 2 * self.num_experts:
             raise PrefillDoesNotFit(
-                f"cache of {self.cache_size} slots cannot lend {2 * self.num_experts} "
+                f"cache of {self.capacity} slots cannot lend {2 * self.num_experts} "
                 f"to the prefill buffers"
             )
 
@@ -99,6 +101,8 @@ class PrefillOps:
         maps, so gathers and host transfers may run in any order.
         """
         self._require_prefill_fits()
+        if not self.prefill_overlap_fits():
+            return  # a usable pool below 2E: no chunk opens, as a pool of that size would raise
         self.prefill_layer[:] = -1
         self.prefill_released[:] = True
         self.prefill_open = True
@@ -151,6 +155,9 @@ class PrefillOps:
         # Reusing a buffer a running multiply still reads would silently corrupt it: refused.
         if held >= 0 and held != layer and not self.prefill_released[buffer_id]:
             plan.error |= ERR_PREFILL_BUSY
+        # The buffers need usable slots [0, 2E); a pool resized below that cannot lend them.
+        if self.cache_size < 2 * self.num_experts:
+            plan.error |= ERR_CACHE_SIZE
         if plan.error:
             return plan
         # Re-staging what the buffer already holds is a no-op, so a caller can prefetch ahead.

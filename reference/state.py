@@ -13,8 +13,10 @@ import numbers
 
 import numpy as np
 
+from dataclasses import dataclass
+
 from .clock import dense_rank_stamps
-from .errors import int_arg
+from .errors import ERR_CACHE_SIZE, int_arg
 
 #: ``usage`` of a slot dropped by ``forget_slot``: older than anything, so it is the first victim.
 FORGOTTEN = -(2**31)
@@ -33,20 +35,34 @@ class RebuildRejected(ValueError):
         )
 
 
+@dataclass
+class ResizePlan:
+    """What ``resize`` freed: the slots at or past the new size, ascending, with the flat id each
+    held (-1 = empty); -1 padded to the capacity."""
+
+    freed_slots: np.ndarray  # [C]
+    freed_ids: np.ndarray  # [C]
+    count: int = 0
+    error: int = 0
+
+
 class ReferenceState:
     """The expert slot cache's state as a mutable object over int64 NumPy arrays.
 
-    Attributes mirror the JAX ``CacheState`` fields: ``slot_for_id [L, E]``, ``id_of_slot [S]``,
-    ``usage [S]``, ``step``, ``recency [L, E]``, ``stats_table [L, 4]`` (calls, active, missing,
+    Attributes mirror the JAX ``CacheState`` fields: ``slot_for_id [L, E]``, ``id_of_slot [C]``,
+    ``usage [C]`` (``C`` = ``capacity``), ``cache_size`` (the usable size ``S``: slots at or past
+    it always hold -1 with usage 0, docs/semantics.md §5.15), ``step``, ``recency [L, E]``, ``stats_table [L, 4]`` (calls, active, missing,
     fetched), ``routing_freq [L, E]``, ``collect_routing``, and the prefill bookkeeping
     ``prefill_layer [2]`` (-1 = none), ``prefill_released [2]``, ``prefill_open``,
     ``prefill_snapshot [L, E]``, ``prefill_hit_rows``, ``prefill_rows``.
     """
 
-    def __init__(self, num_layers, num_experts, cache_size, rebase_threshold=DEFAULT_REBASE_THRESHOLD):
+    def __init__(self, num_layers, num_experts, cache_size, rebase_threshold=DEFAULT_REBASE_THRESHOLD,
+                 capacity=None):
         num_layers = int_arg(num_layers, "num_layers")
         num_experts = int_arg(num_experts, "num_experts")
         cache_size = int_arg(cache_size, "cache_size")
+        capacity = cache_size if capacity is None else int_arg(capacity, "capacity")
         if num_layers < 1 or num_experts < 1:
             raise ValueError(
                 f"a MoE model has layers and experts, got num_layers={num_layers}, "
@@ -56,22 +72,25 @@ class ReferenceState:
             raise ValueError(
                 f"cache_size {cache_size} cannot hold one layer of {num_experts} experts"
             )
+        if capacity < cache_size:
+            raise ValueError(f"capacity {capacity} is below cache_size {cache_size}")
         self.num_layers = num_layers
         self.num_experts = num_experts
-        self.cache_size = cache_size
         self.rebase_threshold = int_arg(rebase_threshold, "rebase_threshold")
         self.collect_routing = False
-        self._clear(cache_size)
+        self._clear(cache_size, capacity)
 
     # ---- construction and cold starts ------------------------------------------------------
 
-    def _clear(self, cache_size):
-        """A cold cache of ``cache_size`` slots: everything but geometry and the routing flag."""
+    def _clear(self, cache_size, capacity):
+        """A cold cache of ``capacity`` slots, the first ``cache_size`` usable: everything but
+        geometry and the routing flag."""
         L, E = self.num_layers, self.num_experts
         self.cache_size = cache_size
+        self.capacity = capacity
         self.slot_for_id = np.full((L, E), -1, np.int64)
-        self.id_of_slot = np.full(cache_size, -1, np.int64)
-        self.usage = np.zeros(cache_size, np.int64)
+        self.id_of_slot = np.full(capacity, -1, np.int64)
+        self.usage = np.zeros(capacity, np.int64)
         self.step = 0
         self.recency = np.full((L, E), -1, np.int64)
         self.stats_table = np.zeros((L, 4), np.int64)
@@ -87,19 +106,56 @@ class ReferenceState:
         """A cold start: residency, clock, recency, counters, histogram and prefill all cleared.
 
         The counters go too: carried across a cold start they would skew every per-call rate.
+        The capacity and the usable size are geometry, and stay.
         """
-        self._clear(self.cache_size)
+        self._clear(self.cache_size, self.capacity)
 
-    def rebuild(self, cache_size):
-        """Resize the pool, dropping everything resident (slot ids no longer mean anything).
+    def rebuild(self, cache_size, capacity=None):
+        """A new allocation, dropping everything resident (slot ids no longer mean anything).
 
-        A target below ``E`` is refused with ``RebuildRejected`` *before* anything changes, so the
-        caller keeps serving from the old cache.
+        As ``__init__``: the capacity defaults to the new ``cache_size`` (the old one is not
+        kept). A target below ``E`` is refused with ``RebuildRejected`` *before* anything
+        changes, so the caller keeps serving from the old cache.
         """
         cache_size = int_arg(cache_size, "cache_size")
         if cache_size < self.num_experts:
             raise RebuildRejected(requested=cache_size, minimum=self.num_experts)
-        self._clear(cache_size)
+        capacity = cache_size if capacity is None else int_arg(capacity, "capacity")
+        if capacity < cache_size:
+            raise ValueError(f"capacity {capacity} is below cache_size {cache_size}")
+        self._clear(cache_size, capacity)
+
+    def resize(self, cache_size) -> "ResizePlan":
+        """Change the usable size within the capacity (docs/semantics.md §5.15).
+
+        Growing adds empty usable slots. Shrinking frees the slots at or past the new size: their
+        experts lose residency (the caller may release those device buffers, which the plan
+        lists). Refused (``ERR_CACHE_SIZE``, nothing changes) outside ``[E, capacity]``, and when
+        a shrink below ``2E`` would take slots from the prefill buffer at ``[E, 2E)`` while it
+        holds a layer that was not released (a running multiply still reads it). An accepted
+        shrink below ``2E`` ends that buffer: its record is cleared, since its slots are gone.
+        """
+        new_size = int_arg(cache_size, "cache_size")
+        E, C = self.num_experts, self.capacity
+        plan = ResizePlan(freed_slots=np.full(C, -1, np.int64), freed_ids=np.full(C, -1, np.int64))
+        buffer_busy = self.prefill_layer[1] >= 0 and not self.prefill_released[1]
+        if not E <= new_size <= C or (new_size < 2 * E and buffer_busy):
+            plan.error = ERR_CACHE_SIZE
+            return plan
+        for slot in range(new_size, self.cache_size):
+            old = int(self.id_of_slot[slot])
+            if old >= 0:
+                self.slot_for_id[old // E, old % E] = -1
+            self.id_of_slot[slot] = -1
+            self.usage[slot] = 0  # an unusable slot is as never filled
+            plan.freed_slots[plan.count] = slot
+            plan.freed_ids[plan.count] = old
+            plan.count += 1
+        if new_size < 2 * E:
+            self.prefill_layer[1] = -1
+            self.prefill_released[1] = True
+        self.cache_size = new_size
+        return plan
 
     # ---- helpers shared by the operations ----------------------------------------------------
 

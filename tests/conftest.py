@@ -99,6 +99,7 @@ JITTED = {
     "reset_stats": jax.jit(pc.reset_stats),
     "set_collect_routing": jax.jit(pc.set_collect_routing),
     "reset_routing": jax.jit(pc.reset_routing),
+    "resize": jax.jit(pc.resize),
 }
 EAGER = {name: getattr(pc, name) for name in JITTED}
 _SPLIT = jax.jit(pc.FetchPolicy.split)
@@ -116,6 +117,7 @@ STATE_FIELDS = {
     "slot_for_id": "slot_for_id",
     "id_of_slot": "id_of_slot",
     "usage": "usage",
+    "cache_size": "cache_size",
     "step": "step",
     "recency": "recency",
     "stats": "stats_table",
@@ -138,6 +140,7 @@ class StateView:
     slot_for_id: np.ndarray
     id_of_slot: np.ndarray
     usage: np.ndarray
+    cache_size: np.ndarray
     step: np.ndarray
     recency: np.ndarray
     stats: np.ndarray
@@ -160,7 +163,7 @@ class StateView:
         return self.slot_for_id.shape[1]
 
     @property
-    def cache_size(self):
+    def capacity(self):
         return self.id_of_slot.shape[0]
 
     def slot_of(self, layer, expert):
@@ -320,6 +323,21 @@ class PrefillView:
                         self.entry_bytes(banks), self.entry_whole_layer[:n].tolist()))
 
 
+@dataclasses.dataclass(frozen=True)
+class ResizeView:
+    """A resize plan: the freed slots and their old occupants (-1 padded), count, error."""
+
+    freed_slots: np.ndarray
+    freed_ids: np.ndarray
+    count: int
+    error: int
+
+
+def resize_view(plan) -> ResizeView:
+    return ResizeView(_np(plan.freed_slots), _np(plan.freed_ids), int(_np(plan.count)),
+                      int(_np(plan.error)))
+
+
 def prefill_view(plan) -> PrefillView:
     values = {}
     for name, paths in PREFILL_FIELDS.items():
@@ -358,6 +376,10 @@ def assert_invariants(state: StateView):
     claimed = slot_for_id[slot_for_id >= 0]
     assert len(set(claimed.tolist())) == len(claimed), "a slot is claimed twice"
     assert (state.usage <= state.step).all(), "usage ahead of the clock"
+    size = int(state.cache_size)
+    assert E <= size <= state.capacity, f"usable size {size} outside [E, capacity]"
+    assert (id_of_slot[size:] == -1).all() and (state.usage[size:] == 0).all(), \
+        "a slot past the usable size holds something"
 
 
 def assert_plan_well_formed(plan: EnsureView, routes, num_experts):
@@ -424,8 +446,11 @@ class RefCache(Cache):
     def prefetch_prefill_layer(self, layer, banks):
         return prefill_view(self.native.prefetch_prefill_layer(layer, banks))
 
-    def rebuild(self, cache_size):
-        self.native.rebuild(cache_size)
+    def rebuild(self, cache_size, **kwargs):
+        self.native.rebuild(cache_size, **kwargs)
+
+    def resize(self, cache_size):
+        return resize_view(self.native.resize(cache_size))
 
     def shift_clock(self, offset):
         """Move every live stamp and the clock forward, as if the cache had run that long."""
@@ -508,8 +533,12 @@ class JaxCache(Cache):
     def reset_routing(self):
         self.native = self._op("reset_routing")
 
-    def rebuild(self, cache_size):
-        self.native = pc.rebuild(self.native, cache_size)  # host-side: it changes shapes
+    def rebuild(self, cache_size, **kwargs):
+        self.native = pc.rebuild(self.native, cache_size, **kwargs)  # host-side: it changes shapes
+
+    def resize(self, cache_size):
+        self.native, plan = self._op("resize", self.adapter.index(cache_size))
+        return resize_view(plan)
 
     def stats(self):
         return pc.stats(self.native)
@@ -527,7 +556,7 @@ class JaxCache(Cache):
         return pc.routing_skew(self.native)
 
     def prefill_overlap_fits(self):
-        return pc.prefill_overlap_fits(self.native)
+        return bool(pc.prefill_overlap_fits(self.native))
 
     def shift_clock(self, offset):
         s = self.native
@@ -578,8 +607,11 @@ class Adapter:
     def flag(self, on):
         return jnp.bool_(on) if self.ops is JITTED else on
 
-    def init(self, num_layers, num_experts, cache_size, *, rebase_threshold=None) -> Cache:
+    def init(self, num_layers, num_experts, cache_size, *, rebase_threshold=None,
+             capacity=None) -> Cache:
         kwargs = {} if rebase_threshold is None else {"rebase_threshold": rebase_threshold}
+        if capacity is not None:
+            kwargs["capacity"] = capacity
         if not self.is_jax:
             return RefCache(self, ReferenceCache(num_layers, num_experts, cache_size, **kwargs))
         return JaxCache(self, pc.init(num_layers, num_experts, cache_size, **kwargs))

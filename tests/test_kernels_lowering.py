@@ -163,6 +163,57 @@ def test_ensure_hybrid_with_the_pallas_backend_lowers_to_triton(size, num_expert
     check_triton(text, triton_modules)
 
 
+# A usable size below the capacity (docs/semantics.md §5.15): the size reaches the kernels as a
+# traced scalar, so one lowering serves every size; (capacity, usable size, experts).
+USABLE_SHAPES = [(2048, 64, 16), (16384, 2048, 128), (100, 8, 7)]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("capacity,cache_size,num_experts", USABLE_SHAPES)
+def test_kernels_lower_with_a_usable_size_below_the_capacity(capacity, cache_size, num_experts,
+                                                             mode, triton_modules):
+    """FAILS if the usable-size mask (a traced scalar input of both kernels) does not lower to
+    Triton, plain, under ``vmap`` (a batch of sizes) or in a decode scan, or if the whole
+    ``ensure_hybrid`` step on such a state falls back to interpret mode or Mosaic GPU."""
+    import pallas_cache as pc
+
+    f = functools.partial(victims, num_out=num_experts)
+    usage = jnp.zeros(capacity, jnp.int32)
+    size = jnp.int32(cache_size)
+    ids = jnp.full((capacity,), -1, jnp.int32)
+    rec, miss = jnp.zeros(num_experts, jnp.int32), jnp.zeros(num_experts, bool)
+    frac, nf = jnp.int32(26214), jnp.int32(0)
+    state = pc.init(4, num_experts, cache_size, capacity=capacity)
+    policy = pc.FetchPolicy.fraction(0.4)
+    routes = jnp.arange(8, dtype=jnp.int32) % num_experts
+
+    def step(state, layer):
+        return pc.ensure_hybrid(state, layer, routes, policy, backend="pallas")
+
+    if mode == "plain":
+        text = lower_cuda(lambda u, k, c: f(u, jnp.int32(3), k, cache_size=c), usage,
+                          jnp.int32(2), size)
+        text += lower_cuda(lambda *a: promotion(*a[:-1], cache_size=a[-1]), usage, ids,
+                           jnp.int32(3), rec, miss, frac, nf, size)
+        text += lower_cuda(step, state, jnp.int32(1))
+    elif mode == "vmap":
+        sizes = jnp.asarray([num_experts, cache_size, capacity], jnp.int32)
+        text = lower_cuda(jax.vmap(lambda c: f(usage, jnp.int32(3), jnp.int32(2), cache_size=c)),
+                          sizes)
+        text += lower_cuda(jax.vmap(lambda c: promotion(usage, ids, jnp.int32(3), rec, miss,
+                                                        frac, nf, cache_size=c)), sizes)
+        states = jax.vmap(lambda c: pc.resize(state, c)[0])(sizes)
+        text += lower_cuda(jax.vmap(lambda s: step(s, jnp.int32(1))), states)
+    else:
+        def decode(state):
+            def body(state, layer):
+                state, plan = step(state, layer)
+                return state, plan.copy.count
+            return lax.scan(body, state, jnp.arange(4, dtype=jnp.int32))
+        text = lower_cuda(decode, state)
+    check_triton(text, triton_modules)
+
+
 # The two checks above that lean on JAX internals (the MLIR verifier hook, the ``grid_x`` attribute
 # of the custom call) silently do nothing when the internals move; these canaries turn that into a
 # visible SKIP in the test summary instead.

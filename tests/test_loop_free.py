@@ -89,13 +89,14 @@ OTHER_OPS = {
     "prefetch_prefill_layer": lambda s, l, r: pc.prefetch_prefill_layer(
         pc.begin_prefill(s), l, (1 << 20,)),
     "release_prefill_layer": lambda s, l, r: pc.release_prefill_layer(pc.begin_prefill(s), l),
+    "resize": lambda s, l, r: pc.resize(s, l + E),
 }
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_no_while_loop_outside_kernels(backend):
     """FAILS if any per-call op (ensure, every ensure_hybrid order x admission, the rules-as-data
-    core, materialize_layer, forget_slot, the prefill ops) traces to a ``while`` primitive outside
+    core, materialize_layer, forget_slot, the prefill ops, resize) traces to a ``while`` primitive outside
     a Pallas kernel, e.g. a fetch order or victim search looping once per miss."""
     offenders = {}
     ops = dict(ops_under_test(backend))

@@ -207,7 +207,7 @@ class RoutingSkewReport:
 def routing_skew(state: CacheState):
     """The :class:`RoutingSkewReport` of the observed histogram, or None if nothing was observed."""
     freq = np.asarray(jax.device_get(state.routing_freq)).astype(np.int64)
-    num_layers, cache_size = state.num_layers, state.cache_size
+    num_layers, cache_size = state.num_layers, int(jax.device_get(state.cache_size))
     oracle_slots = oracle_slots_for(cache_size, num_layers)
     routed_layers = np.flatnonzero(freq.sum(axis=1))
     if routed_layers.size == 0:

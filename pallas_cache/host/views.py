@@ -92,9 +92,11 @@ class CacheView:
     """A host-side snapshot of one cache, one row per slot. Build it with :func:`describe`.
 
     Attributes:
-      num_layers, num_experts, cache_size: the geometry ``L, E, S``.
+      num_layers, num_experts, cache_size: the geometry ``L, E, S`` (``S`` the usable size).
       step: the clock.
-      rows: one :class:`SlotRow` per slot, in slot order.
+      rows: one :class:`SlotRow` per usable slot, in slot order (slots at or past ``S`` are
+        neither empty nor occupied, docs/semantics.md §5.15, and have no row).
+      capacity: the allocated slots ``C >= S`` (``None``: the same as ``S``).
     """
 
     num_layers: int
@@ -102,6 +104,7 @@ class CacheView:
     cache_size: int
     step: int
     rows: list[SlotRow]
+    capacity: int | None = None
 
     @property
     def residents(self) -> list[SlotEntry]:
@@ -121,8 +124,10 @@ class CacheView:
 
     def header(self) -> str:
         per_layer = ", ".join(str(c) for c in self.resident_per_layer())
-        return (f"CacheState L={self.num_layers} E={self.num_experts} S={self.cache_size} "
-                f"step={self.step} resident={self.resident_count}/{self.cache_size} "
+        capacity = ("" if self.capacity in (None, self.cache_size)
+                    else f" (capacity {self.capacity})")
+        return (f"CacheState L={self.num_layers} E={self.num_experts} S={self.cache_size}"
+                f"{capacity} step={self.step} resident={self.resident_count}/{self.cache_size} "
                 f"(per layer: {per_layer})")
 
     def _table(self) -> tuple[list[str], list[list[str]]]:
@@ -155,23 +160,24 @@ def describe(state) -> CacheView:
       state: a ``CacheState`` (one cache, not a vmapped batch).
 
     Returns:
-      A :class:`CacheView`. ``print`` it for a text table, display it in a notebook for an HTML
-      table, or read ``view.rows`` / ``view.residents``.
+      A :class:`CacheView` with one row per usable slot. ``print`` it for a text table, display
+      it in a notebook for an HTML table, or read ``view.rows`` / ``view.residents``.
     """
-    fields = _host_fields(state, ["id_of_slot", "usage", "step", "slot_for_id"])
+    fields = _host_fields(state, ["id_of_slot", "usage", "step", "slot_for_id", "cache_size"])
     num_layers, num_experts = fields["slot_for_id"].shape
     step = int(fields["step"])
+    usable = int(fields["cache_size"])
     rows = []
-    for slot, (flat_id, usage) in enumerate(zip(fields["id_of_slot"].tolist(),
-                                               fields["usage"].tolist())):
+    for slot, (flat_id, usage) in enumerate(zip(fields["id_of_slot"][:usable].tolist(),
+                                               fields["usage"][:usable].tolist())):
         if flat_id >= 0:
             layer, expert = divmod(flat_id, num_experts)
             rows.append(SlotRow(slot, layer, expert, usage, step - usage, RESIDENT))
         else:
             status = FORGOTTEN if usage == INT32_MIN else EMPTY
             rows.append(SlotRow(slot, None, None, usage, None, status))
-    return CacheView(num_layers=num_layers, num_experts=num_experts,
-                     cache_size=len(rows), step=step, rows=rows)
+    return CacheView(num_layers=num_layers, num_experts=num_experts, cache_size=usable, step=step,
+                     rows=rows, capacity=int(fields["id_of_slot"].shape[0]))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,6 +249,10 @@ def diff(before, after) -> CacheDiff:
     Returns:
       A :class:`CacheDiff` with ``installed``, ``evicted`` and ``refreshed`` lists of
       ``(slot, layer, expert)``.
+
+    Slots outside the usable pool hold nothing (docs/semantics.md §5.15), so a
+    :func:`~pallas_cache.resize` between the two states shows the experts a shrink freed as
+    evicted, and the slots themselves in neither list.
 
     Raises:
       ValueError: the two states have different geometries (compare states of one pool only).

@@ -70,10 +70,13 @@ def load_block(ref, start, width: int, other: int = 0):
     return plgpu.load(ref.at[pl.ds(start, width)], mask=valid, other=other), index, valid
 
 
-def _block_min_pair(u, idx, valid, step, prev_u, prev_i):
+def _block_min_pair(u, idx, valid, step, prev_u, prev_i, limit):
     """The smallest evictable ``(usage, slot)`` in one block strictly after ``(prev_u, prev_i)``
-    (no bound when ``prev_u`` is None), as scalars; ``(INT32_MAX, INT32_MAX)`` if none."""
+    (no bound when ``prev_u`` is None), as scalars; ``(INT32_MAX, INT32_MAX)`` if none. Slots at
+    or past ``limit`` (the usable size; None: no limit) are not evictable."""
     ok = valid & (u != step)
+    if limit is not None:
+        ok = ok & (idx < limit)
     if prev_u is not None:
         ok = ok & ((u > prev_u) | ((u == prev_u) & (idx > prev_i)))
     m = jnp.min(jnp.where(ok, u, INT32_MAX))
@@ -81,22 +84,23 @@ def _block_min_pair(u, idx, valid, step, prev_u, prev_i):
     return m, i
 
 
-def next_evictable(usage_ref, step, prev_u, prev_i, *, block: int, preloaded=None):
-    """The smallest evictable ``(usage, slot)`` (``usage != step``) strictly after
-    ``(prev_u, prev_i)`` (``None``: no lower bound, the plain argmin), as scalars ``(m, i)``;
-    ``i == m == INT32_MAX`` when there is none.
+def next_evictable(usage_ref, step, prev_u, prev_i, *, block: int, preloaded=None, limit=None):
+    """The smallest evictable ``(usage, slot)`` (``usage != step`` and ``slot < limit``, the
+    usable size; ``limit=None``: every slot) strictly after ``(prev_u, prev_i)`` (``None``: no
+    lower bound, the plain argmin), as scalars ``(m, i)``; ``i == m == INT32_MAX`` when there is
+    none.
 
     ``preloaded`` is :func:`load_block`'s result when the whole pool fits one block (loaded once
     by the caller and kept in registers); otherwise the pool is scanned in ``block``-wide blocks
     in ascending slot order, so a later block only wins with a strictly smaller usage.
     """
     if preloaded is not None:
-        return _block_min_pair(*preloaded, step, prev_u, prev_i)
+        return _block_min_pair(*preloaded, step, prev_u, prev_i, limit)
 
     def body(b, best):
         best_m, best_i = best
         start = pl.multiple_of(b * block, block)
-        m, i = _block_min_pair(*load_block(usage_ref, start, block), step, prev_u, prev_i)
+        m, i = _block_min_pair(*load_block(usage_ref, start, block), step, prev_u, prev_i, limit)
         take = (i != INT32_MAX) & ((best_i == INT32_MAX) | (m < best_m))
         return jnp.where(take, m, best_m), jnp.where(take, i, best_i)
 

@@ -173,15 +173,17 @@ def first_in_order(values, candidate, num_out: int):
                    index.reshape(-1))
 
 
-def select_victims(usage, step, n, *, num_out, backend="xla"):
+def select_victims(usage, step, n, *, num_out, backend="xla", cache_size=None):
     """The first ``n`` slots in ascending ``(usage, slot)`` order among evictable slots.
 
     Args:
-      usage: int32[S], after this step's hit refresh.
+      usage: int32[C], after this step's hit refresh.
       step: int32[], this step; a slot whose usage equals it is not evictable.
       n: int32[], traced, ``0 <= n <= num_out``: how many victims to take.
-      num_out: static output length, ``<= S``.
+      num_out: static output length, ``<= C``.
       backend: "xla" | "pallas" | "interpret".
+      cache_size: int32[], traced, the usable size ``S``: slots at or past it are never victims
+        (docs/semantics.md §5.15). ``None``: every slot is usable.
 
     Returns:
       int32[num_out]: the victims in claim order; entries ``>= n`` are -1 (and so is any entry
@@ -191,14 +193,24 @@ def select_victims(usage, step, n, *, num_out, backend="xla"):
     if backend != "xla":
         from pallas_cache.kernels.victims import victims
 
-        return victims(usage, step, n, num_out=num_out, interpret=backend == "interpret")
-    # A slot touched this step (a hit) is never a victim.
-    out = first_in_order(usage, usage != step, num_out)
+        return victims(usage, step, n, num_out=num_out, interpret=backend == "interpret",
+                       cache_size=cache_size)
+    # A slot touched this step (a hit) is never a victim, nor is an unusable one.
+    out = first_in_order(usage, _evictable(usage, step, cache_size), num_out)
     return jnp.where(lax.iota(jnp.int32, num_out) < n, out, -1)
 
 
+def _evictable(usage, step, cache_size):
+    """bool[C]: not touched this step (``usage != step``) and usable (``slot < cache_size``;
+    every slot when ``cache_size`` is None)."""
+    evictable = usage != step
+    if cache_size is None:
+        return evictable
+    return evictable & (lax.iota(jnp.int32, usage.shape[0]) < cache_size)
+
+
 def promotion_decision(usage, id_of_slot, step, recency_row, miss_mask, fraction16, num_fetch,
-                       *, backend="xla"):
+                       *, backend="xla", cache_size=None):
     """The seed-000 PROMOTE_ONE decision (docs/semantics.md §5.5); the caller has checked ``order == RECENCY``.
 
     Fires iff ``fraction16 > 0``, ``num_fetch == 0``, some expert missed, the argmin evictable
@@ -215,6 +227,8 @@ def promotion_decision(usage, id_of_slot, step, recency_row, miss_mask, fraction
       fraction16: int32[], the policy fraction (0 = fixed cap, which never promotes).
       num_fetch: int32[], the split's ``F``.
       backend: "xla" | "pallas" | "interpret".
+      cache_size: int32[], traced, the usable size: slots at or past it are never the victim.
+        ``None``: every slot is usable.
 
     Returns:
       ``(expert, slot)`` int32 scalars: the layer-local expert to fetch and the slot it takes,
@@ -225,7 +239,7 @@ def promotion_decision(usage, id_of_slot, step, recency_row, miss_mask, fraction
         from pallas_cache.kernels.promotion import promotion
 
         return promotion(usage, id_of_slot, step, recency_row, miss_mask, fraction16, num_fetch,
-                         interpret=backend == "interpret")
+                         interpret=backend == "interpret", cache_size=cache_size)
     # The first miss in recency order: the largest recency among misses, lowest id on ties.
     expert = argmin_among(~recency_row, miss_mask)
     recurring = recency_row[jnp.maximum(expert, 0)] >= 0
@@ -233,7 +247,7 @@ def promotion_decision(usage, id_of_slot, step, recency_row, miss_mask, fraction
 
     # The argmin evictable slot, kept only if it is empty. Always computed (one reduction): a
     # data-dependent branch would cost a host round trip on a GPU (docs/semantics.md §7.1).
-    slot = argmin_among(usage, usage != step)
+    slot = argmin_among(usage, _evictable(usage, step, cache_size))
     slot = jnp.where(candidate & (slot >= 0) & (id_of_slot[jnp.maximum(slot, 0)] == -1), slot, -1)
     fires = candidate & (slot >= 0)
     expert = jnp.where(fires, expert, -1).astype(jnp.int32)

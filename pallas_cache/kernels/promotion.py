@@ -1,7 +1,7 @@
 """Pallas kernel 2, the seed-000 ``PROMOTE_ONE`` decision (docs/semantics.md §5.5, §7):
 ``promotion(usage, id_of_slot, step, recency_row, miss_mask, fraction16, num_fetch)`` returns
 ``(expert, slot)``, the first miss in recency order (largest recency, ties to the lowest id) and
-the first victim (the argmin evictable slot, as :mod:`~pallas_cache.kernels.victims`), or
+the first victim (the argmin evictable usable slot, as :mod:`~pallas_cache.kernels.victims`), or
 ``(-1, -1)`` unless ``fraction16 > 0``, ``num_fetch == 0``, some expert missed, that miss was
 routed before (``recency >= 0``) and that slot is empty. The static conditions (RECENCY order,
 PROMOTE_ONE admission) are the caller's; the core of ``ensure_hybrid`` reads the same decision
@@ -35,6 +35,7 @@ def promotion_kernel(
     miss_ref,  # i32[E], nonzero = missing
     frac_ref,  # i32[1]
     nfetch_ref,  # i32[1]
+    size_ref,  # i32[1]: the usable size; slots at or past it are never the victim
     out_ref,  # i32[2]: (expert, slot)
     *,
     block: int,  # power of two: the reduction width over the slots
@@ -53,7 +54,7 @@ def promotion_kernel(
         # The argmin evictable slot (the first victim), kept only if it is empty.
         pre = common.preload(usage_ref, block=block)
         _, victim = common.next_evictable(usage_ref, step_ref[0], None, None, block=block,
-                                          preloaded=pre)
+                                          preloaded=pre, limit=size_ref[0])
         has_victim = victim != INT32_MAX
         victim = jnp.where(has_victim, victim, 0)
         return jnp.where(has_victim & (id_ref[victim] == -1), victim, -1)
@@ -69,7 +70,7 @@ def promotion_kernel(
 
 
 def promotion_call(usage, id_of_slot, step, recency_row, miss_mask, fraction16, num_fetch, *,
-                   interpret: bool, debug: bool, block: int | None = None):
+                   interpret: bool, debug: bool, block: int | None = None, cache_size=None):
     """Unjitted body of :func:`promotion`; ``block`` overrides the reduction width over the slots
     (tests use a small one to exercise the blocked scan on the interpreter)."""
     usage = common.check_vector_i32(usage, "usage")
@@ -91,6 +92,7 @@ def promotion_call(usage, id_of_slot, step, recency_row, miss_mask, fraction16, 
     step = common.as_scalar_i32(step, "step")
     fraction16 = common.as_scalar_i32(fraction16, "fraction16")
     num_fetch = common.as_scalar_i32(num_fetch, "num_fetch")
+    limit = common.as_scalar_i32(size if cache_size is None else cache_size, "cache_size")
     if size == 0 or num_experts == 0:
         none = jnp.int32(-1)
         return none, none
@@ -104,7 +106,8 @@ def promotion_call(usage, id_of_slot, step, recency_row, miss_mask, fraction16, 
         interpret=interpret,
         debug=debug,
         name="pallas_cache_promotion",
-    )(usage, id_of_slot, step, recency_row, miss_mask.astype(jnp.int32), fraction16, num_fetch)
+    )(usage, id_of_slot, step, recency_row, miss_mask.astype(jnp.int32), fraction16, num_fetch,
+      limit)
     return out[0], out[1]
 
 
@@ -112,7 +115,7 @@ def promotion_call(usage, id_of_slot, step, recency_row, miss_mask, fraction16, 
 def promotion(usage: jax.Array, id_of_slot: jax.Array, step: jax.Array,
               recency_row: jax.Array, miss_mask: jax.Array, fraction16: jax.Array,
               num_fetch: jax.Array, *, interpret: bool = False,
-              debug: bool = False) -> tuple[jax.Array, jax.Array]:
+              debug: bool = False, cache_size=None) -> tuple[jax.Array, jax.Array]:
     """The seed-000 ``PROMOTE_ONE`` decision for one ``ensure_hybrid`` call.
 
     Args:
@@ -125,6 +128,8 @@ def promotion(usage: jax.Array, id_of_slot: jax.Array, step: jax.Array,
       num_fetch: ``i32[]`` the split's fetch count ``F``.
       interpret: run the kernel with the Pallas interpreter (CPU).
       debug: print the kernel jaxpr (and the Triton IR when lowering for GPU).
+      cache_size: ``i32[]`` the usable size (traced): slots at or past it are never the victim;
+        ``None``: every slot.
 
     Returns:
       ``(expert, slot)`` ``i32[]`` each: the promoted layer-local expert and its slot, or
@@ -134,4 +139,4 @@ def promotion(usage: jax.Array, id_of_slot: jax.Array, step: jax.Array,
       TypeError / ValueError at trace time: wrong rank, dtype or mismatched shapes.
     """
     return promotion_call(usage, id_of_slot, step, recency_row, miss_mask, fraction16, num_fetch,
-                          interpret=interpret, debug=debug)
+                          interpret=interpret, debug=debug, cache_size=cache_size)

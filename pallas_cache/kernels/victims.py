@@ -1,6 +1,7 @@
 """Pallas kernel 1, victim selection (docs/semantics.md §5.2, §7): ``victims(usage, step, n,
-num_out=...)`` returns the first ``n`` slots in ascending ``(usage, slot)`` order among the
-evictable slots (``usage != step``: a slot touched this step is never a victim), as ``i32[num_out]``
+num_out=..., cache_size=...)`` returns the first ``n`` slots in ascending ``(usage, slot)`` order
+among the evictable slots (``usage != step``: a slot touched this step is never a victim; and
+``slot < cache_size``: an unusable slot never is either), as ``i32[num_out]``
 with ``-1`` past ``n`` and past the last evictable slot. One program, no grid: round 0 is the
 plain argmin and round ``k`` the smallest pair strictly after round ``k - 1``'s, which equals
 knocking out every claimed slot with two scalars of carry; the round loop runs on the device, so
@@ -28,9 +29,10 @@ __all__ = ["victims"]
 
 
 def victims_kernel(
-    usage_ref,  # i32[S]
+    usage_ref,  # i32[C]
     step_ref,  # i32[1]
     n_ref,  # i32[1]
+    size_ref,  # i32[1]: the usable size; slots at or past it are never victims
     out_ref,  # i32[num_out]
     *,
     num_out: int,
@@ -38,18 +40,20 @@ def victims_kernel(
 ):
     out_width = common.next_pow2(num_out)
     step = step_ref[0]
+    limit = size_ref[0]
     n = jnp.minimum(jnp.maximum(n_ref[0], 0), num_out)
     pre = common.preload(usage_ref, block=block)
     position = lax.iota(jnp.int32, out_width)
 
     # Round 0, the plain argmin (no lower bound); recorded only when n >= 1.
-    m0, i0 = common.next_evictable(usage_ref, step, None, None, block=block, preloaded=pre)
+    m0, i0 = common.next_evictable(usage_ref, step, None, None, block=block, preloaded=pre,
+                                   limit=limit)
     out0 = jnp.where((position == 0) & (n > 0) & (i0 != INT32_MAX), i0, -1)
 
     def round_body(k, carry):
         prev_u, prev_i, out = carry
         m, i = common.next_evictable(usage_ref, step, prev_u, prev_i, block=block,
-                                     preloaded=pre)
+                                     preloaded=pre, limit=limit)
         # Once nothing is left, (m, i) = (MAX, MAX) and every later round finds nothing too.
         return m, i, jnp.where(position == k, jnp.where(i == INT32_MAX, -1, i), out)
 
@@ -58,7 +62,7 @@ def victims_kernel(
 
 
 def victims_call(usage, step, n, *, num_out: int, interpret: bool, debug: bool,
-                 block: int | None = None):
+                 block: int | None = None, cache_size=None):
     """Unjitted body of :func:`victims`; ``block`` overrides the reduction width (tests use a
     small one to exercise the blocked scan on the interpreter)."""
     usage = common.check_vector_i32(usage, "usage")
@@ -70,6 +74,7 @@ def victims_call(usage, step, n, *, num_out: int, interpret: bool, debug: bool,
         raise ValueError(f"num_out must be in [0, S={size}], got {num_out}")
     step = common.as_scalar_i32(step, "step")
     n = common.as_scalar_i32(n, "n")
+    limit = common.as_scalar_i32(size if cache_size is None else cache_size, "cache_size")
     if num_out == 0:
         return jnp.full((0,), -1, jnp.int32)
     block = (common.default_block(size, interpret) if block is None
@@ -82,19 +87,21 @@ def victims_call(usage, step, n, *, num_out: int, interpret: bool, debug: bool,
         interpret=interpret,
         debug=debug,
         name="pallas_cache_victims",
-    )(usage, step, n)
+    )(usage, step, n, limit)
 
 
 @functools.partial(jax.jit, static_argnames=("num_out", "interpret", "debug"))
 def victims(usage: jax.Array, step: jax.Array, n: jax.Array, *, num_out: int,
-            interpret: bool = False, debug: bool = False) -> jax.Array:
+            interpret: bool = False, debug: bool = False, cache_size=None) -> jax.Array:
     """The first ``n`` evictable slots in ascending ``(usage, slot)`` order.
 
     Args:
-      usage: ``i32[S]`` per-slot LRU stamps (any int32 value).
+      usage: ``i32[C]`` per-slot LRU stamps (any int32 value).
       step: ``i32[]`` the current step; slots with ``usage == step`` are never victims.
       n: ``i32[]`` how many victims (traced); clamped to ``[0, num_out]``.
-      num_out: static output length, ``0 <= num_out <= S``.
+      num_out: static output length, ``0 <= num_out <= C``.
+      cache_size: ``i32[]`` the usable size (traced): slots at or past it are never victims;
+        ``None``: all ``C``.
       interpret: run the kernel with the Pallas interpreter (CPU).
       debug: print the kernel jaxpr (and the Triton IR when lowering for GPU).
 
@@ -104,6 +111,7 @@ def victims(usage: jax.Array, step: jax.Array, n: jax.Array, *, num_out: int,
 
     Raises:
       TypeError / ValueError at trace time: ``usage`` not a 1-D int32 array, ``step``/``n`` not
-      integer scalars, ``num_out`` not a static int in ``[0, S]``.
+      integer scalars, ``num_out`` not a static int in ``[0, C]``.
     """
-    return victims_call(usage, step, n, num_out=num_out, interpret=interpret, debug=debug)
+    return victims_call(usage, step, n, num_out=num_out, interpret=interpret, debug=debug,
+                        cache_size=cache_size)

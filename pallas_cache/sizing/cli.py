@@ -276,14 +276,18 @@ def _check_state_memory(sizes, configs_per_size: int, num_layers: int, num_exper
                         limit: int) -> None:
     """Refuse cache sizes whose replay state would exceed ``limit``, before any is allocated.
 
-    A size replays its ``configs_per_size`` configurations as one batch: the stacked states, the
-    program's output batch and the initial state, ``2 * n + 1`` states in all.
+    A bucket of sizes replays its ``n`` configurations (``configs_per_size`` per size) as one
+    batch of states at the bucket's largest size (``sweep.capacity_buckets``): the stacked
+    states, the program's output batch and the initial state, ``2 * n + 1`` states in all.
     """
-    for size in sorted(set(sizes), reverse=True):
+    from pallas_cache.sizing.sweep import capacity_buckets  # after config_grid's jax import
+
+    for bucket in reversed(capacity_buckets(sizes)):
+        size, count = bucket[-1], configs_per_size * len(bucket)
         state = (num_layers * num_experts * _STATE_BYTES_PER_ID + size * _STATE_BYTES_PER_SLOT
                  + num_layers * 16)
-        check_memory((2 * configs_per_size + 1) * state, limit, f"--cache-size {size}",
-                     f"{configs_per_size} cache state(s) of {size} slots for {num_layers} "
+        check_memory((2 * count + 1) * state, limit, f"--cache-size {size}",
+                     f"{count} cache state(s) of {size} slots for {num_layers} "
                      f"layers x {num_experts} experts")
 
 

@@ -5,12 +5,15 @@ policy, for my model and my traffic?". The answer is a replay: feed the trace's 
 order, to the cache and count what it would have fetched. This module runs that replay as
 compiled JAX, for a whole grid of configurations:
 
-- **One compiled, vmapped program per cache size.** The pool size is a shape, so each size
-  compiles on its own. Within a size every configuration is one lane of a single ``jax.vmap``:
-  the :class:`~pallas_cache.policy.FetchPolicy` is a traced pytree, and the fetch order and
+- **One compiled, vmapped program per bucket of cache sizes** (:func:`capacity_buckets`; one
+  bucket for a usual grid). The states are allocated at the bucket's largest size and each lane
+  carries its own usable size as data (docs/semantics.md §5.15), so sizes x policies x orders x
+  admissions are the lanes of a single ``jax.vmap``: the
+  :class:`~pallas_cache.policy.FetchPolicy` is a traced pytree, and the fetch order and
   admission rule enter the cache's core as data (:class:`pallas_cache.ops.Rules` through
-  :func:`pallas_cache.ops.ensure_with_rules`; the public ops take
-  them as static options, which is what a decode loop wants). The scan walks the trace in
+  :func:`pallas_cache.ops.ensure_with_rules`; the public ops take them as static options, which
+  is what a decode loop wants). Configurations whose options cannot change the result share a
+  lane. The scan walks the trace in
   fixed-length chunks (the host loop over chunks only drives the progress bar), so a long trace
   compiles once.
 - **Several devices**: the configuration axis is sharded across them with ``jax.sharding`` (a
@@ -50,16 +53,18 @@ from pallas_cache.sizing import bounds as belady_lib
 from pallas_cache.sizing.bounds import bypass_optimum
 from pallas_cache.sizing.cost import CostModel
 from pallas_cache.ops import Rules, ensure_with_rules  # the core, with order/admission as data
-from pallas_cache.policy import Admission, FetchOrder, FetchPolicy
+from pallas_cache.policy import ONE, Admission, FetchOrder, FetchPolicy
 from pallas_cache.state import init
 from pallas_cache.sizing.traces import Trace
 from pallas_cache.validate import is_int
 
 __all__ = ["ReplayConfig", "ReplayResult", "parse_policy", "replay", "config_grid",
-           "auto_cache_sizes"]
+           "auto_cache_sizes", "capacity_buckets"]
 
 #: Layer-calls per compiled chunk: long enough that dispatch is noise, short enough for progress.
 DEFAULT_CHUNK_CALLS = 2048
+#: A bucket's largest size is at most this factor above its smallest (see capacity_buckets).
+DEFAULT_BUCKET_RATIO = 4.0
 
 
 def parse_policy(text: str) -> FetchPolicy:
@@ -193,13 +198,60 @@ class ReplayResult:
         return dataclasses.asdict(self)
 
 
+def capacity_buckets(sizes: Sequence[int], ratio: float = DEFAULT_BUCKET_RATIO) -> list[list[int]]:
+    """The ascending ``sizes`` cut into buckets that each run as one compiled program at the
+    capacity of their largest size: a bucket starts at its smallest size and takes every next
+    size up to ``ratio`` times it. A lane pays for the whole capacity (the victim search reads
+    every slot, masked), so a 256-slot lane in a 2048-slot program would do about 8x its work;
+    the ratio bounds that waste at the cost of one compile per bucket (docs/design.md)."""
+    buckets: list[list[int]] = []
+    for size in sorted(set(sizes)):
+        if buckets and size <= ratio * buckets[-1][0]:
+            buckets[-1].append(size)
+        else:
+            buckets.append([size])
+    return buckets
+
+
+@dataclasses.dataclass(frozen=True)
+class _LaneKey:
+    """What a configuration's lane computes: configurations with equal keys give equal results."""
+
+    cache_size: int
+    fraction16: int
+    cap: int
+    order: str
+    admission: str
+
+
+def _lane_key(config: ReplayConfig) -> _LaneKey:
+    """The configuration with every option that cannot change its result normalised away.
+
+    The policy as its fixed-point values (``fraction:1`` is ``full``; the cap is ignored beside a
+    fraction). The admission rule acts only with RECENCY and a fraction strictly between 0 and 1
+    (docs/semantics.md §5.5): with ``f == 0`` it never acts, and with ``full`` (``F = M``)
+    PROMOTE_ONE needs ``F == 0 < M`` and REUSE only looks past ``F = M``. The order is kept even
+    with ``full``: it decides which of a step's installs takes which slot, so which of them a
+    later tie on usage evicts (tests/test_replay_compiles.py has a trace where it matters).
+    """
+    policy = parse_policy(config.policy)
+    fraction16, cap = int(policy.fraction16), int(policy.cap)
+    order = FetchOrder.coerce(config.order)
+    admission = Admission.coerce(config.admission)
+    if fraction16 > 0:
+        cap = 0
+    if order is not FetchOrder.RECENCY or fraction16 in (0, ONE):
+        admission = Admission.NONE
+    return _LaneKey(config.cache_size, fraction16, cap, order.value, admission.value)
+
+
 def _stack(trees):
     return jax.tree.map(lambda *leaves: jnp.stack(leaves), *trees)
 
 
 @functools.lru_cache(maxsize=None)
 def _program():
-    """The jitted chunk program: every configuration of one cache size over one chunk of calls.
+    """The jitted chunk program: every lane of one bucket over one chunk of calls.
 
     Args (of the returned function): ``(states, cpu_routes, pairs, policies, rules)`` batched
     over the configurations, and the chunk's ``layers [C]`` and ``routes [C, K]``. ``pairs``
@@ -221,13 +273,13 @@ def _program():
             call, (state, cpu_routes, pairs), (layers, routes), unroll=4)
         return state, cpu_routes, pairs
 
-    def run(configs, layers, routes):
+    def _replay_chunk(configs, layers, routes):
         states, cpu_routes, pairs, policies, rules = configs
         states, cpu_routes, pairs = jax.vmap(one_cache, in_axes=(0, 0, 0, 0, 0, None, None))(
             states, cpu_routes, pairs, policies, rules, layers, routes)
         return states, cpu_routes, pairs, policies, rules
 
-    return jax.jit(run, donate_argnums=0)
+    return jax.jit(_replay_chunk, donate_argnums=0)
 
 
 def _shard(tree, mesh):
@@ -245,6 +297,7 @@ def replay(
     cost: CostModel | None = None,
     devices: Sequence[jax.Device] | None = None,
     progress: Callable[[str], None] | None = None,
+    bucket_ratio: float = DEFAULT_BUCKET_RATIO,
 ) -> list[ReplayResult]:
     """Replay ``trace`` through every configuration and return one result per configuration.
 
@@ -260,6 +313,8 @@ def replay(
         default backend; one device means no sharding).
       progress: called with a one-line status after each chunk (``None``: a bar on stderr when
         the replay runs longer than about two seconds; pass ``lambda s: None`` to silence).
+      bucket_ratio: sizes up to this factor above a bucket's smallest share its compiled program
+        (:func:`capacity_buckets`); ``math.inf``: one program for the whole sweep.
 
     Returns:
       ``list[ReplayResult]``, aligned with ``configs``.
@@ -289,63 +344,74 @@ def replay(
     pair_side = min(trace.top_k, trace.num_experts) + 1  # fetched, cpu_experts in [0, K']
 
     results: dict[int, ReplayResult] = {}
-    sizes = sorted({c.cache_size for c in configs})
-    total_work = num_chunks * len(sizes)
+    keys = [_lane_key(config) for config in configs]
+    buckets = capacity_buckets(sorted({c.cache_size for c in configs}), bucket_ratio)
+    total_work = num_chunks * len(buckets)
     done = 0
-    for size in sizes:
-        members = [i for i, config in enumerate(configs) if config.cache_size == size]
-        count = -(-len(members) // width) * width  # pad to a multiple of the devices
-        lanes = members + [members[-1]] * (count - len(members))
+    for bucket in buckets:
+        # One program for every size of the bucket: the capacity is its largest size, each lane
+        # has its own traced usable size (docs/semantics.md §5.15), and configurations that
+        # cannot differ share a lane.
+        capacity = bucket[-1]
+        unique = list(dict.fromkeys(key for key in keys if key.cache_size in bucket))
+        count = -(-len(unique) // width) * width  # pad to a multiple of the devices
+        lanes = unique + [unique[-1]] * (count - len(unique))
         batch = (
-            _stack([init(trace.num_layers, trace.num_experts, size)] * count),
+            _stack([init(trace.num_layers, trace.num_experts, key.cache_size, capacity=capacity)
+                    for key in lanes]),
             jnp.zeros(count, jnp.int32),
             jnp.zeros((count, pair_side, pair_side), jnp.int32),
-            _stack([parse_policy(configs[i].policy) for i in lanes]),
-            _stack([Rules.of(True, configs[i].order, configs[i].admission) for i in lanes]),
+            _stack([FetchPolicy(jnp.int32(key.fraction16), jnp.int32(key.cap)) for key in lanes]),
+            _stack([Rules.of(True, key.order, key.admission) for key in lanes]),
         )
         batch = _shard(batch, mesh)
+        sizes_text = ",".join(str(size) for size in bucket)
         for chunk in range(num_chunks):
             window = slice(chunk * chunk_calls, (chunk + 1) * chunk_calls)
             batch = _program()(batch, jnp.asarray(layers[window]), jnp.asarray(routes[window]))
             done += 1
-            report(f"cache_size={size} calls {min((chunk + 1) * chunk_calls, num_calls)}/{num_calls}"
-                   f" [{done}/{total_work}]")
+            report(f"cache_size={sizes_text} calls {min((chunk + 1) * chunk_calls, num_calls)}/"
+                   f"{num_calls} [{done}/{total_work}]")
 
-        if bounds:
-            optimum = belady_lib.belady(trace, size).hit_rate
-            bypass = bypass_optimum(trace, size).hit_rate
-            oracle = belady_lib.stationary_oracle(trace, size).mean_hit_rate
-        else:
-            optimum = bypass = oracle = None
         states, cpu_routes, pairs = jax.device_get(batch[:3])
-        for row, index in enumerate(members):
-            calls, active, missing, fetched = (int(v) for v in states.stats[row].sum(axis=0))
-            config = configs[index]
-            fetched_of, cpu_of = np.nonzero(pairs[row])
-            results[index] = ReplayResult(
-                cache_size=size,
-                policy=config.policy,
-                order=FetchOrder.coerce(config.order).value,
-                admission=Admission.coerce(config.admission).value,
-                calls=calls,
-                routes=num_routes,
-                active=active,
-                missing=missing,
-                fetched=fetched,
-                cpu_routes=int(cpu_routes[row]),
-                empty_slots=int((states.id_of_slot[row] < 0).sum()),
-                hit_rate=1.0 - missing / active if active else 1.0,
-                belady_hit_rate=optimum,
-                bypass_optimum_hit_rate=bypass,
-                oracle_hit_rate=oracle,
-                tokens=num_tokens,
-                cpu_experts=missing - fetched,
-                fetched_per_token=fetched / max(num_tokens, 1),
-                cpu_experts_per_token=(missing - fetched) / max(num_tokens, 1),
-                pair_counts=tuple((int(f), int(c), int(pairs[row][f, c]))
-                                  for f, c in zip(fetched_of, cpu_of)),
-                note=_note(size, trace),
-            )
+        for size in bucket:
+            if bounds:
+                optimum = belady_lib.belady(trace, size).hit_rate
+                bypass = bypass_optimum(trace, size).hit_rate
+                oracle = belady_lib.stationary_oracle(trace, size).mean_hit_rate
+            else:
+                optimum = bypass = oracle = None
+            for index, config in enumerate(configs):
+                if config.cache_size != size:
+                    continue
+                row = unique.index(keys[index])
+                calls, active, missing, fetched = (int(v) for v in states.stats[row].sum(axis=0))
+                fetched_of, cpu_of = np.nonzero(pairs[row])
+                results[index] = ReplayResult(
+                    cache_size=size,
+                    policy=config.policy,
+                    order=FetchOrder.coerce(config.order).value,
+                    admission=Admission.coerce(config.admission).value,
+                    calls=calls,
+                    routes=num_routes,
+                    active=active,
+                    missing=missing,
+                    fetched=fetched,
+                    cpu_routes=int(cpu_routes[row]),
+                    # Usable slots only: those past the lane's size are neither empty nor full.
+                    empty_slots=int((states.id_of_slot[row][:size] < 0).sum()),
+                    hit_rate=1.0 - missing / active if active else 1.0,
+                    belady_hit_rate=optimum,
+                    bypass_optimum_hit_rate=bypass,
+                    oracle_hit_rate=oracle,
+                    tokens=num_tokens,
+                    cpu_experts=missing - fetched,
+                    fetched_per_token=fetched / max(num_tokens, 1),
+                    cpu_experts_per_token=(missing - fetched) / max(num_tokens, 1),
+                    pair_counts=tuple((int(f), int(c), int(pairs[row][f, c]))
+                                      for f, c in zip(fetched_of, cpu_of)),
+                    note=_note(size, trace),
+                )
     if hasattr(report, "close"):
         report.close()
     return _with_costs([results[i] for i in range(len(configs))], cost)

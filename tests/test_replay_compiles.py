@@ -1,0 +1,132 @@
+"""The replay compiles one program per bucket of cache sizes, and replays no configuration twice.
+
+Sizes are data since the usable size became a traced leaf (docs/semantics.md §5.15): every size,
+policy, order and admission of a bucket is a lane of one vmapped program at the bucket's
+capacity. Compilations are counted from ``jax.log_compiles`` (the chunk program is named
+``_replay_chunk``), after clearing the program cache so that earlier tests do not hide one.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import jax
+import numpy as np
+import pytest
+
+from pallas_cache.sizing import sweep
+from pallas_cache.sizing.sweep import capacity_buckets, config_grid, replay
+from pallas_cache.sizing.traces import Trace
+from reference import ReferenceCache, ReferencePolicy
+
+
+def tiny_trace():
+    rng = np.random.default_rng(5)
+    tokens, layers, top_k, experts = 12, 3, 2, 4
+    routes = np.stack([rng.permutation(experts)[:top_k] for _ in range(tokens * layers)])
+    return Trace.from_dense(routes.reshape(tokens, layers, top_k), num_layers=layers,
+                            num_experts=experts)
+
+
+def compiles_of(caplog, fn):
+    """``fn()``'s result and how many times it compiled the replay's chunk program."""
+    sweep._program.cache_clear()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING), jax.log_compiles(True):
+        result = fn()
+    return result, sum("Compiling jit(_replay_chunk)" in r.getMessage() for r in caplog.records)
+
+
+def test_a_sweep_compiles_one_program_per_bucket(caplog):
+    """FAILS if each cache size compiles its own program (the pool size as a shape), or if the
+    bucket rule is not what decides the number of programs."""
+    trace = tiny_trace()
+    configs = config_grid([4, 6, 9, 12], ["full", "fraction:0.4", "cap:1"],
+                          ["recency", "lowest_id"], ["promote_one", "none", "reuse"])
+    assert capacity_buckets([4, 6, 9, 12], 4.0) == [[4, 6, 9, 12]]
+    one, compiles = compiles_of(caplog, lambda: replay(trace, configs, bounds=False,
+                                                      progress=lambda s: None))
+    assert compiles == 1
+    assert capacity_buckets([4, 6, 9, 12], 2.0) == [[4, 6], [9, 12]]
+    two, compiles = compiles_of(caplog, lambda: replay(trace, configs, bounds=False,
+                                                      progress=lambda s: None, bucket_ratio=2.0))
+    assert compiles == 2
+    assert one == two, "the bucket a size lands in changes nothing it counts"
+
+
+def test_bucket_rule():
+    assert capacity_buckets([64, 91, 128, 181, 256]) == [[64, 91, 128, 181, 256]]
+    assert capacity_buckets([256, 1024, 2048]) == [[256, 1024], [2048]]
+    assert capacity_buckets([2048, 256, 256], math.inf) == [[256, 2048]]
+
+
+def test_configurations_that_cannot_differ_share_a_lane(monkeypatch):
+    """FAILS if a sweep replays the admission variants of ``full``, ``cap:N`` or LOWEST_ID (which
+    docs/semantics.md §5.5 makes inert) in lanes of their own, or merges what may differ."""
+    lanes = []
+    program = sweep._program
+
+    def spy():
+        run = program()
+
+        def counted(batch, layers, routes):
+            lanes.append(int(batch[0].cache_size.shape[0]))
+            return run(batch, layers, routes)
+        return counted
+
+    monkeypatch.setattr(sweep, "_program", spy)
+    configs = config_grid([4], ["full", "fraction:1.0", "fraction:0.4", "cap:2", "fraction:0"],
+                          ["recency", "lowest_id"], ["promote_one", "none", "reuse"])
+    rows = replay(tiny_trace(), configs, bounds=False, progress=lambda s: None,
+                  devices=jax.devices()[:1])
+    # full == fraction:1.0: one lane per order (2); fraction:0.4: 3 admissions with RECENCY + 1;
+    # cap:2 and fraction:0 (fetch nothing): one lane per order each.
+    assert set(lanes) == {2 + 4 + 2 + 2}
+    assert len(rows) == len(configs)
+    assert [(r.policy, r.order, r.admission) for r in rows] == [
+        (c.policy, c.order, c.admission) for c in configs]
+
+
+def reference_missing(routes, num_layers, num_experts, cache_size, order):
+    cache = ReferenceCache(num_layers, num_experts, cache_size)
+    for token in routes:
+        for layer, route in enumerate(token):
+            cache.ensure_hybrid(layer, route.tolist(), ReferencePolicy.full(), order=order,
+                                admission="none")
+    return cache.stats().missing
+
+
+def test_the_fetch_order_is_not_deduplicated_under_full():
+    """FAILS if ``full`` rows of both orders share a lane: the order decides which of a step's
+    installs takes which slot, so which one a later tie on usage evicts. On this trace (found by
+    a search over the reference) RECENCY misses 6 and LOWEST_ID 7."""
+    routes = np.asarray([[[1, -1], [0, 1]], [[0, 1], [0, 0]], [[0, 0], [0, 0]]])
+    trace = Trace.from_dense(routes, num_layers=2, num_experts=2)
+    expected = [reference_missing(routes, 2, 2, 2, order) for order in ("recency", "lowest_id")]
+    assert expected == [6, 7]
+    rows = replay(trace, config_grid([2], ["full"], ["recency", "lowest_id"], ["none"]),
+                  bounds=False, progress=lambda s: None)
+    assert [r.missing for r in rows] == expected
+
+
+@pytest.mark.parametrize("ratio", [math.inf, 1.0])
+def test_lanes_of_every_size_in_one_program_count_what_their_own_pool_counts(ratio):
+    """FAILS if a lane's usable size leaks (a small lane using the bucket's capacity) or if
+    empty_slots counts the unusable slots: one program and one program per size agree."""
+    trace = tiny_trace()
+    configs = config_grid([4, 5, 12], ["full", "fraction:0.4"], ["recency"], ["promote_one"])
+    rows = replay(trace, configs, bounds=False, progress=lambda s: None, bucket_ratio=ratio)
+    for row in rows:
+        missing = reference_missing_hybrid(trace, row)
+        assert (row.missing, row.empty_slots) == missing, row
+
+
+def reference_missing_hybrid(trace, row):
+    cache = ReferenceCache(trace.num_layers, trace.num_experts, row.cache_size)
+    policy = (ReferencePolicy.full() if row.policy == "full"
+              else ReferencePolicy.fraction(float(row.policy.split(":")[1])))
+    layers, routes = trace.to_array()
+    for layer, route in zip(layers, routes):
+        cache.ensure_hybrid(int(layer), route, policy, order=row.order, admission=row.admission)
+    return cache.stats().missing, int((cache.id_of_slot < 0).sum())
