@@ -118,7 +118,8 @@ class Bar(Progress):
         self._start, self._first = time.perf_counter(), None
         if total and self.tty and self._tqdm_class() is not None:
             self._tqdm = self._tqdm_class()(
-                total=total, file=self.stream, leave=True, dynamic_ncols=True,
+                total=total, file=self.stream, leave=True, ncols=self._columns(),
+                nrows=shutil.get_terminal_size().lines,
                 bar_format="{percentage:3.0f}%|{bar}| ETA {remaining}{postfix}")
 
     def _tqdm_class(self):
@@ -144,12 +145,18 @@ class Bar(Progress):
             return
         self._drawn_at = now
         fraction = min(max(done / self._total, 0.0), 1.0)
-        frame = f"[{'#' * int(30 * fraction):.<30}] {100 * fraction:3.0f}%  {self._eta(now, done)}"
+        frame = f"[{'#' * int(20 * fraction):.<20}] {100 * fraction:3.0f}%  {self._eta(now, done)}"
         if status:
             frame += f"  {status}"
-        frame = frame[:max(shutil.get_terminal_size().columns - 1, 20)]
+        frame = frame[:self._columns() - 1]
         self._write("\r" + frame.ljust(self._frame_width))
         self._frame_width = len(frame)
+
+    @staticmethod
+    def _columns() -> int:
+        """The terminal's width, 80 where it reports none (a frame must not wrap; tqdm draws
+        nothing on a terminal that reports no size)."""
+        return max(shutil.get_terminal_size().columns, 21)
 
     def _eta(self, now: float, done: float) -> str:
         start, first_done = self._first
