@@ -236,3 +236,19 @@ def test_the_array_form_reports_its_distinct_routes():
     ticks = []
     result = bounds.belady((layers, routes), 4, progress=lambda d, t: ticks.append((d, t)))
     assert ticks[-1] == (result.active, result.active) == (6, 6)
+
+
+@pytest.mark.parametrize("terminal", [True, False])
+def test_an_interrupted_phase_ends_its_line_and_claims_nothing(terminal):
+    """FAILS if closing a phase cut short (Ctrl-C) writes ``done in`` to a log, or leaves a
+    terminal's frame open so that the CLI's ``interrupted`` line lands on the bar."""
+    stream = FakeTerminal() if terminal else io.StringIO()
+    bar = Bar(stream, use_tqdm=False, min_interval=0)
+    bar.phase("compiling 1 program for 1 configuration...", 4)
+    bar.update(1, "cache_size=8 calls 64/256")
+    bar.close()
+    bar.close()  # the CLI closes again after replay did: nothing more
+    text = stream.getvalue()
+    assert text.endswith("\n") and "done in" not in text
+    assert text.count("\n") == 2 if terminal else text == (
+        "compiling 1 program for 1 configuration...\n")

@@ -453,7 +453,10 @@ def _replay(args) -> int:
     if model is not None and _model_mismatch(model, trace):
         print(_model_mismatch(model, trace), file=sys.stderr)
     progress = Progress() if args.quiet else Bar(sys.stderr, prefix="pallas-cache: ")
-    results = replay(trace, configs, cost=cost, progress=progress)
+    try:
+        results = replay(trace, configs, cost=cost, progress=progress)
+    finally:  # after Ctrl-C too: the interrupted line starts on a line of its own
+        progress.close()
     fmt = args.format or ("json" if args.json else "table")
     rows = records(results, trace, cost)
     if fmt != "table":

@@ -93,6 +93,7 @@ class Bar(Progress):
         self._frame_width = 0
         self._drawn_at = -float("inf")
         self._start = self._first = None
+        self._done = 0
 
     @property
     def stream(self) -> TextIO:
@@ -115,7 +116,7 @@ class Bar(Progress):
         self._end_phase()
         self._write(f"{self.prefix}{line}\n")
         self._line, self._total = line, total
-        self._start, self._first = time.perf_counter(), None
+        self._start, self._first, self._done = time.perf_counter(), None, 0
         if total and self.tty and self._tqdm_class() is not None:
             self._tqdm = self._tqdm_class()(
                 total=total, file=self.stream, leave=True, ncols=self._columns(),
@@ -135,6 +136,7 @@ class Bar(Progress):
         if not self._total:
             return
         now = time.perf_counter()
+        self._done = done
         if self._first is None:
             self._first = (now, done)
         if self._tqdm is not None:
@@ -175,9 +177,11 @@ class Bar(Progress):
         elif self._frame_width:
             self._write("\n")
         self._frame_width = 0
-        if self._total and not self.tty:  # a log gets the duration as a line of its own
+        if self._total and not self.tty and self._done >= self._total:  # a log: the duration
             self._write(f"{self.prefix}done in {time.perf_counter() - self._start:.1f} s\n")
         self._line = None
 
     def close(self):
+        """End the phase; after an interruption too (a terminal's frame gets its newline, a
+        log no ``done in`` line)."""
         self._end_phase()
