@@ -72,6 +72,30 @@ def test_the_first_line_counts_the_programs_and_comes_before_any_work(trace):
     assert report.events[-1] == ("close",)
 
 
+#: The name of the sweep's compiled program (sweep.py's jitted function), as jax logs it.
+REPLAY_PROGRAM = "jit(run)"
+
+
+def test_the_first_line_tells_the_number_of_programs_actually_compiled(caplog):
+    """FAILS if the count in the first line is not the number of replay programs jax compiles
+    (a geometry no other test uses, so none of them is cached in-process)."""
+    import logging
+
+    from pallas_cache.sizing.synthetic import SyntheticParams
+
+    odd = synthetic.synthetic_trace(SyntheticParams(num_layers=3, num_experts=5, top_k=2,
+                                                    num_tokens=4))
+    report = Recorder()
+    with caplog.at_level(logging.WARNING, logger="jax"), jax.log_compiles():
+        replay(odd, config_grid([5, 7, 9], ["full", "fraction:0.4"]), bounds=False,
+               progress=report)
+    compiled = sum(record.getMessage().startswith(f"Compiling {REPLAY_PROGRAM} ")
+                   for record in caplog.records)
+    assert compiled >= 1
+    assert report.events[0][1].startswith(
+        f"compiling {compiled} program{'s' if compiled != 1 else ''} for 6 configurations")
+
+
 def test_a_redirected_log_has_whole_lines_and_no_frames(trace):
     """FAILS if a bar writes ``\\r`` frames to a stream that is not a terminal (the replay bar
     once did after two seconds), or drops the phase lines a log should keep."""

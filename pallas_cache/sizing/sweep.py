@@ -293,16 +293,14 @@ def replay(
     results: dict[int, ReplayResult] = {}
     sizes = sorted({c.cache_size for c in configs})
     total_work = num_chunks * len(sizes)
-    lane_counts = {size: -(-sum(c.cache_size == size for c in configs) // width) * width
-                   for size in sizes}
-    programs = len(set(lane_counts.items()))  # jit compiles once per (size, lanes) shape
+    programs = len(sizes)  # the pool size is a shape: one compiled program per cache size
     report.phase(f"compiling {programs} program{'s' if programs != 1 else ''} for "
                  f"{len(configs)} configuration{'s' if len(configs) != 1 else ''} "
                  f"({num_calls} layer-calls)...", total_work)
     done = 0
     for size in sizes:
         members = [i for i, config in enumerate(configs) if config.cache_size == size]
-        count = lane_counts[size]  # padded to a multiple of the devices
+        count = -(-len(members) // width) * width  # pad to a multiple of the devices
         lanes = members + [members[-1]] * (count - len(members))
         batch = (
             _stack([init(trace.num_layers, trace.num_experts, size)] * count),
