@@ -70,18 +70,29 @@ def main() -> None:
     load = max(load, os.getloadavg()[0])
     med = {k: statistics.median(v) for k, v in times.items()}
     command = "pallas-cache " + " ".join(argv)
-    text = f"""## Compile cache: cold vs warm `pallas-cache replay` (`benchmarks/compile_cache.py`)
-
-`python benchmarks/compile_cache.py --rounds {args.rounds}` on {datetime.datetime.now():%Y-%m-%d %H:%M} (1-minute load average up to {load:.1f}). Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, {platform.system()} {platform.machine()}; Python {platform.python_version()}, CPU backend.
-
-`{command}`, the whole process in a fresh subprocess (imports, trace, compile or cache read, replay, offline optima, output), median of {args.rounds} interleaved rounds. cold: empty `$XDG_CACHE_HOME/pallas-cache/jax`; warm: the cache the cold run left ({size / 2**20:.1f} MiB); off: `--no-compile-cache`.
-
-| cold | warm | off | cold / warm |
-|---|---|---|---|
-| {med['cold']:.1f} s | {med['warm']:.1f} s | {med['off']:.1f} s | {med['cold'] / med['warm']:.1f}x |
-
-Per round (cold, warm, off): {'; '.join(f"{c:.1f}, {w:.1f}, {o:.1f} s" for c, w, o in zip(times['cold'], times['warm'], times['off']))}.
-"""
+    rounds = "; ".join(f"{c:.1f}, {w:.1f}, {o:.1f} s"
+                       for c, w, o in zip(times["cold"], times["warm"], times["off"]))
+    text = "\n".join([
+        "## Compile cache: cold vs warm `pallas-cache replay` (`benchmarks/compile_cache.py`)",
+        "",
+        f"`python benchmarks/compile_cache.py --rounds {args.rounds}` on "
+        f"{datetime.datetime.now():%Y-%m-%d %H:%M} (1-minute load average up to {load:.1f}). "
+        f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+        f"{platform.system()} {platform.machine()}; Python {platform.python_version()}, CPU "
+        f"backend.",
+        "",
+        f"`{command}`, the whole process in a fresh subprocess (imports, trace, compile or cache "
+        f"read, replay, offline optima, output), median of {args.rounds} interleaved rounds. "
+        f"cold: empty `$XDG_CACHE_HOME/pallas-cache/jax`; warm: the cache the cold run left "
+        f"({size / 2**20:.1f} MiB); off: `--no-compile-cache`.",
+        "",
+        "| cold | warm | off | cold / warm |",
+        "|---|---|---|---|",
+        f"| {med['cold']:.1f} s | {med['warm']:.1f} s | {med['off']:.1f} s | "
+        f"{med['cold'] / med['warm']:.1f}x |",
+        "",
+        f"Per round (cold, warm, off): {rounds}.",
+    ])
     print(text)
     if args.write:
         write_section("compile_cache", text)

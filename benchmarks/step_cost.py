@@ -163,8 +163,8 @@ def write_results(rows, tokens):
         f"`python benchmarks/step_cost.py` on {date}{load}. Machine: {machine()}.",
         "",
         f"`ensure_hybrid`, fraction {FRACTION}, RECENCY + PROMOTE_ONE, top-{TOP_K} routes of "
-        f"`synthetic_trace` (uniform popularity, as vs_rust.py), warmed cache; medians over interleaved rounds (a/c is the median of the "
-        f"per-round ratios). (a) NumPy reference; (b) "
+        f"`synthetic_trace` (uniform popularity, as vs_rust.py), warmed cache; medians over "
+        f"interleaved rounds (a/c is the median of the per-round ratios). (a) NumPy reference; (b) "
         f"`jax.jit(pc.ensure_hybrid)` called from Python (dispatch included); (c) one layer-step "
         f"inside a compiled `lax.scan` over (tokens x layers).",
         "",

@@ -197,9 +197,9 @@ def _run_script(tmp_path, argv, **env):
     home.mkdir(exist_ok=True)
     base = {k: v for k, v in os.environ.items()
             if k not in ("XDG_CACHE_HOME", cli.NO_COMPILE_CACHE_ENV, "JAX_COMPILATION_CACHE_DIR")}
-    code = (f"import sys, jax; from {module} import {name} as entry; sys.argv = {['pallas-cache', *argv]!r}; "
-            f"status = entry(); print('CACHE_DIR', jax.config.jax_compilation_cache_dir); "
-            f"sys.exit(status)")
+    code = (f"import sys, jax; from {module} import {name} as entry; "
+            f"sys.argv = {['pallas-cache', *argv]!r}; status = entry(); "
+            f"print('CACHE_DIR', jax.config.jax_compilation_cache_dir); sys.exit(status)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
                           timeout=600, env={**base, "HOME": str(home), "JAX_PLATFORMS": "cpu",
                                             "PYTHONPATH": REPO, **env})
