@@ -21,7 +21,7 @@ import jax
 import numpy as np
 import pytest
 
-from pallas_cache.sizing import bounds, cli, synthetic
+from pallas_cache.sizing import bounds, cli, sweep, synthetic
 from pallas_cache.sizing.progress import Bar, Progress
 from pallas_cache.sizing.sweep import config_grid, replay
 
@@ -72,8 +72,8 @@ def test_the_first_line_counts_the_programs_and_comes_before_any_work(trace):
     assert report.events[-1] == ("close",)
 
 
-#: The name of the sweep's compiled program (sweep.py's jitted function), as jax logs it.
-REPLAY_PROGRAM = "jit(run)"
+#: The sweep's compiled chunk program, as jax logs its compiles.
+REPLAY_PROGRAM = f"jit({sweep._program().__name__})"
 
 
 def test_the_first_line_tells_the_number_of_programs_actually_compiled(caplog):
