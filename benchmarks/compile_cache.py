@@ -20,6 +20,7 @@ import argparse
 import datetime
 import os
 import platform
+import resource
 import shutil
 import statistics
 import subprocess
@@ -38,14 +39,19 @@ CHILD = ("import sys; from pallas_cache.sizing.cli import console_main; "
          "sys.argv = ['pallas-cache'] + sys.argv[1:]; sys.exit(console_main())")
 
 
-def run_once(argv, xdg: str) -> float:
+def run_once(argv, xdg: str) -> tuple[float, float]:
+    """``(wall seconds, CPU seconds)`` of one run of the command (CPU: user + system of the
+    child, which a loaded machine inflates far less than the wall time)."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("PALLAS_CACHE_NO_COMPILE_CACHE", "JAX_COMPILATION_CACHE_DIR")}
     env.update(XDG_CACHE_HOME=xdg, PYTHONPATH=REPO)
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     subprocess.run([sys.executable, "-c", CHILD, *argv], check=True, cwd=REPO, env=env,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return time.perf_counter() - start
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return wall, (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
 
 
 def main() -> None:
@@ -56,19 +62,22 @@ def main() -> None:
     args = parser.parse_args()
     argv = args.replay_args or DEFAULT
     times = {"cold": [], "warm": [], "off": []}
+    cpu = {"cold": [], "warm": [], "off": []}
     load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as root:
         xdg = os.path.join(root, "xdg")
         for _ in range(args.rounds):
             shutil.rmtree(xdg, ignore_errors=True)
-            times["cold"].append(run_once(argv, xdg))
-            times["warm"].append(run_once(argv, xdg))
-            times["off"].append(run_once(argv + ["--no-compile-cache"], xdg))
+            for name, extra in (("cold", []), ("warm", []), ("off", ["--no-compile-cache"])):
+                wall, used = run_once(argv + extra, xdg)
+                times[name].append(wall)
+                cpu[name].append(used)
             print({k: f"{v[-1]:.1f} s" for k, v in times.items()}, flush=True)
         size = sum(os.path.getsize(os.path.join(d, f))
                    for d, _, files in os.walk(xdg) for f in files)
     load = max(load, os.getloadavg()[0])
     med = {k: statistics.median(v) for k, v in times.items()}
+    med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
     command = "pallas-cache " + " ".join(argv)
     rounds = "; ".join(f"{c:.1f}, {w:.1f}, {o:.1f} s"
                        for c, w, o in zip(times["cold"], times["warm"], times["off"]))
@@ -86,12 +95,14 @@ def main() -> None:
         f"cold: empty `$XDG_CACHE_HOME/pallas-cache/jax`; warm: the cache the cold run left "
         f"({size / 2**20:.1f} MiB); off: `--no-compile-cache`.",
         "",
-        "| cold | warm | off | cold / warm |",
-        "|---|---|---|---|",
-        f"| {med['cold']:.1f} s | {med['warm']:.1f} s | {med['off']:.1f} s | "
+        "| | cold | warm | off | cold / warm |",
+        "|---|---|---|---|---|",
+        f"| wall | {med['cold']:.1f} s | {med['warm']:.1f} s | {med['off']:.1f} s | "
         f"{med['cold'] / med['warm']:.1f}x |",
+        f"| CPU (user + sys) | {med_cpu['cold']:.1f} s | {med_cpu['warm']:.1f} s | "
+        f"{med_cpu['off']:.1f} s | {med_cpu['cold'] / med_cpu['warm']:.1f}x |",
         "",
-        f"Per round (cold, warm, off): {rounds}.",
+        f"Wall time per round (cold, warm, off): {rounds}.",
     ])
     print(text)
     if args.write:
