@@ -276,3 +276,30 @@ def test_an_interrupted_phase_ends_its_line_and_claims_nothing(terminal):
     assert text.endswith("\n") and "done in" not in text
     assert text.count("\n") == 2 if terminal else text == (
         "compiling 1 program for 1 configuration...\n")
+
+
+def test_a_terminal_sees_the_trace_being_read_and_then_only_what_follows(monkeypatch):
+    """FAILS if a terminal sees nothing while the trace is read or generated, or if that passing
+    note is not erased before the compile line or an error (nor kept out of logs: see the
+    redirected-stderr test above)."""
+    terminal = FakeTerminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    assert cli.main(SMALL) == 0
+    note, erase, rest = terminal.getvalue().split("\r", 3)[1:]
+    assert note == "pallas-cache: generating the mixtral-like trace..."
+    assert erase == " " * len(note) and rest.startswith("pallas-cache: compiling 2 programs")
+    terminal.seek(0)
+    terminal.truncate()
+    assert cli.main(["replay", "--trace", "/no/such/routes.jsonl"]) == 2
+    shown = terminal.getvalue().split("\r")
+    assert shown[1] == "pallas-cache: reading /no/such/routes.jsonl..."
+    assert shown[2].strip() == "" and shown[3].startswith("pallas-cache: /no/such/routes.jsonl")
+    bar = Bar(FakeTerminal())
+    bar.note("reading x...")
+    bar.phase("compiling 1 program for 1 configuration...", None)
+    assert bar.stream.getvalue() == ("\rreading x...\r" + " " * 12 + "\r"
+                                     "compiling 1 program for 1 configuration...\n")
+    terminal.seek(0)
+    terminal.truncate()
+    assert cli.main(SMALL[:-4] + ["fraction:2", "--format", "json"]) == 0  # a policy warning
+    assert "\r" + " " * len(note) + "\rpallas-cache: warning: fraction:2" in terminal.getvalue()

@@ -423,6 +423,14 @@ def _plot(rows, path: str) -> None:
 
 
 def _replay(args) -> int:
+    progress = Progress() if args.quiet else Bar(sys.stderr, prefix="pallas-cache: ")
+    try:
+        return _replay_with(args, progress)
+    finally:  # after an error or Ctrl-C too: the last line starts on a line of its own
+        progress.close()
+
+
+def _replay_with(args, progress: Progress) -> int:
     from pallas_cache.sizing.sweep import config_grid, replay  # jax import deferred until needed
 
     try:
@@ -436,27 +444,28 @@ def _replay(args) -> int:
             args.plot = _check_plot_path(args.plot)
         cost, model, weight_label = _cost_options(args)
         policies = _policies(args.policy, cost)
+        progress.note(f"reading {args.trace}..." if args.trace else
+                      f"generating the {args.synthetic or DEFAULT_PRESET} trace...")
         trace = _load(args)
         sizes, size_lines = _sizes(args.cache_size, trace, cost)
         configs = config_grid(sizes, policies, args.order, args.admission)
     except (TraceError, OSError, KeyError, TypeError, ValueError) as error:
+        progress.close()
         print(f"pallas-cache: {error}", file=sys.stderr)
         return 2
     try:
         _check_state_memory(sizes, len(configs) // len(set(sizes)), trace.num_layers,
                             trace.num_experts, args.max_memory)
     except (TypeError, ValueError) as error:
+        progress.close()
         print(f"pallas-cache: {error}", file=sys.stderr)
         return 2
+    progress.close()  # the note: warnings follow on a clean line
     for line in _policy_warnings(policies):
         print(line, file=sys.stderr)
     if model is not None and _model_mismatch(model, trace):
         print(_model_mismatch(model, trace), file=sys.stderr)
-    progress = Progress() if args.quiet else Bar(sys.stderr, prefix="pallas-cache: ")
-    try:
-        results = replay(trace, configs, cost=cost, progress=progress)
-    finally:  # after Ctrl-C too: the interrupted line starts on a line of its own
-        progress.close()
+    results = replay(trace, configs, cost=cost, progress=progress)
     fmt = args.format or ("json" if args.json else "table")
     rows = records(results, trace, cost)
     if fmt != "table":

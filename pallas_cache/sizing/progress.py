@@ -29,6 +29,10 @@ class Progress:
     def update(self, done: float, status: str = "") -> None:
         """``done`` of the phase's ``total`` units are complete; ``status`` says where it is."""
 
+    def note(self, line: str) -> None:
+        """A passing status before the first phase (e.g. reading the trace): shown on a
+        terminal until the next line replaces it, never written to a log."""
+
     def close(self) -> None:
         """The last phase ended."""
 
@@ -112,8 +116,21 @@ class Bar(Progress):
         self.stream.write(text)
         self.stream.flush()
 
+    def note(self, line):
+        if self.tty and self._line is None:
+            self._clear_note()
+            text = f"{self.prefix}{line}"[:self._columns() - 1]
+            self._write("\r" + text)
+            self._frame_width = len(text)
+
+    def _clear_note(self):
+        if self._line is None and self._frame_width:
+            self._write("\r" + " " * self._frame_width + "\r")
+            self._frame_width = 0
+
     def phase(self, line, total):
         self._end_phase()
+        self._clear_note()
         self._write(f"{self.prefix}{line}\n")
         self._line, self._total = line, total
         self._start, self._first, self._done = time.perf_counter(), None, 0
@@ -185,3 +202,4 @@ class Bar(Progress):
         """End the phase; after an interruption too (a terminal's frame gets its newline, a
         log no ``done in`` line)."""
         self._end_phase()
+        self._clear_note()
