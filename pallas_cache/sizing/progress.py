@@ -2,7 +2,8 @@
 
 A pass reports to a :class:`Progress`: :meth:`~Progress.phase` once when it starts (its line is
 written at once, terminal or not, so a user sees what is being compiled before the compiler
-runs), :meth:`~Progress.update` as units of work complete and :meth:`~Progress.close` at the end.
+runs), :meth:`~Progress.update` as units of work complete and :meth:`~Progress.close` at the end
+(:meth:`~Progress.note`: a passing status before the first phase, on a terminal only).
 :class:`Bar` draws that on a stream: on a terminal a bar with percentage and ETA redrawn in place
 (with ``tqdm`` when it is importable, else a plain ``\\r`` frame), and when the stream is
 redirected only whole lines (each phase's line and its ``done in`` line), never a ``\\r`` frame.
