@@ -7,7 +7,8 @@ runs), :meth:`~Progress.update` as units of work complete and :meth:`~Progress.c
 :class:`Bar` draws that on a stream: on a terminal a bar with percentage and ETA redrawn in place
 (with ``tqdm`` when it is importable, else a plain ``\\r`` frame), and when the stream is
 redirected only whole lines (each phase's line and its ``done in`` line), never a ``\\r`` frame.
-The library computes and reports; only the CLI (or a caller's own :class:`Progress`) draws.
+The optima only call a ``progress(done, total)`` callback; ``replay`` draws a :class:`Bar` on
+stderr unless given another :class:`Progress` (the CLI's, or a silent one).
 """
 
 from __future__ import annotations
