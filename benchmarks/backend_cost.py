@@ -2,7 +2,9 @@
 
 The ``interpret`` backend runs the Pallas kernels in the Pallas interpreter: a test path, not a
 product path, but it must stay usable (target: within 2x of ``xla``). Both backends run the same
-compiled decode loop (``ensure_hybrid``, fraction 0.4, top-8) over the same routes; the figure is
+compiled decode loop (``ensure_hybrid``, fraction 0.4, top-8) over the same routes (the first
+``CALLS`` layer-calls of a ``synthetic_trace`` with the generator's default, uniform popularity,
+as ``vs_rust.py``); the figure is
 the median of ``--repeats`` runs of the whole loop, divided by its number of layer-steps.
 
     python benchmarks/backend_cost.py [--write]
@@ -26,6 +28,7 @@ import numpy as np  # noqa: E402
 from jax import lax  # noqa: E402
 
 import pallas_cache as pc  # noqa: E402
+from pallas_cache.sizing.synthetic import SyntheticParams, synthetic_trace  # noqa: E402
 from results_file import write_section  # noqa: E402
 
 GEOMETRIES = [(8, 16, 64), (48, 128, 2048)]
@@ -33,11 +36,10 @@ TOP_K, CALLS = 8, 1024
 
 
 def per_step_us(backend, num_layers, num_experts, cache_size, repeats):
-    rng = np.random.default_rng(0)
-    popularity = rng.dirichlet(np.full(num_experts, 0.3), size=num_layers)
-    layers = np.arange(CALLS) % num_layers
-    routes = np.stack([rng.choice(num_experts, TOP_K, replace=False, p=popularity[layer])
-                       for layer in layers]).astype(np.int32)
+    trace = synthetic_trace(SyntheticParams(num_layers=num_layers, num_experts=num_experts,
+                                            top_k=TOP_K, num_tokens=-(-CALLS // num_layers)),
+                            seed=0)
+    layers, routes = (a[:CALLS].astype(np.int32) for a in trace.to_array())
     policy = pc.FetchPolicy.fraction(0.4)
 
     @jax.jit
@@ -75,7 +77,8 @@ def main(argv=None):
         machine = f"{platform.machine()}, {os.cpu_count()} cores, jax {jax.__version__}, cpu"
         write_section("backend_cost",
                       f"## Backends on CPU (`benchmarks/backend_cost.py`)\n\n{datetime.date.today()}, "
-                      f"{machine}; ensure_hybrid fraction 0.4, top-8, {CALLS} layer-steps in one "
+                      f"{machine}; ensure_hybrid fraction 0.4, top-8 routes of synthetic_trace "
+                      f"(uniform popularity, as vs_rust.py), {CALLS} layer-steps in one "
                       f"compiled scan, median of {args.repeats}.\n\n{table}\n")
 
 

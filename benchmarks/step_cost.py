@@ -1,7 +1,8 @@
 """What one cache step costs: the NumPy reference vs a jitted call vs a step inside a compiled loop.
 
-For ``ensure_hybrid`` (fraction 0.4, RECENCY order, PROMOTE_ONE admission) on a skewed top-8
-routing trace, at two geometries -- the seed-000 toy (L=8, E=16, S=64) and a large MoE
+For ``ensure_hybrid`` (fraction 0.4, RECENCY order, PROMOTE_ONE admission) on a top-8 routing
+trace from ``pallas_cache.sizing.synthetic_trace`` (uniform popularity, as ``vs_rust.py``), at
+two geometries -- the seed-000 toy (L=8, E=16, S=64) and a large MoE
 (L=48, E=128, S=2048) -- this measures the median per-call time of
 
   (a) the NumPy reference, ``ReferenceCache.ensure_hybrid``, one call at a time;
@@ -41,6 +42,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import pallas_cache as pc  # noqa: E402
+from pallas_cache.sizing.synthetic import SyntheticParams, synthetic_trace  # noqa: E402
 from reference import ReferenceCache, ReferencePolicy  # noqa: E402
 from results_file import RESULTS, write_section  # noqa: E402
 
@@ -50,17 +52,13 @@ CONFIGS = (("small", 8, 16, 64), ("large", 48, 128, 2048))
 
 
 def routing_trace(num_layers, num_experts, tokens, seed=0):
-    """int32[tokens, L, TOP_K]: per-layer Zipf-skewed routing, TOP_K distinct experts per step."""
-    rng = np.random.default_rng(seed)
-    ranks = np.arange(1, num_experts + 1, dtype=np.float64)
-    weights = ranks ** -1.1
-    routes = np.empty((tokens, num_layers, TOP_K), np.int32)
-    for layer in range(num_layers):
-        p = weights[rng.permutation(num_experts)]
-        p /= p.sum()
-        for token in range(tokens):
-            routes[token, layer] = rng.choice(num_experts, TOP_K, replace=False, p=p)
-    return routes
+    """int32[tokens, L, TOP_K]: a ``synthetic_trace`` with the generator's default (uniform)
+    popularity, the routes ``vs_rust.py`` times; TOP_K distinct experts per step."""
+    trace = synthetic_trace(SyntheticParams(num_layers=num_layers, num_experts=num_experts,
+                                            top_k=TOP_K, num_tokens=tokens), seed=seed)
+    layers, routes = trace.to_array()
+    assert np.array_equal(layers, np.tile(np.arange(num_layers), tokens))  # decode order
+    return routes.reshape(tokens, num_layers, TOP_K).astype(np.int32)
 
 
 def warm_both(num_layers, num_experts, cache_size, warmup):
@@ -164,9 +162,9 @@ def write_results(rows, tokens):
         "",
         f"`python benchmarks/step_cost.py` on {date}{load}. Machine: {machine()}.",
         "",
-        f"`ensure_hybrid`, fraction {FRACTION}, RECENCY + PROMOTE_ONE, Zipf-skewed top-{TOP_K} "
-        f"routing, warmed cache; medians over interleaved rounds (a/c is the median of the "
-        f"per-round ratios). (a) NumPy reference; (b) "
+        f"`ensure_hybrid`, fraction {FRACTION}, RECENCY + PROMOTE_ONE, top-{TOP_K} routes of "
+        f"`synthetic_trace` (uniform popularity, as vs_rust.py), warmed cache; medians over "
+        f"interleaved rounds (a/c is the median of the per-round ratios). (a) NumPy reference; (b) "
         f"`jax.jit(pc.ensure_hybrid)` called from Python (dispatch included); (c) one layer-step "
         f"inside a compiled `lax.scan` over (tokens x layers).",
         "",

@@ -174,7 +174,7 @@ def test_a_real_sigint_during_the_replay_exits_130_without_a_traceback(tmp_path)
         stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, cwd=REPO,
         env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO})
     seen = b""
-    while b"cache_size=" not in seen:  # the progress bar: the replay is running
+    while b"compiling" not in seen:  # the replay's first line: it is running
         chunk = process.stderr.read1(256)
         assert chunk, seen.decode(errors="replace")
         seen += chunk

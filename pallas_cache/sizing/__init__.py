@@ -3,7 +3,8 @@
 Layers: :mod:`~pallas_cache.sizing.traces` (the trace type and its readers),
 :mod:`~pallas_cache.sizing.synthetic` (seeded synthetic traces), :mod:`~pallas_cache.sizing.bounds`
 (Belady's optimum, the bypass optimum and the stationary oracle), :mod:`~pallas_cache.sizing.sweep` (the compiled
-sweep), :mod:`~pallas_cache.sizing.cli` (``pallas-cache replay``) and
+sweep; :mod:`~pallas_cache.sizing.progress` draws its progress),
+:mod:`~pallas_cache.sizing.cli` (``pallas-cache replay``) and
 :mod:`~pallas_cache.sizing.scenarios` (the seed-000 table); :func:`records`/:func:`format_records`
 (:mod:`~pallas_cache.sizing.report`: one record schema, five formats) and :func:`plot`
 (:mod:`~pallas_cache.sizing.plotting`: the sweep as a figure) are what the CLI and the notebook

@@ -51,7 +51,7 @@ from __future__ import annotations
 import heapq
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -140,7 +140,8 @@ class BypassOptimumResult(BeladyResult):
 
 
 def belady(trace: Trace | tuple[Any, Any], cache_size: int, *,
-           num_experts: int | None = None, num_layers: int | None = None) -> BeladyResult:
+           num_experts: int | None = None, num_layers: int | None = None,
+           progress: Callable[[int, int], None] | None = None) -> BeladyResult:
     """Replay a trace under Belady's furthest-next-use eviction: the fewest pure-offload misses.
 
     Args:
@@ -151,6 +152,9 @@ def belady(trace: Trace | tuple[Any, Any], cache_size: int, *,
         num_experts: ``E`` for the array form (default: ``max route + 1``); must match the
             trace's when a trace is given.
         num_layers: ``L`` for the array form (default: ``max layer + 1``); likewise.
+        progress: called as ``progress(done, total)`` with the accesses simulated so far, after
+            each chunk of them and once at the end (``done == total``); draws nothing itself
+            (:mod:`pallas_cache.sizing.progress` draws).
 
     Returns:
         The counters of the optimal schedule.
@@ -160,13 +164,14 @@ def belady(trace: Trace | tuple[Any, Any], cache_size: int, *,
     """
     accesses = _Accesses.of(trace, num_layers, num_experts)
     slots = accesses.check_size(cache_size)
-    layer_missing = _simulate(accesses, slots, bypass=False)
+    layer_missing = _simulate(accesses, slots, bypass=False, progress=progress)
     return accesses.result(BeladyResult, slots, layer_missing)
 
 
 def bypass_optimum(trace: Trace | tuple[Any, Any], cache_size: int, *,
                    num_experts: int | None = None,
-                   num_layers: int | None = None) -> BypassOptimumResult:
+                   num_layers: int | None = None,
+                   progress: Callable[[int, int], None] | None = None) -> BypassOptimumResult:
     """The fewest misses when a miss may be served without being admitted (docs/semantics.md §5.14).
 
     The schedules it ranges over are those of the cache's hybrid path: a call's routed experts
@@ -184,7 +189,7 @@ def bypass_optimum(trace: Trace | tuple[Any, Any], cache_size: int, *,
     """
     accesses = _Accesses.of(trace, num_layers, num_experts)
     slots = accesses.check_size(cache_size)
-    layer_missing = _simulate(accesses, slots, bypass=True)
+    layer_missing = _simulate(accesses, slots, bypass=True, progress=progress)
     return accesses.result(BypassOptimumResult, slots, layer_missing)
 
 
@@ -280,8 +285,10 @@ class _Accesses:
 _LAST_ACCESSES: list = [None]
 
 
-def _simulate(accesses: _Accesses, slots: int, *, bypass: bool) -> np.ndarray:
-    """Belady's schedule (``bypass=False``) or the bypass optimum's; returns missing per layer.
+def _simulate(accesses: _Accesses, slots: int, *, bypass: bool,
+              progress: Callable[[int, int], None] | None = None) -> np.ndarray:
+    """Belady's schedule (``bypass=False``) or the bypass optimum's; returns missing per layer
+    (``progress(done, total)`` after each chunk of accesses, if given).
 
     Heap entries are negative ints ``-(n * unit + tag)``, a max-heap on the next use ``n``. For
     Belady ``tag`` is the flat id (ties to the higher one; any tie-break gives the same counts,
@@ -311,6 +318,8 @@ def _simulate(accesses: _Accesses, slots: int, *, bypass: bool) -> np.ndarray:
     if slots >= id_space:  # everything fits: only first uses miss
         first = np.ones(flat.size, dtype=bool)
         first[next_index[next_index >= 0]] = False
+        if progress is not None:
+            progress(flat.size, flat.size)
         return np.bincount(accesses.layers[call_of[first]],
                            minlength=accesses.num_layers).astype(np.int64)
     has_next = next_index >= 0
@@ -357,6 +366,10 @@ def _simulate(accesses: _Accesses, slots: int, *, bypass: bool) -> np.ndarray:
             stamps = (chunk_calls[last].astype(np.int64) + 1).tolist()
             loop(state, v_flat.tolist(), keys.tolist(), stamps, ends)
         start = stop
+        if progress is not None:
+            progress(stop, flat.size)
+    if progress is not None and flat.size == 0:
+        progress(0, 0)
     return np.asarray(state.layer_missing, dtype=np.int64)
 
 

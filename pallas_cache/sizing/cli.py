@@ -5,7 +5,8 @@ through a grid of cache sizes and policies and prints, for each configuration, t
 to the offline bounds; given an expert size (``--model`` or ``--expert-bytes``) and the two
 bandwidths it also prints bytes and modeled milliseconds per token and the best configuration
 (docs/semantics.md §11). ``pallas-cache scenarios`` prints the seed-000 promotion table computed
-by the library.
+by the library. The console script (:func:`console_main`) keeps JAX's compiled programs in the
+user's cache directory, so a rerun skips compiling; :func:`main`, called in-process, never does.
 
 (Why one module of ~500 lines: it is the argument parser, the checks that fail before the
 work, and the help text with its column legend, all of which must agree on every flag; the
@@ -24,6 +25,7 @@ import textwrap
 from pallas_cache.sizing import synthetic
 from pallas_cache.sizing.cost import CostModel
 from pallas_cache.sizing.models import MODELS, resolve_model
+from pallas_cache.sizing.progress import Bar, Progress
 from pallas_cache.sizing.report import FORMATS, format_records, legend_text, records
 from pallas_cache.sizing.traces import (FIELD_KEYS, TRACE_FORMATS, TraceError, check_memory,
                                        default_memory_limit, load_trace, parse_fields)
@@ -37,6 +39,9 @@ DEFAULT_TIMED_POLICIES = ("full", "fraction:auto", "fraction:0.4")
 DEFAULT_PLOT_NAME = "hit_rate.png"
 #: Exit status after Ctrl-C (128 + SIGINT), as shells report it.
 EXIT_INTERRUPTED = 130
+#: Set to anything but ``""`` or ``"0"`` to keep the console script off JAX's persistent
+#: compilation cache (as ``--no-compile-cache`` does).
+NO_COMPILE_CACHE_ENV = "PALLAS_CACHE_NO_COMPILE_CACHE"
 
 REPLAY_HELP = r"""
 Replay a routing trace through a grid of cache configurations and report, for each one, how
@@ -92,10 +97,16 @@ def _parser() -> argparse.ArgumentParser:
         description="Plan and size the GPU expert slot cache of offloaded MoE inference.",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--no-compile-cache", action="store_true",
+                        help="do not keep compiled programs in "
+                             "$XDG_CACHE_HOME/pallas-cache/jax (default ~/.cache/pallas-cache/jax"
+                             f"; also {NO_COMPILE_CACHE_ENV}=1)")
 
     replay = commands.add_parser(
         "replay", help="replay a routing trace through cache configurations",
-        description=REPLAY_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+        description=REPLAY_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
+        parents=[common])
     source = replay.add_mutually_exclusive_group()
     source.add_argument("--trace", metavar="PATH",
                         help="a .jsonl, .npy, .npz or .parquet routing trace, or a directory of "
@@ -159,15 +170,18 @@ def _parser() -> argparse.ArgumentParser:
     replay.add_argument("--max-memory", type=_memory_size, default=None, metavar="BYTES",
                         help="refuse a trace, synthetic size or cache state estimated above this "
                              "(e.g. 8GiB, 512MiB, 2e9; default: half the machine's memory)")
+    replay.add_argument("-q", "--quiet", action="store_true",
+                        help="no progress on stderr (warnings and errors still go there)")
 
-    commands.add_parser("scenarios", help="print the seed-000 promotion table")
+    commands.add_parser("scenarios", help="print the seed-000 promotion table", parents=[common])
 
     bench = commands.add_parser(
         "bench-bandwidth", help="measure B_link and B_cpu roughly, for replay's cost model",
         description="Measure the host-to-device copy bandwidth (B_link: jax.device_put of pageable "
                     "host memory) and the CPU's expert streaming rate (B_cpu: a one-token float32 "
                     "matrix-vector product over one expert matrix), and print them as replay "
-                    "flags. Rough: a serving engine's pinned buffers and CPU kernels differ.")
+                    "flags. Rough: a serving engine's pinned buffers and CPU kernels differ.",
+        parents=[common])
     bench.add_argument("--mib", type=int, default=256,
                        help="MiB copied per B_link measurement (default: 256)")
     bench.add_argument("--d-model", type=int, default=4096, help="expert matrix rows (default: "
@@ -426,6 +440,14 @@ def _plot(rows, path: str) -> None:
 
 
 def _replay(args) -> int:
+    progress = Progress() if args.quiet else Bar(sys.stderr, prefix="pallas-cache: ")
+    try:
+        return _replay_with(args, progress)
+    finally:  # after an error or Ctrl-C too: the last line starts on a line of its own
+        progress.close()
+
+
+def _replay_with(args, progress: Progress) -> int:
     from pallas_cache.sizing.sweep import config_grid, replay  # jax import deferred until needed
 
     try:
@@ -439,23 +461,28 @@ def _replay(args) -> int:
             args.plot = _check_plot_path(args.plot)
         cost, model, weight_label = _cost_options(args)
         policies = _policies(args.policy, cost)
+        progress.note(f"reading {args.trace}..." if args.trace else
+                      f"generating the {args.synthetic or DEFAULT_PRESET} trace...")
         trace = _load(args)
         sizes, size_lines = _sizes(args.cache_size, trace, cost)
         configs = config_grid(sizes, policies, args.order, args.admission)
     except (TraceError, OSError, KeyError, TypeError, ValueError) as error:
+        progress.close()
         print(f"pallas-cache: {error}", file=sys.stderr)
         return 2
     try:
         _check_state_memory(sizes, len(configs) // len(set(sizes)), trace.num_layers,
                             trace.num_experts, args.max_memory)
     except (TypeError, ValueError) as error:
+        progress.close()
         print(f"pallas-cache: {error}", file=sys.stderr)
         return 2
+    progress.close()  # the note: warnings follow on a clean line
     for line in _policy_warnings(policies):
         print(line, file=sys.stderr)
     if model is not None and _model_mismatch(model, trace):
         print(_model_mismatch(model, trace), file=sys.stderr)
-    results = replay(trace, configs, cost=cost)
+    results = replay(trace, configs, cost=cost, progress=progress)
     fmt = args.format or ("json" if args.json else "table")
     rows = records(results, trace, cost)
     if fmt != "table":
@@ -515,11 +542,54 @@ def _bench_bandwidth(args) -> int:
     return 0
 
 
+def compile_cache_dir() -> str:
+    """Where the console script keeps compiled programs: ``$XDG_CACHE_HOME/pallas-cache/jax``,
+    or ``~/.cache/pallas-cache/jax`` when ``XDG_CACHE_HOME`` is unset or not absolute."""
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    if not os.path.isabs(base):
+        base = os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "pallas-cache", "jax")
+
+
+def _enable_compile_cache() -> None:
+    """Turn on JAX's persistent compilation cache in :func:`compile_cache_dir`, for programs of
+    any size and compile time (a replay's programs take seconds to compile, a reread takes
+    milliseconds). A cache directory the user set for JAX (``JAX_COMPILATION_CACHE_DIR``) is
+    left as it is; one that cannot be created means running without the cache."""
+    import jax
+
+    if jax.config.jax_compilation_cache_dir:
+        return
+    path = compile_cache_dir()
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError:
+        return
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+
 def main(argv=None) -> int:
     """Run ``pallas-cache``; returns the exit status (``130`` after Ctrl-C, with one line on
-    stderr and no partial output file)."""
+    stderr and no partial output file). Never touches JAX's persistent compilation cache (the
+    console script, :func:`console_main`, does)."""
+    return _main(argv, compile_cache=False)
+
+
+def console_main() -> int:
+    """The ``pallas-cache`` console script: :func:`main` with JAX's persistent compilation cache
+    on (see :func:`compile_cache_dir`) unless ``--no-compile-cache`` is given or
+    ``PALLAS_CACHE_NO_COMPILE_CACHE`` is set to anything but ``""`` or ``"0"``."""
+    return _main(None, compile_cache=True)
+
+
+def _main(argv, *, compile_cache: bool) -> int:
     try:
         args = _parser().parse_args(argv)
+        if (compile_cache and not args.no_compile_cache
+                and os.environ.get(NO_COMPILE_CACHE_ENV, "") in ("", "0")):
+            _enable_compile_cache()
         if args.command == "replay":
             return _replay(args)
         if args.command == "bench-bandwidth":
@@ -531,4 +601,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(console_main())

@@ -14,8 +14,8 @@ compiled JAX, for a whole grid of configurations:
   :func:`pallas_cache.ops.ensure_with_rules`; the public ops take them as static options, which
   is what a decode loop wants). Configurations whose options cannot change the result share a
   lane. The scan walks the trace in
-  fixed-length chunks (the host loop over chunks only drives the progress bar), so a long trace
-  compiles once.
+  fixed-length chunks (the host loop over chunks only drives the progress report), so a long
+  trace compiles once.
 - **Several devices**: the configuration axis is sharded across them with ``jax.sharding`` (a
   1-D mesh named ``"configs"``, padded to a multiple of the device count).
 - **The bounds** next to each result: Belady's offline optimum for the same pool (a bound for
@@ -39,8 +39,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import sys
-import time
 from typing import Callable, Iterable, Sequence
 
 import jax
@@ -52,6 +50,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from pallas_cache.sizing import bounds as belady_lib
 from pallas_cache.sizing.bounds import bypass_optimum
 from pallas_cache.sizing.cost import CostModel
+from pallas_cache.sizing.progress import Progress, as_progress
 from pallas_cache.ops import Rules, ensure_with_rules  # the core, with order/admission as data
 from pallas_cache.policy import ONE, Admission, FetchOrder, FetchPolicy
 from pallas_cache.state import init
@@ -296,7 +295,7 @@ def replay(
     bounds: bool = True,
     cost: CostModel | None = None,
     devices: Sequence[jax.Device] | None = None,
-    progress: Callable[[str], None] | None = None,
+    progress: Progress | Callable[[str], None] | None = None,
     bucket_ratio: float = DEFAULT_BUCKET_RATIO,
 ) -> list[ReplayResult]:
     """Replay ``trace`` through every configuration and return one result per configuration.
@@ -311,8 +310,11 @@ def replay(
         modeled milliseconds (docs/semantics.md §11); ``None``: counts and hit rates only.
       devices: devices to shard the configuration axis over (default: all local devices of the
         default backend; one device means no sharding).
-      progress: called with a one-line status after each chunk (``None``: a bar on stderr when
-        the replay runs longer than about two seconds; pass ``lambda s: None`` to silence).
+      progress: a :class:`~pallas_cache.sizing.progress.Progress` told each phase (the replay,
+        whose line counts the programs it compiles, then the offline optima) and its progress;
+        or a callable, called with each phase's line and each status; ``None``: a
+        :class:`~pallas_cache.sizing.progress.Bar` on stderr (a bar only on a terminal). Pass
+        ``lambda s: None`` to silence.
       bucket_ratio: sizes up to this factor above a bucket's smallest share its compiled program
         (:func:`capacity_buckets`); ``math.inf``: one program for the whole sweep.
 
@@ -330,7 +332,7 @@ def replay(
     devices = list(devices) if devices is not None else jax.devices()
     mesh = Mesh(np.array(devices), ("configs",)) if len(devices) > 1 else None
     width = len(devices) if mesh is not None else 1
-    report = progress if progress is not None else _StderrBar()
+    report = as_progress(progress)
 
     layers, routes = trace.to_array()
     num_calls = layers.shape[0]
@@ -345,8 +347,13 @@ def replay(
 
     results: dict[int, ReplayResult] = {}
     keys = [_lane_key(config) for config in configs]
-    buckets = capacity_buckets(sorted({c.cache_size for c in configs}), bucket_ratio)
+    sizes = sorted({c.cache_size for c in configs})
+    buckets = capacity_buckets(sizes, bucket_ratio)
     total_work = num_chunks * len(buckets)
+    programs = len(buckets)  # one compiled program per bucket of cache sizes
+    report.phase(f"compiling {programs} program{'s' if programs != 1 else ''} for "
+                 f"{len(configs)} configuration{'s' if len(configs) != 1 else ''} "
+                 f"({num_calls} layer-calls)...", total_work)
     done = 0
     for bucket in buckets:
         # One program for every size of the bucket: the capacity is its largest size, each lane
@@ -370,17 +377,11 @@ def replay(
             window = slice(chunk * chunk_calls, (chunk + 1) * chunk_calls)
             batch = _program()(batch, jnp.asarray(layers[window]), jnp.asarray(routes[window]))
             done += 1
-            report(f"cache_size={sizes_text} calls {min((chunk + 1) * chunk_calls, num_calls)}/"
-                   f"{num_calls} [{done}/{total_work}]")
+            report.update(done, f"cache_size={sizes_text} calls "
+                                f"{min((chunk + 1) * chunk_calls, num_calls)}/{num_calls}")
 
         states, cpu_routes, pairs = jax.device_get(batch[:3])
         for size in bucket:
-            if bounds:
-                optimum = belady_lib.belady(trace, size).hit_rate
-                bypass = bypass_optimum(trace, size).hit_rate
-                oracle = belady_lib.stationary_oracle(trace, size).mean_hit_rate
-            else:
-                optimum = bypass = oracle = None
             for index, config in enumerate(configs):
                 if config.cache_size != size:
                     continue
@@ -401,9 +402,9 @@ def replay(
                     # Usable slots only: those past the lane's size are neither empty nor full.
                     empty_slots=int((states.id_of_slot[row][:size] < 0).sum()),
                     hit_rate=1.0 - missing / active if active else 1.0,
-                    belady_hit_rate=optimum,
-                    bypass_optimum_hit_rate=bypass,
-                    oracle_hit_rate=oracle,
+                    belady_hit_rate=None,
+                    bypass_optimum_hit_rate=None,
+                    oracle_hit_rate=None,
                     tokens=num_tokens,
                     cpu_experts=missing - fetched,
                     fetched_per_token=fetched / max(num_tokens, 1),
@@ -412,9 +413,32 @@ def replay(
                                       for f, c in zip(fetched_of, cpu_of)),
                     note=_note(size, trace),
                 )
-    if hasattr(report, "close"):
-        report.close()
-    return _with_costs([results[i] for i in range(len(configs))], cost)
+    ordered = [results[i] for i in range(len(configs))]
+    if bounds:
+        optima = _optima(trace, sizes, report)
+        ordered = [dataclasses.replace(r, **optima[r.cache_size]) for r in ordered]
+    report.close()
+    return _with_costs(ordered, cost)
+
+
+def _optima(trace: Trace, sizes: list[int], report: Progress) -> dict:
+    """``{size: {bound field: hit rate}}`` of the three bounds, reported as one phase."""
+    passes = 2 * len(sizes)  # the two optima per size (the oracle is a histogram: no time)
+    report.phase(f"offline optima (Belady, bypass) for {len(sizes)} cache "
+                 f"size{'s' if len(sizes) != 1 else ''}...", 1000 * passes)
+    optima = {}
+    for index, size in enumerate(sizes):
+        hit_rates = []
+        for step, (name, bound) in enumerate((("belady", belady_lib.belady),
+                                              ("bypass optimum", bypass_optimum))):
+            base = 1000 * (2 * index + step)
+            status = f"{name} cache_size={size}"
+            hit_rates.append(bound(trace, size, progress=lambda done, total: report.update(
+                base + 1000 * done // max(total, 1), status)).hit_rate)
+        optima[size] = dict(
+            belady_hit_rate=hit_rates[0], bypass_optimum_hit_rate=hit_rates[1],
+            oracle_hit_rate=belady_lib.stationary_oracle(trace, size).mean_hit_rate)
+    return optima
 
 
 def _note(size: int, trace: Trace) -> str:
@@ -456,26 +480,3 @@ def _with_costs(results: list[ReplayResult], cost: CostModel | None) -> list[Rep
                                                    and r.modeled_ms_per_token == floor))
                for r in out]
     return out
-
-
-class _StderrBar:
-    """A one-line progress bar on stderr that only appears once a replay has run ~2 seconds."""
-
-    def __init__(self, after_seconds: float = 2.0):
-        self.start = time.perf_counter()
-        self.after = after_seconds
-        self.shown = False
-
-    def __call__(self, status: str):
-        if time.perf_counter() - self.start < self.after:
-            return
-        done, total = (int(x) for x in status.rsplit("[", 1)[1].rstrip("]").split("/"))
-        filled = int(30 * done / total)
-        sys.stderr.write(f"\r[{'#' * filled}{'.' * (30 - filled)}] {status}   ")
-        sys.stderr.flush()
-        self.shown = True
-
-    def close(self):
-        if self.shown:
-            sys.stderr.write("\n")
-            sys.stderr.flush()
