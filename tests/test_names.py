@@ -35,7 +35,7 @@ def test_the_top_level_namespace_is_exactly_all():
     submodules = {m.__name__.split(".")[1] for m in _submodules()}
     public = {name for name in vars(pc) if not name.startswith("_")} - submodules
     assert public == set(pc.__all__)
-    assert len(pc.__all__) <= 45
+    assert len(pc.__all__) <= 46  # 45, plus resize's ERR_CACHE_SIZE (its ResizePlan stays in .state)
     for gone in ("raise_on_error", "moe_dense", "moe_combine", "select_victims",
                  "promotion_decision"):
         assert not hasattr(pc, gone), gone
