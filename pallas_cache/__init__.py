@@ -65,7 +65,6 @@ from pallas_cache.prefill import (
 from pallas_cache.state import (
     CacheState,
     RebuildRejected,
-    ResizePlan,
     init,
     rebuild,
     reset,
@@ -93,7 +92,6 @@ __all__ = [
     "PrefillDoesNotFit",
     "PrefillPlan",
     "RebuildRejected",
-    "ResizePlan",
     "apply_copy_plan",
     "begin_prefill",
     "check",
