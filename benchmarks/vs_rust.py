@@ -251,10 +251,19 @@ def write(rust, steps, sweep, compile_s, repeats):
         "replaced by a constant of its shape, and the kernels XLA:CPU runs per step (the while "
         "body of the compiled scan; a fusion counts by its root op).",
         "",
-        "| geometry | step ns | victim search | fetch order | rebase check (cond + its copies) "
+        "| geometry | step ns | victim search | fetch order | rebase check (its `lax.cond`) "
         "| kernels per step |",
         "|---|---|---|---|---|---|",
-    ] + profile
+    ] + profile + [
+        "",
+        "A negative share means the step got slower without the part. Without the rebase "
+        "`lax.cond` it does (same 6 copies, one kernel fewer): the cond is a join point early in "
+        "the step; without it more kernels are ready at once and XLA:CPU's thunk executor hands "
+        "some to its thread pool, which on this loaded 2-core machine waits for a free core. "
+        "XLA:CPU runs a loop body's kernels back to back in the caller only when all their "
+        "buffers are at most 512 bytes, there are at most 8, or they form a chain, which no "
+        "geometry here meets (the scan's stacked inputs and outputs alone exceed 512 bytes).",
+    ]
     peer64 = statistics.median([rust[0][(8, 16, 64)], rust[1][(8, 16, 64)]])
     rust_rate = 1e9 / peer64
     lines += [
