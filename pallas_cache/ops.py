@@ -57,6 +57,9 @@ __all__ = [
 
 # Up to this many route pairs, the RECENCY fetch order ranks the routes (see _misses_in_fetch_order).
 _RANK_ROUTES_MAX = 256
+# Up to this many compared pairs, a small result (histogram row, fetch-order list) is a masked sum
+# (one fused reduction); above it, a scatter (two kernels, but O(K) work for many routes).
+_MASKED_SUM_MAX = 4096
 
 
 @pytree_dataclass
@@ -146,7 +149,8 @@ def _misses_in_fetch_order(flat_routes, is_route, miss, recency_row, by_recency,
     """The misses in fetch order, as int32[num_out] expert ids (-1 past the number of misses).
 
     RECENCY: descending pre-call recency, ties to the lower id (never-routed experts, recency -1,
-    come last in id order). LOWEST_ID: ascending id, a prefix sum and one masked sum. Loop-free:
+    come last in id order). LOWEST_ID: ascending id, a prefix sum and a masked sum (a scatter
+    above ``_MASKED_SUM_MAX`` compared pairs). Loop-free:
     with few routes (``K * K <= _RANK_ROUTES_MAX``) each missed route's position is the number of
     distinct missed experts ahead of it, one ``K x K`` comparison; otherwise ``num_out``
     unrolled argmin rounds over the ``E`` experts (:func:`~pallas_cache.kernels.dispatch.
@@ -155,6 +159,10 @@ def _misses_in_fetch_order(flat_routes, is_route, miss, recency_row, by_recency,
     num_experts = miss.shape[0]
     if by_recency is False:
         position = jnp.cumsum(miss, dtype=jnp.int32) - 1
+        if num_out * num_experts > _MASKED_SUM_MAX:
+            return jnp.full((num_out,), -1, jnp.int32).at[
+                _drop_unless(miss, position, num_out)].set(lax.iota(jnp.int32, num_experts),
+                                                           mode="drop")
         at = miss[None, :] & (position[None, :] == lax.iota(jnp.int32, num_out)[:, None])
         return jnp.sum(jnp.where(at, lax.iota(jnp.int32, num_experts)[None, :] + 1, 0), axis=1,
                        dtype=jnp.int32) - 1
@@ -268,10 +276,15 @@ def ensure_with_rules(state: CacheState, layer, routes, policy: FetchPolicy, rul
     base = layer_c * E
 
     is_route = (flat_routes >= 0) & (flat_routes < E)
-    # The histogram row: a [K, E] compare-and-count (padding and out-of-range ids match no
-    # expert), one fused reduction where a scatter-add into a fresh buffer takes two kernels.
-    observed = jnp.sum(flat_routes[:, None] == lax.iota(jnp.int32, E)[None, :], axis=0,
-                       dtype=jnp.int32)
+    # The histogram row. Few routes: a [K, E] compare-and-count (padding and out-of-range ids
+    # match no expert), one fused reduction where a scatter-add into a fresh buffer takes two
+    # kernels; many routes: the scatter-add.
+    if flat_routes.shape[0] * E <= _MASKED_SUM_MAX:
+        observed = jnp.sum(flat_routes[:, None] == lax.iota(jnp.int32, E)[None, :], axis=0,
+                           dtype=jnp.int32)
+    else:
+        observed = jnp.zeros((E,), jnp.int32).at[_drop_unless(is_route, flat_routes, E)].add(
+            1, mode="drop")
     routed = observed > 0
     slot_row = state.slot_for_id[layer_c]
     hit = routed & (slot_row >= 0)
