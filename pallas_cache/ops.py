@@ -57,6 +57,9 @@ __all__ = [
 
 # Up to this many route pairs, the RECENCY fetch order ranks the routes (see _misses_in_fetch_order).
 _RANK_ROUTES_MAX = 256
+# Up to this many compared pairs, a small result (histogram row, fetch-order list) is a masked sum
+# (one fused reduction); above it, a scatter (two kernels, but O(K) work for many routes).
+_MASKED_SUM_MAX = 4096
 
 
 @pytree_dataclass
@@ -147,7 +150,8 @@ def _misses_in_fetch_order(flat_routes, is_route, miss, recency_row, by_recency,
     """The misses in fetch order, as int32[num_out] expert ids (-1 past the number of misses).
 
     RECENCY: descending pre-call recency, ties to the lower id (never-routed experts, recency -1,
-    come last in id order). LOWEST_ID: ascending id, a prefix sum and one scatter. Loop-free:
+    come last in id order). LOWEST_ID: ascending id, a prefix sum and a masked sum (a scatter
+    above ``_MASKED_SUM_MAX`` compared pairs). Loop-free:
     with few routes (``K * K <= _RANK_ROUTES_MAX``) each missed route's position is the number of
     distinct missed experts ahead of it, one ``K x K`` comparison; otherwise ``num_out``
     unrolled argmin rounds over the ``E`` experts (:func:`~pallas_cache.kernels.dispatch.
@@ -156,9 +160,13 @@ def _misses_in_fetch_order(flat_routes, is_route, miss, recency_row, by_recency,
     num_experts = miss.shape[0]
     if by_recency is False:
         position = jnp.cumsum(miss, dtype=jnp.int32) - 1
-        return jnp.full((num_out,), -1, jnp.int32).at[
-            _drop_unless(miss, position, num_out)].set(lax.iota(jnp.int32, num_experts),
-                                                       mode="drop")
+        if num_out * num_experts > _MASKED_SUM_MAX:
+            return jnp.full((num_out,), -1, jnp.int32).at[
+                _drop_unless(miss, position, num_out)].set(lax.iota(jnp.int32, num_experts),
+                                                           mode="drop")
+        at = miss[None, :] & (position[None, :] == lax.iota(jnp.int32, num_out)[:, None])
+        return jnp.sum(jnp.where(at, lax.iota(jnp.int32, num_experts)[None, :] + 1, 0), axis=1,
+                       dtype=jnp.int32) - 1
     # Larger recency = fetched earlier, ties to the lower id: ascending order of its bitwise not.
     key = ~recency_row if by_recency is True else ~jnp.where(by_recency, recency_row, 0)
     num_routes = flat_routes.shape[0]
@@ -174,8 +182,10 @@ def _misses_in_fetch_order(flat_routes, is_route, miss, recency_row, by_recency,
     ahead = leads[None, :] & ((route_key[None, :] < route_key[:, None]) | (
         (route_key[None, :] == route_key[:, None]) & (expert[None, :] < expert[:, None])))
     position = jnp.sum(ahead, axis=1, dtype=jnp.int32)
-    return jnp.full((num_out,), -1, jnp.int32).at[
-        _drop_unless(leads & (position < num_out), position, num_out)].set(expert, mode="drop")
+    # Output p is the lead at position p (positions of leads are distinct): a [num_out, K]
+    # masked sum, one fused reduction where a scatter into a fresh -1 buffer takes two kernels.
+    at = leads[None, :] & (position[None, :] == lax.iota(jnp.int32, num_out)[:, None])
+    return jnp.sum(jnp.where(at, expert[None, :] + 1, 0), axis=1, dtype=jnp.int32) - 1
 
 
 def _reuse_admitted(num_fetch, experts, victims, recency_row, usage, num_out):
@@ -269,8 +279,15 @@ def ensure_with_rules(state: CacheState, layer, routes, policy: FetchPolicy, rul
     base = layer_c * E
 
     is_route = (flat_routes >= 0) & (flat_routes < E)
-    route_index = _drop_unless(is_route, flat_routes, E)
-    observed = jnp.zeros((E,), jnp.int32).at[route_index].add(1, mode="drop")  # the histogram row
+    # The histogram row. Few routes: a [K, E] compare-and-count (padding and out-of-range ids
+    # match no expert), one fused reduction where a scatter-add into a fresh buffer takes two
+    # kernels; many routes: the scatter-add.
+    if flat_routes.shape[0] * E <= _MASKED_SUM_MAX:
+        observed = jnp.sum(flat_routes[:, None] == lax.iota(jnp.int32, E)[None, :], axis=0,
+                           dtype=jnp.int32)
+    else:
+        observed = jnp.zeros((E,), jnp.int32).at[_drop_unless(is_route, flat_routes, E)].add(
+            1, mode="drop")
     routed = observed > 0
     slot_row = state.slot_for_id[layer_c]
     hit = routed & (slot_row >= 0)
