@@ -7,8 +7,9 @@ over a batch of independent caches (a sweep over fetch fractions or cache sizes)
 methods that mutate Python attributes can do none of that.
 
 The geometry (``L`` layers, ``E`` experts per layer, ``S`` slots) is read from the array shapes,
-so the pytree has no static fields: two caches of the same geometry share a compiled function, and
-a change of geometry is a change of shapes (``rebuild``), which is a recompilation anyway.
+so two caches of the same geometry share a compiled function, and a change of geometry is a change
+of shapes (``rebuild``), which is a recompilation anyway. The one static field is the eviction
+policy (``eviction.py``): it selects which computation is traced and which bookkeeping exists.
 
 Everything is int32 (bools for flags); ``jax_enable_x64`` is never needed. The LRU clock stays in
 range by the rebase of ``clock.py``. The counters (``stats``, prefill row counters,
@@ -23,7 +24,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_cache import validate
-from pallas_cache.tree import pytree_dataclass
+from pallas_cache.eviction import Eviction, PairLfuState, cold_ranking
+from pallas_cache.tree import pytree_dataclass, static_field
 
 __all__ = [
     "CacheState",
@@ -35,6 +37,8 @@ __all__ = [
 
 # The default clock threshold of docs/semantics.md §5.12: far below the int32 wrap, far above any test.
 DEFAULT_REBASE_THRESHOLD = 2**30
+# The default token ring of Eviction.ROUTE_KNN (docs/semantics.md §5.15).
+DEFAULT_HISTORY = 128
 
 
 @pytree_dataclass
@@ -64,6 +68,9 @@ class CacheState:
       prefill_hit_rows: int32[]. Prefill rows served from the cache in this stats window.
       prefill_rows: int32[]. All prefill rows staged in this stats window.
       rebase_threshold: int32[]. When ``step`` reaches it, the clock is renumbered (clock.py).
+      eviction: static. The :class:`~pallas_cache.eviction.Eviction` policy fixed by ``init``.
+      ranking: the policy's bookkeeping (``PairLfuState`` for PAIR_LFU), ``None`` for LRU, so an
+        LRU state has exactly the leaves above (docs/semantics.md §5.15).
     """
 
     slot_for_id: jax.Array
@@ -81,6 +88,8 @@ class CacheState:
     prefill_hit_rows: jax.Array
     prefill_rows: jax.Array
     rebase_threshold: jax.Array
+    eviction: Eviction = static_field(default=Eviction.LRU)
+    ranking: PairLfuState | None = None
 
     # Geometry from shapes. Negative axes, so a batched (stacked) state reports the geometry of
     # its members, and the same code works inside and outside a vmap.
@@ -115,7 +124,8 @@ class RebuildRejected(ValueError):
         )
 
 
-def _empty_state(num_layers, num_experts, cache_size, rebase_threshold, collect_routing):
+def _empty_state(num_layers, num_experts, cache_size, rebase_threshold, collect_routing,
+                 eviction=Eviction.LRU, history=DEFAULT_HISTORY):
     """The cold state of a geometry; ``reset`` and ``rebuild`` reuse it so the three agree."""
     L, E, S = num_layers, num_experts, cache_size
     return CacheState(
@@ -134,11 +144,14 @@ def _empty_state(num_layers, num_experts, cache_size, rebase_threshold, collect_
         prefill_hit_rows=jnp.zeros((), jnp.int32),
         prefill_rows=jnp.zeros((), jnp.int32),
         rebase_threshold=jnp.asarray(rebase_threshold, jnp.int32),
+        eviction=eviction,
+        ranking=cold_ranking(eviction, L, E, history),
     )
 
 
 def init(num_layers: int, num_experts: int, cache_size: int, *,
-         rebase_threshold: int = DEFAULT_REBASE_THRESHOLD) -> CacheState:
+         rebase_threshold: int = DEFAULT_REBASE_THRESHOLD, eviction=Eviction.LRU,
+         history: int = DEFAULT_HISTORY) -> CacheState:
     """A cold cache (docs/semantics.md §5.1).
 
     Args:
@@ -147,23 +160,29 @@ def init(num_layers: int, num_experts: int, cache_size: int, *,
       cache_size: ``S``, device slots shared by all layers; must hold one layer (``S >= E``).
       rebase_threshold: the clock value at which stamps are renumbered (docs/semantics.md §5.12); lower it
         only to test the rebase.
+      eviction: an :class:`~pallas_cache.eviction.Eviction` (or its string value), fixed for the
+        life of the state (static metadata; docs/semantics.md §5.15). Default LRU.
+      history: ROUTE_KNN's token ring ``W`` (>= 1); validated, unused by the other policies.
 
     Returns:
       A ``CacheState`` with empty maps, usage 0, step 0, recency -1, zero counters, routing
       collection off and no prefill chunk open.
 
     Raises:
-      TypeError: a non-integer argument. ValueError: an argument < 1, or ``S < E``.
+      TypeError: a non-integer argument. ValueError: an argument < 1, ``S < E``, or an unknown
+        eviction.
     """
     L = validate.positive_int("num_layers", num_layers)
     E = validate.positive_int("num_experts", num_experts)
     S = validate.positive_int("cache_size", cache_size)
     threshold = validate.positive_int("rebase_threshold", rebase_threshold)
+    policy = Eviction.coerce(eviction)
+    ring = validate.positive_int("history", history)
     if S < E:
         raise ValueError(f"cache_size {S} cannot hold one layer of {E} experts")
     if threshold > validate.INT32_MAX:
         raise ValueError(f"rebase_threshold must fit in int32, got {threshold}")
-    return _empty_state(L, E, S, threshold, collect_routing=False)
+    return _empty_state(L, E, S, threshold, collect_routing=False, eviction=policy, history=ring)
 
 
 def reset(state: CacheState) -> CacheState:
@@ -174,7 +193,7 @@ def reset(state: CacheState) -> CacheState:
     are kept. Jittable.
     """
     return _empty_state(state.num_layers, state.num_experts, state.cache_size,
-                        state.rebase_threshold, state.collect_routing)
+                        state.rebase_threshold, state.collect_routing, state.eviction)
 
 
 def rebuild(state: CacheState, cache_size: int) -> CacheState:
@@ -192,4 +211,4 @@ def rebuild(state: CacheState, cache_size: int) -> CacheState:
     if requested < state.num_experts:
         raise RebuildRejected(requested=requested, minimum=state.num_experts)
     return _empty_state(state.num_layers, state.num_experts, requested,
-                        state.rebase_threshold, state.collect_routing)
+                        state.rebase_threshold, state.collect_routing, state.eviction)

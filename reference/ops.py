@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import ERR_EXPERT_ID, ERR_LAYER, ERR_SLOT, int_arg
+from .eviction import observe_call, ranked_victims
 from .policy import ReferencePolicy
 from .state import FORGOTTEN
 
@@ -107,8 +108,11 @@ class DecodeOps:
         A slot whose usage is ``step`` was touched by this very call (a hit, or a victim already
         claimed) and is never a victim: without that rule a step could evict an expert it is
         about to read. The k-th entry is what ``k + 1`` repeated argmins with the claimed slot
-        knocked out would pick.
+        knocked out would pick. Another eviction policy ranks the residents its own way
+        (docs/semantics.md §5.15).
         """
+        if self.eviction != "lru":
+            return ranked_victims(self, step)
         return sorted(
             (slot for slot in range(self.cache_size) if self.usage[slot] != step),
             key=lambda slot: (self.usage[slot], slot),
@@ -138,6 +142,8 @@ class DecodeOps:
             raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
         if admission not in ADMISSIONS:
             raise ValueError(f"admission must be one of {ADMISSIONS}, got {admission!r}")
+        if admission == "reuse" and self.eviction != "lru":
+            raise ValueError(f"admission reuse needs eviction lru, got eviction {self.eviction}")
         return self._ensure(layer, expert_ids, policy=policy, order=order, admission=admission)
 
     def _ensure(self, layer, expert_ids, policy, order, admission) -> EnsurePlan:
@@ -174,6 +180,9 @@ class DecodeOps:
         for expert in flat_routes:
             if expert >= 0 and expert not in distinct:
                 distinct.append(int(expert))
+
+        # The eviction policy sees the call (docs/semantics.md §5.15): PAIR_LFU decays and counts.
+        observe_call(self, layer, distinct)
 
         # Hits refresh their slot, which also protects it for the rest of this step.
         missing: list[int] = []

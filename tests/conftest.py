@@ -150,6 +150,9 @@ class StateView:
     prefill_hit_rows: np.ndarray
     prefill_rows: np.ndarray
     rebase_threshold: np.ndarray
+    # The eviction policy's bookkeeping (docs/semantics.md §5.15); None under LRU.
+    freq: np.ndarray | None = None
+    prot: np.ndarray | None = None
 
     @property
     def num_layers(self):
@@ -171,11 +174,20 @@ class StateView:
         return int((self.id_of_slot >= 0).sum())
 
 
+#: The eviction bookkeeping's fields (the JAX state keeps them under ``state.ranking``).
+EVICTION_FIELDS = ("freq", "prot")
+
+
 def state_view(native) -> StateView:
     """A ``CacheState`` or a ``ReferenceCache`` as a :class:`StateView`."""
     if isinstance(native, ReferenceCache):
-        return StateView(**{f: np.array(getattr(native, a), copy=True) for f, a in STATE_FIELDS.items()})
-    return StateView(**{f: _np(getattr(native, f)) for f in STATE_FIELDS})
+        extra = {f: np.array(getattr(native, f), copy=True) for f in EVICTION_FIELDS
+                 if hasattr(native, f)}
+        return StateView(**{f: np.array(getattr(native, a), copy=True)
+                            for f, a in STATE_FIELDS.items()}, **extra)
+    ranking = native.ranking
+    extra = {f: _np(getattr(ranking, f)) for f in EVICTION_FIELDS if hasattr(ranking, f)}
+    return StateView(**{f: _np(getattr(native, f)) for f in STATE_FIELDS}, **extra)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -336,6 +348,11 @@ def assert_same_state(a: StateView, b: StateView, context=""):
     for name in STATE_FIELDS:
         np.testing.assert_array_equal(getattr(a, name), getattr(b, name),
                                       err_msg=f"state.{name} {context}")
+    for name in EVICTION_FIELDS:
+        mine, theirs = getattr(a, name), getattr(b, name)
+        assert (mine is None) == (theirs is None), f"state.{name} on one side only {context}"
+        if mine is not None:
+            np.testing.assert_array_equal(mine, theirs, err_msg=f"state.{name} {context}")
 
 
 def assert_same_plan(a, b, context=""):
@@ -578,8 +595,11 @@ class Adapter:
     def flag(self, on):
         return jnp.bool_(on) if self.ops is JITTED else on
 
-    def init(self, num_layers, num_experts, cache_size, *, rebase_threshold=None) -> Cache:
+    def init(self, num_layers, num_experts, cache_size, *, rebase_threshold=None,
+             eviction=None) -> Cache:
         kwargs = {} if rebase_threshold is None else {"rebase_threshold": rebase_threshold}
+        if eviction is not None:
+            kwargs["eviction"] = eviction
         if not self.is_jax:
             return RefCache(self, ReferenceCache(num_layers, num_experts, cache_size, **kwargs))
         return JaxCache(self, pc.init(num_layers, num_experts, cache_size, **kwargs))

@@ -152,13 +152,17 @@ ORDERS = ("recency", "lowest_id")
 ADMISSIONS = ("promote_one", "none", "reuse")
 
 
-def run_lockstep(data, adapter_name):
+def run_lockstep(data, adapter_name, eviction=None):
+    """One drawn sequence on ``adapter_name`` against the reference; ``eviction`` (a name, None
+    = the default LRU) fixes both caches' policy (docs/semantics.md §5.15), and then REUSE, which
+    it refuses, is not drawn."""
     L, E, S, route_shape, rebuild_targets = data.draw(
         st.sampled_from(GEOMETRIES[adapter_name]), label="geometry")
     threshold = data.draw(st.sampled_from(REBASE_THRESHOLDS), label="rebase threshold")
-    cache = ADAPTER[adapter_name].init(L, E, S, rebase_threshold=threshold)
+    cache = ADAPTER[adapter_name].init(L, E, S, rebase_threshold=threshold, eviction=eviction)
     cache.pad_routes = False  # the drawn route shape is the compiled one
-    ref = ADAPTER["reference"].init(L, E, S, rebase_threshold=threshold)
+    ref = ADAPTER["reference"].init(L, E, S, rebase_threshold=threshold, eviction=eviction)
+    admissions = ADMISSIONS if eviction in (None, "lru") else ("promote_one", "none")
     assert_same_caches(cache, ref, "init")
     # Half the sequences start by warming every layer into the pool (so residents sit above the
     # prefill buffers' slots and chunks see gathers) and opening a prefill chunk.
@@ -186,7 +190,7 @@ def run_lockstep(data, adapter_name):
             layer, routes = draw_layer(data, L), draw_routes(data, E, route_shape)
             spec = draw_policy(data, E)
             order = data.draw(st.sampled_from(ORDERS), label="order")
-            admission = data.draw(st.sampled_from(ADMISSIONS), label="admission")
+            admission = data.draw(st.sampled_from(admissions), label="admission")
             context += (f"(layer={layer}, routes={routes.tolist()}, policy={spec}, "
                         f"order={order}, admission={admission})")
             plan = cache.ensure_hybrid(layer, routes, build_policy(cache, spec), order=order,
