@@ -134,6 +134,9 @@ def _parser() -> argparse.ArgumentParser:
     replay.add_argument("--admission", nargs="+", default=["promote_one"],
                         choices=["promote_one", "none", "reuse"],
                         help="fetches beyond the split (default: promote_one)")
+    replay.add_argument("--eviction", nargs="+", default=["lru"], choices=["lru", "pair_lfu"],
+                        help="which resident a fetch evicts (default: lru); reuse is swept "
+                             "with lru only")
     output = replay.add_mutually_exclusive_group()
     output.add_argument("--format", choices=FORMATS, default=None,
                         help="table (default), json (a list of records), jsonl (one record per "
@@ -381,7 +384,8 @@ def _legend(results, trace, cost) -> list[str]:
                 paragraphs.append(
                     f"Best within {budget}: cache_size={r.cache_size} "
                     f"({format_bytes(r.cache_bytes)}) policy={r.policy} order={r.order} "
-                    f"admission={r.admission}: {r.modeled_ms_per_token:.1f} ms/token modeled.")
+                    f"admission={r.admission} eviction={r.eviction}: "
+                    f"{r.modeled_ms_per_token:.1f} ms/token modeled.")
     return [textwrap.fill(text, width=100, break_on_hyphens=False) for text in paragraphs]
 
 
@@ -424,7 +428,10 @@ def _replay(args) -> int:
         policies = _policies(args.policy, cost)
         trace = _load(args)
         sizes, size_lines = _sizes(args.cache_size, trace, cost)
-        configs = config_grid(sizes, policies, args.order, args.admission)
+        configs = config_grid(sizes, policies, args.order, args.admission, args.eviction)
+        if not configs:
+            raise ValueError(f"admission reuse needs eviction lru; got --eviction "
+                             f"{' '.join(args.eviction)}")
     except (TraceError, OSError, KeyError, TypeError, ValueError) as error:
         print(f"pallas-cache: {error}", file=sys.stderr)
         return 2

@@ -49,6 +49,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from pallas_cache.sizing import bounds as belady_lib
 from pallas_cache.sizing.bounds import bypass_optimum
 from pallas_cache.sizing.cost import CostModel
+from pallas_cache.eviction import Eviction, check_admission
 from pallas_cache.ops import Rules, ensure_with_rules  # the core, with order/admission as data
 from pallas_cache.policy import Admission, FetchOrder, FetchPolicy
 from pallas_cache.state import init
@@ -86,27 +87,35 @@ class ReplayConfig:
       policy: ``"full"``, ``"fraction:Q"`` or ``"cap:N"`` (see :func:`parse_policy`).
       order: ``"recency"`` or ``"lowest_id"``.
       admission: ``"promote_one"``, ``"none"`` or ``"reuse"``.
+      eviction: ``"lru"`` or ``"pair_lfu"`` (docs/semantics.md §5.15); ``reuse`` needs ``lru``.
     """
 
     cache_size: int
     policy: str = "fraction:0.4"
     order: str = "recency"
     admission: str = "promote_one"
+    eviction: str = "lru"
 
     def __post_init__(self):
         parse_policy(self.policy)
         FetchOrder.coerce(self.order)
-        Admission.coerce(self.admission)
+        check_admission(Eviction.coerce(self.eviction),
+                        Admission.coerce(self.admission) is Admission.REUSE)
         if not is_int(self.cache_size):
             raise TypeError(f"cache_size must be an int, got {self.cache_size!r}")
 
 
 def config_grid(cache_sizes: Iterable[int], policies: Iterable[str], orders: Iterable[str] = ("recency",),
-                admissions: Iterable[str] = ("promote_one",)) -> list[ReplayConfig]:
-    """The cartesian product, cache size slowest, as a list of configurations."""
+                admissions: Iterable[str] = ("promote_one",),
+                evictions: Iterable[str] = ("lru",)) -> list[ReplayConfig]:
+    """The cartesian product, cache size slowest, as a list of configurations. A non-LRU
+    eviction is not combined with ``reuse`` (which it refuses, docs/semantics.md §5.15)."""
     return [
-        ReplayConfig(int(size), policy, order, admission)
-        for size in cache_sizes for policy in policies for order in orders for admission in admissions
+        ReplayConfig(int(size), policy, order, admission, eviction)
+        for size in cache_sizes for eviction in evictions for policy in policies
+        for order in orders for admission in admissions
+        if Eviction.coerce(eviction) is Eviction.LRU
+        or Admission.coerce(admission) is not Admission.REUSE
     ]
 
 
@@ -188,6 +197,7 @@ class ReplayResult:
     best: bool | None = None
     budget_best: bool | None = None
     note: str = ""
+    eviction: str = "lru"
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -198,8 +208,10 @@ def _stack(trees):
 
 
 @functools.lru_cache(maxsize=None)
-def _program():
-    """The jitted chunk program: every configuration of one cache size over one chunk of calls.
+def _program(lru: bool = True):
+    """The jitted chunk program: every configuration of one cache size (and eviction policy,
+    a static part of the state) over one chunk of calls. ``lru=False``: the REUSE path, which a
+    non-LRU eviction refuses, is left out (no lane of such a group runs it).
 
     Args (of the returned function): ``(states, cpu_routes, pairs, policies, rules)`` batched
     over the configurations, and the chunk's ``layers [C]`` and ``routes [C, K]``. ``pairs``
@@ -210,7 +222,8 @@ def _program():
         def call(carry, layer_routes):
             state, cpu_routes, pairs = carry
             layer, route = layer_routes
-            state, plan = ensure_with_rules(state, layer, route, policy, rules, backend="xla")
+            lane_rules = rules if lru else rules.replace(reuse=False)
+            state, plan = ensure_with_rules(state, layer, route, policy, lane_rules, backend="xla")
             # The cost model's per-call pair (docs/semantics.md §11.2); refused calls add nothing.
             pairs = pairs.at[plan.fetched, plan.missing - plan.fetched].add(
                 (plan.error == 0).astype(jnp.int32))
@@ -289,15 +302,18 @@ def replay(
     pair_side = min(trace.top_k, trace.num_experts) + 1  # fetched, cpu_experts in [0, K']
 
     results: dict[int, ReplayResult] = {}
-    sizes = sorted({c.cache_size for c in configs})
-    total_work = num_chunks * len(sizes)
+    # One compiled program per (size, eviction): both are part of the state's structure.
+    groups = sorted({(c.cache_size, Eviction.coerce(c.eviction).value) for c in configs})
+    total_work = num_chunks * len(groups)
     done = 0
-    for size in sizes:
-        members = [i for i, config in enumerate(configs) if config.cache_size == size]
+    bound_cache: dict[int, tuple] = {}
+    for size, eviction in groups:
+        members = [i for i, config in enumerate(configs) if config.cache_size == size
+                   and Eviction.coerce(config.eviction).value == eviction]
         count = -(-len(members) // width) * width  # pad to a multiple of the devices
         lanes = members + [members[-1]] * (count - len(members))
         batch = (
-            _stack([init(trace.num_layers, trace.num_experts, size)] * count),
+            _stack([init(trace.num_layers, trace.num_experts, size, eviction=eviction)] * count),
             jnp.zeros(count, jnp.int32),
             jnp.zeros((count, pair_side, pair_side), jnp.int32),
             _stack([parse_policy(configs[i].policy) for i in lanes]),
@@ -306,17 +322,21 @@ def replay(
         batch = _shard(batch, mesh)
         for chunk in range(num_chunks):
             window = slice(chunk * chunk_calls, (chunk + 1) * chunk_calls)
-            batch = _program()(batch, jnp.asarray(layers[window]), jnp.asarray(routes[window]))
+            batch = _program(eviction == Eviction.LRU.value)(
+                batch, jnp.asarray(layers[window]), jnp.asarray(routes[window]))
             done += 1
-            report(f"cache_size={size} calls {min((chunk + 1) * chunk_calls, num_calls)}/{num_calls}"
+            report(f"cache_size={size} eviction={eviction} calls {min((chunk + 1) * chunk_calls, num_calls)}/{num_calls}"
                    f" [{done}/{total_work}]")
 
-        if bounds:
+        if not bounds:
+            optimum = bypass = oracle = None
+        elif size in bound_cache:
+            optimum, bypass, oracle = bound_cache[size]
+        else:
             optimum = belady_lib.belady(trace, size).hit_rate
             bypass = bypass_optimum(trace, size).hit_rate
             oracle = belady_lib.stationary_oracle(trace, size).mean_hit_rate
-        else:
-            optimum = bypass = oracle = None
+            bound_cache[size] = optimum, bypass, oracle
         states, cpu_routes, pairs = jax.device_get(batch[:3])
         for row, index in enumerate(members):
             calls, active, missing, fetched = (int(v) for v in states.stats[row].sum(axis=0))
@@ -345,6 +365,7 @@ def replay(
                 pair_counts=tuple((int(f), int(c), int(pairs[row][f, c]))
                                   for f, c in zip(fetched_of, cpu_of)),
                 note=_note(size, trace),
+                eviction=eviction,
             )
     if hasattr(report, "close"):
         report.close()
