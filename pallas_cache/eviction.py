@@ -1,19 +1,13 @@
 """Which resident a miss evicts: the eviction policies of the cache (docs/semantics.md §5.15).
-
 The policy is fixed by ``init(..., eviction=...)`` and stored as static metadata of the state
 (``CacheState.eviction``), so the ops branch on it in Python and an LRU state carries no extra
-field (``CacheState.ranking`` is ``None``). A policy only *ranks victims*: free usable slots
-always come first, in the LRU order ``(usage, slot)``; then the policy's ranking of the evictable
-residents. Which misses are installed, and the PROMOTE_ONE rule, are unchanged; the k-th
-installed miss takes the k-th victim.
-
-``Eviction.PAIR_LFU`` keeps, per expert, a Q16 frequency decayed at every call of its layer
-(half-life 32 visits of the layer) and a protection bit (routed by the last call of its layer);
-victims are the evictable residents in ascending ``(prot, freq, last_use, slot)``, where
-``last_use`` is the slot's ``usage`` stamp (so the clock rebase of ``clock.py`` covers it). All of
-it is exact int32 (the decay's 38-bit product is formed as two 32-bit halves); the ranking is a
-handful of unrolled masked reductions, loop-free on every backend. Reasons: docs/design.md,
-"Eviction policies".
+field (``CacheState.ranking`` is ``None``). A policy only ranks victims: free usable slots first
+in the LRU order ``(usage, slot)``, then the policy's ranking of the evictable residents; which
+misses are installed and the PROMOTE_ONE rule are unchanged. ``Eviction.PAIR_LFU`` keeps per
+expert a Q16 frequency decayed at every call of its layer (half-life 32 visits) and a protection
+bit (routed by the last call of its layer); residents rank by ``(prot, freq, last_use, slot)``
+with ``last_use`` the slot's ``usage`` (so the clock rebase covers it), all in exact int32 and
+loop-free (reasons: docs/design.md, "Eviction policies").
 """
 
 from __future__ import annotations
