@@ -337,3 +337,50 @@ def test_describe_shows_the_pair_lfu_key_of_each_resident():
     assert pc.describe(pc.init(2, 2, 3)).rows[0].freq is None
     with pytest.raises(ValueError, match="pair_lfu.*lru|lru.*pair_lfu"):
         pc.diff(state, pc.init(2, 2, 3))
+
+
+# ---- the replay ----------------------------------------------------------------------------
+
+
+def test_the_replay_sweeps_the_eviction_and_matches_the_reference():
+    """FAILS if the replay's PAIR_LFU lanes (one vmapped program, rules as data, chunked scan)
+    count differently from the reference cache called one layer-call at a time, if LRU lanes
+    change, or if a result lacks its eviction."""
+    from pallas_cache.sizing.sweep import ReplayConfig, replay
+    from pallas_cache.sizing.synthetic import synthetic_trace
+
+    trace = synthetic_trace("mixtral-realistic", num_tokens=24, seed=1)
+    configs = [ReplayConfig(96, policy, eviction=eviction)
+               for eviction in ("lru", "pair_lfu") for policy in ("full", "fraction:0.4")]
+    results = replay(trace, configs, bounds=False, chunk_calls=256, progress=lambda s: None)
+    for config, result in zip(configs, results):
+        ref = ReferenceCache(trace.num_layers, trace.num_experts, 96, eviction=config.eviction)
+        policy = (ReferencePolicy.full() if config.policy == "full"
+                  else ReferencePolicy.fraction(0.4))
+        for layer, routes in trace:
+            ref.ensure_hybrid(layer, routes, policy)
+        counts = ref.stats()
+        assert result.eviction == config.eviction
+        assert (result.active, result.missing, result.fetched) == (
+            counts.active, counts.missing, counts.fetched), config
+    by = {(r.eviction, r.policy): r.hit_rate for r in results}
+    assert by[("lru", "full")] != by[("pair_lfu", "full")]
+
+
+def test_the_cli_sweeps_evictions_and_refuses_reuse_with_pair_lfu(capsys):
+    """FAILS if ``--eviction`` is not swept (a JSON ``eviction`` key on every row, REUSE rows only
+    for LRU), or if asking for REUSE with PAIR_LFU alone does not fail with one line."""
+    import json
+
+    from pallas_cache.sizing import cli
+
+    small = ["replay", "--synthetic", "mixtral-like", "--tokens", "6", "--cache-size", "64",
+             "--policy", "fraction:0.4"]
+    assert cli.main(small + ["--admission", "promote_one", "reuse", "--eviction", "lru",
+                             "pair_lfu", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert sorted((r["eviction"], r["admission"]) for r in rows) == [
+        ("lru", "promote_one"), ("lru", "reuse"), ("pair_lfu", "promote_one")]
+    assert cli.main(small + ["--admission", "reuse", "--eviction", "pair_lfu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "reuse" in err and "pair_lfu" in err

@@ -384,7 +384,8 @@ def _legend(results, trace, cost) -> list[str]:
                 paragraphs.append(
                     f"Best within {budget}: cache_size={r.cache_size} "
                     f"({format_bytes(r.cache_bytes)}) policy={r.policy} order={r.order} "
-                    f"admission={r.admission} eviction={r.eviction}: "
+                    f"admission={r.admission}"
+                    f"{'' if r.eviction == 'lru' else ' eviction=' + r.eviction}: "
                     f"{r.modeled_ms_per_token:.1f} ms/token modeled.")
     return [textwrap.fill(text, width=100, break_on_hyphens=False) for text in paragraphs]
 

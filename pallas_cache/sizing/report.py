@@ -149,8 +149,9 @@ def _cell(key: str, value) -> str:
 def _preamble(rows: Sequence[dict]) -> list[str]:
     first = rows[0]
     shown = set(table_columns(rows))
+    # The default eviction (lru) goes unsaid, so an LRU sweep prints as it always has.
     constant = "".join(f" {key}={first[key]}" for key in ("order", "admission", "eviction")
-                       if key not in shown)
+                       if key not in shown and (key, first[key]) != ("eviction", "lru"))
     return [f"trace: {first['source']}  layers={first['layers']} experts={first['experts']} "
             f"top_k={first['top_k']} calls={first['calls']} tokens={first['tokens']} "
             f"sequences={first['sequences']}", f"cache:{constant}"]
