@@ -18,18 +18,22 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_cache.kernels.dispatch import first_in_order
 from pallas_cache.tree import pytree_dataclass
 from pallas_cache.validate import INT32_MAX
 
 __all__ = [
-    "DECAY_Q16", "ONE_Q16", "Eviction", "PairLfuState", "check_admission", "cold_ranking",
-    "decay_q16", "observe_call", "rank_victims",
+    "DECAY_Q16", "NEIGHBOURS", "ONE_Q16", "Eviction", "PairLfuState", "RouteKnnState",
+    "check_admission", "cold_ranking", "decay_q16", "history_of", "observe_call", "rank_victims",
+    "ring_bits", "start_token",
 ]
 
 #: The per-visit decay of PAIR_LFU's frequency, ``2**(-1/32)`` in Q16 (half-life 32 visits).
 DECAY_Q16 = 64132
 #: What one routed call adds to an expert's frequency: 1.0 in Q16.
 ONE_Q16 = 65536
+#: ROUTE_KNN's neighbours per call (``K``).
+NEIGHBOURS = 3
 # Residents' frequencies stay below 2**22 (the fixed point of f -> f*DECAY/2**16 + 2**16 is about
 # 3.06M), so (class, freq) packs into one int32 key: class * 2**23 + freq.
 _CLASS_SHIFT = 23
@@ -40,7 +44,7 @@ class Eviction(enum.Enum):
 
     LRU = "lru"  # ascending (usage, slot): global least recently used
     PAIR_LFU = "pair_lfu"  # ascending (prot, freq, last_use, slot)
-    ROUTE_KNN = "route_knn"  # predicted next use from similar past tokens (not implemented yet)
+    ROUTE_KNN = "route_knn"  # largest predicted next use, from the most similar past tokens
 
     @classmethod
     def coerce(cls, value) -> "Eviction":
@@ -69,15 +73,62 @@ class PairLfuState:
     prot: jax.Array
 
 
+@pytree_dataclass
+class RouteKnnState:
+    """ROUTE_KNN's token ring (docs/semantics.md §5.15); ``W`` = ``history`` tokens.
+
+    Attributes:
+      masks: uint32[W, L, ceil(E/32)]. ``R``: per ring position (token ``t`` at ``t mod W``) and
+        layer, the bitmask of the experts that token's call to the layer routed (bit ``e % 32`` of
+        word ``e // 32``); all zero for a layer the token did not call.
+      sim: int32[W]. Similarity of the token at each ring position to the current token (0 for
+        the current token and for positions holding no past token).
+      head: int32[]. Ring position of the current token ``T``.
+      count: int32[]. Tokens in the ring, the current one included (``min(T + 1, W)``).
+      last_layer: int32[]. The layer of the last accepted call (-1 before any, ``L`` after
+        :func:`start_token`): a call to a layer ``<=`` it starts a token.
+    """
+
+    masks: jax.Array
+    sim: jax.Array
+    head: jax.Array
+    count: jax.Array
+    last_layer: jax.Array
+
+
 def cold_ranking(eviction: Eviction, num_layers: int, num_experts: int, history: int):
     """The bookkeeping of a cold cache under ``eviction``: ``None`` for LRU."""
-    del history  # the ring size of ROUTE_KNN
     if eviction is Eviction.LRU:
         return None
     if eviction is Eviction.PAIR_LFU:
         return PairLfuState(freq=jnp.zeros((num_layers, num_experts), jnp.int32),
                             prot=jnp.zeros((num_layers, num_experts), jnp.bool_))
-    raise NotImplementedError(f"{eviction} is not implemented yet")
+    words = -(-num_experts // 32)
+    return RouteKnnState(masks=jnp.zeros((history, num_layers, words), jnp.uint32),
+                         sim=jnp.zeros((history,), jnp.int32), head=jnp.zeros((), jnp.int32),
+                         count=jnp.ones((), jnp.int32), last_layer=jnp.full((), -1, jnp.int32))
+
+
+def history_of(ranking) -> int | None:
+    """The ring size ``W`` of ROUTE_KNN bookkeeping (None for the other policies)."""
+    return ranking.masks.shape[-3] if isinstance(ranking, RouteKnnState) else None
+
+
+def ring_bits(masks, num_experts: int):
+    """ROUTE_KNN's ring as bool[..., W, L, E] (host views and tests)."""
+    bits = (masks[..., None] >> jnp.arange(32, dtype=jnp.uint32)) & 1
+    return bits.reshape(masks.shape[:-1] + (-1,))[..., :num_experts].astype(jnp.bool_)
+
+
+def start_token(state):
+    """The state with the next accepted call starting a token (ROUTE_KNN; docs/semantics.md
+    §5.15), for callers whose token boundaries the layer sequence does not show (a token that
+    calls one layer only). Jittable; the other policies return the state unchanged."""
+    if state.eviction is not Eviction.ROUTE_KNN:
+        return state
+    ranking = state.ranking.replace(
+        last_layer=jnp.full((), state.slot_for_id.shape[-2], jnp.int32))
+    return state.replace(ranking=ranking)
 
 
 def check_admission(eviction: Eviction, reuse) -> None:
@@ -115,7 +166,35 @@ def observe_call(eviction: Eviction, ranking, layer, routed, accepted):
             ranking.prot, jnp.where(accepted, routed, ranking.prot[layer])[None],
             (layer, jnp.int32(0)))
         return PairLfuState(freq=freq, prot=prot)
-    raise NotImplementedError(f"{eviction} is not implemented yet")
+    return _observe_token(ranking, layer, routed, accepted)
+
+
+def _popcount_sum(a, b, axes):
+    return jnp.sum(lax.population_count(a & b).astype(jnp.int32), axis=axes)
+
+
+def _observe_token(ring, layer, routed, accepted):
+    """ROUTE_KNN's bookkeeping of one call: a token start if the layer does not increase
+    (re-aligned similarities), then the call's bitmask recorded and matched against every past
+    token's same layer."""
+    history, _, words = ring.masks.shape
+    start = layer <= ring.last_layer
+    head = jnp.where(start, (ring.head + 1) % history, ring.head)
+    count = jnp.where(start, jnp.minimum(ring.count + 1, history), ring.count)
+    masks = ring.masks.at[head].set(jnp.where(start, jnp.uint32(0), ring.masks[head]))
+    age = (head - lax.iota(jnp.int32, history)) % history  # 0 = the current token
+    # At a token start: sim_j = sum_m popcount(R[j-1, m] & R[T-1, m]), 0 if j-1 left the ring.
+    aligned = _popcount_sum(jnp.roll(masks, 1, axis=0), masks[(head - 1) % history][None], (1, 2))
+    sim = jnp.where(start, jnp.where((age >= 1) & (age + 2 <= count), aligned, 0), ring.sim)
+    # Record the call's bitmask b in R[T, layer]; sim_j += 2 * popcount(R[j, layer] & b).
+    padded = jnp.zeros((words * 32,), jnp.uint32).at[:routed.shape[0]].set(routed)
+    bitmask = jnp.sum(padded.reshape(words, 32) << jnp.arange(32, dtype=jnp.uint32), axis=1,
+                      dtype=jnp.uint32)
+    masks = masks.at[head, layer].set(bitmask)
+    past = (age >= 1) & (age <= count - 1)
+    sim = sim + jnp.where(past, 2 * _popcount_sum(masks[:, layer], bitmask[None], 1), 0)
+    new = RouteKnnState(masks=masks, sim=sim, head=head, count=count, last_layer=layer)
+    return jax.tree.map(lambda n, o: jnp.where(accepted, n, o), new, ring)
 
 
 def _first_in_lex_order(major, minor, candidate, num_out: int):
@@ -149,7 +228,7 @@ def _first_in_lex_order(major, minor, candidate, num_out: int):
 
 
 def rank_victims(eviction: Eviction, ranking, id_of_slot, usage, step, n, *, num_out: int,
-                 candidate=None):
+                 layer=None, num_experts=None, candidate=None):
     """The first ``n`` victims under a non-LRU ``eviction`` (LRU is the victims kernel's job).
 
     Free slots (``id_of_slot == -1``) first in ascending ``(usage, slot)``; then the occupied
@@ -161,6 +240,7 @@ def rank_victims(eviction: Eviction, ranking, id_of_slot, usage, step, n, *, num
       id_of_slot, usage: int32[S], usage after this call's hit refresh.
       step: int32[], this call's step. n: int32[], how many victims to return.
       num_out: static output length. candidate: optional bool[S], slots that may be victims.
+      layer, num_experts: the call's layer (traced) and ``E`` (ROUTE_KNN only).
 
     Returns:
       int32[num_out]: victims in claim order; entries ``>= n`` are -1.
@@ -176,6 +256,39 @@ def rank_victims(eviction: Eviction, ranking, id_of_slot, usage, step, n, *, num
         # (class, freq) in one int32: class 0 = free (ranked by usage alone), 1 = unprotected,
         # 2 = protected resident.
         major = jnp.where(free, 0, ((1 + prot) << _CLASS_SHIFT) + freq)
-        out = _first_in_lex_order(major, usage, evictable, num_out)
-        return jnp.where(lax.iota(jnp.int32, num_out) < n, out, -1)
-    raise NotImplementedError(f"{eviction} is not implemented yet")
+    else:
+        # Largest predicted next use first: free slots below every -NU.
+        major = jnp.where(id_of_slot < 0, -(1 << 30),
+                          -_next_use(ranking, id_of_slot, layer, num_experts))
+    out = _first_in_lex_order(major, usage, evictable, num_out)
+    return jnp.where(lax.iota(jnp.int32, num_out) < n, out, -1)
+
+
+def _next_use(ring, id_of_slot, layer, num_experts):
+    """ROUTE_KNN's predicted next use ``NU`` of every slot's occupant (docs/semantics.md
+    §5.15), int32[S]: the ``K`` past tokens with the largest ``(sim, token)`` are the neighbours;
+    for each, the first of the next ``H = ceil(S / L)`` tokens (shifted by one for layers at or
+    before this one) that routed the occupant, counting seen routes only."""
+    history, num_layers, _ = ring.masks.shape
+    num_slots = id_of_slot.shape[0]
+    horizon = -(-num_slots // num_layers)
+    ages = lax.iota(jnp.int32, history)
+    by_age = ring.sim[(ring.head - ages) % history]
+    past = (ages >= 1) & (ages <= ring.count - 1)
+    # Ascending (-sim, age) = descending (sim, token): the most similar, ties to the latest token.
+    neighbour = first_in_order(-by_age, past, min(NEIGHBOURS, history))  # ages, -1 = none
+    found = jnp.sum(neighbour >= 0, dtype=jnp.int32)
+    occupant = jnp.maximum(id_of_slot, 0)
+    m, e = occupant // num_experts, occupant % num_experts
+    shift = (m <= layer).astype(jnp.int32)  # the layer was already called in this token
+    k = lax.iota(jnp.int32, horizon)
+    # Token j + k + shift has age a_j - k - shift; it was seen iff k <= a_j - 1.
+    token_age = neighbour[None, :, None] - k[None, None, :] - shift[:, None, None]
+    seen = (neighbour[None, :, None] >= 0) & (k[None, None, :] <= neighbour[None, :, None] - 1)
+    position = (ring.head - token_age) % history
+    words = ring.masks[position, m[:, None, None], (e // 32)[:, None, None]]
+    routed = seen & (((words >> (e % 32).astype(jnp.uint32)[:, None, None]) & 1) == 1)
+    first = jnp.min(jnp.where(routed, k[None, None, :], horizon), axis=2)  # [S, K]
+    steps = jnp.sum(jnp.where(neighbour[None, :] >= 0, first, 0), axis=1)
+    distance = (m - layer - 1 + num_layers) % num_layers + 1
+    return found * distance + num_layers * steps

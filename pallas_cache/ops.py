@@ -292,7 +292,7 @@ def ensure_with_rules(state: CacheState, layer, routes, policy: FetchPolicy, rul
         victims = backends.select_victims(usage, step, num_out, num_out=num_out, backend=backend)
     else:
         victims = evictions.rank_victims(state.eviction, ranking, state.id_of_slot, usage, step,
-                                         num_out, num_out=num_out)
+                                         num_out, num_out=num_out, layer=layer_c, num_experts=E)
 
     # PROMOTE_ONE (docs/semantics.md §5.5): with F = 0, the first miss in recency order takes the
     # first victim if that slot is empty and the miss was routed before. Both are computed above,

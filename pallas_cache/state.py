@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_cache import validate
-from pallas_cache.eviction import Eviction, PairLfuState, cold_ranking
+from pallas_cache.eviction import Eviction, PairLfuState, RouteKnnState, cold_ranking, history_of
 from pallas_cache.tree import pytree_dataclass, static_field
 
 __all__ = [
@@ -69,7 +69,7 @@ class CacheState:
       prefill_rows: int32[]. All prefill rows staged in this stats window.
       rebase_threshold: int32[]. When ``step`` reaches it, the clock is renumbered (clock.py).
       eviction: static. The :class:`~pallas_cache.eviction.Eviction` policy fixed by ``init``.
-      ranking: the policy's bookkeeping (``PairLfuState`` for PAIR_LFU), ``None`` for LRU, so an
+      ranking: the policy's bookkeeping (``PairLfuState``, ``RouteKnnState``), ``None`` for LRU, so an
         LRU state has exactly the leaves above (docs/semantics.md §5.15).
     """
 
@@ -89,7 +89,7 @@ class CacheState:
     prefill_rows: jax.Array
     rebase_threshold: jax.Array
     eviction: Eviction = static_field(default=Eviction.LRU)
-    ranking: PairLfuState | None = None
+    ranking: PairLfuState | RouteKnnState | None = None
 
     # Geometry from shapes. Negative axes, so a batched (stacked) state reports the geometry of
     # its members, and the same code works inside and outside a vmap.
@@ -193,7 +193,8 @@ def reset(state: CacheState) -> CacheState:
     are kept. Jittable.
     """
     return _empty_state(state.num_layers, state.num_experts, state.cache_size,
-                        state.rebase_threshold, state.collect_routing, state.eviction)
+                        state.rebase_threshold, state.collect_routing, state.eviction,
+                        history_of(state.ranking))
 
 
 def rebuild(state: CacheState, cache_size: int) -> CacheState:
@@ -211,4 +212,5 @@ def rebuild(state: CacheState, cache_size: int) -> CacheState:
     if requested < state.num_experts:
         raise RebuildRejected(requested=requested, minimum=state.num_experts)
     return _empty_state(state.num_layers, state.num_experts, requested,
-                        state.rebase_threshold, state.collect_routing, state.eviction)
+                        state.rebase_threshold, state.collect_routing, state.eviction,
+                        history_of(state.ranking))

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import ERR_EXPERT_ID, ERR_LAYER, ERR_SLOT, int_arg
-from .eviction import observe_call, ranked_victims
+from .eviction import observe_call, ranked_victims, start_token
 from .policy import ReferencePolicy
 from .state import FORGOTTEN
 
@@ -102,7 +102,7 @@ class ForgetPlan:
 class DecodeOps:
     """The decode operations, mixed into ``ReferenceCache`` over a ``ReferenceState``."""
 
-    def _ranked_victims(self, step) -> list[int]:
+    def _ranked_victims(self, step, layer=None) -> list[int]:
         """Evictable slots in ascending ``(usage, slot)`` order.
 
         A slot whose usage is ``step`` was touched by this very call (a hit, or a victim already
@@ -112,7 +112,7 @@ class DecodeOps:
         (docs/semantics.md §5.15).
         """
         if self.eviction != "lru":
-            return ranked_victims(self, step)
+            return ranked_victims(self, step, layer)
         return sorted(
             (slot for slot in range(self.cache_size) if self.usage[slot] != step),
             key=lambda slot: (self.usage[slot], slot),
@@ -202,7 +202,7 @@ class DecodeOps:
 
         num_missing = len(missing)
         num_fetch = policy.split(num_missing) if hybrid else num_missing
-        victims = self._ranked_victims(t)
+        victims = self._ranked_victims(t, layer)
 
         # Admission (docs/semantics.md §5.5) only acts with the recency order and a fraction policy.
         if hybrid and order == "recency" and policy.fraction16 > 0:
@@ -267,6 +267,11 @@ class DecodeOps:
             missing=num_missing,
             fetched=num_fetch,
         )
+
+    def start_token(self) -> None:
+        """route_knn: the next accepted call starts a token (docs/semantics.md §5.15); the other
+        policies ignore it."""
+        start_token(self)
 
     def materialize_layer(self, layer) -> MaterializePlan:
         """Copy a whole layer into slots ``[0, E)`` with position == expert id (docs/semantics.md §5.6).

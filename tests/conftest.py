@@ -99,8 +99,10 @@ JITTED = {
     "reset_stats": jax.jit(pc.reset_stats),
     "set_collect_routing": jax.jit(pc.set_collect_routing),
     "reset_routing": jax.jit(pc.reset_routing),
+    "start_token": jax.jit(pc.eviction.start_token),
 }
-EAGER = {name: getattr(pc, name) for name in JITTED}
+EAGER = {name: getattr(pc, name) for name in JITTED if name != "start_token"}
+EAGER["start_token"] = pc.eviction.start_token
 _SPLIT = jax.jit(pc.FetchPolicy.split)
 
 
@@ -150,9 +152,14 @@ class StateView:
     prefill_hit_rows: np.ndarray
     prefill_rows: np.ndarray
     rebase_threshold: np.ndarray
-    # The eviction policy's bookkeeping (docs/semantics.md §5.15); None under LRU.
+    # The eviction policy's bookkeeping (docs/semantics.md §5.15); None where the policy has none.
     freq: np.ndarray | None = None
     prot: np.ndarray | None = None
+    ring: np.ndarray | None = None
+    sim: np.ndarray | None = None
+    head: np.ndarray | None = None
+    count: np.ndarray | None = None
+    last_layer: np.ndarray | None = None
 
     @property
     def num_layers(self):
@@ -174,20 +181,33 @@ class StateView:
         return int((self.id_of_slot >= 0).sum())
 
 
-#: The eviction bookkeeping's fields (the JAX state keeps them under ``state.ranking``).
-EVICTION_FIELDS = ("freq", "prot")
+#: The eviction bookkeeping's fields (the JAX state keeps them under ``state.ranking``; the
+#: ROUTE_KNN ring as bits, the reference's as bools and an absolute token index).
+EVICTION_FIELDS = ("freq", "prot", "ring", "sim", "head", "count", "last_layer")
+
+
+def _eviction_fields(native) -> dict:
+    if isinstance(native, ReferenceCache):
+        extra = {f: np.array(getattr(native, f), copy=True) for f in EVICTION_FIELDS
+                 if hasattr(native, f)}
+        if native.eviction == "route_knn":
+            extra["head"] = np.array(native.token % native.history)
+            extra["count"] = np.array(min(native.token + 1, native.history))
+        return extra
+    ranking = native.ranking
+    extra = {f: _np(getattr(ranking, f)) for f in EVICTION_FIELDS if hasattr(ranking, f)}
+    if hasattr(ranking, "masks"):
+        extra["ring"] = _np(pc.eviction.ring_bits(ranking.masks, native.num_experts))
+    return extra
 
 
 def state_view(native) -> StateView:
     """A ``CacheState`` or a ``ReferenceCache`` as a :class:`StateView`."""
     if isinstance(native, ReferenceCache):
-        extra = {f: np.array(getattr(native, f), copy=True) for f in EVICTION_FIELDS
-                 if hasattr(native, f)}
         return StateView(**{f: np.array(getattr(native, a), copy=True)
-                            for f, a in STATE_FIELDS.items()}, **extra)
-    ranking = native.ranking
-    extra = {f: _np(getattr(ranking, f)) for f in EVICTION_FIELDS if hasattr(ranking, f)}
-    return StateView(**{f: _np(getattr(native, f)) for f in STATE_FIELDS}, **extra)
+                            for f, a in STATE_FIELDS.items()}, **_eviction_fields(native))
+    return StateView(**{f: _np(getattr(native, f)) for f in STATE_FIELDS},
+                     **_eviction_fields(native))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -525,6 +545,9 @@ class JaxCache(Cache):
     def reset_routing(self):
         self.native = self._op("reset_routing")
 
+    def start_token(self):
+        self.native = self._op("start_token")
+
     def rebuild(self, cache_size):
         self.native = pc.rebuild(self.native, cache_size)  # host-side: it changes shapes
 
@@ -596,10 +619,12 @@ class Adapter:
         return jnp.bool_(on) if self.ops is JITTED else on
 
     def init(self, num_layers, num_experts, cache_size, *, rebase_threshold=None,
-             eviction=None) -> Cache:
+             eviction=None, history=None) -> Cache:
         kwargs = {} if rebase_threshold is None else {"rebase_threshold": rebase_threshold}
         if eviction is not None:
             kwargs["eviction"] = eviction
+        if history is not None:
+            kwargs["history"] = history
         if not self.is_jax:
             return RefCache(self, ReferenceCache(num_layers, num_experts, cache_size, **kwargs))
         return JaxCache(self, pc.init(num_layers, num_experts, cache_size, **kwargs))

@@ -384,3 +384,117 @@ def test_the_cli_sweeps_evictions_and_refuses_reuse_with_pair_lfu(capsys):
     assert cli.main(small + ["--admission", "reuse", "--eviction", "pair_lfu"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "reuse" in err and "pair_lfu" in err
+
+
+# ---- ROUTE_KNN -----------------------------------------------------------------------------
+
+ROUTE_KNN = "route_knn"
+
+
+@given(data=st.data())
+def test_route_knn_eager_matches_the_reference_after_every_step(data):
+    """FAILS if any op, ``start_token`` included, disagrees with the reference in any state
+    field (the ring as bits, similarities, head, count, last layer) or plan field."""
+    run_lockstep(data, "jax-eager", eviction=ROUTE_KNN)
+
+
+@given(data=st.data())
+def test_route_knn_jitted_matches_the_reference_after_every_step(data):
+    """As above, every op under an outer jit with a traced layer/slot."""
+    run_lockstep(data, "jax-jit", eviction=ROUTE_KNN)
+
+
+def test_route_knn_in_a_scan_and_vmapped_equals_the_reference():
+    """FAILS if ROUTE_KNN's ring, token detection or ranking differ inside ``lax.scan`` with a
+    traced layer, or across the lanes of a ``vmap`` (each lane its own trace), from the
+    reference called one layer-call at a time; a rebase threshold is crossed on the way."""
+    L, E, S, K, lanes, W = 4, 6, 10, 2, 3, 5
+    rng = np.random.default_rng(8)
+    layers = np.tile(np.arange(L, dtype=np.int32), 30)[None].repeat(lanes, 0)
+    layers[:, 7] = 0  # a token cut short
+    routes = np.stack([[rng.choice(E, K, replace=False) for _ in range(layers.shape[1])]
+                       for _ in range(lanes)]).astype(np.int32)
+    policy = pc.FetchPolicy.fraction(0.75)
+
+    @jax.jit
+    def loop(state, layers, routes):
+        def body(s, xs):
+            return pc.ensure_hybrid(s, xs[0], xs[1], policy)
+        return jax.lax.scan(body, state, (layers, routes))
+
+    state = pc.init(L, E, S, eviction=ROUTE_KNN, history=W, rebase_threshold=50)
+    states = jax.tree.map(lambda *x: jnp.stack(x), *[state] * lanes)
+    states, plans = jax.vmap(loop)(states, jnp.asarray(layers), jnp.asarray(routes))
+    for i in range(lanes):
+        ref = ReferenceCache(L, E, S, eviction=ROUTE_KNN, history=W, rebase_threshold=50)
+        for t in range(layers.shape[1]):
+            want = ref.ensure_hybrid(int(layers[i, t]), routes[i, t], ReferencePolicy.fraction(0.75))
+            got = jax.tree.map(lambda x: x[i, t], plans)
+            assert_same_plan(ensure_view(got), ensure_view(want), f"lane {i} call {t}")
+        assert_same_state(state_view(jax.tree.map(lambda x: x[i], states)), state_view(ref),
+                          f"lane {i}")
+        assert ref.token > W and ref.step < 50
+
+
+@pytest.mark.traced
+def test_route_knn_without_history_is_plain_lru(adapter):
+    """FAILS if the predicted next use does not vanish with no past token (``NU = K'·d(m) +
+    ...`` with ``K' = 0``): e.g. ``d(m)`` counted without the ``K'`` factor would evict the
+    layer called last instead of the least recently used. All calls are token 0 (layers
+    increase), so every victim must be the LRU victim."""
+    lru = adapter.init(4, 2, 2)
+    knn = adapter.init(4, 2, 2, eviction=ROUTE_KNN)
+    for layer in range(4):
+        a, b = lru.ensure(layer, [layer % 2]), knn.ensure(layer, [layer % 2])
+        assert a.valid("dst_slots") == b.valid("dst_slots")
+    assert knn.state.count == 1  # still the first token
+    assert knn.state.slot_of(2, 0) is not None and knn.state.slot_of(3, 1) is not None
+
+
+@pytest.mark.traced
+def test_similarities_realign_at_each_token_start(adapter):
+    """FAILS if a token start does not recompute ``sim_j`` from the *previous* tokens aligned
+    (``R[j-1] & R[T-1]``, 0 when ``j-1`` left the ring): carried-over sims, or ``R[j] & R[T-1]``,
+    give other numbers. Tokens 0 and 1 route identically (2 matches), token 2 starts."""
+    cache = adapter.init(2, 3, 3, eviction=ROUTE_KNN, history=4)
+    for _ in range(2):
+        cache.ensure(0, [0])
+        cache.ensure(1, [1])
+    assert cache.state.sim.tolist() == [2 * 2, 0, 0, 0]  # token 0 vs the current token 1
+    cache.ensure(0, [2])  # token 2 starts: sim_1 = |R[0] & R[1]| = 2, sim_0 = 0 (no token -1)
+    assert cache.state.head == 2
+    assert cache.state.sim.tolist() == [0, 2, 0, 0]
+    cache.ensure(1, [1])  # + 2 * |R[j, 1] & {1}| for both past tokens
+    assert cache.state.sim.tolist() == [2, 4, 0, 0]
+
+
+@pytest.mark.traced
+def test_neighbour_ties_go_to_the_latest_token(adapter):
+    """FAILS if neighbours tie to the older token (or to the ring position): at the last call
+    the four past tokens have sims (2, 0, 1, 0); tokens 1 and 3 tie for the third neighbour,
+    and only the latest (token 3) predicts that layer 0's expert 1 is needed last, so it goes
+    (slot 0); with token 1 the victim is slot 1."""
+    cache = adapter.init(2, 3, 3, eviction=ROUTE_KNN, history=8)
+    calls = [(0, 0), (1, 1), (0, 2), (1, 2), (0, 1), (1, 2), (0, 2), (1, 0)]
+    for layer, expert in calls:
+        cache.ensure(layer, [expert])
+    plan = cache.ensure(0, [0])
+    assert cache.state.sim.tolist()[:4] == [2, 0, 1, 0]
+    assert plan.valid("dst_slots") == [0]
+
+
+@pytest.mark.traced
+def test_start_token_starts_a_token_the_layers_do_not_show(adapter):
+    """FAILS if ``start_token`` is ignored (a token calling only layer 1 after one calling only
+    layer 0 would merge with it) or if it changes an LRU or PAIR_LFU state."""
+    cache = adapter.init(2, 2, 2, eviction=ROUTE_KNN, history=3)
+    cache.ensure(0, [0])
+    cache.start_token()
+    cache.ensure(1, [1])
+    assert (int(cache.state.head), int(cache.state.count)) == (1, 2)
+    for eviction in (None, PAIR_LFU):
+        other = adapter.init(2, 2, 2, eviction=eviction)
+        other.ensure(0, [0])
+        before = other.state
+        other.start_token()
+        assert_same_state(other.state, before, eviction)

@@ -140,7 +140,7 @@ class CacheView:
                 f"(per layer: {per_layer})")
 
     def _table(self) -> tuple[list[str], list[list[str]]]:
-        keyed = self.eviction != "lru"
+        keyed = self.eviction == "pair_lfu"  # the rows carry the PAIR_LFU key
         header = ["slot", "layer", "expert", "usage", "age"] + (["prot", "freq"] if keyed else [])
         rows = []
         for r in self.rows:
