@@ -351,7 +351,7 @@ def test_the_replay_sweeps_the_eviction_and_matches_the_reference():
 
     trace = synthetic_trace("mixtral-realistic", num_tokens=24, seed=1)
     configs = [ReplayConfig(96, policy, eviction=eviction)
-               for eviction in ("lru", "pair_lfu") for policy in ("full", "fraction:0.4")]
+               for eviction in ("lru", "pair_lfu", "route_knn") for policy in ("full", "fraction:0.4")]
     results = replay(trace, configs, bounds=False, chunk_calls=256, progress=lambda s: None)
     for config, result in zip(configs, results):
         ref = ReferenceCache(trace.num_layers, trace.num_experts, 96, eviction=config.eviction)
@@ -364,7 +364,7 @@ def test_the_replay_sweeps_the_eviction_and_matches_the_reference():
         assert (result.active, result.missing, result.fetched) == (
             counts.active, counts.missing, counts.fetched), config
     by = {(r.eviction, r.policy): r.hit_rate for r in results}
-    assert by[("lru", "full")] != by[("pair_lfu", "full")]
+    assert by[("lru", "full")] != by[("pair_lfu", "full")] != by[("route_knn", "full")]
 
 
 def test_the_cli_sweeps_evictions_and_refuses_reuse_with_pair_lfu(capsys):
@@ -466,6 +466,8 @@ def test_similarities_realign_at_each_token_start(adapter):
     assert cache.state.sim.tolist() == [0, 2, 0, 0]
     cache.ensure(1, [1])  # + 2 * |R[j, 1] & {1}| for both past tokens
     assert cache.state.sim.tolist() == [2, 4, 0, 0]
+    cache.ensure(0, [1])  # token 3: sim_2 = |R[1] & R[2]| = 1, sim_1 = |R[0] & R[2]| = 1
+    assert cache.state.sim.tolist() == [0, 1, 1, 0]
 
 
 @pytest.mark.traced

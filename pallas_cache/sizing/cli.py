@@ -134,7 +134,8 @@ def _parser() -> argparse.ArgumentParser:
     replay.add_argument("--admission", nargs="+", default=["promote_one"],
                         choices=["promote_one", "none", "reuse"],
                         help="fetches beyond the split (default: promote_one)")
-    replay.add_argument("--eviction", nargs="+", default=["lru"], choices=["lru", "pair_lfu"],
+    replay.add_argument("--eviction", nargs="+", default=["lru"],
+                        choices=["lru", "pair_lfu", "route_knn"],
                         help="which resident a fetch evicts (default: lru); reuse is swept "
                              "with lru only")
     output = replay.add_mutually_exclusive_group()

@@ -87,7 +87,8 @@ class ReplayConfig:
       policy: ``"full"``, ``"fraction:Q"`` or ``"cap:N"`` (see :func:`parse_policy`).
       order: ``"recency"`` or ``"lowest_id"``.
       admission: ``"promote_one"``, ``"none"`` or ``"reuse"``.
-      eviction: ``"lru"`` or ``"pair_lfu"`` (docs/semantics.md §5.15); ``reuse`` needs ``lru``.
+      eviction: ``"lru"``, ``"pair_lfu"`` or ``"route_knn"`` (docs/semantics.md §5.15, its default
+        ring of 128 tokens); ``reuse`` needs ``lru``.
     """
 
     cache_size: int
