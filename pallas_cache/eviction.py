@@ -6,8 +6,11 @@ in the LRU order ``(usage, slot)``, then the policy's ranking of the evictable r
 misses are installed and the PROMOTE_ONE rule are unchanged. ``Eviction.PAIR_LFU`` keeps per
 expert a Q16 frequency decayed at every call of its layer (half-life 32 visits) and a protection
 bit (routed by the last call of its layer); residents rank by ``(prot, freq, last_use, slot)``
-with ``last_use`` the slot's ``usage`` (so the clock rebase covers it), all in exact int32 and
-loop-free (reasons: docs/design.md, "Eviction policies").
+with ``last_use`` the slot's ``usage`` (so the clock rebase covers it). ``Eviction.ROUTE_KNN``
+keeps a ring of the last ``W`` tokens' routes as bitmasks and a similarity of each past token to
+the current one, and evicts the resident whose next use the three most similar past tokens
+predict furthest away. All of it is exact integer arithmetic and loop-free (reasons:
+docs/design.md, "Eviction policies").
 """
 
 from __future__ import annotations

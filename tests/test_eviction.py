@@ -308,10 +308,11 @@ def test_lru_states_carry_no_extra_leaves_and_keep_their_policy_through_reset_an
         assert not np.asarray(state.ranking.freq).any()
 
 
+@pytest.mark.parametrize("eviction", ["pair_lfu", "route_knn"])
 @pytest.mark.parametrize("backend", ["xla", "interpret", "pallas"])
-def test_pair_lfu_is_loop_free_on_every_backend(backend):
-    """FAILS if PAIR_LFU's ranking or bookkeeping traces to a ``while`` outside a kernel."""
-    state = pc.init(4, 16, 32, eviction="pair_lfu")
+def test_evictions_are_loop_free_on_every_backend(backend, eviction):
+    """FAILS if a policy's ranking or bookkeeping traces to a ``while`` outside a kernel."""
+    state = pc.init(4, 16, 32, eviction=eviction)
     for admission in ("promote_one", "none"):
         prims = primitives(trace(lambda s, l, r: pc.ensure_hybrid(
             s, l, r, pc.FetchPolicy.fraction(0.4), admission=admission, backend=backend),
