@@ -181,23 +181,25 @@ def _observe_token(ring, layer, routed, accepted):
     (re-aligned similarities), then the call's bitmask recorded and matched against every past
     token's same layer."""
     history, _, words = ring.masks.shape
-    start = layer <= ring.last_layer
+    start = accepted & (layer <= ring.last_layer)
     head = jnp.where(start, (ring.head + 1) % history, ring.head)
     count = jnp.where(start, jnp.minimum(ring.count + 1, history), ring.count)
     masks = ring.masks.at[head].set(jnp.where(start, jnp.uint32(0), ring.masks[head]))
     age = (head - lax.iota(jnp.int32, history)) % history  # 0 = the current token
     # At a token start: sim_j = sum_m popcount(R[j-1, m] & R[T-1, m]), 0 if j-1 left the ring.
-    aligned = _popcount_sum(jnp.roll(masks, 1, axis=0), masks[(head - 1) % history][None], (1, 2))
+    aligned = jnp.roll(_popcount_sum(masks, masks[(head - 1) % history][None], (1, 2)), 1)
     sim = jnp.where(start, jnp.where((age >= 1) & (age + 2 <= count), aligned, 0), ring.sim)
     # Record the call's bitmask b in R[T, layer]; sim_j += 2 * popcount(R[j, layer] & b).
     padded = jnp.zeros((words * 32,), jnp.uint32).at[:routed.shape[0]].set(routed)
     bitmask = jnp.sum(padded.reshape(words, 32) << jnp.arange(32, dtype=jnp.uint32), axis=1,
                       dtype=jnp.uint32)
-    masks = masks.at[head, layer].set(bitmask)
-    past = (age >= 1) & (age <= count - 1)
+    # Every write below is gated by `accepted` on its own (a refused call changes nothing),
+    # rather than one select over the whole ring.
+    masks = masks.at[head, layer].set(jnp.where(accepted, bitmask, masks[head, layer]))
+    past = accepted & (age >= 1) & (age <= count - 1)
     sim = sim + jnp.where(past, 2 * _popcount_sum(masks[:, layer], bitmask[None], 1), 0)
-    new = RouteKnnState(masks=masks, sim=sim, head=head, count=count, last_layer=layer)
-    return jax.tree.map(lambda n, o: jnp.where(accepted, n, o), new, ring)
+    return RouteKnnState(masks=masks, sim=sim, head=head, count=count,
+                         last_layer=jnp.where(accepted, layer, ring.last_layer))
 
 
 def _first_in_lex_order(major, minor, candidate, num_out: int):
@@ -281,17 +283,19 @@ def _next_use(ring, id_of_slot, layer, num_experts):
     # Ascending (-sim, age) = descending (sim, token): the most similar, ties to the latest token.
     neighbour = first_in_order(-by_age, past, min(NEIGHBOURS, history))  # ages, -1 = none
     found = jnp.sum(neighbour >= 0, dtype=jnp.int32)
-    occupant = jnp.maximum(id_of_slot, 0)
-    m, e = occupant // num_experts, occupant % num_experts
-    shift = (m <= layer).astype(jnp.int32)  # the layer was already called in this token
+    # Per (layer m, expert e), not per slot: gathering whole mask rows and unpacking their bits is
+    # far cheaper than a scalar gather per (slot, neighbour, k) (measured on XLA:CPU).
+    layers = lax.iota(jnp.int32, num_layers)
+    shift = (layers <= layer).astype(jnp.int32)  # layer m was already called in this token
     k = lax.iota(jnp.int32, horizon)
     # Token j + k + shift has age a_j - k - shift; it was seen iff k <= a_j - 1.
-    token_age = neighbour[None, :, None] - k[None, None, :] - shift[:, None, None]
-    seen = (neighbour[None, :, None] >= 0) & (k[None, None, :] <= neighbour[None, :, None] - 1)
-    position = (ring.head - token_age) % history
-    words = ring.masks[position, m[:, None, None], (e // 32)[:, None, None]]
-    routed = seen & (((words >> (e % 32).astype(jnp.uint32)[:, None, None]) & 1) == 1)
-    first = jnp.min(jnp.where(routed, k[None, None, :], horizon), axis=2)  # [S, K]
-    steps = jnp.sum(jnp.where(neighbour[None, :] >= 0, first, 0), axis=1)
-    distance = (m - layer - 1 + num_layers) % num_layers + 1
-    return found * distance + num_layers * steps
+    token_age = neighbour[:, None, None] - k[None, :, None] - shift[None, None, :]  # [K, H, L]
+    seen = (neighbour[:, None] >= 0) & (k[None, :] <= neighbour[:, None] - 1)  # [K, H]
+    rows = ring.masks[(ring.head - token_age) % history, layers[None, None, :]]  # [K, H, L, w]
+    bits = (rows[..., None] >> jnp.arange(32, dtype=jnp.uint32)) & 1
+    routed = (bits.reshape(rows.shape[:3] + (-1,))[..., :num_experts] == 1) & seen[:, :, None, None]
+    first = jnp.min(jnp.where(routed, k[None, :, None, None], horizon), axis=1)  # [K, L, E]
+    steps = jnp.sum(jnp.where((neighbour >= 0)[:, None, None], first, 0), axis=0)  # [L, E]
+    distance = (layers - layer - 1 + num_layers) % num_layers + 1
+    predicted = found * distance[:, None] + num_layers * steps
+    return predicted.reshape(-1)[jnp.maximum(id_of_slot, 0)]
