@@ -29,6 +29,7 @@ from pallas_cache.errors import (
     check,
     checked,
 )
+from pallas_cache.eviction import Eviction
 from pallas_cache.host.reports import (
     layer_stats,
     per_layer_stats,
@@ -85,6 +86,7 @@ __all__ = [
     "CacheState",
     "CopyPlan",
     "EnsurePlan",
+    "Eviction",
     "FetchOrder",
     "FetchPolicy",
     "ForgetPlan",

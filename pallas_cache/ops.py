@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_cache import clock, errors, validate
+from pallas_cache import eviction as evictions
 from pallas_cache.kernels import dispatch as backends
 from pallas_cache.policy import Admission, FetchOrder, FetchPolicy
 from pallas_cache.state import CacheState
@@ -267,6 +268,7 @@ def ensure_with_rules(state: CacheState, layer, routes, policy: FetchPolicy, rul
     # S here is the static capacity (shapes, out-of-range scatter indices); the usable size is
     # state.cache_size, which the victim search masks (docs/semantics.md §5.15).
     L, E, S = state.num_layers, state.num_experts, state.capacity
+    evictions.check_admission(state.eviction, rules.reuse)
     flat_routes = routes.reshape(-1)
     num_out = min(flat_routes.shape[0], E)  # K': distinct routes of one layer never exceed E
 
@@ -304,8 +306,16 @@ def ensure_with_rules(state: CacheState, layer, routes, policy: FetchPolicy, rul
     # loop-free, and what the admission rules below read. Only the first num_fetch are installed.
     experts = _misses_in_fetch_order(flat_routes, is_route, miss, recency_row,
                                      rules.by_recency, num_out)
-    victims = backends.select_victims(usage, step, num_out, num_out=num_out, backend=backend,
-                                      cache_size=state.cache_size)
+    # The eviction policy ranks the victims (docs/semantics.md §5.16); LRU is the victims kernel.
+    # Either way only the usable slots [0, cache_size) are candidates (§5.15).
+    ranking = evictions.observe_call(state.eviction, state.ranking, layer_c, routed, accepted)
+    if state.eviction is evictions.Eviction.LRU:
+        victims = backends.select_victims(usage, step, num_out, num_out=num_out, backend=backend,
+                                          cache_size=state.cache_size)
+    else:
+        victims = evictions.rank_victims(state.eviction, ranking, state.id_of_slot, usage, step,
+                                         num_out, num_out=num_out, layer=layer_c, num_experts=E,
+                                         cache_size=state.cache_size)
 
     # PROMOTE_ONE (docs/semantics.md §5.5): with F = 0, the first miss in recency order takes the
     # first victim if that slot is empty and the miss was routed before. Both are computed above,
@@ -371,6 +381,7 @@ def ensure_with_rules(state: CacheState, layer, routes, policy: FetchPolicy, rul
         recency=recency,
         stats=stats,
         routing_freq=routing_freq,
+        ranking=ranking,
     )
     plan = EnsurePlan(
         slots=route_slot.reshape(routes.shape),
@@ -433,6 +444,7 @@ def ensure_hybrid(state: CacheState, layer, expert_ids, policy: FetchPolicy, *,
       TypeError/ValueError: bad input types, a policy that is not scalar, an unknown enum.
     """
     rules = Rules.of(True, order, admission)
+    evictions.check_admission(state.eviction, Admission.coerce(admission) is Admission.REUSE)
     if not isinstance(policy, FetchPolicy):
         raise TypeError(f"policy must be a FetchPolicy, got {policy!r}")
     policy.validate()

@@ -7,11 +7,12 @@ over a batch of independent caches (a sweep over fetch fractions or cache sizes)
 methods that mutate Python attributes can do none of that.
 
 The geometry (``L`` layers, ``E`` experts per layer, ``capacity`` allocated slots) is read from
-the array shapes, so the pytree has no static fields: two caches of the same geometry share a
-compiled function, and a change of geometry is a change of shapes (``rebuild``), which is a
-recompilation anyway. The *usable* pool size ``S`` (``cache_size``, the first ``S`` of the
-``capacity`` slots) is a traced leaf, so a pool shrinks or grows (``resize``) and a sweep over
-sizes runs in one compiled program (docs/semantics.md §5.15).
+the array shapes, so two caches of the same geometry share a compiled function, and a change of
+geometry is a change of shapes (``rebuild``), which is a recompilation anyway. The *usable* pool
+size ``S`` (``cache_size``, the first ``S`` of the ``capacity`` slots) is a traced leaf, so a pool
+shrinks or grows (``resize``) and a sweep over sizes runs in one compiled program
+(docs/semantics.md §5.15). The one static field is the eviction policy (``eviction.py``,
+docs/semantics.md §5.16): it selects which computation is traced and which bookkeeping exists.
 
 Everything is int32 (bools for flags); ``jax_enable_x64`` is never needed. The LRU clock stays in
 range by the rebase of ``clock.py``. The counters (``stats``, prefill row counters,
@@ -26,7 +27,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_cache import errors, validate
-from pallas_cache.tree import pytree_dataclass
+from pallas_cache.eviction import Eviction, PairLfuState, RouteKnnState, cold_ranking, history_of
+from pallas_cache.tree import pytree_dataclass, static_field
 
 __all__ = [
     "CacheState",
@@ -41,6 +43,8 @@ __all__ = [
 
 # The default clock threshold of docs/semantics.md §5.12: far below the int32 wrap, far above any test.
 DEFAULT_REBASE_THRESHOLD = 2**30
+# The default token ring of Eviction.ROUTE_KNN (docs/semantics.md §5.16).
+DEFAULT_HISTORY = 128
 
 
 @pytree_dataclass
@@ -75,6 +79,9 @@ class CacheState:
       prefill_hit_rows: int32[]. Prefill rows served from the cache in this stats window.
       prefill_rows: int32[]. All prefill rows staged in this stats window.
       rebase_threshold: int32[]. When ``step`` reaches it, the clock is renumbered (clock.py).
+      eviction: static. The :class:`~pallas_cache.eviction.Eviction` policy fixed by ``init``.
+      ranking: the policy's bookkeeping (``PairLfuState``, ``RouteKnnState``), ``None`` for LRU, so an
+        LRU state has exactly the leaves above (docs/semantics.md §5.16).
     """
 
     slot_for_id: jax.Array
@@ -93,6 +100,8 @@ class CacheState:
     prefill_hit_rows: jax.Array
     prefill_rows: jax.Array
     rebase_threshold: jax.Array
+    eviction: Eviction = static_field(default=Eviction.LRU)
+    ranking: PairLfuState | RouteKnnState | None = None
 
     # Geometry from shapes. Negative axes, so a batched (stacked) state reports the geometry of
     # its members, and the same code works inside and outside a vmap.
@@ -134,7 +143,7 @@ class RebuildRejected(ValueError):
 
 
 def _empty_state(num_layers, num_experts, capacity, cache_size, rebase_threshold,
-                 collect_routing):
+                 collect_routing, eviction=Eviction.LRU, history=DEFAULT_HISTORY):
     """The cold state of a geometry; ``reset`` and ``rebuild`` reuse it so the three agree.
     ``cache_size`` may be traced (``reset`` keeps the usable size)."""
     L, E, C = num_layers, num_experts, capacity
@@ -155,6 +164,8 @@ def _empty_state(num_layers, num_experts, capacity, cache_size, rebase_threshold
         prefill_hit_rows=jnp.zeros((), jnp.int32),
         prefill_rows=jnp.zeros((), jnp.int32),
         rebase_threshold=jnp.asarray(rebase_threshold, jnp.int32),
+        eviction=eviction,
+        ranking=cold_ranking(eviction, L, E, history),
     )
 
 
@@ -172,7 +183,8 @@ def _capacity(cache_size: int, capacity) -> int:
 
 
 def init(num_layers: int, num_experts: int, cache_size: int, *, capacity: int | None = None,
-         rebase_threshold: int = DEFAULT_REBASE_THRESHOLD) -> CacheState:
+         rebase_threshold: int = DEFAULT_REBASE_THRESHOLD, eviction=Eviction.LRU,
+         history: int = DEFAULT_HISTORY) -> CacheState:
     """A cold cache (docs/semantics.md §5.1).
 
     Args:
@@ -184,24 +196,31 @@ def init(num_layers: int, num_experts: int, cache_size: int, *, capacity: int | 
         ``[S, C)`` are unusable until :func:`resize` grows the pool.
       rebase_threshold: the clock value at which stamps are renumbered (docs/semantics.md §5.12); lower it
         only to test the rebase.
+      eviction: an :class:`~pallas_cache.eviction.Eviction` (or its string value), fixed for the
+        life of the state (static metadata; docs/semantics.md §5.16). Default LRU.
+      history: ROUTE_KNN's token ring ``W`` (>= 1); validated, unused by the other policies.
 
     Returns:
       A ``CacheState`` with empty maps, usage 0, step 0, recency -1, zero counters, routing
       collection off and no prefill chunk open.
 
     Raises:
-      TypeError: a non-integer argument. ValueError: an argument < 1, ``S < E`` or ``C < S``.
+      TypeError: a non-integer argument. ValueError: an argument < 1, ``S < E``, ``C < S``, or
+        an unknown eviction.
     """
     L = validate.positive_int("num_layers", num_layers)
     E = validate.positive_int("num_experts", num_experts)
     S = validate.positive_int("cache_size", cache_size)
     threshold = validate.positive_int("rebase_threshold", rebase_threshold)
+    policy = Eviction.coerce(eviction)
+    ring = validate.positive_int("history", history)
     if S < E:
         raise ValueError(f"cache_size {S} cannot hold one layer of {E} experts")
     C = _capacity(S, capacity)
     if threshold > validate.INT32_MAX:
         raise ValueError(f"rebase_threshold must fit in int32, got {threshold}")
-    return _empty_state(L, E, C, S, threshold, collect_routing=False)
+    return _empty_state(L, E, C, S, threshold, collect_routing=False, eviction=policy,
+                        history=ring)
 
 
 def reset(state: CacheState) -> CacheState:
@@ -212,7 +231,8 @@ def reset(state: CacheState) -> CacheState:
     size are settings or geometry, not contents, and are kept. Jittable.
     """
     return _empty_state(state.num_layers, state.num_experts, state.capacity, state.cache_size,
-                        state.rebase_threshold, state.collect_routing)
+                        state.rebase_threshold, state.collect_routing, state.eviction,
+                        history_of(state.ranking))
 
 
 def rebuild(state: CacheState, cache_size: int, *, capacity: int | None = None) -> CacheState:
@@ -234,7 +254,8 @@ def rebuild(state: CacheState, cache_size: int, *, capacity: int | None = None) 
     if requested < state.num_experts:
         raise RebuildRejected(requested=requested, minimum=state.num_experts)
     return _empty_state(state.num_layers, state.num_experts, _capacity(requested, capacity),
-                        requested, state.rebase_threshold, state.collect_routing)
+                        requested, state.rebase_threshold, state.collect_routing, state.eviction,
+                        history_of(state.ranking))
 
 
 @pytree_dataclass
@@ -262,7 +283,8 @@ def resize(state: CacheState, cache_size) -> tuple[CacheState, ResizePlan]:
     Growing adds empty usable slots (usage 0). Shrinking frees the slots at or past the new size:
     their experts lose residency, the slots become unusable (id -1, usage 0) and the plan lists
     them with their old occupants. Nothing else changes: no clock advance, no rebase, counters,
-    recency and histogram kept. A shrink below ``2E`` also ends the prefill buffer at ``[E, 2E)``
+    recency, histogram and the eviction policy's bookkeeping (per expert and per token, not per
+    slot; docs/semantics.md §5.16) kept. A shrink below ``2E`` also ends the prefill buffer at ``[E, 2E)``
     (its record is cleared), and is refused while that buffer holds a layer not yet released.
 
     Args:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import ERR_EXPERT_ID, ERR_LAYER, ERR_SLOT, int_arg
+from .eviction import observe_call, ranked_victims, start_token
 from .policy import ReferencePolicy
 from .state import FORGOTTEN
 
@@ -101,14 +102,17 @@ class ForgetPlan:
 class DecodeOps:
     """The decode operations, mixed into ``ReferenceCache`` over a ``ReferenceState``."""
 
-    def _ranked_victims(self, step) -> list[int]:
+    def _ranked_victims(self, step, layer=None) -> list[int]:
         """Evictable slots in ascending ``(usage, slot)`` order.
 
         A slot whose usage is ``step`` was touched by this very call (a hit, or a victim already
         claimed) and is never a victim: without that rule a step could evict an expert it is
         about to read. The k-th entry is what ``k + 1`` repeated argmins with the claimed slot
         knocked out would pick. Only the usable slots ``[0, cache_size)`` are candidates.
+        Another eviction policy ranks the residents its own way (docs/semantics.md §5.16).
         """
+        if self.eviction != "lru":
+            return ranked_victims(self, step, layer)
         return sorted(
             (slot for slot in range(self.cache_size) if self.usage[slot] != step),
             key=lambda slot: (self.usage[slot], slot),
@@ -138,6 +142,8 @@ class DecodeOps:
             raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
         if admission not in ADMISSIONS:
             raise ValueError(f"admission must be one of {ADMISSIONS}, got {admission!r}")
+        if admission == "reuse" and self.eviction != "lru":
+            raise ValueError(f"admission reuse needs eviction lru, got eviction {self.eviction}")
         return self._ensure(layer, expert_ids, policy=policy, order=order, admission=admission)
 
     def _ensure(self, layer, expert_ids, policy, order, admission) -> EnsurePlan:
@@ -175,6 +181,9 @@ class DecodeOps:
             if expert >= 0 and expert not in distinct:
                 distinct.append(int(expert))
 
+        # The eviction policy sees the call (docs/semantics.md §5.16): PAIR_LFU decays and counts.
+        observe_call(self, layer, distinct)
+
         # Hits refresh their slot, which also protects it for the rest of this step.
         missing: list[int] = []
         for expert in distinct:
@@ -193,7 +202,7 @@ class DecodeOps:
 
         num_missing = len(missing)
         num_fetch = policy.split(num_missing) if hybrid else num_missing
-        victims = self._ranked_victims(t)
+        victims = self._ranked_victims(t, layer)
 
         # Admission (docs/semantics.md §5.5) only acts with the recency order and a fraction policy.
         if hybrid and order == "recency" and policy.fraction16 > 0:
@@ -258,6 +267,11 @@ class DecodeOps:
             missing=num_missing,
             fetched=num_fetch,
         )
+
+    def start_token(self) -> None:
+        """route_knn: the next accepted call starts a token (docs/semantics.md §5.16); the other
+        policies ignore it."""
+        start_token(self)
 
     def materialize_layer(self, layer) -> MaterializePlan:
         """Copy a whole layer into slots ``[0, E)`` with position == expert id (docs/semantics.md §5.6).

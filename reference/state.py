@@ -17,11 +17,14 @@ from dataclasses import dataclass
 
 from .clock import dense_rank_stamps
 from .errors import ERR_CACHE_SIZE, int_arg
+from .eviction import check_eviction, cold_bookkeeping
 
 #: ``usage`` of a slot dropped by ``forget_slot``: older than anything, so it is the first victim.
 FORGOTTEN = -(2**31)
 #: Default clock value at which the stamps are renumbered (docs/semantics.md §5.12).
 DEFAULT_REBASE_THRESHOLD = 2**30
+#: Default token ring of the route_knn eviction (docs/semantics.md §5.16).
+DEFAULT_HISTORY = 128
 
 
 class RebuildRejected(ValueError):
@@ -54,11 +57,12 @@ class ReferenceState:
     it always hold -1 with usage 0, docs/semantics.md §5.15), ``step``, ``recency [L, E]``, ``stats_table [L, 4]`` (calls, active, missing,
     fetched), ``routing_freq [L, E]``, ``collect_routing``, and the prefill bookkeeping
     ``prefill_layer [2]`` (-1 = none), ``prefill_released [2]``, ``prefill_open``,
-    ``prefill_snapshot [L, E]``, ``prefill_hit_rows``, ``prefill_rows``.
+    ``prefill_snapshot [L, E]``, ``prefill_hit_rows``, ``prefill_rows``; ``eviction`` (the
+    policy's name) and, for ``pair_lfu``, ``freq [L, E]`` and ``prot [L, E]``.
     """
 
     def __init__(self, num_layers, num_experts, cache_size, rebase_threshold=DEFAULT_REBASE_THRESHOLD,
-                 capacity=None):
+                 capacity=None, eviction="lru", history=DEFAULT_HISTORY):
         num_layers = int_arg(num_layers, "num_layers")
         num_experts = int_arg(num_experts, "num_experts")
         cache_size = int_arg(cache_size, "cache_size")
@@ -77,6 +81,10 @@ class ReferenceState:
         self.num_layers = num_layers
         self.num_experts = num_experts
         self.rebase_threshold = int_arg(rebase_threshold, "rebase_threshold")
+        self.eviction = check_eviction(eviction)  # fixed for the cache's life, like its geometry
+        self.history = int_arg(history, "history")
+        if self.history < 1:
+            raise ValueError(f"history must be >= 1, got {self.history}")
         self.collect_routing = False
         self._clear(cache_size, capacity)
 
@@ -101,6 +109,7 @@ class ReferenceState:
         self.prefill_snapshot = np.full((L, E), -1, np.int64)
         self.prefill_hit_rows = 0
         self.prefill_rows = 0
+        cold_bookkeeping(self)  # the eviction policy's fields (docs/semantics.md §5.16)
 
     def reset(self):
         """A cold start: residency, clock, recency, counters, histogram and prefill all cleared.
@@ -134,6 +143,8 @@ class ReferenceState:
         a shrink below ``2E`` would take slots from the prefill buffer at ``[E, 2E)`` while it
         holds a layer that was not released (a running multiply still reads it). An accepted
         shrink below ``2E`` ends that buffer: its record is cleared, since its slots are gone.
+        The eviction policy's bookkeeping is per expert and per token, so it is kept (the last
+        use of a freed slot is its usage, reset here; docs/semantics.md §5.16).
         """
         new_size = int_arg(cache_size, "cache_size")
         E, C = self.num_experts, self.capacity

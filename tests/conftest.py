@@ -106,8 +106,10 @@ JITTED = {
     "set_collect_routing": jax.jit(pc.set_collect_routing),
     "reset_routing": jax.jit(pc.reset_routing),
     "resize": jax.jit(pc.resize),
+    "start_token": jax.jit(pc.eviction.start_token),
 }
-EAGER = {name: getattr(pc, name) for name in JITTED}
+EAGER = {name: getattr(pc, name) for name in JITTED if name != "start_token"}
+EAGER["start_token"] = pc.eviction.start_token
 _SPLIT = jax.jit(pc.FetchPolicy.split)
 
 
@@ -159,6 +161,14 @@ class StateView:
     prefill_hit_rows: np.ndarray
     prefill_rows: np.ndarray
     rebase_threshold: np.ndarray
+    # The eviction policy's bookkeeping (docs/semantics.md §5.16); None where the policy has none.
+    freq: np.ndarray | None = None
+    prot: np.ndarray | None = None
+    ring: np.ndarray | None = None
+    sim: np.ndarray | None = None
+    head: np.ndarray | None = None
+    count: np.ndarray | None = None
+    last_layer: np.ndarray | None = None
 
     @property
     def num_layers(self):
@@ -180,11 +190,33 @@ class StateView:
         return int((self.id_of_slot >= 0).sum())
 
 
+#: The eviction bookkeeping's fields (the JAX state keeps them under ``state.ranking``; the
+#: ROUTE_KNN ring as bits, the reference's as bools and an absolute token index).
+EVICTION_FIELDS = ("freq", "prot", "ring", "sim", "head", "count", "last_layer")
+
+
+def _eviction_fields(native) -> dict:
+    if isinstance(native, ReferenceCache):
+        extra = {f: np.array(getattr(native, f), copy=True) for f in EVICTION_FIELDS
+                 if hasattr(native, f)}
+        if native.eviction == "route_knn":
+            extra["head"] = np.array(native.token % native.history)
+            extra["count"] = np.array(min(native.token + 1, native.history))
+        return extra
+    ranking = native.ranking
+    extra = {f: _np(getattr(ranking, f)) for f in EVICTION_FIELDS if hasattr(ranking, f)}
+    if hasattr(ranking, "masks"):
+        extra["ring"] = _np(pc.eviction.ring_bits(ranking.masks, native.num_experts))
+    return extra
+
+
 def state_view(native) -> StateView:
     """A ``CacheState`` or a ``ReferenceCache`` as a :class:`StateView`."""
     if isinstance(native, ReferenceCache):
-        return StateView(**{f: np.array(getattr(native, a), copy=True) for f, a in STATE_FIELDS.items()})
-    return StateView(**{f: _np(getattr(native, f)) for f in STATE_FIELDS})
+        return StateView(**{f: np.array(getattr(native, a), copy=True)
+                            for f, a in STATE_FIELDS.items()}, **_eviction_fields(native))
+    return StateView(**{f: _np(getattr(native, f)) for f in STATE_FIELDS},
+                     **_eviction_fields(native))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -360,6 +392,11 @@ def assert_same_state(a: StateView, b: StateView, context=""):
     for name in STATE_FIELDS:
         np.testing.assert_array_equal(getattr(a, name), getattr(b, name),
                                       err_msg=f"state.{name} {context}")
+    for name in EVICTION_FIELDS:
+        mine, theirs = getattr(a, name), getattr(b, name)
+        assert (mine is None) == (theirs is None), f"state.{name} on one side only {context}"
+        if mine is not None:
+            np.testing.assert_array_equal(mine, theirs, err_msg=f"state.{name} {context}")
 
 
 def assert_same_plan(a, b, context=""):
@@ -539,6 +576,9 @@ class JaxCache(Cache):
     def reset_routing(self):
         self.native = self._op("reset_routing")
 
+    def start_token(self):
+        self.native = self._op("start_token")
+
     def rebuild(self, cache_size, **kwargs):
         self.native = pc.rebuild(self.native, cache_size, **kwargs)  # host-side: it changes shapes
 
@@ -614,10 +654,14 @@ class Adapter:
         return jnp.bool_(on) if self.ops is JITTED else on
 
     def init(self, num_layers, num_experts, cache_size, *, rebase_threshold=None,
-             capacity=None) -> Cache:
+             capacity=None, eviction=None, history=None) -> Cache:
         kwargs = {} if rebase_threshold is None else {"rebase_threshold": rebase_threshold}
         if capacity is not None:
             kwargs["capacity"] = capacity
+        if eviction is not None:
+            kwargs["eviction"] = eviction
+        if history is not None:
+            kwargs["history"] = history
         if not self.is_jax:
             return RefCache(self, ReferenceCache(num_layers, num_experts, cache_size, **kwargs))
         return JaxCache(self, pc.init(num_layers, num_experts, cache_size, **kwargs))

@@ -11,6 +11,10 @@ Two property tests drive random sequences of every operation:
   ``resize`` (refused targets included) interleaved with every other operation, prefill chunks
   open across shrinks and grows, and ``rebuild`` with an explicit capacity.
 
+Both also run under the eviction policies PAIR_LFU and ROUTE_KNN (docs/semantics.md §5.16):
+their rankings must see the usable pool only (ROUTE_KNN's horizon ``ceil(S / L)`` from the
+usable size), and ``resize`` keeps their per-expert and per-token bookkeeping.
+
 The rule tests below each say how they fail when the rule is implemented the naive way.
 """
 
@@ -26,6 +30,7 @@ from hypothesis import strategies as st
 import pallas_cache as pc
 from conftest import (
     ADAPTER,
+    EVICTION_FIELDS,
     STATE_FIELDS,
     assert_invariants,
     assert_plan_well_formed,
@@ -57,7 +62,7 @@ BASE_OPS = (
 )
 
 
-def draw_op(data, kinds, L, E, C, route_shape):
+def draw_op(data, kinds, L, E, C, route_shape, admissions=ADMISSIONS):
     kind = data.draw(st.sampled_from(kinds), label="op")
     args = {}
     if kind in ("ensure", "ensure_hybrid", "materialize_layer", "release_prefill_layer",
@@ -68,7 +73,7 @@ def draw_op(data, kinds, L, E, C, route_shape):
     if kind == "ensure_hybrid":
         args["policy"] = draw_policy(data, E)
         args["order"] = data.draw(st.sampled_from(ORDERS), label="order")
-        args["admission"] = data.draw(st.sampled_from(ADMISSIONS), label="admission")
+        args["admission"] = data.draw(st.sampled_from(admissions), label="admission")
     if kind == "prefetch_prefill_layer":
         args["banks"] = data.draw(st.sampled_from(BANK_CHOICES), label="banks")
     if kind == "forget_slot":  # unusable slots (>= S) included: ERR_SLOT
@@ -129,6 +134,25 @@ def assert_usable_part_equal(big, truth, context):
                 f"{name} past the usable size {context}"
             mine = mine[:size]
         np.testing.assert_array_equal(mine, theirs, err_msg=f"state.{name} {context}")
+    for name in EVICTION_FIELDS:  # per expert / per token: compared whole
+        mine, theirs = getattr(big, name), getattr(truth, name)
+        assert (mine is None) == (theirs is None), f"state.{name} on one side only {context}"
+        if mine is not None:
+            np.testing.assert_array_equal(mine, theirs, err_msg=f"state.{name} {context}")
+
+
+def eviction_options(data, eviction):
+    """``init`` options, the admissions and the extra ops of an eviction policy (None = LRU):
+    REUSE is refused by the others (docs/semantics.md §5.16); ROUTE_KNN draws its ring size and
+    ``start_token`` calls, as tests/test_lockstep.py does."""
+    if eviction is None:
+        return {}, ADMISSIONS, []
+    options = {"eviction": eviction}
+    extra = []
+    if eviction == "route_knn":
+        options["history"] = data.draw(st.sampled_from((1, 3, 6)), label="history")
+        extra = ["start_token"] * 2
+    return options, ("promote_one", "none"), extra
 
 
 # ---- equivalence: capacity C with usable size S == a pool of S ------------------------------
@@ -148,13 +172,15 @@ EQUIVALENCE_GEOMETRIES = {
 EQUIVALENCE_GEOMETRIES["jax-interpret"] = EQUIVALENCE_GEOMETRIES["jax-jit"]
 
 
-def run_equivalence(data, adapter_name):
+def run_equivalence(data, adapter_name, eviction=None):
     L, E, S, C, route_shape = data.draw(
         st.sampled_from(EQUIVALENCE_GEOMETRIES[adapter_name]), label="geometry")
     threshold = data.draw(st.sampled_from(REBASE_THRESHOLDS), label="rebase threshold")
-    truth = ADAPTER["reference"].init(L, E, S, rebase_threshold=threshold)
-    bigs = [ADAPTER["reference"].init(L, E, S, rebase_threshold=threshold, capacity=C),
-            ADAPTER[adapter_name].init(L, E, S, rebase_threshold=threshold, capacity=C)]
+    options, admissions, extra_ops = eviction_options(data, eviction)
+    truth = ADAPTER["reference"].init(L, E, S, rebase_threshold=threshold, **options)
+    bigs = [ADAPTER["reference"].init(L, E, S, rebase_threshold=threshold, capacity=C, **options),
+            ADAPTER[adapter_name].init(L, E, S, rebase_threshold=threshold, capacity=C,
+                                       **options)]
     bigs[1].pad_routes = False
     steps = []
     if data.draw(st.booleans(), label="warm the pool and open a chunk?"):
@@ -164,7 +190,7 @@ def run_equivalence(data, adapter_name):
     num_ops = len(steps) + data.draw(st.integers(1, 40), label="number of ops")
     for index in range(num_ops):
         kind, args = steps[index] if index < len(steps) else draw_op(
-            data, BASE_OPS, L, E, C, route_shape)
+            data, BASE_OPS + extra_ops, L, E, C, route_shape, admissions)
         context = f"op {index} {kind}({args})"
         expected = do(truth, kind, args)
         for big in bigs:
@@ -219,12 +245,15 @@ RESIZE_GEOMETRIES["jax-interpret"] = RESIZE_GEOMETRIES["jax-jit"]
 RESIZE_OPS = BASE_OPS + ["resize"] * 6 + ["rebuild"]
 
 
-def run_resize_lockstep(data, adapter_name):
+def run_resize_lockstep(data, adapter_name, eviction=None):
     L, E, C, route_shape, size = data.draw(
         st.sampled_from(RESIZE_GEOMETRIES[adapter_name]), label="geometry")
     threshold = data.draw(st.sampled_from(REBASE_THRESHOLDS), label="rebase threshold")
-    ref = ADAPTER["reference"].init(L, E, size, rebase_threshold=threshold, capacity=C)
-    cache = ADAPTER[adapter_name].init(L, E, size, rebase_threshold=threshold, capacity=C)
+    options, admissions, extra_ops = eviction_options(data, eviction)
+    ref = ADAPTER["reference"].init(L, E, size, rebase_threshold=threshold, capacity=C,
+                                    **options)
+    cache = ADAPTER[adapter_name].init(L, E, size, rebase_threshold=threshold, capacity=C,
+                                       **options)
     cache.pad_routes = False
     steps = []
     if data.draw(st.booleans(), label="warm the pool and open a chunk?"):
@@ -235,7 +264,7 @@ def run_resize_lockstep(data, adapter_name):
     num_ops = len(steps) + data.draw(st.integers(1, 40), label="number of ops")
     for index in range(num_ops):
         kind, args = steps[index] if index < len(steps) else draw_op(
-            data, RESIZE_OPS, L, E, C, route_shape)
+            data, RESIZE_OPS + extra_ops, L, E, C, route_shape, admissions)
         if kind == "rebuild":
             args["capacity"] = C  # same shapes, so the compiled functions are reused
         context = f"op {index} {kind}({args})"
@@ -266,6 +295,29 @@ def test_jitted_resize_interleaved_with_every_op_matches_the_reference(data):
 @given(data=st.data())
 def test_interpreted_resize_interleaved_with_every_op_matches_the_reference(data):
     run_resize_lockstep(data, "jax-interpret")
+
+
+# ---- the eviction policies with a capacity (docs/semantics.md §5.16) -------------------------
+
+
+@pytest.mark.parametrize("eviction", ["pair_lfu", "route_knn"])
+@given(data=st.data())
+def test_capacity_above_the_usable_size_equals_a_pool_of_that_size_under_each_eviction(
+        eviction, data):
+    """FAILS if PAIR_LFU's or ROUTE_KNN's ranking takes an unusable slot (id -1 ranks it as a
+    free slot, usage 0 before every filled one) or ROUTE_KNN's horizon ``ceil(S / L)`` is read
+    from the capacity instead of the traced usable size."""
+    run_equivalence(data, "jax-jit", eviction)
+
+
+@pytest.mark.parametrize("eviction", ["pair_lfu", "route_knn"])
+@given(data=st.data())
+def test_resize_interleaved_with_every_op_matches_the_reference_under_each_eviction(
+        eviction, data):
+    """FAILS if ``resize`` changes (or a shrink clears) the policy's bookkeeping in one
+    implementation only, if a grown slot is not a free usable slot for the ranking, or if the
+    horizon does not follow the resized pool."""
+    run_resize_lockstep(data, "jax-jit", eviction)
 
 
 # ---- rules -----------------------------------------------------------------------------------
@@ -464,3 +516,28 @@ def test_select_victims_and_promotion_mask_by_data(backend):
         jnp.int32(26214), jnp.int32(0), backend=backend, cache_size=size))
     assert [int(x) for x in decide(jnp.int32(4))] == [-1, -1], "no usable empty slot"
     assert [int(x) for x in decide(jnp.int32(5))] == [0, 4]
+
+
+@pytest.mark.parametrize("eviction", ["pair_lfu", "route_knn"])
+def test_a_long_run_with_capacity_equals_a_pool_of_the_usable_size_under_each_eviction(eviction):
+    """FAILS if ROUTE_KNN's horizon ``H = ceil(S / L)`` comes from the capacity (here 8 tokens
+    instead of 2: neighbours' routes 2..7 tokens ahead would count), or either ranking reads a
+    slot past the usable size. A long run of one geometry, so that such a difference shows up
+    for sure (the drawn sequences above are short)."""
+    L, E, S, C = 2, 4, 4, 16
+    options = {"eviction": eviction, "history": 16} if eviction == "route_knn" else {
+        "eviction": eviction}
+    truth = ADAPTER["reference"].init(L, E, S, **options)
+    big = ADAPTER["jax-jit"].init(L, E, S, capacity=C, **options)
+    rng = np.random.default_rng(7)
+    for call in range(240):
+        layer = call % L if call % 7 else int(rng.integers(L))  # mostly tokens of L layers
+        routes = rng.choice(E, 2, replace=False).astype(np.int32)
+        spec = ("fraction", 0.5) if call % 3 == 0 else ("full", None)
+        context = f"call {call} (layer={layer}, routes={routes.tolist()})"
+        plan = big.ensure_hybrid(layer, routes, build_policy(big, spec), order="recency",
+                                 admission="promote_one")
+        expected = truth.ensure_hybrid(layer, routes, build_policy(truth, spec),
+                                       order="recency", admission="promote_one")
+        assert_same_plan(plan, expected, context)
+        assert_usable_part_equal(big.state, truth.state, context)

@@ -152,13 +152,21 @@ ORDERS = ("recency", "lowest_id")
 ADMISSIONS = ("promote_one", "none", "reuse")
 
 
-def run_lockstep(data, adapter_name):
+def run_lockstep(data, adapter_name, eviction=None):
+    """One drawn sequence on ``adapter_name`` against the reference; ``eviction`` (a name, None
+    = the default LRU) fixes both caches' policy (docs/semantics.md §5.16), and then REUSE, which
+    it refuses, is not drawn; ROUTE_KNN also draws its ring size and ``start_token`` calls."""
     L, E, S, route_shape, rebuild_targets = data.draw(
         st.sampled_from(GEOMETRIES[adapter_name]), label="geometry")
     threshold = data.draw(st.sampled_from(REBASE_THRESHOLDS), label="rebase threshold")
-    cache = ADAPTER[adapter_name].init(L, E, S, rebase_threshold=threshold)
+    options = {"eviction": eviction}
+    if eviction == "route_knn":
+        options["history"] = data.draw(st.sampled_from((1, 3, 6)), label="history")
+    cache = ADAPTER[adapter_name].init(L, E, S, rebase_threshold=threshold, **options)
     cache.pad_routes = False  # the drawn route shape is the compiled one
-    ref = ADAPTER["reference"].init(L, E, S, rebase_threshold=threshold)
+    ref = ADAPTER["reference"].init(L, E, S, rebase_threshold=threshold, **options)
+    admissions = ADMISSIONS if eviction in (None, "lru") else ("promote_one", "none")
+    op_kinds = OP_KINDS + (["start_token"] * 2 if eviction == "route_knn" else [])
     assert_same_caches(cache, ref, "init")
     # Half the sequences start by warming every layer into the pool (so residents sit above the
     # prefill buffers' slots and chunks see gathers) and opening a prefill chunk.
@@ -172,7 +180,7 @@ def run_lockstep(data, adapter_name):
         if step < len(prefix):
             kind, given_args = prefix[step]
         else:
-            kind, given_args = data.draw(st.sampled_from(OP_KINDS), label="op"), {}
+            kind, given_args = data.draw(st.sampled_from(op_kinds), label="op"), {}
         previous_step, plan = int(ref.state.step), None
         context = f"op {step} {kind}"
         if kind == "ensure":
@@ -186,7 +194,7 @@ def run_lockstep(data, adapter_name):
             layer, routes = draw_layer(data, L), draw_routes(data, E, route_shape)
             spec = draw_policy(data, E)
             order = data.draw(st.sampled_from(ORDERS), label="order")
-            admission = data.draw(st.sampled_from(ADMISSIONS), label="admission")
+            admission = data.draw(st.sampled_from(admissions), label="admission")
             context += (f"(layer={layer}, routes={routes.tolist()}, policy={spec}, "
                         f"order={order}, admission={admission})")
             plan = cache.ensure_hybrid(layer, routes, build_policy(cache, spec), order=order,
@@ -258,6 +266,9 @@ def run_lockstep(data, adapter_name):
         elif kind == "reset_routing":
             cache.reset_routing()
             ref.reset_routing()
+        elif kind == "start_token":
+            cache.start_token()
+            ref.start_token()
         assert_same_caches(cache, ref, context)
         note_events(kind, plan if kind in PLAN_OPS else None, previous_step, int(ref.state.step))
     assert_same_reports(cache, ref, "the sequence")

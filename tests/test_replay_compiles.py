@@ -67,8 +67,8 @@ def test_configurations_that_cannot_differ_share_a_lane(monkeypatch):
     lanes = []
     program = sweep._program
 
-    def spy():
-        run = program()
+    def spy(*args):
+        run = program(*args)
 
         def counted(batch, layers, routes):
             lanes.append(int(batch[0].cache_size.shape[0]))
@@ -123,10 +123,31 @@ def test_lanes_of_every_size_in_one_program_count_what_their_own_pool_counts(rat
 
 
 def reference_missing_hybrid(trace, row):
-    cache = ReferenceCache(trace.num_layers, trace.num_experts, row.cache_size)
+    cache = ReferenceCache(trace.num_layers, trace.num_experts, row.cache_size,
+                           eviction=row.eviction)
     policy = (ReferencePolicy.full() if row.policy == "full"
               else ReferencePolicy.fraction(float(row.policy.split(":")[1])))
     layers, routes = trace.to_array()
     for layer, route in zip(layers, routes):
         cache.ensure_hybrid(int(layer), route, policy, order=row.order, admission=row.admission)
     return cache.stats().missing, int((cache.id_of_slot < 0).sum())
+
+
+def test_one_program_per_bucket_and_eviction_and_the_first_line_counts_them(caplog):
+    """FAILS if the eviction policies share a program (they cannot: the policy is static state
+    metadata, docs/semantics.md §5.16) or each (size, eviction) compiles its own, if the first
+    progress line's count is not the number of compiles, if a row loses its eviction, or if a
+    non-LRU lane of a bucket counts otherwise than a plain reference pool of its size."""
+    trace = tiny_trace()
+    evictions = ["lru", "pair_lfu", "route_knn"]
+    configs = config_grid([4, 6, 9, 12], ["full", "fraction:0.4"], evictions=evictions)
+    assert capacity_buckets([4, 6, 9, 12], 2.0) == [[4, 6], [9, 12]]
+    lines = []
+    rows, compiles = compiles_of(caplog, lambda: replay(trace, configs, bounds=False,
+                                                       progress=lines.append, bucket_ratio=2.0))
+    assert compiles == 2 * len(evictions)
+    assert lines[0].startswith(f"compiling {compiles} programs for {len(configs)} configurations")
+    assert [(r.cache_size, r.policy, r.eviction) for r in rows] == [
+        (c.cache_size, c.policy, c.eviction) for c in configs]
+    for row in rows:
+        assert (row.missing, row.empty_slots) == reference_missing_hybrid(trace, row), row

@@ -38,6 +38,8 @@ class SlotRow(NamedTuple):
       age: ``step - usage`` (steps since last touched) for an occupied slot, else None.
       status: ``"resident"``, ``"empty"``, or ``"forgotten"`` (emptied by ``forget_slot``: the
         very first victim).
+      prot, freq: under ``Eviction.PAIR_LFU``, the occupant's protection bit and Q16 frequency
+        (its victim key is ``(prot, freq, usage, slot)``, docs/semantics.md §5.16); else None.
     """
 
     slot: int
@@ -46,6 +48,8 @@ class SlotRow(NamedTuple):
     usage: int
     age: int | None
     status: str
+    prot: bool | None = None
+    freq: int | None = None
 
 
 class SlotEntry(NamedTuple):
@@ -58,14 +62,21 @@ class SlotEntry(NamedTuple):
 
 
 def _host_fields(state, names):
-    """The named fields of one (unbatched) state as NumPy arrays."""
+    """The named fields of one (unbatched) state as NumPy arrays, plus the eviction policy's
+    name under ``"eviction"`` and its bookkeeping (``freq``, ``prot`` for PAIR_LFU)."""
     values = jax.device_get({name: getattr(state, name) for name in names})
+    ranking = jax.device_get(state.ranking)
+    for name in ("freq", "prot"):
+        if hasattr(ranking, name):
+            values[name] = getattr(ranking, name)
     id_of_slot = np.asarray(values["id_of_slot"])
     if id_of_slot.ndim != 1:
         raise ValueError(
             f"describe/diff take one cache, got a batch of shape {id_of_slot.shape[:-1]}; "
             f"pick one with jax.tree.map(lambda x: x[i], state)")
-    return {name: np.asarray(value) for name, value in values.items()}
+    fields = {name: np.asarray(value) for name, value in values.items()}
+    fields["eviction"] = state.eviction.value
+    return fields
 
 
 def _usage_text(usage: int) -> str:
@@ -97,6 +108,7 @@ class CacheView:
       rows: one :class:`SlotRow` per usable slot, in slot order (slots at or past ``S`` are
         neither empty nor occupied, docs/semantics.md §5.15, and have no row).
       capacity: the allocated slots ``C >= S`` (``None``: the same as ``S``).
+      eviction: the state's eviction policy (``"lru"``, ``"pair_lfu"``, ...).
     """
 
     num_layers: int
@@ -105,6 +117,7 @@ class CacheView:
     step: int
     rows: list[SlotRow]
     capacity: int | None = None
+    eviction: str = "lru"
 
     @property
     def residents(self) -> list[SlotEntry]:
@@ -126,12 +139,15 @@ class CacheView:
         per_layer = ", ".join(str(c) for c in self.resident_per_layer())
         capacity = ("" if self.capacity in (None, self.cache_size)
                     else f" (capacity {self.capacity})")
+        policy = "" if self.eviction == "lru" else f" eviction={self.eviction}"
         return (f"CacheState L={self.num_layers} E={self.num_experts} S={self.cache_size}"
-                f"{capacity} step={self.step} resident={self.resident_count}/{self.cache_size} "
+                f"{capacity} step={self.step}{policy} "
+                f"resident={self.resident_count}/{self.cache_size} "
                 f"(per layer: {per_layer})")
 
     def _table(self) -> tuple[list[str], list[list[str]]]:
-        header = ["slot", "layer", "expert", "usage", "age"]
+        keyed = self.eviction == "pair_lfu"  # the rows carry the PAIR_LFU key
+        header = ["slot", "layer", "expert", "usage", "age"] + (["prot", "freq"] if keyed else [])
         rows = []
         for r in self.rows:
             occupied = r.status == RESIDENT
@@ -141,7 +157,8 @@ class CacheView:
                 str(r.expert) if occupied else "-",
                 _usage_text(r.usage),
                 str(r.age) if occupied else r.status,
-            ])
+            ] + ([str(int(r.prot)) if occupied else "-", str(r.freq) if occupied else "-"]
+                 if keyed else []))
         return header, rows
 
     def __str__(self) -> str:
@@ -172,12 +189,15 @@ def describe(state) -> CacheView:
                                                fields["usage"][:usable].tolist())):
         if flat_id >= 0:
             layer, expert = divmod(flat_id, num_experts)
-            rows.append(SlotRow(slot, layer, expert, usage, step - usage, RESIDENT))
+            key = ((bool(fields["prot"][layer, expert]), int(fields["freq"][layer, expert]))
+                   if "freq" in fields else (None, None))
+            rows.append(SlotRow(slot, layer, expert, usage, step - usage, RESIDENT, *key))
         else:
             status = FORGOTTEN if usage == INT32_MIN else EMPTY
             rows.append(SlotRow(slot, None, None, usage, None, status))
     return CacheView(num_layers=num_layers, num_experts=num_experts, cache_size=usable, step=step,
-                     rows=rows, capacity=int(fields["id_of_slot"].shape[0]))
+                     rows=rows, capacity=int(fields["id_of_slot"].shape[0]),
+                     eviction=fields["eviction"])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,10 +275,14 @@ def diff(before, after) -> CacheDiff:
     evicted, and the slots themselves in neither list.
 
     Raises:
-      ValueError: the two states have different geometries (compare states of one pool only).
+      ValueError: the two states have different geometries or eviction policies (compare states
+        of one pool only).
     """
     names = ["id_of_slot", "usage", "step", "slot_for_id"]
     old, new = _host_fields(before, names), _host_fields(after, names)
+    if old["eviction"] != new["eviction"]:
+        raise ValueError(f"cannot diff caches of different eviction policies: "
+                         f"{old['eviction']} vs {new['eviction']}")
     if old["slot_for_id"].shape != new["slot_for_id"].shape or \
             old["id_of_slot"].shape != new["id_of_slot"].shape:
         raise ValueError(

@@ -157,6 +157,10 @@ def _parser() -> argparse.ArgumentParser:
     replay.add_argument("--admission", nargs="+", default=["promote_one"],
                         choices=["promote_one", "none", "reuse"],
                         help="fetches beyond the split (default: promote_one)")
+    replay.add_argument("--eviction", nargs="+", default=["lru"],
+                        choices=["lru", "pair_lfu", "route_knn"],
+                        help="which resident a fetch evicts (default: lru); reuse is swept "
+                             "with lru only")
     output = replay.add_mutually_exclusive_group()
     output.add_argument("--format", choices=FORMATS, default=None,
                         help="table (default), json (a list of records), jsonl (one record per "
@@ -412,7 +416,9 @@ def _legend(results, trace, cost) -> list[str]:
                 paragraphs.append(
                     f"Best within {budget}: cache_size={r.cache_size} "
                     f"({format_bytes(r.cache_bytes)}) policy={r.policy} order={r.order} "
-                    f"admission={r.admission}: {r.modeled_ms_per_token:.1f} ms/token modeled.")
+                    f"admission={r.admission}"
+                    f"{'' if r.eviction == 'lru' else ' eviction=' + r.eviction}: "
+                    f"{r.modeled_ms_per_token:.1f} ms/token modeled.")
     return [textwrap.fill(text, width=100, break_on_hyphens=False) for text in paragraphs]
 
 
@@ -465,7 +471,10 @@ def _replay_with(args, progress: Progress) -> int:
                       f"generating the {args.synthetic or DEFAULT_PRESET} trace...")
         trace = _load(args)
         sizes, size_lines = _sizes(args.cache_size, trace, cost)
-        configs = config_grid(sizes, policies, args.order, args.admission)
+        configs = config_grid(sizes, policies, args.order, args.admission, args.eviction)
+        if not configs:
+            raise ValueError(f"admission reuse needs eviction lru; got --eviction "
+                             f"{' '.join(args.eviction)}")
     except (TraceError, OSError, KeyError, TypeError, ValueError) as error:
         progress.close()
         print(f"pallas-cache: {error}", file=sys.stderr)

@@ -42,6 +42,7 @@ COLUMN_LEGEND: dict[str, str] = {
     "policy": "full | fraction:Q | cap:N: how many misses of a call are copied",
     "order": "which misses win a capped fetch: recency | lowest_id",
     "admission": "fetches beyond the split: promote_one | none | reuse",
+    "eviction": "which resident a fetch evicts: lru | pair_lfu | route_knn (docs/semantics.md §5.16)",
     "expert_bytes": "W, bytes of one routed expert (empty without --model/--expert-bytes)",
     "link_bandwidth": "B_link in bytes/s (empty when not given)",
     "cpu_bandwidth": "B_cpu in bytes/s (empty when not given)",
@@ -118,7 +119,8 @@ def table_columns(rows: Sequence[dict]) -> list[str]:
     weighed = any(r["cache_bytes"] is not None for r in rows)
     timed = any(r["modeled_ms_per_token"] is not None for r in rows)
     columns = ["cache_size"] + (["cache_bytes"] if weighed else []) + ["policy"]
-    columns += [key for key in ("order", "admission") if len({r[key] for r in rows}) > 1]
+    columns += [key for key in ("order", "admission", "eviction")
+                if len({r[key] for r in rows}) > 1]
     columns += ["hit_rate", "belady_hit_rate", "bypass_optimum_hit_rate", "oracle_hit_rate"]
     columns += (["fetched_bytes_per_token", "cpu_bytes_per_token"] if weighed
                 else ["fetched_per_token", "cpu_experts_per_token"])
@@ -147,8 +149,9 @@ def _cell(key: str, value) -> str:
 def _preamble(rows: Sequence[dict]) -> list[str]:
     first = rows[0]
     shown = set(table_columns(rows))
-    constant = "".join(f" {key}={first[key]}" for key in ("order", "admission")
-                       if key not in shown)
+    # The default eviction (lru) goes unsaid, so an LRU sweep prints as it always has.
+    constant = "".join(f" {key}={first[key]}" for key in ("order", "admission", "eviction")
+                       if key not in shown and (key, first[key]) != ("eviction", "lru"))
     return [f"trace: {first['source']}  layers={first['layers']} experts={first['experts']} "
             f"top_k={first['top_k']} calls={first['calls']} tokens={first['tokens']} "
             f"sequences={first['sequences']}", f"cache:{constant}"]

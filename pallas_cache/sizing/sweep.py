@@ -5,8 +5,9 @@ policy, for my model and my traffic?". The answer is a replay: feed the trace's 
 order, to the cache and count what it would have fetched. This module runs that replay as
 compiled JAX, for a whole grid of configurations:
 
-- **One compiled, vmapped program per bucket of cache sizes** (:func:`capacity_buckets`; one
-  bucket for a usual grid). The states are allocated at the bucket's largest size and each lane
+- **One compiled, vmapped program per bucket of cache sizes and eviction policy**
+  (:func:`capacity_buckets`; one bucket for a usual grid; the policy is static metadata of the
+  state, docs/semantics.md §5.16). The states are allocated at the bucket's largest size and each lane
   carries its own usable size as data (docs/semantics.md §5.15), so sizes x policies x orders x
   admissions are the lanes of a single ``jax.vmap``: the
   :class:`~pallas_cache.policy.FetchPolicy` is a traced pytree, and the fetch order and
@@ -51,6 +52,7 @@ from pallas_cache.sizing import bounds as belady_lib
 from pallas_cache.sizing.bounds import bypass_optimum
 from pallas_cache.sizing.cost import CostModel
 from pallas_cache.sizing.progress import Progress, as_progress
+from pallas_cache.eviction import Eviction, check_admission
 from pallas_cache.ops import Rules, ensure_with_rules  # the core, with order/admission as data
 from pallas_cache.policy import ONE, Admission, FetchOrder, FetchPolicy
 from pallas_cache.state import init
@@ -90,27 +92,36 @@ class ReplayConfig:
       policy: ``"full"``, ``"fraction:Q"`` or ``"cap:N"`` (see :func:`parse_policy`).
       order: ``"recency"`` or ``"lowest_id"``.
       admission: ``"promote_one"``, ``"none"`` or ``"reuse"``.
+      eviction: ``"lru"``, ``"pair_lfu"`` or ``"route_knn"`` (docs/semantics.md §5.16, its default
+        ring of 128 tokens); ``reuse`` needs ``lru``.
     """
 
     cache_size: int
     policy: str = "fraction:0.4"
     order: str = "recency"
     admission: str = "promote_one"
+    eviction: str = "lru"
 
     def __post_init__(self):
         parse_policy(self.policy)
         FetchOrder.coerce(self.order)
-        Admission.coerce(self.admission)
+        check_admission(Eviction.coerce(self.eviction),
+                        Admission.coerce(self.admission) is Admission.REUSE)
         if not is_int(self.cache_size):
             raise TypeError(f"cache_size must be an int, got {self.cache_size!r}")
 
 
 def config_grid(cache_sizes: Iterable[int], policies: Iterable[str], orders: Iterable[str] = ("recency",),
-                admissions: Iterable[str] = ("promote_one",)) -> list[ReplayConfig]:
-    """The cartesian product, cache size slowest, as a list of configurations."""
+                admissions: Iterable[str] = ("promote_one",),
+                evictions: Iterable[str] = ("lru",)) -> list[ReplayConfig]:
+    """The cartesian product, cache size slowest, as a list of configurations. A non-LRU
+    eviction is not combined with ``reuse`` (which it refuses, docs/semantics.md §5.16)."""
     return [
-        ReplayConfig(int(size), policy, order, admission)
-        for size in cache_sizes for policy in policies for order in orders for admission in admissions
+        ReplayConfig(int(size), policy, order, admission, eviction)
+        for size in cache_sizes for eviction in evictions for policy in policies
+        for order in orders for admission in admissions
+        if Eviction.coerce(eviction) is Eviction.LRU
+        or Admission.coerce(admission) is not Admission.REUSE
     ]
 
 
@@ -192,6 +203,7 @@ class ReplayResult:
     best: bool | None = None
     budget_best: bool | None = None
     note: str = ""
+    eviction: str = "lru"
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -221,6 +233,7 @@ class _LaneKey:
     cap: int
     order: str
     admission: str
+    eviction: str = Eviction.LRU.value
 
 
 def _lane_key(config: ReplayConfig) -> _LaneKey:
@@ -241,7 +254,8 @@ def _lane_key(config: ReplayConfig) -> _LaneKey:
         cap = 0
     if order is not FetchOrder.RECENCY or fraction16 in (0, ONE):
         admission = Admission.NONE
-    return _LaneKey(config.cache_size, fraction16, cap, order.value, admission.value)
+    return _LaneKey(config.cache_size, fraction16, cap, order.value, admission.value,
+                    Eviction.coerce(config.eviction).value)
 
 
 def _stack(trees):
@@ -249,8 +263,10 @@ def _stack(trees):
 
 
 @functools.lru_cache(maxsize=None)
-def _program():
-    """The jitted chunk program: every lane of one bucket over one chunk of calls.
+def _program(lru: bool = True):
+    """The jitted chunk program: every lane of one bucket (and eviction policy, a static part of
+    the state) over one chunk of calls. ``lru=False``: the REUSE path, which a non-LRU eviction
+    refuses, is left out (no lane of such a group runs it).
 
     Args (of the returned function): ``(states, cpu_routes, pairs, policies, rules)`` batched
     over the configurations, and the chunk's ``layers [C]`` and ``routes [C, K]``. ``pairs``
@@ -261,7 +277,8 @@ def _program():
         def call(carry, layer_routes):
             state, cpu_routes, pairs = carry
             layer, route = layer_routes
-            state, plan = ensure_with_rules(state, layer, route, policy, rules, backend="xla")
+            lane_rules = rules if lru else rules.replace(reuse=False)
+            state, plan = ensure_with_rules(state, layer, route, policy, lane_rules, backend="xla")
             # The cost model's per-call pair (docs/semantics.md §11.2); refused calls add nothing.
             pairs = pairs.at[plan.fetched, plan.missing - plan.fetched].add(
                 (plan.error == 0).astype(jnp.int32))
@@ -349,23 +366,29 @@ def replay(
     keys = [_lane_key(config) for config in configs]
     sizes = sorted({c.cache_size for c in configs})
     buckets = capacity_buckets(sizes, bucket_ratio)
-    total_work = num_chunks * len(buckets)
-    programs = len(buckets)  # one compiled program per bucket of cache sizes
+    # One compiled program per (bucket of sizes, eviction): the capacity is a shape and the
+    # eviction policy static metadata of the state (docs/semantics.md §5.16), so each pair is its
+    # own program; sizes, policies, orders and admissions are lanes.
+    groups = [(bucket, eviction) for bucket in buckets for eviction in
+              sorted({key.eviction for key in keys if key.cache_size in bucket})]
+    total_work = num_chunks * len(groups)
+    programs = len(groups)
     report.phase(f"compiling {programs} program{'s' if programs != 1 else ''} for "
                  f"{len(configs)} configuration{'s' if len(configs) != 1 else ''} "
                  f"({num_calls} layer-calls)...", total_work)
     done = 0
-    for bucket in buckets:
+    for bucket, eviction in groups:
         # One program for every size of the bucket: the capacity is its largest size, each lane
         # has its own traced usable size (docs/semantics.md §5.15), and configurations that
         # cannot differ share a lane.
         capacity = bucket[-1]
-        unique = list(dict.fromkeys(key for key in keys if key.cache_size in bucket))
+        unique = list(dict.fromkeys(key for key in keys
+                                    if key.cache_size in bucket and key.eviction == eviction))
         count = -(-len(unique) // width) * width  # pad to a multiple of the devices
         lanes = unique + [unique[-1]] * (count - len(unique))
         batch = (
-            _stack([init(trace.num_layers, trace.num_experts, key.cache_size, capacity=capacity)
-                    for key in lanes]),
+            _stack([init(trace.num_layers, trace.num_experts, key.cache_size, capacity=capacity,
+                         eviction=eviction) for key in lanes]),
             jnp.zeros(count, jnp.int32),
             jnp.zeros((count, pair_side, pair_side), jnp.int32),
             _stack([FetchPolicy(jnp.int32(key.fraction16), jnp.int32(key.cap)) for key in lanes]),
@@ -375,46 +398,51 @@ def replay(
         sizes_text = ",".join(str(size) for size in bucket)
         for chunk in range(num_chunks):
             window = slice(chunk * chunk_calls, (chunk + 1) * chunk_calls)
-            batch = _program()(batch, jnp.asarray(layers[window]), jnp.asarray(routes[window]))
+            batch = _program(eviction == Eviction.LRU.value)(
+                batch, jnp.asarray(layers[window]), jnp.asarray(routes[window]))
             done += 1
-            report.update(done, f"cache_size={sizes_text} calls "
+            policy_text = "" if eviction == Eviction.LRU.value else f" eviction={eviction}"
+            report.update(done, f"cache_size={sizes_text}{policy_text} calls "
                                 f"{min((chunk + 1) * chunk_calls, num_calls)}/{num_calls}")
 
         states, cpu_routes, pairs = jax.device_get(batch[:3])
-        for size in bucket:
-            for index, config in enumerate(configs):
-                if config.cache_size != size:
-                    continue
-                row = unique.index(keys[index])
-                calls, active, missing, fetched = (int(v) for v in states.stats[row].sum(axis=0))
-                fetched_of, cpu_of = np.nonzero(pairs[row])
-                results[index] = ReplayResult(
-                    cache_size=size,
-                    policy=config.policy,
-                    order=FetchOrder.coerce(config.order).value,
-                    admission=Admission.coerce(config.admission).value,
-                    calls=calls,
-                    routes=num_routes,
-                    active=active,
-                    missing=missing,
-                    fetched=fetched,
-                    cpu_routes=int(cpu_routes[row]),
-                    # Usable slots only: those past the lane's size are neither empty nor full.
-                    empty_slots=int((states.id_of_slot[row][:size] < 0).sum()),
-                    hit_rate=1.0 - missing / active if active else 1.0,
-                    belady_hit_rate=None,
-                    bypass_optimum_hit_rate=None,
-                    oracle_hit_rate=None,
-                    tokens=num_tokens,
-                    cpu_experts=missing - fetched,
-                    fetched_per_token=fetched / max(num_tokens, 1),
-                    cpu_experts_per_token=(missing - fetched) / max(num_tokens, 1),
-                    pair_counts=tuple((int(f), int(c), int(pairs[row][f, c]))
-                                      for f, c in zip(fetched_of, cpu_of)),
-                    note=_note(size, trace),
-                )
+        for index, config in enumerate(configs):
+            key = keys[index]
+            if key.cache_size not in bucket or key.eviction != eviction:
+                continue
+            row = unique.index(key)
+            size = key.cache_size
+            calls, active, missing, fetched = (int(v) for v in states.stats[row].sum(axis=0))
+            fetched_of, cpu_of = np.nonzero(pairs[row])
+            results[index] = ReplayResult(
+                cache_size=size,
+                policy=config.policy,
+                order=FetchOrder.coerce(config.order).value,
+                admission=Admission.coerce(config.admission).value,
+                calls=calls,
+                routes=num_routes,
+                active=active,
+                missing=missing,
+                fetched=fetched,
+                cpu_routes=int(cpu_routes[row]),
+                # Usable slots only: those past the lane's size are neither empty nor full.
+                empty_slots=int((states.id_of_slot[row][:size] < 0).sum()),
+                hit_rate=1.0 - missing / active if active else 1.0,
+                belady_hit_rate=None,
+                bypass_optimum_hit_rate=None,
+                oracle_hit_rate=None,
+                tokens=num_tokens,
+                cpu_experts=missing - fetched,
+                fetched_per_token=fetched / max(num_tokens, 1),
+                cpu_experts_per_token=(missing - fetched) / max(num_tokens, 1),
+                pair_counts=tuple((int(f), int(c), int(pairs[row][f, c]))
+                                  for f, c in zip(fetched_of, cpu_of)),
+                note=_note(size, trace),
+                eviction=eviction,
+            )
     ordered = [results[i] for i in range(len(configs))]
     if bounds:
+        # The bounds depend on the size only: computed once per size, whatever the evictions.
         optima = _optima(trace, sizes, report)
         ordered = [dataclasses.replace(r, **optima[r.cache_size]) for r in ordered]
     report.close()

@@ -1,0 +1,105 @@
+"""Per-call cost of each eviction policy inside a compiled decode loop, on whatever JAX runs on.
+
+For ``mixtral-realistic`` (L=32, E=8, top-2, S=128) and ``fine-grained-realistic`` (L=48,
+E=128, top-8, S=768), ``--tokens`` tokens each: one jitted ``lax.scan`` of ``ensure_hybrid``
+(policy full, RECENCY + PROMOTE_ONE) over every layer-call, per eviction (``lru`` with the
+``xla`` and ``pallas`` backends where a GPU is present, ``pair_lfu`` and ``route_knn`` with
+``xla``: they rank in XLA on every backend), median of ``--repeats`` interleaved runs. Besides
+the timing it writes the counts and the final pool of every run to ``--json``, so a CPU run of
+the same script (``--cpu``) checks the accelerator's decisions bit for bit::
+
+    PYTHONUNBUFFERED=1 python benchmarks/eviction_gpu.py --json $OUT/eviction_gpu.json
+    python benchmarks/eviction_gpu.py --cpu --json /tmp/cpu.json --compare $OUT/eviction_gpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import pallas_cache as pc  # noqa: E402
+from pallas_cache.sizing.synthetic import synthetic_trace  # noqa: E402
+
+GEOMETRIES = (("mixtral-realistic", 4), ("fine-grained-realistic", 16))
+
+
+def runs(gpu: bool):
+    out = [("lru", "xla"), ("pair_lfu", "xla"), ("route_knn", "xla")]
+    return out + [("lru", "pallas")] if gpu else out
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--json", required=True)
+    parser.add_argument("--cpu", action="store_true", help="run on the CPU (no timing claims)")
+    parser.add_argument("--compare", help="a JSON of another run: counts and pools must match")
+    args = parser.parse_args(argv)
+    device = jax.devices("cpu")[0] if args.cpu else jax.devices()[0]
+    gpu = device.platform == "gpu"
+    results, lines = {}, []
+    with jax.default_device(device):
+        for preset, per_layer in GEOMETRIES:
+            trace = synthetic_trace(preset, num_tokens=args.tokens, seed=0)
+            layers, routes = (jnp.asarray(a, jnp.int32) for a in trace.to_array())
+            size = trace.num_layers * per_layer
+            programs = {}
+            for eviction, backend in runs(gpu):
+                @jax.jit
+                def run(state, backend=backend):
+                    def body(s, xs):
+                        s, plan = pc.ensure_hybrid(s, xs[0], xs[1], pc.FetchPolicy.full(),
+                                                   backend=backend)
+                        return s, plan.missing
+                    return jax.lax.scan(body, state, (layers, routes))
+                state = pc.init(trace.num_layers, trace.num_experts, size, eviction=eviction)
+                start = time.perf_counter()
+                final, missing = jax.block_until_ready(run(state))
+                compile_s = time.perf_counter() - start
+                programs[(eviction, backend)] = (run, state)
+                results[f"{preset}/{eviction}/{backend}"] = {
+                    "missing": int(missing.sum()),
+                    "id_of_slot": np.asarray(final.id_of_slot).tolist(),
+                    "compile_s": compile_s}
+            times = {key: [] for key in programs}
+            for _ in range(args.repeats):
+                for key, (run, state) in programs.items():
+                    start = time.perf_counter()
+                    jax.block_until_ready(run(state))
+                    times[key].append((time.perf_counter() - start) / layers.shape[0])
+            base = statistics.median(times[("lru", "xla")])
+            for (eviction, backend), values in times.items():
+                us = statistics.median(values) * 1e6
+                results[f"{preset}/{eviction}/{backend}"]["us_per_call"] = us
+                lines.append(f"| {preset} L={trace.num_layers} E={trace.num_experts} S={size} "
+                             f"top-{trace.top_k} | {eviction} | {backend} | {us:.2f} | "
+                             f"{us / (base * 1e6):.2f}x |")
+    header = (f"device: {device.device_kind} ({device.platform}), jax {jax.__version__}; "
+              f"{args.tokens} tokens, median of {args.repeats}\n\n"
+              "| geometry | eviction | backend | us/call | / lru xla |\n|---|---|---|---|---|")
+    print(header, *lines, sep="\n")
+    with open(args.json, "w") as handle:
+        json.dump({"header": header, "lines": lines, "results": results}, handle)
+    if args.compare:
+        other = json.load(open(args.compare))["results"]
+        bad = [key for key in results if key in other and (
+            results[key]["missing"] != other[key]["missing"]
+            or results[key]["id_of_slot"] != other[key]["id_of_slot"])]
+        print("compared", len([k for k in results if k in other]), "runs; differing:", bad)
+        return 1 if bad else 0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,153 @@
+"""Eviction policies on the realistic preset: hit rates next to the baselines, and the per-call cost.
+
+On ``mixtral-realistic`` (``--seeds`` seeds of ``--tokens`` tokens, averaged) at S = 64 / 128 /
+192 slots (2 / 4 / 6 per layer), every miss fetched (policy ``full``):
+
+* hit rates of the library's global LRU, ``Eviction.PAIR_LFU`` and ``Eviction.ROUTE_KNN`` (ring
+  of 128 tokens; one replay, every eviction),
+  per-layer LRU (``benchmarks/baselines.py``: each layer owns S / L slots) and Belady's optimum
+  (:func:`pallas_cache.sizing.bounds.belady`); ``gap`` = the share of the LRU -> Belady gap a
+  policy recovers; the issue's targets: PAIR_LFU never below per-layer LRU by more than 0.005,
+  ROUTE_KNN at least 30% of the gap and never below LRU by more than 0.005;
+* the per-call cost of each option inside one compiled ``lax.scan`` over the trace's calls
+  (``ensure_hybrid``, policy full, RECENCY + PROMOTE_ONE, backend xla), median over interleaved
+  rounds, at the Mixtral geometry (L=32, E=8, S=128, top-2) and at the fine-grained one (L=48,
+  E=128, S=768, top-8, ``fine-grained-realistic``).
+
+    python benchmarks/eviction_policies.py [--tokens 1000] [--seeds 2] [--rounds 5] [--write]
+
+``--write`` replaces this benchmark's section of benchmarks/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import pallas_cache as pc  # noqa: E402
+from baselines import per_layer_lru_hit_rate  # noqa: E402
+from pallas_cache.sizing.bounds import belady  # noqa: E402
+from pallas_cache.sizing.sweep import ReplayConfig, replay  # noqa: E402
+from pallas_cache.sizing.synthetic import synthetic_trace  # noqa: E402
+from results_file import write_section  # noqa: E402
+
+EVICTIONS = ("lru", "pair_lfu", "route_knn")
+SLOTS_PER_LAYER = (2, 4, 6)
+
+
+def hit_rates(trace):
+    """``{name: [hit rate per size]}`` for the library's evictions and the two baselines."""
+    sizes = [trace.num_layers * s for s in SLOTS_PER_LAYER]
+    configs = [ReplayConfig(size, "full", eviction=e) for e in EVICTIONS for size in sizes]
+    results = replay(trace, configs, bounds=False, progress=lambda status: None)
+    rates = {e: [r.hit_rate for r in results if r.eviction == e] for e in EVICTIONS}
+    rates["per-layer LRU"] = [per_layer_lru_hit_rate(trace, size) for size in sizes]
+    rates["Belady"] = [belady(trace, size).hit_rate for size in sizes]
+    return rates
+
+
+def per_call_seconds(preset, slots_per_layer, tokens, rounds):
+    """``{eviction: median seconds per call}`` of ensure_hybrid inside one compiled scan."""
+    trace = synthetic_trace(preset, num_tokens=tokens, seed=0)
+    layers, routes = trace.to_array()
+    layers, routes = jnp.asarray(layers, jnp.int32), jnp.asarray(routes, jnp.int32)
+    size = trace.num_layers * slots_per_layer
+    policy = pc.FetchPolicy.full()
+
+    def program(eviction):
+        @jax.jit
+        def run(state):
+            def body(s, xs):
+                s, plan = pc.ensure_hybrid(s, xs[0], xs[1], policy, backend="xla")
+                return s, plan.fetched
+            return jax.lax.scan(body, state, (layers, routes))
+        state = pc.init(trace.num_layers, trace.num_experts, size, eviction=eviction)
+        jax.block_until_ready(run(state))  # compile
+        return run, state
+
+    programs = {e: program(e) for e in EVICTIONS}
+    times = {e: [] for e in EVICTIONS}
+    for _ in range(rounds):
+        for e, (run, state) in programs.items():
+            start = time.perf_counter()
+            jax.block_until_ready(run(state))
+            times[e].append((time.perf_counter() - start) / layers.shape[0])
+    return {e: statistics.median(t) for e, t in times.items()}, size, trace
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=1000)
+    parser.add_argument("--seeds", type=int, default=2)
+    parser.add_argument("--cost-tokens", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--write", action="store_true")
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+
+    runs = [hit_rates(synthetic_trace("mixtral-realistic", num_tokens=args.tokens, seed=seed))
+            for seed in range(args.seeds)]
+    mean = {key: np.mean([run[key] for run in runs], axis=0) for key in runs[0]}
+    names = {"lru": "global LRU (`lru`)", "pair_lfu": "`pair_lfu`", "route_knn": "`route_knn`",
+             "per-layer LRU": "per-layer LRU (baseline)", "Belady": "Belady (optimum)"}
+    lines = ["| policy | S=64 | S=128 | S=192 | share of the LRU->Belady gap (64 / 128 / 192) |",
+             "|---|---|---|---|---|"]
+    gap = mean["Belady"] - mean["lru"]
+    for key in ("lru", "per-layer LRU", "pair_lfu", "route_knn", "Belady"):
+        share = " / ".join(f"{v:.2f}" for v in (mean[key] - mean["lru"]) / np.where(gap > 0, gap, 1))
+        lines.append(f"| {names[key]} | " + " | ".join(f"{v:.4f}" for v in mean[key])
+                     + f" | {share} |")
+    margin = float((mean["pair_lfu"] - mean["per-layer LRU"]).min())
+    shares = (mean["route_knn"] - mean["lru"]) / np.where(gap > 0, gap, 1)
+    below = float((mean["route_knn"] - mean["lru"]).min())
+    verdict = (f"`pair_lfu` minus per-layer LRU, worst size: {margin:+.4f} (target: >= -0.005, "
+               f"{'met' if margin >= -0.005 else 'NOT met'}). `route_knn`: smallest share of the "
+               f"gap {shares.min():.2f} (target >= 0.30, "
+               f"{'met' if shares.min() >= 0.30 else 'NOT met'}); minus LRU, worst size "
+               f"{below:+.4f} (target >= -0.005, {'met' if below >= -0.005 else 'NOT met'}).")
+
+    cost_lines = ["| geometry | calls | `lru` us/call | `pair_lfu` us/call | `route_knn` us/call "
+                  "| pair_lfu / lru | route_knn / lru |", "|---|---|---|---|---|---|---|"]
+    for preset, per_layer in (("mixtral-realistic", 4), ("fine-grained-realistic", 16)):
+        seconds, size, trace = per_call_seconds(preset, per_layer, args.cost_tokens, args.rounds)
+        cost_lines.append(
+            f"| {preset} L={trace.num_layers} E={trace.num_experts} S={size} top-{trace.top_k} "
+            f"| {trace.num_calls} | {seconds['lru'] * 1e6:.2f} | {seconds['pair_lfu'] * 1e6:.2f} "
+            f"| {seconds['route_knn'] * 1e6:.2f} | {seconds['pair_lfu'] / seconds['lru']:.2f}x "
+            f"| {seconds['route_knn'] / seconds['lru']:.2f}x |")
+    elapsed = time.perf_counter() - start
+    table, costs = "\n".join(lines), "\n".join(cost_lines)
+    print(table, verdict, costs, f"({elapsed:.0f} s)", sep="\n\n")
+
+    if args.write:
+        machine = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+                   f"{platform.system()} {platform.machine()}; jax {jax.__version__} on "
+                   f"{jax.default_backend()}")
+        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+        section = (
+            "## Eviction policies on the realistic preset (`benchmarks/eviction_policies.py`)\n\n"
+            f"`python benchmarks/eviction_policies.py --tokens {args.tokens} --seeds {args.seeds} "
+            f"--cost-tokens {args.cost_tokens} --rounds {args.rounds}` on "
+            f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC (1-minute load "
+            f"average {load:.1f}). Machine: {machine}.\n\n"
+            f"Hit rates on `mixtral-realistic` ({args.tokens} tokens x {args.seeds} seeds, mean), "
+            f"policy `full` (every miss fetched):\n\n{table}\n\n{verdict}\n\n"
+            "Per-call cost inside one compiled `lax.scan` over the trace's calls "
+            f"(`ensure_hybrid`, policy full, backend xla, median of {args.rounds} interleaved "
+            f"rounds; ratios from the same run):\n\n{costs}\n")
+        write_section("eviction_policies", section)
+
+
+if __name__ == "__main__":
+    main()

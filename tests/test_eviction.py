@@ -1,0 +1,504 @@
+"""Eviction policies (docs/semantics.md §5.16): the PAIR_LFU rules, its lockstep with the reference
+(every op interleaved, each JAX adapter, vmap, scan, the clock rebase), and the plumbing (LRU
+states unchanged, REUSE refused, loop-free tracing)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import pallas_cache as pc
+from conftest import ADAPTER, assert_same_plan, assert_same_state, ensure_view, state_view
+from reference import ReferenceCache, ReferencePolicy
+from test_lockstep import assert_same_caches, build_policy, run_lockstep
+from test_loop_free import primitives, trace
+
+PAIR_LFU = "pair_lfu"
+
+
+def pair_lfu(adapter, L, E, S, **kwargs):
+    return adapter.init(L, E, S, eviction=PAIR_LFU, **kwargs)
+
+
+# ---- lockstep ------------------------------------------------------------------------------
+
+
+@given(data=st.data())
+def test_pair_lfu_eager_matches_the_reference_after_every_step(data):
+    """FAILS if any op (ensure, ensure_hybrid, materialize, forget, prefill, reset, rebuild,
+    stats, routing, rebase) disagrees with the reference in any state field (freq and prot
+    included) or plan field, under PAIR_LFU."""
+    run_lockstep(data, "jax-eager", eviction=PAIR_LFU)
+
+
+@given(data=st.data())
+def test_pair_lfu_jitted_matches_the_reference_after_every_step(data):
+    """As above, every op under an outer jit with a traced layer/slot."""
+    run_lockstep(data, "jax-jit", eviction=PAIR_LFU)
+
+
+@settings(max_examples=max(6, settings.default.max_examples // 3))
+@given(data=st.data())
+def test_pair_lfu_interpret_backend_matches_the_reference_after_every_step(data):
+    """As above with backend="interpret" (PAIR_LFU ranks in XLA on every backend)."""
+    run_lockstep(data, "jax-interpret", eviction=PAIR_LFU)
+
+
+def test_pair_lfu_long_run_across_the_clock_rebase_matches_the_reference():
+    """FAILS if the rebase of docs/semantics.md §5.12 changes a PAIR_LFU decision: last_use is
+    the slot's usage, renumbered with it; freq is not a stamp and must survive untouched."""
+    L, E, S = 3, 4, 9
+    cache = pair_lfu(ADAPTER["jax-jit"], L, E, S, rebase_threshold=20)
+    cache.pad_routes = False
+    ref = pair_lfu(ADAPTER["reference"], L, E, S, rebase_threshold=20)
+    rng = np.random.default_rng(11)
+    rebased = 0
+    for step in range(240):
+        layer = int(rng.integers(L))
+        routes = rng.integers(-1, E, size=5).astype(np.int32)
+        spec = (("fraction", 0.4), ("fixed_cap", 1), ("full", None))[step % 3]
+        before = int(ref.state.step)
+        plan = cache.ensure_hybrid(layer, routes, build_policy(cache, spec), order="recency",
+                                   admission="promote_one" if step % 2 else "none")
+        expected = ref.ensure_hybrid(layer, routes, build_policy(ref, spec), order="recency",
+                                     admission="promote_one" if step % 2 else "none")
+        rebased += int(ref.state.step) <= before
+        assert_same_plan(plan, expected, f"step {step}")
+        if step % 13 == 0:
+            assert_same_plan(cache.forget_slot(step % S), ref.forget_slot(step % S), "forget")
+        if step % 29 == 0:
+            assert_same_plan(cache.materialize_layer(layer), ref.materialize_layer(layer), "mat")
+        assert_same_caches(cache, ref, f"step {step}")
+    assert rebased >= 5
+    assert ref.state.freq.max() > 65536  # the sequence reached the decayed regime
+
+
+def _reference_run(L, E, S, calls, policy_q):
+    ref = ReferenceCache(L, E, S, eviction=PAIR_LFU)
+    plans = [ref.ensure_hybrid(l, r, ReferencePolicy.fraction(policy_q)) for l, r in calls]
+    return ref, plans
+
+
+def test_pair_lfu_in_a_scan_decode_loop_equals_the_reference_step_by_step():
+    """FAILS if PAIR_LFU's bookkeeping is wrong with a traced layer inside ``lax.scan`` (the
+    decode loop's shape): every plan of the scan and the final state equal the reference's."""
+    L, E, S, K = 4, 6, 13, 3
+    rng = np.random.default_rng(3)
+    calls = [(t % L, rng.choice(E, K, replace=False).astype(np.int32)) for t in range(96)]
+    layers = jnp.asarray([l for l, _ in calls], jnp.int32)
+    routes = jnp.asarray(np.stack([r for _, r in calls]))
+    policy = pc.FetchPolicy.fraction(0.75)
+
+    @jax.jit
+    def loop(state):
+        def body(s, xs):
+            s, plan = pc.ensure_hybrid(s, xs[0], xs[1], policy)
+            return s, plan
+        return jax.lax.scan(body, state, (layers, routes))
+
+    state, plans = loop(pc.init(L, E, S, eviction=PAIR_LFU))
+    ref, expected = _reference_run(L, E, S, calls, 0.75)
+    for t, want in enumerate(expected):
+        got = jax.tree.map(lambda x: x[t], plans)
+        assert_same_plan(ensure_view(got), ensure_view(want), f"call {t}")
+    assert_same_state(state_view(state), state_view(ref), "end")
+
+
+def test_pair_lfu_vmapped_over_caches_equals_a_loop_of_references():
+    """FAILS if a vmapped batch of PAIR_LFU caches mixes lanes (each lane has its own routes,
+    layer and history) or differs from one reference per lane."""
+    L, E, S, K, lanes = 3, 5, 9, 3, 4
+    rng = np.random.default_rng(5)
+    refs = [ReferenceCache(L, E, S, eviction=PAIR_LFU) for _ in range(lanes)]
+    states = jax.tree.map(lambda *x: jnp.stack(x), *[pc.init(L, E, S, eviction=PAIR_LFU)] * lanes)
+    step = jax.jit(jax.vmap(lambda s, l, r: pc.ensure_hybrid(s, l, r, pc.FetchPolicy.full())))
+    for t in range(40):
+        layers = rng.integers(L, size=lanes).astype(np.int32)
+        routes = rng.integers(-1, E, size=(lanes, K)).astype(np.int32)
+        states, plans = step(states, jnp.asarray(layers), jnp.asarray(routes))
+        for i, ref in enumerate(refs):
+            want = ref.ensure_hybrid(int(layers[i]), routes[i], ReferencePolicy.full())
+            got = jax.tree.map(lambda x: x[i], plans)
+            assert_same_plan(ensure_view(got), ensure_view(want), f"call {t} lane {i}")
+            lane = jax.tree.map(lambda x: x[i], states)
+            np.testing.assert_array_equal(lane.ranking.freq, ref.freq)
+            np.testing.assert_array_equal(lane.ranking.prot, ref.prot)
+            np.testing.assert_array_equal(lane.id_of_slot, ref.id_of_slot)
+
+
+# ---- the rules (every adapter) -------------------------------------------------------------
+
+
+def _decayed(freq, calls):
+    for _ in range(calls):
+        freq = (freq * 64132) >> 16
+    return freq
+
+
+@pytest.mark.traced
+def test_frequency_decays_exactly_past_32_bits(adapter):
+    """FAILS if the Q16 decay ``(freq * 64132) >> 16`` is computed naively in int32: the
+    product overflows from the second visit on (65536 * 64132 > 2**31), so freq would wrap
+    negative. Checked against Python's unbounded ints after 300 visits (freq settles near 3.06M)."""
+    cache = pair_lfu(adapter, 1, 4, 4)
+    expected = np.zeros(4, dtype=object)
+    for t in range(300):
+        routed = [0, 1] if t % 3 else [0, 2]
+        cache.ensure(0, routed)
+        expected = np.array([_decayed(int(f), 1) for f in expected], dtype=object)
+        for e in routed:
+            expected[e] += 65536
+    assert cache.state.freq[0].tolist() == expected.tolist()
+    assert 3_000_000 < expected[0] < 2**22
+
+
+@pytest.mark.traced
+def test_protection_outranks_frequency(adapter):
+    """FAILS if ``prot`` is left out of the key (victims by (freq, last_use, slot) alone): the
+    expert routed by its layer's last call survives although another layer's unprotected
+    expert is far more frequent.
+
+    Layer 0 routes expert 0 eight times (freq ~7.5 units, then unprotected once layer 0 routes
+    expert 1); layer 1's expert 0 is routed once (freq 1, protected). A miss of layer 2 must
+    evict layer 0's expert 0, not the protected, rarer layer-1 expert."""
+    cache = pair_lfu(adapter, 3, 2, 3)
+    for _ in range(8):
+        cache.ensure(0, [0])
+    cache.ensure(1, [0])           # slot 1: layer 1 expert 0, freq 65536, protected
+    cache.ensure(0, [1])           # slot 2: layer 0 expert 1; layer 0 expert 0 loses protection
+    state = cache.state
+    assert state.prot[0].tolist() == [False, True] and state.prot[1, 0]
+    assert state.freq[0, 0] > 7 * 65536 > state.freq[1, 0]
+    plan = cache.ensure(2, [0])
+    assert plan.valid("dst_slots") == [0], "the unprotected, frequent expert is the victim"
+    assert cache.state.slot_of(1, 0) == 1 and cache.state.slot_of(0, 0) is None
+
+
+@pytest.mark.traced
+def test_among_unprotected_residents_the_least_frequent_goes_first(adapter):
+    """FAILS if PAIR_LFU falls back to recency among unprotected residents: the older but more
+    frequent expert stays, the newer one-off goes."""
+    cache = pair_lfu(adapter, 3, 2, 3)
+    for _ in range(4):
+        cache.ensure(0, [0])       # slot 0: layer 0 expert 0, used often, long ago
+    cache.ensure(1, [0])           # slot 1: layer 1 expert 0, once, recently
+    cache.ensure(0, [1])           # slot 2; layer 0 expert 0 loses protection
+    cache.ensure(1, [1])           # a miss with a full pool; layer 1 expert 0 loses protection
+    state = cache.state
+    assert not state.prot[0, 0] and not state.prot[1, 0]
+    assert state.slot_of(0, 0) is not None and state.slot_of(1, 0) is None
+
+
+@pytest.mark.traced
+def test_free_slots_come_first_in_lru_order_before_any_resident(adapter):
+    """FAILS if free slots are ranked like residents (e.g. keyed by the freq/prot of the expert
+    their -1 occupant clips to, flat id 0) instead of first, or if free slots are taken in slot
+    order rather than ``(usage, slot)``: a forgotten slot (usage INT32_MIN) beats lower slots a
+    prefill emptied (usage 0).
+
+    Setup: flat id 0 (layer 0, expert 0) is protected and hotter than its protected neighbour,
+    so a free slot keyed by it would rank after that neighbour."""
+    cache = pair_lfu(adapter, 3, 2, 5)
+    cache.ensure(1, [0, 1])           # slots 0, 1
+    for _ in range(3):
+        cache.ensure(0, [0])          # slot 2: layer 0 expert 0, hot
+    cache.ensure(0, [0, 1])           # slot 3: layer 0 expert 1; both protected
+    cache.ensure(2, [0])              # slot 4
+    cache.forget_slot(4)              # free, usage INT32_MIN
+    cache.begin_prefill()
+    cache.prefetch_prefill_layer(0, (512 * 1024,))  # slots 0, 1 emptied with usage 0
+    state = cache.state
+    assert state.prot[0].all() and state.freq[0, 0] > state.freq[0, 1]
+    assert state.usage.tolist()[:2] == [0, 0] and state.usage[4] == -(2**31)
+    plan = cache.ensure(1, [0, 1])
+    assert plan.valid("dst_slots") == [4, 0]
+
+
+@pytest.mark.traced
+def test_the_kth_installed_miss_takes_the_kth_victim_in_fetch_order(adapter):
+    """FAILS if PAIR_LFU re-pairs misses and victims (e.g. by id) instead of the k-th miss in
+    fetch order taking the k-th victim: recency order installs expert 3 (routed before) first,
+    into the first victim."""
+    cache = pair_lfu(adapter, 2, 4, 4)
+    policy = adapter.Policy.full()
+    cache.ensure_hybrid(1, [3], policy)          # layer 1 expert 3 has recency
+    cache.ensure_hybrid(0, [0, 1, 2, 3], policy)  # fills every slot with layer 0
+    cache.ensure_hybrid(0, [0, 2], policy)        # layer 0: 1 and 3 unprotected, lower freq
+    plan = cache.ensure_hybrid(1, [1, 3], policy)
+    # Victims: layer 0's unprotected experts 3 (slot 0) and 1 (slot 2): equal freq and last use,
+    # so slot order; fetch order: expert 3 (routed before) then expert 1.
+    assert plan.valid("src_rows") == [3, 1]
+    assert plan.valid("dst_slots") == [0, 2]
+
+
+@pytest.mark.traced
+def test_promote_one_still_fires_only_into_a_free_slot(adapter):
+    """FAILS if PAIR_LFU's first victim (a resident when no slot is free) lets PROMOTE_ONE
+    evict: with a full pool the rounded-down miss stays on the CPU; with a forgotten slot it is
+    promoted into that slot."""
+    cache = pair_lfu(adapter, 2, 2, 2)
+    q = adapter.Policy.fraction(0.4)
+    cache.ensure_hybrid(0, [0, 1], adapter.Policy.full())
+    cache.ensure_hybrid(1, [0], q)            # first-time miss: never promoted
+    plan = cache.ensure_hybrid(1, [0], q)      # recurring, but no free slot
+    assert plan.count == 0 and plan.cpu[0]
+    cache.forget_slot(1)
+    plan = cache.ensure_hybrid(1, [0], q)
+    assert plan.valid("dst_slots") == [1] and plan.count == 1
+
+
+@pytest.mark.traced
+def test_materialize_and_forget_leave_the_frequencies_alone(adapter):
+    """FAILS if materialize_layer or forget_slot counts as a routed call (decays or adds to freq,
+    or rewrites prot): only accepted ensure/ensure_hybrid calls feed PAIR_LFU."""
+    cache = pair_lfu(adapter, 2, 2, 4)
+    cache.ensure(0, [0])
+    cache.ensure(1, [1])
+    before = cache.state
+    cache.materialize_layer(1)
+    cache.forget_slot(0)
+    cache.ensure(5, [0])              # refused: ERR_LAYER, nothing changes
+    after = cache.state
+    np.testing.assert_array_equal(after.freq, before.freq)
+    np.testing.assert_array_equal(after.prot, before.prot)
+
+
+def test_reuse_is_refused_with_a_non_lru_eviction_naming_both():
+    """FAILS if REUSE runs under PAIR_LFU (it compares recency with the LRU victim's usage) or if
+    the refusal does not name both the admission and the eviction; jit and reference alike."""
+    state = pc.init(2, 2, 2, eviction="pair_lfu")
+    for call in (lambda: pc.ensure_hybrid(state, 0, jnp.array([0]), pc.FetchPolicy.full(),
+                                          admission="reuse"),
+                 lambda: jax.jit(pc.ensure_hybrid, static_argnames="admission")(
+                     state, 0, jnp.array([0]), pc.FetchPolicy.full(), admission="reuse")):
+        with pytest.raises(ValueError, match="(?i)reuse.*pair_lfu"):
+            call()
+    ref = ReferenceCache(2, 2, 2, eviction="pair_lfu")
+    with pytest.raises(ValueError, match="(?i)reuse.*pair_lfu"):
+        ref.ensure_hybrid(0, [0], ReferencePolicy.full(), admission="reuse")
+    assert ref.step == 0
+
+
+def test_init_validates_the_eviction_and_history():
+    """FAILS if a bad eviction or history is accepted, or if the string form is not accepted."""
+    assert pc.init(1, 1, 1, eviction="PAIR_LFU").eviction is pc.Eviction.PAIR_LFU
+    with pytest.raises(ValueError, match="eviction 'mru'"):
+        pc.init(1, 1, 1, eviction="mru")
+    with pytest.raises(ValueError, match="history"):
+        pc.init(1, 1, 1, history=0)
+    with pytest.raises(TypeError, match="history"):
+        pc.init(1, 1, 1, history=2.0)
+
+
+def test_lru_states_carry_no_extra_leaves_and_keep_their_policy_through_reset_and_rebuild():
+    """FAILS if the default LRU state grows a leaf (the replay's and users' compiled functions,
+    checkpoints and vmapped batches would change) or reset/rebuild drop the policy."""
+    lru = pc.init(2, 3, 4)
+    assert lru.eviction is pc.Eviction.LRU and lru.ranking is None
+    # 16: the fields of docs/semantics.md §3, the traced usable size (§5.15) included.
+    assert len(jax.tree.leaves(lru)) == 16
+    lfu = pc.init(2, 3, 4, eviction=pc.Eviction.PAIR_LFU)
+    assert len(jax.tree.leaves(lfu)) == 18
+    assert jax.tree.structure(lru) != jax.tree.structure(lfu)
+    for state in (pc.reset(lfu), pc.rebuild(lfu, 6)):
+        assert state.eviction is pc.Eviction.PAIR_LFU
+        assert not np.asarray(state.ranking.freq).any()
+
+
+@pytest.mark.parametrize("eviction", ["pair_lfu", "route_knn"])
+@pytest.mark.parametrize("backend", ["xla", "interpret", "pallas"])
+def test_evictions_are_loop_free_on_every_backend(backend, eviction):
+    """FAILS if a policy's ranking or bookkeeping traces to a ``while`` outside a kernel."""
+    state = pc.init(4, 16, 32, eviction=eviction)
+    for admission in ("promote_one", "none"):
+        prims = primitives(trace(lambda s, l, r: pc.ensure_hybrid(
+            s, l, r, pc.FetchPolicy.fraction(0.4), admission=admission, backend=backend),
+            state, jnp.int32(1), jnp.arange(8, dtype=jnp.int32)))
+        assert "while" not in prims
+    prims = primitives(trace(lambda s, l, r: pc.ensure(s, l, r, backend=backend), state,
+                             jnp.int32(1), jnp.arange(8, dtype=jnp.int32)))
+    assert "while" not in prims
+
+
+def test_describe_shows_the_pair_lfu_key_of_each_resident():
+    """FAILS if describe under PAIR_LFU hides the ranking a victim is chosen by (prot, freq), or
+    if diff compares states of different policies."""
+    state = pc.init(2, 2, 3, eviction="pair_lfu")
+    state, _ = pc.ensure(state, 0, jnp.array([0, 1]))
+    state, _ = pc.ensure(state, 1, jnp.array([1]))
+    view = pc.describe(state)
+    assert "eviction=pair_lfu" in str(view)
+    rows = {(r.layer, r.expert): r for r in view.rows if r.layer is not None}
+    assert rows[(1, 1)].prot and rows[(1, 1)].freq == 65536
+    assert rows[(0, 0)].prot and rows[(0, 0)].freq == 65536
+    assert "freq" in str(view) and "prot" in str(view)
+    assert pc.describe(pc.init(2, 2, 3)).rows[0].freq is None
+    with pytest.raises(ValueError, match="pair_lfu.*lru|lru.*pair_lfu"):
+        pc.diff(state, pc.init(2, 2, 3))
+
+
+# ---- the replay ----------------------------------------------------------------------------
+
+
+def test_the_replay_sweeps_the_eviction_and_matches_the_reference():
+    """FAILS if the replay's PAIR_LFU lanes (one vmapped program, rules as data, chunked scan)
+    count differently from the reference cache called one layer-call at a time, if LRU lanes
+    change, or if a result lacks its eviction."""
+    from pallas_cache.sizing.sweep import ReplayConfig, replay
+    from pallas_cache.sizing.synthetic import synthetic_trace
+
+    trace = synthetic_trace("mixtral-realistic", num_tokens=24, seed=1)
+    configs = [ReplayConfig(96, policy, eviction=eviction)
+               for eviction in ("lru", "pair_lfu", "route_knn") for policy in ("full", "fraction:0.4")]
+    results = replay(trace, configs, bounds=False, chunk_calls=256, progress=lambda s: None)
+    for config, result in zip(configs, results):
+        ref = ReferenceCache(trace.num_layers, trace.num_experts, 96, eviction=config.eviction)
+        policy = (ReferencePolicy.full() if config.policy == "full"
+                  else ReferencePolicy.fraction(0.4))
+        for layer, routes in trace:
+            ref.ensure_hybrid(layer, routes, policy)
+        counts = ref.stats()
+        assert result.eviction == config.eviction
+        assert (result.active, result.missing, result.fetched) == (
+            counts.active, counts.missing, counts.fetched), config
+    by = {(r.eviction, r.policy): r.hit_rate for r in results}
+    assert by[("lru", "full")] != by[("pair_lfu", "full")] != by[("route_knn", "full")]
+
+
+def test_the_cli_sweeps_evictions_and_refuses_reuse_with_pair_lfu(capsys):
+    """FAILS if ``--eviction`` is not swept (a JSON ``eviction`` key on every row, REUSE rows only
+    for LRU), or if asking for REUSE with PAIR_LFU alone does not fail with one line."""
+    import json
+
+    from pallas_cache.sizing import cli
+
+    small = ["replay", "--synthetic", "mixtral-like", "--tokens", "6", "--cache-size", "64",
+             "--policy", "fraction:0.4"]
+    assert cli.main(small + ["--admission", "promote_one", "reuse", "--eviction", "lru",
+                             "pair_lfu", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert sorted((r["eviction"], r["admission"]) for r in rows) == [
+        ("lru", "promote_one"), ("lru", "reuse"), ("pair_lfu", "promote_one")]
+    assert cli.main(small + ["--admission", "reuse", "--eviction", "pair_lfu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "reuse" in err and "pair_lfu" in err
+
+
+# ---- ROUTE_KNN -----------------------------------------------------------------------------
+
+ROUTE_KNN = "route_knn"
+
+
+@given(data=st.data())
+def test_route_knn_eager_matches_the_reference_after_every_step(data):
+    """FAILS if any op, ``start_token`` included, disagrees with the reference in any state
+    field (the ring as bits, similarities, head, count, last layer) or plan field."""
+    run_lockstep(data, "jax-eager", eviction=ROUTE_KNN)
+
+
+@given(data=st.data())
+def test_route_knn_jitted_matches_the_reference_after_every_step(data):
+    """As above, every op under an outer jit with a traced layer/slot."""
+    run_lockstep(data, "jax-jit", eviction=ROUTE_KNN)
+
+
+def test_route_knn_in_a_scan_and_vmapped_equals_the_reference():
+    """FAILS if ROUTE_KNN's ring, token detection or ranking differ inside ``lax.scan`` with a
+    traced layer, or across the lanes of a ``vmap`` (each lane its own trace), from the
+    reference called one layer-call at a time; a rebase threshold is crossed on the way."""
+    L, E, S, K, lanes, W = 4, 6, 10, 2, 3, 5
+    rng = np.random.default_rng(8)
+    layers = np.tile(np.arange(L, dtype=np.int32), 30)[None].repeat(lanes, 0)
+    layers[:, 7] = 0  # a token cut short
+    routes = np.stack([[rng.choice(E, K, replace=False) for _ in range(layers.shape[1])]
+                       for _ in range(lanes)]).astype(np.int32)
+    policy = pc.FetchPolicy.fraction(0.75)
+
+    @jax.jit
+    def loop(state, layers, routes):
+        def body(s, xs):
+            return pc.ensure_hybrid(s, xs[0], xs[1], policy)
+        return jax.lax.scan(body, state, (layers, routes))
+
+    state = pc.init(L, E, S, eviction=ROUTE_KNN, history=W, rebase_threshold=50)
+    states = jax.tree.map(lambda *x: jnp.stack(x), *[state] * lanes)
+    states, plans = jax.vmap(loop)(states, jnp.asarray(layers), jnp.asarray(routes))
+    for i in range(lanes):
+        ref = ReferenceCache(L, E, S, eviction=ROUTE_KNN, history=W, rebase_threshold=50)
+        for t in range(layers.shape[1]):
+            want = ref.ensure_hybrid(int(layers[i, t]), routes[i, t], ReferencePolicy.fraction(0.75))
+            got = jax.tree.map(lambda x: x[i, t], plans)
+            assert_same_plan(ensure_view(got), ensure_view(want), f"lane {i} call {t}")
+        assert_same_state(state_view(jax.tree.map(lambda x: x[i], states)), state_view(ref),
+                          f"lane {i}")
+        assert ref.token > W and ref.step < 50
+
+
+@pytest.mark.traced
+def test_route_knn_without_history_is_plain_lru(adapter):
+    """FAILS if the predicted next use does not vanish with no past token (``NU = K'·d(m) +
+    ...`` with ``K' = 0``): e.g. ``d(m)`` counted without the ``K'`` factor would evict the
+    layer called last instead of the least recently used. All calls are token 0 (layers
+    increase), so every victim must be the LRU victim."""
+    lru = adapter.init(4, 2, 2)
+    knn = adapter.init(4, 2, 2, eviction=ROUTE_KNN)
+    for layer in range(4):
+        a, b = lru.ensure(layer, [layer % 2]), knn.ensure(layer, [layer % 2])
+        assert a.valid("dst_slots") == b.valid("dst_slots")
+    assert knn.state.count == 1  # still the first token
+    assert knn.state.slot_of(2, 0) is not None and knn.state.slot_of(3, 1) is not None
+
+
+@pytest.mark.traced
+def test_similarities_realign_at_each_token_start(adapter):
+    """FAILS if a token start does not recompute ``sim_j`` from the *previous* tokens aligned
+    (``R[j-1] & R[T-1]``, 0 when ``j-1`` left the ring): carried-over sims, or ``R[j] & R[T-1]``,
+    give other numbers. Tokens 0 and 1 route identically (2 matches), token 2 starts."""
+    cache = adapter.init(2, 3, 3, eviction=ROUTE_KNN, history=4)
+    for _ in range(2):
+        cache.ensure(0, [0])
+        cache.ensure(1, [1])
+    assert cache.state.sim.tolist() == [2 * 2, 0, 0, 0]  # token 0 vs the current token 1
+    cache.ensure(0, [2])  # token 2 starts: sim_1 = |R[0] & R[1]| = 2, sim_0 = 0 (no token -1)
+    assert cache.state.head == 2
+    assert cache.state.sim.tolist() == [0, 2, 0, 0]
+    cache.ensure(1, [1])  # + 2 * |R[j, 1] & {1}| for both past tokens
+    assert cache.state.sim.tolist() == [2, 4, 0, 0]
+    cache.ensure(0, [1])  # token 3: sim_2 = |R[1] & R[2]| = 1, sim_1 = |R[0] & R[2]| = 1
+    assert cache.state.sim.tolist() == [0, 1, 1, 0]
+
+
+@pytest.mark.traced
+def test_neighbour_ties_go_to_the_latest_token(adapter):
+    """FAILS if neighbours tie to the older token (or to the ring position): at the last call
+    the four past tokens have sims (2, 0, 1, 0); tokens 1 and 3 tie for the third neighbour,
+    and only the latest (token 3) predicts that layer 0's expert 1 is needed last, so it goes
+    (slot 0); with token 1 the victim is slot 1."""
+    cache = adapter.init(2, 3, 3, eviction=ROUTE_KNN, history=8)
+    calls = [(0, 0), (1, 1), (0, 2), (1, 2), (0, 1), (1, 2), (0, 2), (1, 0)]
+    for layer, expert in calls:
+        cache.ensure(layer, [expert])
+    plan = cache.ensure(0, [0])
+    assert cache.state.sim.tolist()[:4] == [2, 0, 1, 0]
+    assert plan.valid("dst_slots") == [0]
+
+
+@pytest.mark.traced
+def test_start_token_starts_a_token_the_layers_do_not_show(adapter):
+    """FAILS if ``start_token`` is ignored (a token calling only layer 1 after one calling only
+    layer 0 would merge with it) or if it changes an LRU or PAIR_LFU state."""
+    cache = adapter.init(2, 2, 2, eviction=ROUTE_KNN, history=3)
+    cache.ensure(0, [0])
+    cache.start_token()
+    cache.ensure(1, [1])
+    assert (int(cache.state.head), int(cache.state.count)) == (1, 2)
+    for eviction in (None, PAIR_LFU):
+        other = adapter.init(2, 2, 2, eviction=eviction)
+        other.ensure(0, [0])
+        before = other.state
+        other.start_token()
+        assert_same_state(other.state, before, eviction)
