@@ -126,7 +126,7 @@ def measure_steps(repeats):
     policy = pc.FetchPolicy.fraction(FRACTION)
     real = (ops.backends.select_victims, ops._misses_in_fetch_order, ops.clock.rebase_if_due)
 
-    def no_victims(usage, step, n, *, num_out, backend="xla"):
+    def no_victims(usage, step, n, *, num_out, backend="xla", cache_size=None):
         return lax.iota(jnp.int32, num_out) + (usage[0] & 0)
 
     def no_order(flat_routes, is_route, miss, *rest):
