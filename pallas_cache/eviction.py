@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_cache.kernels.dispatch import first_in_order
+from pallas_cache import validate
 from pallas_cache.tree import pytree_dataclass
 from pallas_cache.validate import INT32_MAX
 
@@ -51,15 +52,7 @@ class Eviction(enum.Enum):
 
     @classmethod
     def coerce(cls, value) -> "Eviction":
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, str):
-            try:
-                return cls(value.lower())
-            except ValueError:
-                pass
-        choices = ", ".join(f"{cls.__name__}.{m.name}" for m in cls)
-        raise ValueError(f"unknown eviction {value!r}; expected one of {choices}")
+        return validate.coerce_enum(cls, value, "eviction")
 
 
 @pytree_dataclass

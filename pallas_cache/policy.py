@@ -42,7 +42,7 @@ class FetchOrder(enum.Enum):
 
     @classmethod
     def coerce(cls, value) -> "FetchOrder":
-        return _coerce_enum(cls, value, "order")
+        return validate.coerce_enum(cls, value, "order")
 
 
 class Admission(enum.Enum):
@@ -54,19 +54,7 @@ class Admission(enum.Enum):
 
     @classmethod
     def coerce(cls, value) -> "Admission":
-        return _coerce_enum(cls, value, "admission")
-
-
-def _coerce_enum(cls, value, what):
-    if isinstance(value, cls):
-        return value
-    if isinstance(value, str):
-        try:
-            return cls(value.lower())
-        except ValueError:
-            pass
-    choices = ", ".join(f"{cls.__name__}.{m.name}" for m in cls)
-    raise ValueError(f"unknown {what} {value!r}; expected one of {choices}")
+        return validate.coerce_enum(cls, value, "admission")
 
 
 @pytree_dataclass

@@ -24,6 +24,7 @@ __all__ = [
     "as_host_int",
     "as_index",
     "as_routes",
+    "coerce_enum",
     "is_int",
     "narrow_to_int32",
     "positive_int",
@@ -49,6 +50,20 @@ def as_host_int(name: str, value) -> int:
     except TypeError:
         kind = type(value).__name__
         raise TypeError(f"{name} must be an integer, got {value!r} ({kind})") from None
+
+
+def coerce_enum(cls, value, what: str):
+    """``value`` as a member of the string enum ``cls`` (a member, or its value in any case);
+    anything else raises ValueError naming ``what`` and the choices."""
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, str):
+        try:
+            return cls(value.lower())
+        except ValueError:
+            pass
+    choices = ", ".join(f"{cls.__name__}.{m.name}" for m in cls)
+    raise ValueError(f"unknown {what} {value!r}; expected one of {choices}")
 
 
 def positive_int(name: str, value) -> int:

@@ -1031,16 +1031,21 @@ def load_array_trace(path: str | os.PathLike, *, num_layers: int | None = None,
     declared_layers = _optional_positive_int(num_layers, "num_layers")
     declared_experts = _optional_positive_int(num_experts, "num_experts")
     limit = resolve_memory_limit(max_memory)
+    members = _array_file_members(path_str)
+    for member in members:
+        _check_member(member)
+    return _assemble_dense(members, path_str, declared_layers, declared_experts, limit,
+                           names=len(members) > 1)
+
+
+def _array_file_members(path_str: str):
+    """The arrays of one ``.npz`` (by its zip magic) or ``.npy`` file, headers only."""
     try:
         with open(path_str, "rb") as handle:
             magic = handle.read(2)
     except OSError as exc:
         raise TraceError(f"{path_str}: cannot open trace file: {exc.strerror or exc}") from exc
-    members = _npz_members(path_str) if magic == _ZIP_MAGIC else _npy_members(path_str)
-    for member in members:
-        _check_member(member)
-    return _assemble_dense(members, path_str, declared_layers, declared_experts, limit,
-                           names=len(members) > 1)
+    return _npz_members(path_str) if magic == _ZIP_MAGIC else _npy_members(path_str)
 
 
 def load_vllm_trace(path: str | os.PathLike, *, num_layers: int | None = None,
@@ -1080,12 +1085,7 @@ def load_vllm_trace(path: str | os.PathLike, *, num_layers: int | None = None,
                    for member in _npy_members(os.path.join(path_str, name), name[:-4],
                                               os.path.join(path_str, name))]
     else:
-        try:
-            with open(path_str, "rb") as handle:
-                magic = handle.read(2)
-        except OSError as exc:
-            raise TraceError(f"{path_str}: cannot open trace file: {exc.strerror or exc}") from exc
-        members = _npz_members(path_str) if magic == _ZIP_MAGIC else _npy_members(path_str)
+        members = _array_file_members(path_str)
     for member in members:
         _check_member(member, tokens="gen_len", empty_tokens=True)
         if member.shape[1:] != members[0].shape[1:]:
