@@ -81,6 +81,16 @@ def adapters_for(definition):
     return tuple(name for name in ADAPTERS if name in ("reference", "jax-eager") or name in added)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drop JAX's compiled programs after each test module. The suite compiles thousands of
+    small programs (the eager and jit adapters per geometry and option); kept for the whole
+    session they exhaust the process's memory mappings (``vm.max_map_count``, 65530 by default)
+    and XLA's compiler crashes late in the run."""
+    yield
+    jax.clear_caches()
+
+
 def pytest_generate_tests(metafunc):
     if "adapter" in metafunc.fixturenames:
         metafunc.parametrize("adapter", adapters_for(metafunc.definition), indirect=True)
