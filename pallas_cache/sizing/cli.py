@@ -1,8 +1,8 @@
 """The ``pallas-cache`` command: size an expert cache by replaying routing traces.
 
-``pallas-cache replay`` with no arguments replays the embedded synthetic ``mixtral-like`` trace
-through a grid of cache sizes and policies and prints, for each configuration, the hit rate next
-to the offline bounds; given an expert size (``--model`` or ``--expert-bytes``) and the two
+``pallas-cache replay`` with no arguments replays the embedded synthetic ``mixtral-realistic``
+trace through a grid of cache sizes and policies and prints, for each configuration, the hit rate
+next to the offline bounds; given an expert size (``--model`` or ``--expert-bytes``) and the two
 bandwidths it also prints bytes and modeled milliseconds per token and the best configuration
 (docs/semantics.md §11). ``pallas-cache scenarios`` prints the seed-000 promotion table computed
 by the library. The console script (:func:`console_main`) keeps JAX's compiled programs in the
@@ -31,7 +31,7 @@ from pallas_cache.sizing.traces import (FIELD_KEYS, TRACE_FORMATS, TraceError, c
                                        default_memory_limit, load_trace, parse_fields)
 from pallas_cache.sizing.units import format_bandwidth, format_bytes, parse_bandwidth, parse_bytes
 
-DEFAULT_PRESET = "mixtral-like"
+DEFAULT_PRESET = "mixtral-realistic"
 DEFAULT_POLICIES = ("full", "fraction:0.4")
 #: The default policies once both bandwidths are known: the balanced split joins them.
 DEFAULT_TIMED_POLICIES = ("full", "fraction:auto", "fraction:0.4")
@@ -47,7 +47,7 @@ REPLAY_HELP = r"""
 Replay a routing trace through a grid of cache configurations and report, for each one, how
 often the routed experts were already on the device.
 
-  pallas-cache replay                                   # the embedded mixtral-like trace
+  pallas-cache replay                                   # the embedded mixtral-realistic trace
   pallas-cache replay --model mixtral-8x7b --link-bandwidth 25GB/s --cpu-bandwidth 60GB/s
   pallas-cache replay --model mixtral-8x7b:fp8 --cache-size 12GiB 24GiB --device-budget 20GiB \
                       --link-bandwidth 25GB/s --cpu-bandwidth 60GB/s
