@@ -160,6 +160,33 @@ def test_hostile_trace_through_the_cli_is_one_line(tmp_path, capsys, no_replay):
     assert "t.jsonl:2: field 'layer': layer 10000000 is an outlier" in line
 
 
+def test_a_ctrl_c_swallowed_inside_the_replay_still_interrupts(tmp_path, capsys, monkeypatch):
+    """FAILS if a SIGINT whose KeyboardInterrupt is swallowed inside the replay (a callback of
+    XLA's compiler can swallow it) lets the run go on to print its table and write its plot:
+    under load the real-SIGINT test below once saw exit status 0 and a plot written."""
+    import signal
+    import time
+
+    real_replay = replay_mod.replay
+
+    def swallowing_replay(*args, **kwargs):
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(200):  # the handler runs at the next bytecode of this thread
+                time.sleep(0.005)
+        except KeyboardInterrupt:
+            pass
+        return real_replay(*args, **kwargs)
+
+    monkeypatch.setattr(replay_mod, "replay", swallowing_replay)
+    target = tmp_path / "plot.png"
+    assert cli.main(SMALL + ["--plot", str(target)]) == 130
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.strip().splitlines()[-1] == "pallas-cache: interrupted"
+    assert os.listdir(tmp_path) == []
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+
+
 def test_a_real_sigint_during_the_replay_exits_130_without_a_traceback(tmp_path):
     """FAILS if SIGINT during a running replay ends in a KeyboardInterrupt traceback (the
     40-82 lines seen before) or leaves a plot file: the whole process, as a user runs it."""

@@ -18,9 +18,11 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import signal
 import sys
 import tempfile
 import textwrap
+import threading
 
 from pallas_cache.sizing import synthetic
 from pallas_cache.sizing.cost import CostModel
@@ -445,15 +447,71 @@ def _plot(rows, path: str) -> None:
     _write_atomically(path, lambda temp: figure.savefig(temp, dpi=120, format=extension))
 
 
+class _InterruptLatch:
+    """Ctrl-C that is never lost. Python raises ``KeyboardInterrupt`` at the next bytecode of the
+    main thread, which may run inside a callback of XLA's compiler that swallows it (a SIGINT
+    during the first compile once let the replay finish and write its plot). The latch also
+    records the signal, and :meth:`check` raises again wherever the CLI looks (every progress
+    report, and before any output is written). Installed only over Python's default handler, in
+    the main thread."""
+
+    def __init__(self):
+        self.fired = False
+        self._previous = None
+
+    def __enter__(self):
+        if (threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc_info):
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+        return False
+
+    def _handle(self, signum, frame):
+        self.fired = True
+        raise KeyboardInterrupt
+
+    def check(self) -> None:
+        if self.fired:
+            raise KeyboardInterrupt
+
+
+class _Checked(Progress):
+    """A :class:`Progress` that checks the interrupt latch at every report."""
+
+    def __init__(self, inner: Progress, latch: _InterruptLatch):
+        self.inner, self.latch = inner, latch
+
+    def phase(self, line, total):
+        self.latch.check()
+        self.inner.phase(line, total)
+
+    def update(self, done, status=""):
+        self.latch.check()
+        self.inner.update(done, status)
+
+    def note(self, line):
+        self.latch.check()
+        self.inner.note(line)
+
+    def close(self):
+        self.inner.close()
+
+
 def _replay(args) -> int:
-    progress = Progress() if args.quiet else Bar(sys.stderr, prefix="pallas-cache: ")
-    try:
-        return _replay_with(args, progress)
-    finally:  # after an error or Ctrl-C too: the last line starts on a line of its own
-        progress.close()
+    with _InterruptLatch() as latch:
+        progress = _Checked(Progress() if args.quiet else
+                            Bar(sys.stderr, prefix="pallas-cache: "), latch)
+        try:
+            return _replay_with(args, progress, latch)
+        finally:  # after an error or Ctrl-C too: the last line starts on a line of its own
+            progress.close()
 
 
-def _replay_with(args, progress: Progress) -> int:
+def _replay_with(args, progress: Progress, latch: _InterruptLatch) -> int:
     from pallas_cache.sizing.sweep import config_grid, replay  # jax import deferred until needed
 
     try:
@@ -492,6 +550,7 @@ def _replay_with(args, progress: Progress) -> int:
     if model is not None and _model_mismatch(model, trace):
         print(_model_mismatch(model, trace), file=sys.stderr)
     results = replay(trace, configs, cost=cost, progress=progress)
+    latch.check()  # nothing is written after a Ctrl-C, even one a compile callback swallowed
     fmt = args.format or ("json" if args.json else "table")
     rows = records(results, trace, cost)
     if fmt != "table":
