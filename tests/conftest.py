@@ -59,6 +59,14 @@ PROFILE = os.environ.get("PALLAS_CACHE_PROFILE", "ci")
 os.environ["PALLAS_CACHE_NO_COMPILE_CACHE"] = "1"
 settings.load_profile(PROFILE)
 
+
+def examples(share: float) -> settings:
+    """Settings that run ``share`` of the loaded profile's examples (at least 4). For the
+    cross-product lockstep runs (every eviction policy x capacity x resize): each repeats, under
+    one more option, what tests/test_lockstep.py checks rule by rule, so the ``ci`` profile runs a
+    few of each (the suite stays within its time budget) and ``deep`` runs ``share`` x 1000."""
+    return settings(max_examples=max(4, round(settings.default.max_examples * share)))
+
 ADAPTERS = ("reference", "jax-eager", "jax-jit", "jax-interpret")
 #: Which marker adds which adapter to the two every adapter test runs on (the deep profile: all).
 MARKED_ADAPTERS = {"traced": "jax-jit", "kernels": "jax-interpret"}
