@@ -40,6 +40,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import queue
+import threading
 from typing import Callable, Iterable, Sequence
 
 import jax
@@ -263,10 +265,11 @@ def _stack(trees):
 
 
 @functools.lru_cache(maxsize=None)
-def _program(lru: bool = True):
+def _program(lru: bool = True, platform: str = "cpu"):
     """The jitted chunk program: every lane of one bucket (and eviction policy, a static part of
     the state) over one chunk of calls. ``lru=False``: the REUSE path, which a non-LRU eviction
-    refuses, is left out (no lane of such a group runs it).
+    refuses, is left out (no lane of such a group runs it). ``platform``: the devices' platform
+    (``"cpu"`` adds XLA:CPU options).
 
     Args (of the returned function): ``(states, cpu_routes, pairs, policies, rules)`` batched
     over the configurations, and the chunk's ``layers [C]`` and ``routes [C, K]``. ``pairs``
@@ -295,7 +298,17 @@ def _program(lru: bool = True):
             states, cpu_routes, pairs, policies, rules, layers, routes)
         return states, cpu_routes, pairs, policies, rules
 
-    return jax.jit(_replay_chunk, donate_argnums=0)
+    # XLA:CPU's default copy insertion keeps about five full copies of the state's [lanes, L*E]
+    # and [lanes, C] arrays per scanned call (each in-place update of a buffer another op of the
+    # step still reads); its region analysis proves them unnecessary and removes them all, a
+    # quarter to a third of the step (benchmarks/RESULTS.md, sweep_2m). Same program, same
+    # results; a CPU-only option, so other backends compile as before.
+    options = _CPU_OPTIONS if platform == "cpu" else None
+    return jax.jit(_replay_chunk, donate_argnums=0, compiler_options=options)
+
+
+#: XLA options of the CPU chunk program (see :func:`_program`).
+_CPU_OPTIONS = {"xla_cpu_copy_insertion_use_region_analysis": True}
 
 
 def _shard(tree, mesh):
@@ -359,10 +372,8 @@ def replay(
     routes = np.concatenate(
         [routes.astype(np.int32), np.full((padded - num_calls, routes.shape[1]), -1, np.int32)])
     num_routes = int((routes >= 0).sum())
-    num_tokens = trace.num_tokens
     pair_side = min(trace.top_k, trace.num_experts) + 1  # fetched, cpu_experts in [0, K']
 
-    results: dict[int, ReplayResult] = {}
     keys = [_lane_key(config) for config in configs]
     sizes = sorted({c.cache_size for c in configs})
     buckets = capacity_buckets(sizes, bucket_ratio)
@@ -376,6 +387,32 @@ def replay(
     report.phase(f"compiling {programs} program{'s' if programs != 1 else ''} for "
                  f"{len(configs)} configuration{'s' if len(configs) != 1 else ''} "
                  f"({num_calls} layer-calls)...", total_work)
+    # The offline optima need only the trace: they run on a second thread while the scan runs
+    # (pure Python holding the GIL, against compiled XLA code that releases it), so on two cores
+    # they cost no wall time; their progress is replayed as its own phase after the scan.
+    optima = _OptimaThread(trace, sizes) if bounds else None
+    try:
+        results = _replay_groups(trace, configs, keys, groups, layers, routes, num_calls,
+                                 num_chunks, chunk_calls, num_routes, pair_side, mesh, width,
+                                 report, total_work, devices[0].platform)
+    except BaseException:
+        if optima is not None:
+            optima.cancel()
+        raise
+    ordered = [results[i] for i in range(len(configs))]
+    if optima is not None:
+        # The bounds depend on the size only: computed once per size, whatever the evictions.
+        bound_rows = optima.report_to(report)
+        ordered = [dataclasses.replace(r, **bound_rows[r.cache_size]) for r in ordered]
+    report.close()
+    return _with_costs(ordered, cost)
+
+
+def _replay_groups(trace, configs, keys, groups, layers, routes, num_calls, num_chunks,
+                   chunk_calls, num_routes, pair_side, mesh, width, report, total_work, platform):
+    """The scan of :func:`replay`: ``{config index: ReplayResult}`` without the bounds."""
+    num_tokens = trace.num_tokens
+    results: dict[int, ReplayResult] = {}
     done = 0
     for bucket, eviction in groups:
         # One program for every size of the bucket: the capacity is its largest size, each lane
@@ -396,9 +433,10 @@ def replay(
         )
         batch = _shard(batch, mesh)
         sizes_text = ",".join(str(size) for size in bucket)
+        program = _program(eviction == Eviction.LRU.value, platform)
         for chunk in range(num_chunks):
             window = slice(chunk * chunk_calls, (chunk + 1) * chunk_calls)
-            batch = _program(eviction == Eviction.LRU.value)(
+            batch = program(
                 batch, jnp.asarray(layers[window]), jnp.asarray(routes[window]))
             done += 1
             policy_text = "" if eviction == Eviction.LRU.value else f" eviction={eviction}"
@@ -440,33 +478,69 @@ def replay(
                 note=_note(size, trace),
                 eviction=eviction,
             )
-    ordered = [results[i] for i in range(len(configs))]
-    if bounds:
-        # The bounds depend on the size only: computed once per size, whatever the evictions.
-        optima = _optima(trace, sizes, report)
-        ordered = [dataclasses.replace(r, **optima[r.cache_size]) for r in ordered]
-    report.close()
-    return _with_costs(ordered, cost)
+    return results
 
 
-def _optima(trace: Trace, sizes: list[int], report: Progress) -> dict:
-    """``{size: {bound field: hit rate}}`` of the three bounds, reported as one phase."""
-    passes = 2 * len(sizes)  # the two optima per size (the oracle is a histogram: no time)
-    report.phase(f"offline optima (Belady, bypass) for {len(sizes)} cache "
-                 f"size{'s' if len(sizes) != 1 else ''}...", 1000 * passes)
-    optima = {}
-    for index, size in enumerate(sizes):
-        hit_rates = []
-        for step, (name, bound) in enumerate((("belady", belady_lib.belady),
-                                              ("bypass optimum", bypass_optimum))):
-            base = 1000 * (2 * index + step)
-            status = f"{name} cache_size={size}"
-            hit_rates.append(bound(trace, size, progress=lambda done, total: report.update(
-                base + 1000 * done // max(total, 1), status)).hit_rate)
-        optima[size] = dict(
-            belady_hit_rate=hit_rates[0], bypass_optimum_hit_rate=hit_rates[1],
-            oracle_hit_rate=belady_lib.stationary_oracle(trace, size).mean_hit_rate)
-    return optima
+class _Cancelled(Exception):
+    """Raised inside the optima thread when the replay failed and no one will read them."""
+
+
+class _OptimaThread:
+    """The three bounds of every size, computed on a background thread.
+
+    The thread queues each progress event; :meth:`report_to` replays them, in order, as one
+    phase of ``report`` (the same events a sequential pass would report, so a terminal bar and a
+    log read the same), then returns ``{size: {bound field: hit rate}}`` or raises what the
+    thread raised.
+    """
+
+    def __init__(self, trace: Trace, sizes: list[int]):
+        self.sizes = sizes
+        self.events: queue.SimpleQueue = queue.SimpleQueue()
+        self.cancelled = False
+        self.thread = threading.Thread(target=self._run, args=(trace,), daemon=True,
+                                       name="pallas-cache-optima")
+        self.thread.start()
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+    def _update(self, done: int, status: str) -> None:
+        if self.cancelled:
+            raise _Cancelled
+        self.events.put(("update", done, status))
+
+    def _run(self, trace: Trace) -> None:
+        try:
+            optima = {}
+            for index, size in enumerate(self.sizes):
+                hit_rates = []
+                for step, (name, bound) in enumerate((("belady", belady_lib.belady),
+                                                      ("bypass optimum", bypass_optimum))):
+                    base = 1000 * (2 * index + step)
+                    status = f"{name} cache_size={size}"
+                    hit_rates.append(bound(trace, size, progress=lambda done, total: self._update(
+                        base + 1000 * done // max(total, 1), status)).hit_rate)
+                optima[size] = dict(
+                    belady_hit_rate=hit_rates[0], bypass_optimum_hit_rate=hit_rates[1],
+                    oracle_hit_rate=belady_lib.stationary_oracle(trace, size).mean_hit_rate)
+            self.events.put(("done", optima, None))
+        except BaseException as error:  # noqa: BLE001 - handed to the main thread
+            self.events.put(("error", error, None))
+
+    def report_to(self, report: Progress) -> dict:
+        """Wait for the bounds, reporting their progress as one phase of ``report``."""
+        passes = 2 * len(self.sizes)  # two optima per size (the oracle is a histogram: no time)
+        report.phase(f"offline optima (Belady, bypass) for {len(self.sizes)} cache "
+                     f"size{'s' if len(self.sizes) != 1 else ''}...", 1000 * passes)
+        while True:
+            kind, value, status = self.events.get()
+            if kind == "update":
+                report.update(value, status)
+            elif kind == "error":
+                raise value
+            else:
+                return value
 
 
 def _note(size: int, trace: Trace) -> str:
