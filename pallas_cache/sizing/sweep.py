@@ -382,38 +382,59 @@ def replay(
     # own program; sizes, policies, orders and admissions are lanes.
     groups = [(bucket, eviction) for bucket in buckets for eviction in
               sorted({key.eviction for key in keys if key.cache_size in bucket})]
-    total_work = num_chunks * len(groups)
     programs = len(groups)
     report.phase(f"compiling {programs} program{'s' if programs != 1 else ''} for "
                  f"{len(configs)} configuration{'s' if len(configs) != 1 else ''} "
-                 f"({num_calls} layer-calls)...", total_work)
+                 f"({num_calls} layer-calls)...", num_chunks * programs)
     # The offline optima need only the trace: they run on a second thread while the scan runs
     # (pure Python holding the GIL, against compiled XLA code that releases it), so on two cores
-    # they cost no wall time; their progress is replayed as its own phase after the scan.
-    optima = _OptimaThread(trace, sizes) if bounds else None
+    # they cost no wall time; their progress is replayed as its own phase after the scan. The
+    # thread starts once every program is compiled: tracing is Python too, and would share the
+    # GIL with it (measured: the first compile took twice as long).
+    optima: list = []
+
+    def start_optima():
+        if bounds:
+            optima.append(_OptimaThread(trace, sizes))
+
     try:
         results = _replay_groups(trace, configs, keys, groups, layers, routes, num_calls,
                                  num_chunks, chunk_calls, num_routes, pair_side, mesh, width,
-                                 report, total_work, devices[0].platform)
+                                 report, devices[0].platform, start_optima)
     except BaseException:
-        if optima is not None:
-            optima.cancel()
+        for thread in optima:
+            thread.cancel()
         raise
     ordered = [results[i] for i in range(len(configs))]
-    if optima is not None:
+    for thread in optima:
         # The bounds depend on the size only: computed once per size, whatever the evictions.
-        bound_rows = optima.report_to(report)
+        bound_rows = thread.report_to(report)
         ordered = [dataclasses.replace(r, **bound_rows[r.cache_size]) for r in ordered]
     report.close()
     return _with_costs(ordered, cost)
 
 
 def _replay_groups(trace, configs, keys, groups, layers, routes, num_calls, num_chunks,
-                   chunk_calls, num_routes, pair_side, mesh, width, report, total_work, platform):
-    """The scan of :func:`replay`: ``{config index: ReplayResult}`` without the bounds."""
+                   chunk_calls, num_routes, pair_side, mesh, width, report, platform, compiled):
+    """The scan of :func:`replay`: ``{config index: ReplayResult}`` without the bounds.
+
+    Every group's first chunk runs first (each compiles its program), then ``compiled()`` is
+    called, then the groups' other chunks run, one group after the other.
+    """
     num_tokens = trace.num_tokens
     results: dict[int, ReplayResult] = {}
     done = 0
+
+    def run(program, batch, chunk, status):
+        nonlocal done
+        window = slice(chunk * chunk_calls, (chunk + 1) * chunk_calls)
+        batch = program(batch, jnp.asarray(layers[window]), jnp.asarray(routes[window]))
+        done += 1
+        report.update(done, f"{status} calls {min((chunk + 1) * chunk_calls, num_calls)}"
+                            f"/{num_calls}")
+        return batch
+
+    started = []
     for bucket, eviction in groups:
         # One program for every size of the bucket: the capacity is its largest size, each lane
         # has its own traced usable size (docs/semantics.md §5.15), and configurations that
@@ -432,16 +453,17 @@ def _replay_groups(trace, configs, keys, groups, layers, routes, num_calls, num_
             _stack([Rules.of(True, key.order, key.admission) for key in lanes]),
         )
         batch = _shard(batch, mesh)
-        sizes_text = ",".join(str(size) for size in bucket)
+        status = "cache_size=" + ",".join(str(size) for size in bucket) + (
+            "" if eviction == Eviction.LRU.value else f" eviction={eviction}")
         program = _program(eviction == Eviction.LRU.value, platform)
-        for chunk in range(num_chunks):
-            window = slice(chunk * chunk_calls, (chunk + 1) * chunk_calls)
-            batch = program(
-                batch, jnp.asarray(layers[window]), jnp.asarray(routes[window]))
-            done += 1
-            policy_text = "" if eviction == Eviction.LRU.value else f" eviction={eviction}"
-            report.update(done, f"cache_size={sizes_text}{policy_text} calls "
-                                f"{min((chunk + 1) * chunk_calls, num_calls)}/{num_calls}")
+        started.append([bucket, eviction, unique, program, run(program, batch, 0, status),
+                        status])
+    compiled()
+    for entry in started:
+        bucket, eviction, unique, program, batch, status = entry
+        entry[4] = None  # the group's state lives in `batch` only (donated chunk by chunk)
+        for chunk in range(1, num_chunks):
+            batch = run(program, batch, chunk, status)
 
         states, cpu_routes, pairs = jax.device_get(batch[:3])
         for index, config in enumerate(configs):
