@@ -57,7 +57,9 @@ def test_a_sweep_compiles_one_program_per_bucket(caplog):
 
 def test_bucket_rule():
     assert capacity_buckets([64, 91, 128, 181, 256]) == [[64, 91, 128, 181, 256]]
-    assert capacity_buckets([256, 1024, 2048]) == [[256, 1024], [2048]]
+    assert capacity_buckets([256, 1024, 2048]) == [[256, 1024, 2048]]
+    assert capacity_buckets([256, 1024, 2048, 4096]) == [[256, 1024, 2048], [4096]]
+    assert capacity_buckets([256, 1024, 2048], 4.0) == [[256, 1024], [2048]]
     assert capacity_buckets([2048, 256, 256], math.inf) == [[256, 2048]]
 
 

@@ -67,7 +67,7 @@ __all__ = ["ReplayConfig", "ReplayResult", "parse_policy", "replay", "config_gri
 #: Layer-calls per compiled chunk: long enough that dispatch is noise, short enough for progress.
 DEFAULT_CHUNK_CALLS = 2048
 #: A bucket's largest size is at most this factor above its smallest (see capacity_buckets).
-DEFAULT_BUCKET_RATIO = 4.0
+DEFAULT_BUCKET_RATIO = 8.0
 
 
 def parse_policy(text: str) -> FetchPolicy:
@@ -215,8 +215,11 @@ def capacity_buckets(sizes: Sequence[int], ratio: float = DEFAULT_BUCKET_RATIO) 
     """The ascending ``sizes`` cut into buckets that each run as one compiled program at the
     capacity of their largest size: a bucket starts at its smallest size and takes every next
     size up to ``ratio`` times it. A lane pays for the whole capacity (the victim search reads
-    every slot, masked), so a 256-slot lane in a 2048-slot program would do about 8x its work;
-    the ratio bounds that waste at the cost of one compile per bucket (docs/design.md)."""
+    every slot, masked), but that part of its step grows slowly (the two-level search) beside
+    the step's fixed per-call costs: measured on the 48 x 128 geometry, a 256-slot lane costs
+    about the same in a 2048-slot program as in its own, so the default ratio 8 runs a
+    256/1024/2048 sweep as one program and saves a compile (benchmarks/RESULTS.md, sweep_2m);
+    past it a bucket still bounds the waste at the cost of one compile (docs/design.md)."""
     buckets: list[list[int]] = []
     for size in sorted(set(sizes)):
         if buckets and size <= ratio * buckets[-1][0]:
