@@ -22,7 +22,7 @@ compiled JAX, for a whole grid of configurations:
 - **The bounds** next to each result: Belady's offline optimum for the same pool (a bound for
   ``full`` rows), the bypass optimum (a miss may be served without being admitted: a bound for
   every row) and the stationary per-layer oracle of docs/semantics.md §5.10 (all from
-  :mod:`pallas_cache.sizing.bounds`).
+  :mod:`pallas_cache.sizing.bounds`), computed on a second thread while the compiled scan runs.
 - **The cost model** of docs/semantics.md §11: the scan counts how many calls had each
   ``(fetched, cpu_experts)`` pair (exact integers, inside the compiled loop), from which
   :mod:`pallas_cache.sizing.cost` derives bytes and modeled milliseconds per token.
