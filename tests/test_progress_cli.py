@@ -26,7 +26,7 @@ from pallas_cache.sizing.progress import Bar, Progress
 from pallas_cache.sizing.sweep import config_grid, replay
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SMALL = ["replay", "--synthetic", "mixtral-like", "--tokens", "12", "--cache-size", "8", "64",
+SMALL = ["replay", "--synthetic", "mixtral-like", "--tokens", "12", "--cache-size", "8", "128",
          "--policy", "full", "fraction:0.4", "--format", "json"]
 
 
@@ -56,9 +56,10 @@ def trace():
 
 def test_the_first_line_counts_the_programs_and_comes_before_any_work(trace):
     """FAILS if the replay reports nothing before its first chunk (the compile) runs, or its
-    line miscounts the programs compiled (one per cache size here) or the configurations."""
+    line miscounts the programs compiled (one per cache size here: 128 is past the bucket
+    ratio of 8) or the configurations."""
     report = Recorder()
-    replay(trace, config_grid([8, 64], ["full", "fraction:0.4"]), chunk_calls=64,
+    replay(trace, config_grid([8, 128], ["full", "fraction:0.4"]), chunk_calls=64,
            progress=report)
     kind, line, total = report.events[0]
     assert kind == "phase"
@@ -68,7 +69,7 @@ def test_the_first_line_counts_the_programs_and_comes_before_any_work(trace):
     assert total == 2 * chunks
     assert [e[1] for e in report.events[1:second]] == list(range(1, total + 1))
     assert report.events[second][1].startswith("offline optima (Belady, bypass) for 2 cache sizes")
-    assert report.events[second - 1][2] == "cache_size=64 calls 384/384"
+    assert report.events[second - 1][2] == "cache_size=128 calls 384/384"
     assert report.events[-1] == ("close",)
 
 

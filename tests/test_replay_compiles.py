@@ -57,7 +57,9 @@ def test_a_sweep_compiles_one_program_per_bucket(caplog):
 
 def test_bucket_rule():
     assert capacity_buckets([64, 91, 128, 181, 256]) == [[64, 91, 128, 181, 256]]
-    assert capacity_buckets([256, 1024, 2048]) == [[256, 1024], [2048]]
+    assert capacity_buckets([256, 1024, 2048]) == [[256, 1024, 2048]]
+    assert capacity_buckets([256, 1024, 2048, 4096]) == [[256, 1024, 2048], [4096]]
+    assert capacity_buckets([256, 1024, 2048], 4.0) == [[256, 1024], [2048]]
     assert capacity_buckets([2048, 256, 256], math.inf) == [[256, 2048]]
 
 
@@ -151,3 +153,14 @@ def test_one_program_per_bucket_and_eviction_and_the_first_line_counts_them(capl
         (c.cache_size, c.policy, c.eviction) for c in configs]
     for row in rows:
         assert (row.missing, row.empty_slots) == reference_missing_hybrid(trace, row), row
+
+
+def test_an_error_of_the_optima_thread_reaches_the_caller(monkeypatch):
+    """FAILS if the offline optima, which run on a second thread beside the scan, lose an
+    error: the replay must raise it, not return rows without (or with stale) bounds."""
+    def broken(trace, size, progress=None):
+        raise ValueError(f"bypass optimum broke at {size}")
+
+    monkeypatch.setattr(sweep, "bypass_optimum", broken)
+    with pytest.raises(ValueError, match="bypass optimum broke at 4"):
+        replay(tiny_trace(), config_grid([4], ["full"]), progress=lambda s: None)

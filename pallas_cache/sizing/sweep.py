@@ -22,7 +22,7 @@ compiled JAX, for a whole grid of configurations:
 - **The bounds** next to each result: Belady's offline optimum for the same pool (a bound for
   ``full`` rows), the bypass optimum (a miss may be served without being admitted: a bound for
   every row) and the stationary per-layer oracle of docs/semantics.md §5.10 (all from
-  :mod:`pallas_cache.sizing.bounds`).
+  :mod:`pallas_cache.sizing.bounds`), computed on a second thread while the compiled scan runs.
 - **The cost model** of docs/semantics.md §11: the scan counts how many calls had each
   ``(fetched, cpu_experts)`` pair (exact integers, inside the compiled loop), from which
   :mod:`pallas_cache.sizing.cost` derives bytes and modeled milliseconds per token.
@@ -40,6 +40,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import queue
+import threading
 from typing import Callable, Iterable, Sequence
 
 import jax
@@ -65,7 +67,7 @@ __all__ = ["ReplayConfig", "ReplayResult", "parse_policy", "replay", "config_gri
 #: Layer-calls per compiled chunk: long enough that dispatch is noise, short enough for progress.
 DEFAULT_CHUNK_CALLS = 2048
 #: A bucket's largest size is at most this factor above its smallest (see capacity_buckets).
-DEFAULT_BUCKET_RATIO = 4.0
+DEFAULT_BUCKET_RATIO = 8.0
 
 
 def parse_policy(text: str) -> FetchPolicy:
@@ -213,8 +215,11 @@ def capacity_buckets(sizes: Sequence[int], ratio: float = DEFAULT_BUCKET_RATIO) 
     """The ascending ``sizes`` cut into buckets that each run as one compiled program at the
     capacity of their largest size: a bucket starts at its smallest size and takes every next
     size up to ``ratio`` times it. A lane pays for the whole capacity (the victim search reads
-    every slot, masked), so a 256-slot lane in a 2048-slot program would do about 8x its work;
-    the ratio bounds that waste at the cost of one compile per bucket (docs/design.md)."""
+    every slot, masked), but that part of its step grows slowly (the two-level search) beside
+    the step's fixed per-call costs: measured on the 48 x 128 geometry, a 256-slot lane costs
+    about the same in a 2048-slot program as in its own, so the default ratio 8 runs a
+    256/1024/2048 sweep as one program and saves a compile (benchmarks/RESULTS.md, sweep_2m);
+    past it a bucket still bounds the waste at the cost of one compile (docs/design.md)."""
     buckets: list[list[int]] = []
     for size in sorted(set(sizes)):
         if buckets and size <= ratio * buckets[-1][0]:
@@ -263,10 +268,11 @@ def _stack(trees):
 
 
 @functools.lru_cache(maxsize=None)
-def _program(lru: bool = True):
+def _program(lru: bool = True, platform: str = "cpu"):
     """The jitted chunk program: every lane of one bucket (and eviction policy, a static part of
     the state) over one chunk of calls. ``lru=False``: the REUSE path, which a non-LRU eviction
-    refuses, is left out (no lane of such a group runs it).
+    refuses, is left out (no lane of such a group runs it). ``platform``: the devices' platform
+    (``"cpu"`` adds XLA:CPU options).
 
     Args (of the returned function): ``(states, cpu_routes, pairs, policies, rules)`` batched
     over the configurations, and the chunk's ``layers [C]`` and ``routes [C, K]``. ``pairs``
@@ -295,7 +301,17 @@ def _program(lru: bool = True):
             states, cpu_routes, pairs, policies, rules, layers, routes)
         return states, cpu_routes, pairs, policies, rules
 
-    return jax.jit(_replay_chunk, donate_argnums=0)
+    # XLA:CPU's default copy insertion keeps about five full copies of the state's [lanes, L*E]
+    # and [lanes, C] arrays per scanned call (each in-place update of a buffer another op of the
+    # step still reads); its region analysis proves them unnecessary and removes them all, a
+    # quarter to a third of the step (benchmarks/RESULTS.md, sweep_2m). Same program, same
+    # results; a CPU-only option, so other backends compile as before.
+    options = _CPU_OPTIONS if platform == "cpu" else None
+    return jax.jit(_replay_chunk, donate_argnums=0, compiler_options=options)
+
+
+#: XLA options of the CPU chunk program (see :func:`_program`).
+_CPU_OPTIONS = {"xla_cpu_copy_insertion_use_region_analysis": True}
 
 
 def _shard(tree, mesh):
@@ -359,10 +375,8 @@ def replay(
     routes = np.concatenate(
         [routes.astype(np.int32), np.full((padded - num_calls, routes.shape[1]), -1, np.int32)])
     num_routes = int((routes >= 0).sum())
-    num_tokens = trace.num_tokens
     pair_side = min(trace.top_k, trace.num_experts) + 1  # fetched, cpu_experts in [0, K']
 
-    results: dict[int, ReplayResult] = {}
     keys = [_lane_key(config) for config in configs]
     sizes = sorted({c.cache_size for c in configs})
     buckets = capacity_buckets(sizes, bucket_ratio)
@@ -371,12 +385,59 @@ def replay(
     # own program; sizes, policies, orders and admissions are lanes.
     groups = [(bucket, eviction) for bucket in buckets for eviction in
               sorted({key.eviction for key in keys if key.cache_size in bucket})]
-    total_work = num_chunks * len(groups)
     programs = len(groups)
     report.phase(f"compiling {programs} program{'s' if programs != 1 else ''} for "
                  f"{len(configs)} configuration{'s' if len(configs) != 1 else ''} "
-                 f"({num_calls} layer-calls)...", total_work)
+                 f"({num_calls} layer-calls)...", num_chunks * programs)
+    # The offline optima need only the trace: they run on a second thread while the scan runs
+    # (pure Python holding the GIL, against compiled XLA code that releases it), so on two cores
+    # they cost no wall time; their progress is replayed as its own phase after the scan. The
+    # thread starts once every program is compiled: tracing is Python too, and would share the
+    # GIL with it (measured: the first compile took twice as long).
+    optima: list = []
+
+    def start_optima():
+        if bounds:
+            optima.append(_OptimaThread(trace, sizes))
+
+    try:
+        results = _replay_groups(trace, configs, keys, groups, layers, routes, num_calls,
+                                 num_chunks, chunk_calls, num_routes, pair_side, mesh, width,
+                                 report, devices[0].platform, start_optima)
+    except BaseException:
+        for thread in optima:
+            thread.cancel()
+        raise
+    ordered = [results[i] for i in range(len(configs))]
+    for thread in optima:
+        # The bounds depend on the size only: computed once per size, whatever the evictions.
+        bound_rows = thread.report_to(report)
+        ordered = [dataclasses.replace(r, **bound_rows[r.cache_size]) for r in ordered]
+    report.close()
+    return _with_costs(ordered, cost)
+
+
+def _replay_groups(trace, configs, keys, groups, layers, routes, num_calls, num_chunks,
+                   chunk_calls, num_routes, pair_side, mesh, width, report, platform, compiled):
+    """The scan of :func:`replay`: ``{config index: ReplayResult}`` without the bounds.
+
+    Every group's first chunk runs first (each compiles its program), then ``compiled()`` is
+    called, then the groups' other chunks run, one group after the other.
+    """
+    num_tokens = trace.num_tokens
+    results: dict[int, ReplayResult] = {}
     done = 0
+
+    def run(program, batch, chunk, status):
+        nonlocal done
+        window = slice(chunk * chunk_calls, (chunk + 1) * chunk_calls)
+        batch = program(batch, jnp.asarray(layers[window]), jnp.asarray(routes[window]))
+        done += 1
+        report.update(done, f"{status} calls {min((chunk + 1) * chunk_calls, num_calls)}"
+                            f"/{num_calls}")
+        return batch
+
+    started = []
     for bucket, eviction in groups:
         # One program for every size of the bucket: the capacity is its largest size, each lane
         # has its own traced usable size (docs/semantics.md §5.15), and configurations that
@@ -395,15 +456,17 @@ def replay(
             _stack([Rules.of(True, key.order, key.admission) for key in lanes]),
         )
         batch = _shard(batch, mesh)
-        sizes_text = ",".join(str(size) for size in bucket)
-        for chunk in range(num_chunks):
-            window = slice(chunk * chunk_calls, (chunk + 1) * chunk_calls)
-            batch = _program(eviction == Eviction.LRU.value)(
-                batch, jnp.asarray(layers[window]), jnp.asarray(routes[window]))
-            done += 1
-            policy_text = "" if eviction == Eviction.LRU.value else f" eviction={eviction}"
-            report.update(done, f"cache_size={sizes_text}{policy_text} calls "
-                                f"{min((chunk + 1) * chunk_calls, num_calls)}/{num_calls}")
+        status = "cache_size=" + ",".join(str(size) for size in bucket) + (
+            "" if eviction == Eviction.LRU.value else f" eviction={eviction}")
+        program = _program(eviction == Eviction.LRU.value, platform)
+        started.append([bucket, eviction, unique, program, run(program, batch, 0, status),
+                        status])
+    compiled()
+    for entry in started:
+        bucket, eviction, unique, program, batch, status = entry
+        entry[4] = None  # the group's state lives in `batch` only (donated chunk by chunk)
+        for chunk in range(1, num_chunks):
+            batch = run(program, batch, chunk, status)
 
         states, cpu_routes, pairs = jax.device_get(batch[:3])
         for index, config in enumerate(configs):
@@ -440,33 +503,69 @@ def replay(
                 note=_note(size, trace),
                 eviction=eviction,
             )
-    ordered = [results[i] for i in range(len(configs))]
-    if bounds:
-        # The bounds depend on the size only: computed once per size, whatever the evictions.
-        optima = _optima(trace, sizes, report)
-        ordered = [dataclasses.replace(r, **optima[r.cache_size]) for r in ordered]
-    report.close()
-    return _with_costs(ordered, cost)
+    return results
 
 
-def _optima(trace: Trace, sizes: list[int], report: Progress) -> dict:
-    """``{size: {bound field: hit rate}}`` of the three bounds, reported as one phase."""
-    passes = 2 * len(sizes)  # the two optima per size (the oracle is a histogram: no time)
-    report.phase(f"offline optima (Belady, bypass) for {len(sizes)} cache "
-                 f"size{'s' if len(sizes) != 1 else ''}...", 1000 * passes)
-    optima = {}
-    for index, size in enumerate(sizes):
-        hit_rates = []
-        for step, (name, bound) in enumerate((("belady", belady_lib.belady),
-                                              ("bypass optimum", bypass_optimum))):
-            base = 1000 * (2 * index + step)
-            status = f"{name} cache_size={size}"
-            hit_rates.append(bound(trace, size, progress=lambda done, total: report.update(
-                base + 1000 * done // max(total, 1), status)).hit_rate)
-        optima[size] = dict(
-            belady_hit_rate=hit_rates[0], bypass_optimum_hit_rate=hit_rates[1],
-            oracle_hit_rate=belady_lib.stationary_oracle(trace, size).mean_hit_rate)
-    return optima
+class _Cancelled(Exception):
+    """Raised inside the optima thread when the replay failed and no one will read them."""
+
+
+class _OptimaThread:
+    """The three bounds of every size, computed on a background thread.
+
+    The thread queues each progress event; :meth:`report_to` replays them, in order, as one
+    phase of ``report`` (the same events a sequential pass would report, so a terminal bar and a
+    log read the same), then returns ``{size: {bound field: hit rate}}`` or raises what the
+    thread raised.
+    """
+
+    def __init__(self, trace: Trace, sizes: list[int]):
+        self.sizes = sizes
+        self.events: queue.SimpleQueue = queue.SimpleQueue()
+        self.cancelled = False
+        self.thread = threading.Thread(target=self._run, args=(trace,), daemon=True,
+                                       name="pallas-cache-optima")
+        self.thread.start()
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+    def _update(self, done: int, status: str) -> None:
+        if self.cancelled:
+            raise _Cancelled
+        self.events.put(("update", done, status))
+
+    def _run(self, trace: Trace) -> None:
+        try:
+            optima = {}
+            for index, size in enumerate(self.sizes):
+                hit_rates = []
+                for step, (name, bound) in enumerate((("belady", belady_lib.belady),
+                                                      ("bypass optimum", bypass_optimum))):
+                    base = 1000 * (2 * index + step)
+                    status = f"{name} cache_size={size}"
+                    hit_rates.append(bound(trace, size, progress=lambda done, total: self._update(
+                        base + 1000 * done // max(total, 1), status)).hit_rate)
+                optima[size] = dict(
+                    belady_hit_rate=hit_rates[0], bypass_optimum_hit_rate=hit_rates[1],
+                    oracle_hit_rate=belady_lib.stationary_oracle(trace, size).mean_hit_rate)
+            self.events.put(("done", optima, None))
+        except BaseException as error:  # noqa: BLE001 - handed to the main thread
+            self.events.put(("error", error, None))
+
+    def report_to(self, report: Progress) -> dict:
+        """Wait for the bounds, reporting their progress as one phase of ``report``."""
+        passes = 2 * len(self.sizes)  # two optima per size (the oracle is a histogram: no time)
+        report.phase(f"offline optima (Belady, bypass) for {len(self.sizes)} cache "
+                     f"size{'s' if len(self.sizes) != 1 else ''}...", 1000 * passes)
+        while True:
+            kind, value, status = self.events.get()
+            if kind == "update":
+                report.update(value, status)
+            elif kind == "error":
+                raise value
+            else:
+                return value
 
 
 def _note(size: int, trace: Trace) -> str:
