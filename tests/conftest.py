@@ -209,7 +209,7 @@ def _eviction_fields(native) -> dict:
     if isinstance(native, ReferenceCache):
         extra = {f: np.array(getattr(native, f), copy=True) for f in EVICTION_FIELDS
                  if hasattr(native, f)}
-        if native.eviction == "route_knn":
+        if native.eviction in ("route_knn", "route_lfu"):
             extra["head"] = np.array(native.token % native.history)
             extra["count"] = np.array(min(native.token + 1, native.history))
         return extra
