@@ -91,6 +91,9 @@ class RouteKnnState:
       count: int32[]. Tokens in the ring, the current one included (``min(T + 1, W)``).
       last_layer: int32[]. The layer of the last accepted call (-1 before any, ``L`` after
         :func:`start_token`): a call to a layer ``<=`` it starts a token.
+      counts: int32[L, E] under ROUTE_LFU, ``None`` (no leaves) under ROUTE_KNN. ``F``: how many
+        tokens of the ring routed each expert, kept in step with ``masks`` (a token leaving the
+        ring subtracts its routes, a call adds its own) so the ranking need not recount the ring.
     """
 
     masks: jax.Array
@@ -98,6 +101,7 @@ class RouteKnnState:
     head: jax.Array
     count: jax.Array
     last_layer: jax.Array
+    counts: jax.Array | None = None
 
 
 def cold_ranking(eviction: Eviction, num_layers: int, num_experts: int, history: int):
@@ -108,9 +112,12 @@ def cold_ranking(eviction: Eviction, num_layers: int, num_experts: int, history:
         return PairLfuState(freq=jnp.zeros((num_layers, num_experts), jnp.int32),
                             prot=jnp.zeros((num_layers, num_experts), jnp.bool_))
     words = -(-num_experts // 32)
+    counts = (jnp.zeros((num_layers, num_experts), jnp.int32)
+              if eviction is Eviction.ROUTE_LFU else None)
     return RouteKnnState(masks=jnp.zeros((history, num_layers, words), jnp.uint32),
                          sim=jnp.zeros((history,), jnp.int32), head=jnp.zeros((), jnp.int32),
-                         count=jnp.ones((), jnp.int32), last_layer=jnp.full((), -1, jnp.int32))
+                         count=jnp.ones((), jnp.int32), last_layer=jnp.full((), -1, jnp.int32),
+                         counts=counts)
 
 
 def history_of(ranking) -> int | None:
@@ -120,8 +127,13 @@ def history_of(ranking) -> int | None:
 
 def ring_bits(masks, num_experts: int):
     """ROUTE_KNN's ring as bool[..., W, L, E] (host views and tests)."""
+    return _unpacked(masks, num_experts).astype(jnp.bool_)
+
+
+def _unpacked(masks, num_experts: int):
+    """Bitmask words ``[..., ceil(E/32)]`` as int32 0/1 ``[..., E]``."""
     bits = (masks[..., None] >> jnp.arange(32, dtype=jnp.uint32)) & 1
-    return bits.reshape(masks.shape[:-1] + (-1,))[..., :num_experts].astype(jnp.bool_)
+    return bits.reshape(masks.shape[:-1] + (-1,))[..., :num_experts].astype(jnp.int32)
 
 
 def start_token(state):
@@ -186,6 +198,9 @@ def _observe_token(ring, layer, routed, accepted):
     start = accepted & (layer <= ring.last_layer)
     head = jnp.where(start, (ring.head + 1) % history, ring.head)
     count = jnp.where(start, jnp.minimum(ring.count + 1, history), ring.count)
+    counts = ring.counts
+    if counts is not None:  # ROUTE_LFU: the token leaving the ring takes its routes with it
+        counts = counts - jnp.where(start, _unpacked(ring.masks[head], counts.shape[1]), 0)
     masks = ring.masks.at[head].set(jnp.where(start, jnp.uint32(0), ring.masks[head]))
     age = (head - lax.iota(jnp.int32, history)) % history  # 0 = the current token
     # At a token start: sim_j = sum_m popcount(R[j-1, m] & R[T-1, m]), 0 if j-1 left the ring.
@@ -197,11 +212,14 @@ def _observe_token(ring, layer, routed, accepted):
                       dtype=jnp.uint32)
     # Every write below is gated by `accepted` on its own (a refused call changes nothing),
     # rather than one select over the whole ring.
+    if counts is not None:  # ...and the call's routes replace what R[T, layer] held
+        change = routed.astype(jnp.int32) - _unpacked(masks[head, layer], counts.shape[1])
+        counts = counts.at[layer].add(jnp.where(accepted, change, 0))
     masks = masks.at[head, layer].set(jnp.where(accepted, bitmask, masks[head, layer]))
     past = accepted & (age >= 1) & (age <= count - 1)
     sim = sim + jnp.where(past, 2 * _popcount_sum(masks[:, layer], bitmask[None], 1), 0)
     return RouteKnnState(masks=masks, sim=sim, head=head, count=count,
-                         last_layer=jnp.where(accepted, layer, ring.last_layer))
+                         last_layer=jnp.where(accepted, layer, ring.last_layer), counts=counts)
 
 
 def _first_in_lex_order(keys, candidate, num_out: int):
@@ -324,17 +342,14 @@ def _ring_frequency_key(ring, id_of_slot, layer, num_experts, cache_size=None):
     """ROUTE_LFU's key of every slot's occupant (docs/semantics.md §5.16): ``prot`` int32[C]
     (1 if routed by the latest call of its layer the ring holds: this token's for layers up to
     ``layer``, the previous token's after it) and ``L * F - NU`` int32[C], ``F`` the ring tokens
-    that routed the occupant, ``NU`` :func:`_next_use`."""
+    that routed the occupant (the ``counts`` the bookkeeping keeps), ``NU`` :func:`_next_use`."""
     history, num_layers, _ = ring.masks.shape
-    age = (ring.head - lax.iota(jnp.int32, history)) % history  # by ring position
-    bits = (ring.masks[..., None] >> jnp.arange(32, dtype=jnp.uint32)) & 1  # [W, L, w, 32]
-    bits = bits.reshape(bits.shape[:2] + (-1,))[..., :num_experts].astype(jnp.int32)
-    freq = jnp.sum(jnp.where((age <= ring.count - 1)[:, None, None], bits, 0), axis=0)  # [L, E]
     layers = lax.iota(jnp.int32, num_layers)
-    current, previous = bits[ring.head], bits[(ring.head - 1) % history]  # [L, E]
+    current = _unpacked(ring.masks[ring.head], num_experts)  # [L, E]
+    previous = _unpacked(ring.masks[(ring.head - 1) % history], num_experts)
     prot = jnp.where((layers <= layer)[:, None], current,
                      jnp.where(ring.count >= 2, previous, 0))
     predicted = _next_use(ring, id_of_slot, layer, num_experts, cache_size)
     occupant = jnp.maximum(id_of_slot, 0)
-    score = num_layers * freq.reshape(-1)[occupant] - predicted
+    score = num_layers * ring.counts.reshape(-1)[occupant] - predicted
     return prot.reshape(-1)[occupant], score
