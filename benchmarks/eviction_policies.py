@@ -119,6 +119,21 @@ def main(argv=None):
                     f"{'met' if shares.min() >= 0.30 else 'NOT met'}); minus LRU, worst size "
                     f"{below:+.4f} (target >= -0.005, {'met' if below >= -0.005 else 'NOT met'}).")
 
+    lfu_share = (mean["route_lfu"] - mean["lru"]) / np.where(gap > 0, gap, 1)
+    reading = (
+        "Reading: `route_knn` and `pair_lfu` are kept exactly as issue 15 specifies. `route_lfu` "
+        "(docs/semantics.md §5.16) is the rule found when `route_knn` missed the targets "
+        "(`benchmarks/route_rules_explore.py`, section `route_rules`): ROUTE_KNN's ring, residents "
+        "ranked by `(prot, L*F - NU, usage, slot)`. At 2 slots per layer it equals global LRU by "
+        "construction (every resident but the called layer's leftovers is protected), so it is "
+        f"never below LRU (worst {float((mean['route_lfu'] - mean['lru']).min()):+.4f}) but "
+        "recovers none of the gap there; no rule tried beat LRU at that size, not even an oracle "
+        "knowing the rest of the current token (Belady's gain there needs the next token). At "
+        f"S=128 / 192 it recovers {lfu_share[1]:.2f} / {lfu_share[2]:.2f} of the gap; minus the "
+        "better of `pair_lfu` and `route_knn` at S=64 / 128 / 192: " + " / ".join(
+            f"{v:+.4f}" for v in mean["route_lfu"] - np.maximum(mean["pair_lfu"],
+                                                                 mean["route_knn"])) + ".")
+
     cost_lines = ["| geometry | calls | `lru` us/call | `pair_lfu` us/call | `route_knn` us/call "
                   "| `route_lfu` us/call | pair_lfu / lru | route_knn / lru | route_lfu / lru |",
                   "|---|---|---|---|---|---|---|---|---|"]
@@ -133,7 +148,7 @@ def main(argv=None):
             f"| {seconds['route_lfu'] / seconds['lru']:.2f}x |")
     elapsed = time.perf_counter() - start
     table, costs = "\n".join(lines), "\n".join(cost_lines)
-    print(table, verdict, costs, f"({elapsed:.0f} s)", sep="\n\n")
+    print(table, verdict, reading, costs, f"({elapsed:.0f} s)", sep="\n\n")
 
     if args.write:
         machine = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
@@ -147,7 +162,7 @@ def main(argv=None):
             f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC (1-minute load "
             f"average {load:.1f}). Machine: {machine}.\n\n"
             f"Hit rates on `mixtral-realistic` ({args.tokens} tokens x {args.seeds} seeds, mean), "
-            f"policy `full` (every miss fetched):\n\n{table}\n\n{verdict}\n\n"
+            f"policy `full` (every miss fetched):\n\n{table}\n\n{verdict}\n\n{reading}\n\n"
             "Per-call cost inside one compiled `lax.scan` over the trace's calls "
             f"(`ensure_hybrid`, policy full, backend xla, median of {args.rounds} interleaved "
             f"rounds; ratios from the same run):\n\n{costs}\n")
