@@ -585,3 +585,17 @@ def test_route_lfu_predicted_next_use_separates_equal_frequencies(adapter):
     cache, plan = _route_lfu_run(adapter, 2, 3, 3, [(0, [1]), (1, [1]), (0, [0]), (1, [0])])
     assert plan.valid("dst_slots") == [1]
     assert cache.state.slot_of(0, 1) == 0
+
+
+@pytest.mark.traced
+def test_route_lfu_frequency_counts_the_current_tokens_routes(adapter):
+    """FAILS if ``F`` leaves out the current token ``T`` (counts only past tokens): it then no
+    longer separates two protected residents. L=3, E=3, S=3; token 0 routes expert 0 at every
+    layer, token 1 routes it at layer 0, then layer 1 misses experts 1 and 2. Victims: layer 1's
+    expert 0 (unprotected), then the protected class: layer 0's expert 0 (``F = 2``, ``NU = 2``,
+    score 4) stays, layer 2's expert 0 (``F = 1``, ``NU = 1``, score 2) goes; without ``T``
+    the scores are 1 and 2 and slot 0 would go."""
+    cache, plan = _route_lfu_run(adapter, 3, 3, 3,
+                                 [(0, [0]), (1, [0]), (2, [0]), (0, [0]), (1, [1, 2])])
+    assert plan.valid("dst_slots") == [1, 2]
+    assert cache.state.slot_of(0, 0) == 0
