@@ -3,8 +3,8 @@
 For ``mixtral-realistic`` (L=32, E=8, top-2, S=128) and ``fine-grained-realistic`` (L=48,
 E=128, top-8, S=768), ``--tokens`` tokens each: one jitted ``lax.scan`` of ``ensure_hybrid``
 (policy full, RECENCY + PROMOTE_ONE) over every layer-call, per eviction (``lru`` with the
-``xla`` and ``pallas`` backends where a GPU is present, ``pair_lfu`` and ``route_knn`` with
-``xla``: they rank in XLA on every backend), median of ``--repeats`` interleaved runs. Besides
+``xla`` and ``pallas`` backends where a GPU is present, ``pair_lfu``, ``route_knn`` and
+``route_lfu`` with ``xla``: they rank in XLA on every backend), median of ``--repeats`` interleaved runs. Besides
 the timing it writes the counts and the final pool of every run to ``--json``, so a CPU run of
 the same script (``--cpu``) checks the accelerator's decisions bit for bit::
 
@@ -34,7 +34,7 @@ GEOMETRIES = (("mixtral-realistic", 4), ("fine-grained-realistic", 16))
 
 
 def runs(gpu: bool):
-    out = [("lru", "xla"), ("pair_lfu", "xla"), ("route_knn", "xla")]
+    out = [("lru", "xla"), ("pair_lfu", "xla"), ("route_knn", "xla"), ("route_lfu", "xla")]
     return out + [("lru", "pallas")] if gpu else out
 
 

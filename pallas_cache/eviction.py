@@ -9,7 +9,9 @@ bit (routed by the last call of its layer); residents rank by ``(prot, freq, las
 with ``last_use`` the slot's ``usage`` (so the clock rebase covers it). ``Eviction.ROUTE_KNN``
 keeps a ring of the last ``W`` tokens' routes as bitmasks and a similarity of each past token to
 the current one, and evicts the resident whose next use the three most similar past tokens
-predict furthest away. All of it is exact integer arithmetic and loop-free (reasons:
+predict furthest away. ``Eviction.ROUTE_LFU`` keeps the same ring and ranks residents by
+``(prot, L * F - NU, last_use, slot)``: protected if routed by their layer's latest call, then
+the fewest ring tokens routing them (``F``) against ROUTE_KNN's predicted next use. All of it is exact integer arithmetic and loop-free (reasons:
 docs/design.md, "Eviction policies").
 """
 
@@ -27,7 +29,7 @@ from pallas_cache.tree import pytree_dataclass
 from pallas_cache.validate import INT32_MAX
 
 __all__ = [
-    "DECAY_Q16", "NEIGHBOURS", "ONE_Q16", "Eviction", "PairLfuState", "RouteKnnState",
+    "DECAY_Q16", "NEIGHBOURS", "ONE_Q16", "RING_EVICTIONS", "Eviction", "PairLfuState", "RouteKnnState",
     "check_admission", "cold_ranking", "decay_q16", "history_of", "observe_call", "rank_victims",
     "ring_bits", "start_token",
 ]
@@ -49,10 +51,15 @@ class Eviction(enum.Enum):
     LRU = "lru"  # ascending (usage, slot): global least recently used
     PAIR_LFU = "pair_lfu"  # ascending (prot, freq, last_use, slot)
     ROUTE_KNN = "route_knn"  # largest predicted next use, from the most similar past tokens
+    ROUTE_LFU = "route_lfu"  # ascending (prot, L * ring frequency - predicted next use, ...)
 
     @classmethod
     def coerce(cls, value) -> "Eviction":
         return validate.coerce_enum(cls, value, "eviction")
+
+
+#: The policies whose bookkeeping is the token ring (``RouteKnnState``).
+RING_EVICTIONS = (Eviction.ROUTE_KNN, Eviction.ROUTE_LFU)
 
 
 @pytree_dataclass
@@ -71,7 +78,8 @@ class PairLfuState:
 
 @pytree_dataclass
 class RouteKnnState:
-    """ROUTE_KNN's token ring (docs/semantics.md §5.16); ``W`` = ``history`` tokens.
+    """ROUTE_KNN's and ROUTE_LFU's token ring (docs/semantics.md §5.16); ``W`` = ``history``
+    tokens.
 
     Attributes:
       masks: uint32[W, L, ceil(E/32)]. ``R``: per ring position (token ``t`` at ``t mod W``) and
@@ -83,6 +91,9 @@ class RouteKnnState:
       count: int32[]. Tokens in the ring, the current one included (``min(T + 1, W)``).
       last_layer: int32[]. The layer of the last accepted call (-1 before any, ``L`` after
         :func:`start_token`): a call to a layer ``<=`` it starts a token.
+      counts: int32[L, E] under ROUTE_LFU, ``None`` (no leaves) under ROUTE_KNN. ``F``: how many
+        tokens of the ring routed each expert, kept in step with ``masks`` (a token leaving the
+        ring subtracts its routes, a call adds its own) so the ranking need not recount the ring.
     """
 
     masks: jax.Array
@@ -90,6 +101,7 @@ class RouteKnnState:
     head: jax.Array
     count: jax.Array
     last_layer: jax.Array
+    counts: jax.Array | None = None
 
 
 def cold_ranking(eviction: Eviction, num_layers: int, num_experts: int, history: int):
@@ -100,27 +112,36 @@ def cold_ranking(eviction: Eviction, num_layers: int, num_experts: int, history:
         return PairLfuState(freq=jnp.zeros((num_layers, num_experts), jnp.int32),
                             prot=jnp.zeros((num_layers, num_experts), jnp.bool_))
     words = -(-num_experts // 32)
+    counts = (jnp.zeros((num_layers, num_experts), jnp.int32)
+              if eviction is Eviction.ROUTE_LFU else None)
     return RouteKnnState(masks=jnp.zeros((history, num_layers, words), jnp.uint32),
                          sim=jnp.zeros((history,), jnp.int32), head=jnp.zeros((), jnp.int32),
-                         count=jnp.ones((), jnp.int32), last_layer=jnp.full((), -1, jnp.int32))
+                         count=jnp.ones((), jnp.int32), last_layer=jnp.full((), -1, jnp.int32),
+                         counts=counts)
 
 
 def history_of(ranking) -> int | None:
-    """The ring size ``W`` of ROUTE_KNN bookkeeping (None for the other policies)."""
+    """The ring size ``W`` of ROUTE_KNN / ROUTE_LFU bookkeeping (None for the others)."""
     return ranking.masks.shape[-3] if isinstance(ranking, RouteKnnState) else None
 
 
 def ring_bits(masks, num_experts: int):
     """ROUTE_KNN's ring as bool[..., W, L, E] (host views and tests)."""
+    return _unpacked(masks, num_experts).astype(jnp.bool_)
+
+
+def _unpacked(masks, num_experts: int):
+    """Bitmask words ``[..., ceil(E/32)]`` as int32 0/1 ``[..., E]``."""
     bits = (masks[..., None] >> jnp.arange(32, dtype=jnp.uint32)) & 1
-    return bits.reshape(masks.shape[:-1] + (-1,))[..., :num_experts].astype(jnp.bool_)
+    return bits.reshape(masks.shape[:-1] + (-1,))[..., :num_experts].astype(jnp.int32)
 
 
 def start_token(state):
-    """The state with the next accepted call starting a token (ROUTE_KNN; docs/semantics.md
-    §5.16), for callers whose token boundaries the layer sequence does not show (a token that
-    calls one layer only). Jittable; the other policies return the state unchanged."""
-    if state.eviction is not Eviction.ROUTE_KNN:
+    """The state with the next accepted call starting a token (ROUTE_KNN, ROUTE_LFU;
+    docs/semantics.md §5.16), for callers whose token boundaries the layer sequence does not show
+    (a token that calls one layer only). Jittable; the other policies return the state
+    unchanged."""
+    if state.eviction not in RING_EVICTIONS:
         return state
     ranking = state.ranking.replace(
         last_layer=jnp.full((), state.slot_for_id.shape[-2], jnp.int32))
@@ -177,6 +198,9 @@ def _observe_token(ring, layer, routed, accepted):
     start = accepted & (layer <= ring.last_layer)
     head = jnp.where(start, (ring.head + 1) % history, ring.head)
     count = jnp.where(start, jnp.minimum(ring.count + 1, history), ring.count)
+    counts = ring.counts
+    if counts is not None:  # ROUTE_LFU: the token leaving the ring takes its routes with it
+        counts = counts - jnp.where(start, _unpacked(ring.masks[head], counts.shape[1]), 0)
     masks = ring.masks.at[head].set(jnp.where(start, jnp.uint32(0), ring.masks[head]))
     age = (head - lax.iota(jnp.int32, history)) % history  # 0 = the current token
     # At a token start: sim_j = sum_m popcount(R[j-1, m] & R[T-1, m]), 0 if j-1 left the ring.
@@ -188,23 +212,31 @@ def _observe_token(ring, layer, routed, accepted):
                       dtype=jnp.uint32)
     # Every write below is gated by `accepted` on its own (a refused call changes nothing),
     # rather than one select over the whole ring.
+    if counts is not None:  # ...and the call's routes replace what R[T, layer] held
+        change = routed.astype(jnp.int32) - _unpacked(masks[head, layer], counts.shape[1])
+        counts = counts.at[layer].add(jnp.where(accepted, change, 0))
     masks = masks.at[head, layer].set(jnp.where(accepted, bitmask, masks[head, layer]))
     past = accepted & (age >= 1) & (age <= count - 1)
     sim = sim + jnp.where(past, 2 * _popcount_sum(masks[:, layer], bitmask[None], 1), 0)
     return RouteKnnState(masks=masks, sim=sim, head=head, count=count,
-                         last_layer=jnp.where(accepted, layer, ring.last_layer))
+                         last_layer=jnp.where(accepted, layer, ring.last_layer), counts=counts)
 
 
-def _first_in_lex_order(major, minor, candidate, num_out: int):
-    """The first ``num_out`` candidate indices in ascending ``(major, minor, index)`` order,
-    int32[num_out], -1 past the candidates: ``num_out`` unrolled rounds of one three-key
-    reduction each, round ``r`` taking the smallest triple strictly after round ``r - 1``'s."""
-    size = major.shape[0]
-    index = lax.iota(jnp.int32, size)
+def _first_in_lex_order(keys, candidate, num_out: int):
+    """The first ``num_out`` candidate indices in ascending ``(*keys, index)`` order,
+    int32[num_out], -1 past the candidates: ``num_out`` unrolled rounds of one variadic reduction
+    each, round ``r`` taking the smallest tuple strictly after round ``r - 1``'s."""
+    size = keys[0].shape[0]
+    keys = tuple(keys) + (lax.iota(jnp.int32, size),)
+
+    def before(a, b):  # a < b lexicographically
+        out = a[-1] < b[-1]
+        for x, y in zip(reversed(a[:-1]), reversed(b[:-1])):
+            out = (x < y) | ((x == y) & out)
+        return out
 
     def smaller(a, b):
-        a_first = (a[0] < b[0]) | ((a[0] == b[0]) & (
-            (a[1] < b[1]) | ((a[1] == b[1]) & (a[2] < b[2]))))
+        a_first = before(a, b)
         return tuple(jnp.where(a_first, x, y) for x, y in zip(a, b))
 
     picks, last = [], None
@@ -212,13 +244,10 @@ def _first_in_lex_order(major, minor, candidate, num_out: int):
     for _ in range(num_out):
         live = candidate
         if last is not None:
-            m, n, i = last
-            live = live & ((major > m) | ((major == m) & (
-                (minor > n) | ((minor == n) & (index > i)))))
-        last = lax.reduce(
-            (jnp.where(live, major, big), jnp.where(live, minor, big), jnp.where(live, index, big)),
-            (big, big, big), smaller, (0,))
-        picks.append(last[2])
+            live = live & before(last, keys)
+        last = lax.reduce(tuple(jnp.where(live, k, big) for k in keys),
+                          (big,) * len(keys), smaller, (0,))
+        picks.append(last[-1])
     if not picks:
         return jnp.full((0,), -1, jnp.int32)
     picks = jnp.stack(picks)
@@ -239,9 +268,9 @@ def rank_victims(eviction: Eviction, ranking, id_of_slot, usage, step, n, *, num
       id_of_slot, usage: int32[C], usage after this call's hit refresh.
       step: int32[], this call's step. n: int32[], how many victims to return.
       num_out: static output length. candidate: optional bool[C], slots that may be victims.
-      layer, num_experts: the call's layer (traced) and ``E`` (ROUTE_KNN only).
+      layer, num_experts: the call's layer (traced) and ``E`` (ROUTE_KNN, ROUTE_LFU only).
       cache_size: int32[], the usable size ``S`` (traced; ``None``: every slot is usable). It
-        masks the candidates and sets ROUTE_KNN's horizon ``ceil(S / L)``.
+        masks the candidates and sets the ring policies' horizon ``ceil(S / L)``.
 
     Returns:
       int32[num_out]: victims in claim order; entries ``>= n`` are -1.
@@ -258,12 +287,17 @@ def rank_victims(eviction: Eviction, ranking, id_of_slot, usage, step, n, *, num
         prot = ranking.prot.reshape(-1)[occupant].astype(jnp.int32)
         # (class, freq) in one int32: class 0 = free (ranked by usage alone), 1 = unprotected,
         # 2 = protected resident.
-        major = jnp.where(free, 0, ((1 + prot) << _CLASS_SHIFT) + freq)
+        keys = (jnp.where(free, 0, ((1 + prot) << _CLASS_SHIFT) + freq), usage)
+    elif eviction is Eviction.ROUTE_LFU:
+        free = id_of_slot < 0
+        prot, score = _ring_frequency_key(ranking, id_of_slot, layer, num_experts, cache_size)
+        # Class 0 = free (ranked by usage alone), 1 = unprotected, 2 = protected resident.
+        keys = (jnp.where(free, 0, 1 + prot), jnp.where(free, 0, score), usage)
     else:
         # Largest predicted next use first: free slots below every -NU.
-        major = jnp.where(id_of_slot < 0, -(1 << 30),
-                          -_next_use(ranking, id_of_slot, layer, num_experts, cache_size))
-    out = _first_in_lex_order(major, usage, evictable, num_out)
+        keys = (jnp.where(id_of_slot < 0, -(1 << 30),
+                          -_next_use(ranking, id_of_slot, layer, num_experts, cache_size)), usage)
+    out = _first_in_lex_order(keys, evictable, num_out)
     return jnp.where(lax.iota(jnp.int32, num_out) < n, out, -1)
 
 
@@ -302,3 +336,20 @@ def _next_use(ring, id_of_slot, layer, num_experts, cache_size=None):
     distance = (layers - layer - 1 + num_layers) % num_layers + 1
     predicted = found * distance[:, None] + num_layers * steps
     return predicted.reshape(-1)[jnp.maximum(id_of_slot, 0)]
+
+
+def _ring_frequency_key(ring, id_of_slot, layer, num_experts, cache_size=None):
+    """ROUTE_LFU's key of every slot's occupant (docs/semantics.md §5.16): ``prot`` int32[C]
+    (1 if routed by the latest call of its layer the ring holds: this token's for layers up to
+    ``layer``, the previous token's after it) and ``L * F - NU`` int32[C], ``F`` the ring tokens
+    that routed the occupant (the ``counts`` the bookkeeping keeps), ``NU`` :func:`_next_use`."""
+    history, num_layers, _ = ring.masks.shape
+    layers = lax.iota(jnp.int32, num_layers)
+    current = _unpacked(ring.masks[ring.head], num_experts)  # [L, E]
+    previous = _unpacked(ring.masks[(ring.head - 1) % history], num_experts)
+    prot = jnp.where((layers <= layer)[:, None], current,
+                     jnp.where(ring.count >= 2, previous, 0))
+    predicted = _next_use(ring, id_of_slot, layer, num_experts, cache_size)
+    occupant = jnp.maximum(id_of_slot, 0)
+    score = num_layers * ring.counts.reshape(-1)[occupant] - predicted
+    return prot.reshape(-1)[occupant], score

@@ -8,14 +8,19 @@ every call of its layer, then ``+65536`` for each distinct routed expert, and a 
 ``last_use`` the slot's ``usage``. The JAX core forms the same decay in 32-bit halves; here it is
 one exact int64 product. ``route_knn``: a ring of the last ``W`` tokens' routes per layer, a
 similarity of each past token to the current one, and residents ranked by a predicted next use
-read off the three most similar past tokens (:func:`next_use`), largest first.
+read off the three most similar past tokens (:func:`next_use`), largest first. ``route_lfu``:
+the same ring and similarities; residents ascend by ``(prot, L * F - NU, usage, slot)`` with
+``prot`` "routed by its layer's latest call in the ring", ``F`` the ring tokens that routed it
+and ``NU`` route_knn's prediction (:func:`ring_frequency_key`).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-EVICTIONS = ("lru", "pair_lfu", "route_knn")
+EVICTIONS = ("lru", "pair_lfu", "route_knn", "route_lfu")
+#: The policies keeping the token ring.
+RING_EVICTIONS = ("route_knn", "route_lfu")
 #: ``2**(-1/32)`` in Q16: PAIR_LFU's decay per visit of the layer.
 DECAY_Q16 = 64132
 #: One routed call in Q16.
@@ -37,7 +42,7 @@ def cold_bookkeeping(cache) -> None:
     if cache.eviction == "pair_lfu":
         cache.freq = np.zeros((cache.num_layers, cache.num_experts), np.int64)
         cache.prot = np.zeros((cache.num_layers, cache.num_experts), bool)
-    if cache.eviction == "route_knn":
+    if cache.eviction in RING_EVICTIONS:
         # R: the routed experts of token t's call to layer m live at ring[t % W, m].
         cache.ring = np.zeros((cache.history, cache.num_layers, cache.num_experts), bool)
         cache.sim = np.zeros(cache.history, np.int64)  # by ring position, like R
@@ -46,14 +51,14 @@ def cold_bookkeeping(cache) -> None:
 
 
 def start_token(cache) -> None:
-    """route_knn: the next accepted call starts a token, whatever its layer."""
-    if cache.eviction == "route_knn":
+    """route_knn, route_lfu: the next accepted call starts a token, whatever its layer."""
+    if cache.eviction in RING_EVICTIONS:
         cache.last_layer = cache.num_layers
 
 
 def observe_call(cache, layer: int, distinct: list[int]) -> None:
     """An accepted call of ``layer`` routed the experts ``distinct``: update the bookkeeping."""
-    if cache.eviction == "route_knn":
+    if cache.eviction in RING_EVICTIONS:
         _observe_token(cache, layer, distinct)
     if cache.eviction != "pair_lfu":
         return
@@ -120,6 +125,23 @@ def next_use(cache, layer: int) -> dict[int, int]:
     return out
 
 
+def ring_frequency_key(cache, layer: int) -> dict[int, tuple[int, int]]:
+    """route_lfu's key ``(prot, L * F - NU)`` of every resident, ``{flat id: key}``: ``prot`` =
+    routed by the latest call of its layer the ring holds (token ``T`` if ``m <= layer``, else
+    ``T - 1``), ``F`` = how many ring tokens routed it, ``NU`` = :func:`next_use`."""
+    W, L, E, T = cache.history, cache.num_layers, cache.num_experts, cache.token
+    predicted = next_use(cache, layer)
+    out = {}
+    for flat in predicted:
+        m, e = divmod(flat, E)
+        latest = T if m <= layer else T - 1
+        prot = _in_ring(cache, latest) and bool(cache.ring[latest % W, m, e])
+        freq = sum(int(cache.ring[t % W, m, e]) for t in range(T - W + 1, T + 1)
+                   if _in_ring(cache, t))
+        out[flat] = (int(prot), L * freq - predicted[flat])
+    return out
+
+
 def ranked_victims(cache, step: int, layer: int) -> list[int]:
     """Evictable slots (usage != step) in victim order under a non-LRU policy: free slots first
     by ``(usage, slot)``, then the residents by the policy's key. (LRU is ``DecodeOps``' own
@@ -140,4 +162,9 @@ def ranked_victims(cache, step: int, layer: int) -> list[int]:
         # The largest predicted next use first, ties to the oldest last use, then lowest slot.
         return free + sorted(residents, key=lambda s: (-predicted[int(cache.id_of_slot[s])],
                                                        cache.usage[s], s))
+    if cache.eviction == "route_lfu":
+        keys = ring_frequency_key(cache, layer)
+        # Unprotected first, then the smallest L * F - NU, the oldest last use, the lowest slot.
+        return free + sorted(residents, key=lambda s: keys[int(cache.id_of_slot[s])]
+                             + (cache.usage[s], s))
     return free + sorted(residents, key=pair_lfu_key)

@@ -187,6 +187,7 @@ class StateView:
     head: np.ndarray | None = None
     count: np.ndarray | None = None
     last_layer: np.ndarray | None = None
+    counts: np.ndarray | None = None
 
     @property
     def num_layers(self):
@@ -210,19 +211,23 @@ class StateView:
 
 #: The eviction bookkeeping's fields (the JAX state keeps them under ``state.ranking``; the
 #: ROUTE_KNN ring as bits, the reference's as bools and an absolute token index).
-EVICTION_FIELDS = ("freq", "prot", "ring", "sim", "head", "count", "last_layer")
+EVICTION_FIELDS = ("freq", "prot", "ring", "sim", "head", "count", "last_layer", "counts")
 
 
 def _eviction_fields(native) -> dict:
     if isinstance(native, ReferenceCache):
         extra = {f: np.array(getattr(native, f), copy=True) for f in EVICTION_FIELDS
                  if hasattr(native, f)}
-        if native.eviction == "route_knn":
+        if native.eviction in ("route_knn", "route_lfu"):
             extra["head"] = np.array(native.token % native.history)
             extra["count"] = np.array(min(native.token + 1, native.history))
+        if native.eviction == "route_lfu":
+            # The JAX core keeps F incrementally; the reference recounts its ring.
+            extra["counts"] = native.ring.sum(axis=0).astype(np.int64)
         return extra
     ranking = native.ranking
-    extra = {f: _np(getattr(ranking, f)) for f in EVICTION_FIELDS if hasattr(ranking, f)}
+    extra = {f: _np(getattr(ranking, f)) for f in EVICTION_FIELDS
+             if getattr(ranking, f, None) is not None}
     if hasattr(ranking, "masks"):
         extra["ring"] = _np(pc.eviction.ring_bits(ranking.masks, native.num_experts))
     return extra

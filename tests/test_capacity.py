@@ -144,13 +144,13 @@ def assert_usable_part_equal(big, truth, context):
 
 def eviction_options(data, eviction):
     """``init`` options, the admissions and the extra ops of an eviction policy (None = LRU):
-    REUSE is refused by the others (docs/semantics.md §5.16); ROUTE_KNN draws its ring size and
-    ``start_token`` calls, as tests/test_lockstep.py does."""
+    REUSE is refused by the others (docs/semantics.md §5.16); the ring policies (ROUTE_KNN,
+    ROUTE_LFU) draw their ring size and ``start_token`` calls, as tests/test_lockstep.py does."""
     if eviction is None:
         return {}, ADMISSIONS, []
     options = {"eviction": eviction}
     extra = []
-    if eviction == "route_knn":
+    if eviction in ("route_knn", "route_lfu"):
         options["history"] = data.draw(st.sampled_from((1, 3, 6)), label="history")
         extra = ["start_token"] * 2
     return options, ("promote_one", "none"), extra
@@ -525,14 +525,14 @@ def test_select_victims_and_promotion_mask_by_data(backend):
     assert [int(x) for x in decide(jnp.int32(5))] == [0, 4]
 
 
-@pytest.mark.parametrize("eviction", ["pair_lfu", "route_knn"])
+@pytest.mark.parametrize("eviction", ["pair_lfu", "route_knn", "route_lfu"])
 def test_a_long_run_with_capacity_equals_a_pool_of_the_usable_size_under_each_eviction(eviction):
-    """FAILS if ROUTE_KNN's horizon ``H = ceil(S / L)`` comes from the capacity (here 8 tokens
-    instead of 2: neighbours' routes 2..7 tokens ahead would count), or either ranking reads a
-    slot past the usable size. A long run of one geometry, so that such a difference shows up
+    """FAILS if ROUTE_KNN's (or ROUTE_LFU's) horizon ``H = ceil(S / L)`` comes from the capacity
+    (here 8 tokens instead of 2: neighbours' routes 2..7 tokens ahead would count), or a
+    ranking reads a slot past the usable size. A long run of one geometry, so that such a difference shows up
     for sure (the drawn sequences above are short)."""
     L, E, S, C = 2, 4, 4, 16
-    options = {"eviction": eviction, "history": 16} if eviction == "route_knn" else {
+    options = {"eviction": eviction, "history": 16} if eviction != "pair_lfu" else {
         "eviction": eviction}
     truth = ADAPTER["reference"].init(L, E, S, **options)
     big = ADAPTER["jax-jit"].init(L, E, S, capacity=C, **options)

@@ -309,7 +309,7 @@ def test_lru_states_carry_no_extra_leaves_and_keep_their_policy_through_reset_an
         assert not np.asarray(state.ranking.freq).any()
 
 
-@pytest.mark.parametrize("eviction", ["pair_lfu", "route_knn"])
+@pytest.mark.parametrize("eviction", ["pair_lfu", "route_knn", "route_lfu"])
 @pytest.mark.parametrize("backend", ["xla", "interpret", "pallas"])
 def test_evictions_are_loop_free_on_every_backend(backend, eviction):
     """FAILS if a policy's ranking or bookkeeping traces to a ``while`` outside a kernel."""
@@ -353,7 +353,8 @@ def test_the_replay_sweeps_the_eviction_and_matches_the_reference():
 
     trace = synthetic_trace("mixtral-realistic", num_tokens=24, seed=1)
     configs = [ReplayConfig(96, policy, eviction=eviction)
-               for eviction in ("lru", "pair_lfu", "route_knn") for policy in ("full", "fraction:0.4")]
+               for eviction in ("lru", "pair_lfu", "route_knn", "route_lfu")
+               for policy in ("full", "fraction:0.4")]
     results = replay(trace, configs, bounds=False, chunk_calls=256, progress=lambda s: None)
     for config, result in zip(configs, results):
         ref = ReferenceCache(trace.num_layers, trace.num_experts, 96, eviction=config.eviction)
@@ -367,6 +368,7 @@ def test_the_replay_sweeps_the_eviction_and_matches_the_reference():
             counts.active, counts.missing, counts.fetched), config
     by = {(r.eviction, r.policy): r.hit_rate for r in results}
     assert by[("lru", "full")] != by[("pair_lfu", "full")] != by[("route_knn", "full")]
+    assert by[("route_lfu", "full")] not in (by[("lru", "full")], by[("route_knn", "full")])
 
 
 def test_the_cli_sweeps_evictions_and_refuses_reuse_with_pair_lfu(capsys):
@@ -379,10 +381,11 @@ def test_the_cli_sweeps_evictions_and_refuses_reuse_with_pair_lfu(capsys):
     small = ["replay", "--synthetic", "mixtral-like", "--tokens", "6", "--cache-size", "64",
              "--policy", "fraction:0.4"]
     assert cli.main(small + ["--admission", "promote_one", "reuse", "--eviction", "lru",
-                             "pair_lfu", "--json"]) == 0
+                             "pair_lfu", "route_lfu", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert sorted((r["eviction"], r["admission"]) for r in rows) == [
-        ("lru", "promote_one"), ("lru", "reuse"), ("pair_lfu", "promote_one")]
+        ("lru", "promote_one"), ("lru", "reuse"), ("pair_lfu", "promote_one"),
+        ("route_lfu", "promote_one")]
     assert cli.main(small + ["--admission", "reuse", "--eviction", "pair_lfu"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "reuse" in err and "pair_lfu" in err
@@ -406,10 +409,12 @@ def test_route_knn_jitted_matches_the_reference_after_every_step(data):
     run_lockstep(data, "jax-jit", eviction=ROUTE_KNN)
 
 
-def test_route_knn_in_a_scan_and_vmapped_equals_the_reference():
-    """FAILS if ROUTE_KNN's ring, token detection or ranking differ inside ``lax.scan`` with a
-    traced layer, or across the lanes of a ``vmap`` (each lane its own trace), from the
-    reference called one layer-call at a time; a rebase threshold is crossed on the way."""
+@pytest.mark.parametrize("eviction", ["route_knn", "route_lfu"])
+def test_route_knn_in_a_scan_and_vmapped_equals_the_reference(eviction):
+    """FAILS if ROUTE_KNN's (or ROUTE_LFU's) ring, token detection or ranking differ inside
+    ``lax.scan`` with a traced layer, or across the lanes of a ``vmap`` (each lane its own
+    trace), from the reference called one layer-call at a time; a rebase threshold is crossed
+    on the way."""
     L, E, S, K, lanes, W = 4, 6, 10, 2, 3, 5
     rng = np.random.default_rng(8)
     layers = np.tile(np.arange(L, dtype=np.int32), 30)[None].repeat(lanes, 0)
@@ -424,11 +429,11 @@ def test_route_knn_in_a_scan_and_vmapped_equals_the_reference():
             return pc.ensure_hybrid(s, xs[0], xs[1], policy)
         return jax.lax.scan(body, state, (layers, routes))
 
-    state = pc.init(L, E, S, eviction=ROUTE_KNN, history=W, rebase_threshold=50)
+    state = pc.init(L, E, S, eviction=eviction, history=W, rebase_threshold=50)
     states = jax.tree.map(lambda *x: jnp.stack(x), *[state] * lanes)
     states, plans = jax.vmap(loop)(states, jnp.asarray(layers), jnp.asarray(routes))
     for i in range(lanes):
-        ref = ReferenceCache(L, E, S, eviction=ROUTE_KNN, history=W, rebase_threshold=50)
+        ref = ReferenceCache(L, E, S, eviction=eviction, history=W, rebase_threshold=50)
         for t in range(layers.shape[1]):
             want = ref.ensure_hybrid(int(layers[i, t]), routes[i, t], ReferencePolicy.fraction(0.75))
             got = jax.tree.map(lambda x: x[i, t], plans)
@@ -502,3 +507,95 @@ def test_start_token_starts_a_token_the_layers_do_not_show(adapter):
         before = other.state
         other.start_token()
         assert_same_state(other.state, before, eviction)
+
+
+# ---- ROUTE_LFU -----------------------------------------------------------------------------
+
+ROUTE_LFU = "route_lfu"
+
+
+@settings(max_examples=max(6, settings.default.max_examples // 3))
+@given(data=st.data())
+def test_route_lfu_eager_matches_the_reference_after_every_step(data):
+    """FAILS if any op, ``start_token`` included, disagrees with the reference in any state
+    field or plan field under ROUTE_LFU (its ring is ROUTE_KNN's; its ranking reads the ring's
+    frequencies, the latest pair of each layer and the predicted next use)."""
+    run_lockstep(data, "jax-eager", eviction=ROUTE_LFU)
+
+
+@settings(max_examples=max(6, settings.default.max_examples // 3))
+@given(data=st.data())
+def test_route_lfu_jitted_matches_the_reference_after_every_step(data):
+    """As above, every op under an outer jit with a traced layer/slot."""
+    run_lockstep(data, "jax-jit", eviction=ROUTE_LFU)
+
+
+def _route_lfu_run(adapter, L, E, S, calls):
+    cache = adapter.init(L, E, S, eviction=ROUTE_LFU, history=8)
+    for layer, experts in calls[:-1]:
+        cache.ensure(layer, experts)
+    return cache, cache.ensure(*calls[-1])
+
+
+@pytest.mark.traced
+def test_route_lfu_protection_outranks_the_score(adapter):
+    """FAILS if ROUTE_LFU drops ``prot`` (ranks residents by ``L * F - NU`` alone): layer 0's
+    expert 1, routed by this token, has the lowest score and would go.
+
+    L=2, E=2, S=3; tokens 0-2 route expert 0 at both layers, token 3 routes expert 1 at layer 0
+    (into the free slot 2), then a miss of layer 1. Keys ``(prot, L*F - NU)``: layer 0 expert 0
+    ``(0, 2*3 - 7)``, layer 1 expert 0 ``(0, 2*3 - 10)``, layer 0 expert 1 ``(1, 2*1 - 9)``:
+    the victim is layer 1's expert 0 in slot 1."""
+    cache, plan = _route_lfu_run(adapter, 2, 2, 3, [(0, [0]), (1, [0])] * 3 + [(0, [1]), (1, [1])])
+    assert plan.valid("dst_slots") == [1]
+    assert cache.state.slot_of(0, 1) == 2 and cache.state.slot_of(0, 0) == 0
+
+
+@pytest.mark.traced
+def test_route_lfu_protects_the_previous_tokens_pair_of_a_layer_not_yet_called(adapter):
+    """FAILS if ``prot`` reads this token's routes for every layer (``R[T, m]``, empty for the
+    layers after the call) instead of the previous token's for ``m > l``: layer 1's expert 1,
+    routed by token 2, has the lowest score ``2*1 - 9`` and would go at token 3's call of layer
+    0. With it protected the victim is layer 0's expert 0 (``2*2 - 10 = -6`` against layer 1
+    expert 0's ``2*2 - 7``), slot 2."""
+    calls = [(0, [1]), (1, [0]), (0, [0]), (1, [0]), (0, [0]), (1, [1]), (0, [1])]
+    cache, plan = _route_lfu_run(adapter, 2, 2, 3, calls)
+    assert plan.valid("dst_slots") == [2]
+    assert cache.state.slot_of(1, 1) == 0
+
+
+@pytest.mark.traced
+def test_route_lfu_ring_frequency_outweighs_a_nearer_predicted_use(adapter):
+    """FAILS if ROUTE_LFU ranks the unprotected residents by the predicted next use alone
+    (ROUTE_KNN's order, ``-NU``): layer 0's expert 1 (routed by all three past tokens, ``F = 3``,
+    ``NU = 10``) would go before layer 1's expert 1 (``F = 1``, ``NU = 9``); the scores are
+    ``2*3 - 10 = -4`` and ``2*1 - 9 = -7``, so the rarer expert in slot 2 goes."""
+    calls = [(0, [1]), (1, [0]), (0, [1]), (1, [1]), (0, [1]), (1, [2]), (0, [2])]
+    cache, plan = _route_lfu_run(adapter, 2, 3, 3, calls)
+    assert plan.valid("dst_slots") == [2]
+    assert cache.state.slot_of(0, 1) == 0
+
+
+@pytest.mark.traced
+def test_route_lfu_predicted_next_use_separates_equal_frequencies(adapter):
+    """FAILS if ROUTE_LFU ranks by the ring frequency alone (``L * F``, then LRU): two
+    unprotected residents routed once each tie on ``F``, and the older (slot 0, layer 0's expert
+    1) would go; ``NU`` (5 for layer 0, the next layer called, 6 for layer 1) makes layer 1's
+    expert 1 in slot 1 the victim (``2 - 6 < 2 - 5``)."""
+    cache, plan = _route_lfu_run(adapter, 2, 3, 3, [(0, [1]), (1, [1]), (0, [0]), (1, [0])])
+    assert plan.valid("dst_slots") == [1]
+    assert cache.state.slot_of(0, 1) == 0
+
+
+@pytest.mark.traced
+def test_route_lfu_frequency_counts_the_current_tokens_routes(adapter):
+    """FAILS if ``F`` leaves out the current token ``T`` (counts only past tokens): it then no
+    longer separates two protected residents. L=3, E=3, S=3; token 0 routes expert 0 at every
+    layer, token 1 routes it at layer 0, then layer 1 misses experts 1 and 2. Victims: layer 1's
+    expert 0 (unprotected), then the protected class: layer 0's expert 0 (``F = 2``, ``NU = 2``,
+    score 4) stays, layer 2's expert 0 (``F = 1``, ``NU = 1``, score 2) goes; without ``T``
+    the scores are 1 and 2 and slot 0 would go."""
+    cache, plan = _route_lfu_run(adapter, 3, 3, 3,
+                                 [(0, [0]), (1, [0]), (2, [0]), (0, [0]), (1, [1, 2])])
+    assert plan.valid("dst_slots") == [1, 2]
+    assert cache.state.slot_of(0, 0) == 0

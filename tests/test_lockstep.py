@@ -152,21 +152,27 @@ ORDERS = ("recency", "lowest_id")
 ADMISSIONS = ("promote_one", "none", "reuse")
 
 
+#: The evictions keeping a token ring (docs/semantics.md §5.16): they draw a ring size and
+#: ``start_token`` calls.
+RING_EVICTIONS = ("route_knn", "route_lfu")
+
+
 def run_lockstep(data, adapter_name, eviction=None):
     """One drawn sequence on ``adapter_name`` against the reference; ``eviction`` (a name, None
     = the default LRU) fixes both caches' policy (docs/semantics.md §5.16), and then REUSE, which
-    it refuses, is not drawn; ROUTE_KNN also draws its ring size and ``start_token`` calls."""
+    it refuses, is not drawn; the ring policies also draw their ring size and ``start_token``
+    calls."""
     L, E, S, route_shape, rebuild_targets = data.draw(
         st.sampled_from(GEOMETRIES[adapter_name]), label="geometry")
     threshold = data.draw(st.sampled_from(REBASE_THRESHOLDS), label="rebase threshold")
     options = {"eviction": eviction}
-    if eviction == "route_knn":
+    if eviction in RING_EVICTIONS:
         options["history"] = data.draw(st.sampled_from((1, 3, 6)), label="history")
     cache = ADAPTER[adapter_name].init(L, E, S, rebase_threshold=threshold, **options)
     cache.pad_routes = False  # the drawn route shape is the compiled one
     ref = ADAPTER["reference"].init(L, E, S, rebase_threshold=threshold, **options)
     admissions = ADMISSIONS if eviction in (None, "lru") else ("promote_one", "none")
-    op_kinds = OP_KINDS + (["start_token"] * 2 if eviction == "route_knn" else [])
+    op_kinds = OP_KINDS + (["start_token"] * 2 if eviction in RING_EVICTIONS else [])
     assert_same_caches(cache, ref, "init")
     # Half the sequences start by warming every layer into the pool (so residents sit above the
     # prefill buffers' slots and chunks see gathers) and opening a prefill chunk.

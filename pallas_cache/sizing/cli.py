@@ -160,7 +160,7 @@ def _parser() -> argparse.ArgumentParser:
                         choices=["promote_one", "none", "reuse"],
                         help="fetches beyond the split (default: promote_one)")
     replay.add_argument("--eviction", nargs="+", default=["lru"],
-                        choices=["lru", "pair_lfu", "route_knn"],
+                        choices=["lru", "pair_lfu", "route_knn", "route_lfu"],
                         help="which resident a fetch evicts (default: lru); reuse is swept "
                              "with lru only")
     output = replay.add_mutually_exclusive_group()

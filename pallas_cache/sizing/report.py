@@ -42,7 +42,7 @@ COLUMN_LEGEND: dict[str, str] = {
     "policy": "full | fraction:Q | cap:N: how many misses of a call are copied",
     "order": "which misses win a capped fetch: recency | lowest_id",
     "admission": "fetches beyond the split: promote_one | none | reuse",
-    "eviction": "which resident a fetch evicts: lru | pair_lfu | route_knn (docs/semantics.md §5.16)",
+    "eviction": "which resident a fetch evicts: lru | pair_lfu | route_knn | route_lfu (docs/semantics.md §5.16)",
     "expert_bytes": "W, bytes of one routed expert (empty without --model/--expert-bytes)",
     "link_bandwidth": "B_link in bytes/s (empty when not given)",
     "cpu_bandwidth": "B_cpu in bytes/s (empty when not given)",
