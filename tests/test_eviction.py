@@ -8,11 +8,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import pallas_cache as pc
-from conftest import ADAPTER, assert_same_plan, assert_same_state, ensure_view, state_view
+from conftest import (ADAPTER, assert_same_plan, assert_same_state, ensure_view, examples,
+                      state_view)
 from reference import ReferenceCache, ReferencePolicy
 from test_lockstep import assert_same_caches, build_policy, run_lockstep
 from test_loop_free import primitives, trace
@@ -27,6 +28,7 @@ def pair_lfu(adapter, L, E, S, **kwargs):
 # ---- lockstep ------------------------------------------------------------------------------
 
 
+@examples(0.4)
 @given(data=st.data())
 def test_pair_lfu_eager_matches_the_reference_after_every_step(data):
     """FAILS if any op (ensure, ensure_hybrid, materialize, forget, prefill, reset, rebuild,
@@ -35,13 +37,14 @@ def test_pair_lfu_eager_matches_the_reference_after_every_step(data):
     run_lockstep(data, "jax-eager", eviction=PAIR_LFU)
 
 
+@examples(0.4)
 @given(data=st.data())
 def test_pair_lfu_jitted_matches_the_reference_after_every_step(data):
     """As above, every op under an outer jit with a traced layer/slot."""
     run_lockstep(data, "jax-jit", eviction=PAIR_LFU)
 
 
-@settings(max_examples=max(6, settings.default.max_examples // 3))
+@examples(0.25)
 @given(data=st.data())
 def test_pair_lfu_interpret_backend_matches_the_reference_after_every_step(data):
     """As above with backend="interpret" (PAIR_LFU ranks in XLA on every backend)."""
@@ -396,6 +399,7 @@ def test_the_cli_sweeps_evictions_and_refuses_reuse_with_pair_lfu(capsys):
 ROUTE_KNN = "route_knn"
 
 
+@examples(0.3)
 @given(data=st.data())
 def test_route_knn_eager_matches_the_reference_after_every_step(data):
     """FAILS if any op, ``start_token`` included, disagrees with the reference in any state
@@ -403,6 +407,7 @@ def test_route_knn_eager_matches_the_reference_after_every_step(data):
     run_lockstep(data, "jax-eager", eviction=ROUTE_KNN)
 
 
+@examples(0.3)
 @given(data=st.data())
 def test_route_knn_jitted_matches_the_reference_after_every_step(data):
     """As above, every op under an outer jit with a traced layer/slot."""
@@ -514,7 +519,7 @@ def test_start_token_starts_a_token_the_layers_do_not_show(adapter):
 ROUTE_LFU = "route_lfu"
 
 
-@settings(max_examples=max(6, settings.default.max_examples // 3))
+@examples(0.3)
 @given(data=st.data())
 def test_route_lfu_eager_matches_the_reference_after_every_step(data):
     """FAILS if any op, ``start_token`` included, disagrees with the reference in any state
@@ -523,7 +528,7 @@ def test_route_lfu_eager_matches_the_reference_after_every_step(data):
     run_lockstep(data, "jax-eager", eviction=ROUTE_LFU)
 
 
-@settings(max_examples=max(6, settings.default.max_examples // 3))
+@examples(0.3)
 @given(data=st.data())
 def test_route_lfu_jitted_matches_the_reference_after_every_step(data):
     """As above, every op under an outer jit with a traced layer/slot."""

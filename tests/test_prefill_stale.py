@@ -5,8 +5,6 @@ a snapshot hit. The prefetch re-validates every snapshot hit against the live ma
 the moved ones from the host, in both implementations.
 """
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
@@ -81,7 +79,8 @@ def test_interleaved_decode_and_prefill_gather_only_resident_rows(ops):
     does not hold the expert, or if the two implementations disagree on a plan."""
     L, E, S = 4, 4, 10
     state, ref = pc.init(L, E, S), ReferenceCache(L, E, S)
-    state, ref_ = pc.begin_prefill(state), ref.begin_prefill()
+    state = pc.begin_prefill(state)
+    ref.begin_prefill()
     for kind, layer, ids in ops:
         if kind == "ensure":
             state, plan = pc.ensure(state, layer, np.array(ids))

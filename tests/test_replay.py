@@ -11,7 +11,6 @@ import pytest
 
 from pallas_cache.sizing import cli
 from pallas_cache.sizing.sweep import ReplayConfig, config_grid, parse_policy, replay
-from pallas_cache.sizing.synthetic import synthetic_trace
 from pallas_cache.sizing.traces import Trace
 from reference import ReferenceCache, ReferencePolicy
 
