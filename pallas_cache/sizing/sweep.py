@@ -94,8 +94,8 @@ class ReplayConfig:
       policy: ``"full"``, ``"fraction:Q"`` or ``"cap:N"`` (see :func:`parse_policy`).
       order: ``"recency"`` or ``"lowest_id"``.
       admission: ``"promote_one"``, ``"none"`` or ``"reuse"``.
-      eviction: ``"lru"``, ``"pair_lfu"`` or ``"route_knn"`` (docs/semantics.md §5.16, its default
-        ring of 128 tokens); ``reuse`` needs ``lru``.
+      eviction: ``"lru"``, ``"pair_lfu"``, ``"route_knn"`` or ``"route_lfu"`` (docs/semantics.md
+        §5.16, the default ring of 128 tokens); ``reuse`` needs ``lru``.
     """
 
     cache_size: int
