@@ -86,6 +86,7 @@ def main(argv=None):
         "|---|---:|---:|---:|",
         "| before the capacity work (issue #12's measurement) | 470.8 | | 3.0 |",
         "| after the capacity work (2026-11-30 19:31, load 1.8) | 436.8 | 326.5 | 1.29 |",
+        "| after the replay speed work (2026-11-30 22:35, load 0.4) | 105.5 | 163.0 | 1.23 |",
         f"| now | {seconds:.1f} | {cpu:.1f} | {gb:.2f} |",
         "| target | <= 60 | | <= 1.5 |",
         "",
