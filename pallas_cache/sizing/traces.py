@@ -716,15 +716,9 @@ def _read_jsonl(path: str | os.PathLike, *, num_layers: int | None = None,
             if not is_int(expert):
                 raise TraceError(f"{where}: field 'experts': entry {position} is "
                                  f"{_short(expert)}, expected an integer expert id")
-            if expert < -1:
-                raise TraceError(f"{where}: field 'experts': expert {expert} is below -1 "
-                                 f"(-1 is the only padding value)")
-            if declared_experts is not None and expert >= declared_experts:
-                raise TraceError(f"{where}: field 'experts': expert {expert} is outside "
-                                 f"[-1, {declared_experts}) (num_experts={declared_experts})")
-            if expert > INT32_MAX - 1:
-                raise TraceError(f"{where}: field 'experts': expert {expert} does not fit "
-                                 f"int32")
+            if (expert < -1 or expert > INT32_MAX - 1
+                    or (declared_experts is not None and expert >= declared_experts)):
+                raise _expert_out_of_range(where, expert, declared_experts)
 
         label = None
         for key in SEQUENCE_KEYS:
@@ -818,14 +812,7 @@ def trace_from_records(source: str, *, sequence: np.ndarray, token_idx: np.ndarr
         limit_expert = declared_experts if declared_experts is not None else INT32_MAX
         if int(experts.min()) < -1 or int(experts.max()) >= limit_expert:
             where, index = first((experts < -1) | (experts >= limit_expert), flat=True)
-            value = int(experts[index])
-            if value < -1:
-                raise TraceError(f"{where}: field 'experts': expert {value} is below -1 (-1 is "
-                                 f"the only padding value)")
-            if declared_experts is not None and value >= declared_experts:
-                raise TraceError(f"{where}: field 'experts': expert {value} is outside "
-                                 f"[-1, {declared_experts}) (num_experts={declared_experts})")
-            raise TraceError(f"{where}: field 'experts': expert {value} does not fit int32")
+            raise _expert_out_of_range(where, int(experts[index]), declared_experts)
     top_k = int(counts.max())
     widest_line = int(lines[int(np.argmax(counts))])
     layer_file = np.asarray(layer, dtype=np.int32)
@@ -1232,6 +1219,18 @@ def save_trace(trace: Trace, path: str | os.PathLike) -> None:
 # ---- small helpers ---------------------------------------------------------------------------
 
 _MISSING = object()
+
+
+def _expert_out_of_range(where: str, expert: int, declared_experts: int | None) -> TraceError:
+    """The one message for an expert id outside ``[-1, num_experts)`` or past int32, for the
+    per-record and the vectorised readers alike."""
+    if expert < -1:
+        return TraceError(f"{where}: field 'experts': expert {expert} is below -1 (-1 is the only "
+                          f"padding value)")
+    if declared_experts is not None and expert >= declared_experts:
+        return TraceError(f"{where}: field 'experts': expert {expert} is outside "
+                          f"[-1, {declared_experts}) (num_experts={declared_experts})")
+    return TraceError(f"{where}: field 'experts': expert {expert} does not fit int32")
 
 
 def _short(value: Any) -> str:
