@@ -1,0 +1,233 @@
+"""How ROUTE_KNN / ROUTE_LFU's share of the LRU -> Belady gap depends on how much the tokens repeat.
+
+``mixtral-realistic`` is calibrated to 13 measured Mixtral-8x7B statistics (lag-1 reuse, the
+lowest of lags 2-8, neighbour precision, normalised entropy, global LRU / per-layer LRU / Belady
+at S = 64 / 128 / 192; ``benchmarks/realistic_preset.py``), but not to how often the *token
+sequence* repeats: its tokens are i.i.d. Zipf draws with copied spans (``copy_prob``,
+``copy_span``). This benchmark varies that degree of freedom (and the vocabulary's Zipf exponent)
+with ``dataclasses.replace(PRESETS["mixtral-realistic"], ...)`` and reports, per variant, mean
+over seeds ``0..seeds-1`` of ``tokens`` tokens each:
+
+* the 13 calibration statistics, computed by ``realistic_preset.averaged`` / ``measure`` (global
+  LRU = the library's replay with policy ``full``; Belady = ``pallas_cache.sizing.bounds.belady``),
+  and the largest ``|preset - real|`` over them;
+* **next-token neighbour precision** (window ``W = 128``), a statistic one can measure on a real
+  trace: with ``R[t, l]`` the set of experts token ``t`` routes at layer ``l``, for every token
+  ``T`` with ``1 <= T <= N - 2`` take, at the end of token ``T`` (causal: only tokens ``<= T``
+  are read), the past token ``j`` in ``[max(0, T - W), T - 1]`` with the largest
+  ``match(j) = sum_{l < L} |R[T, l] & R[j, l]|`` over *all* layers of ``T``, ties to the most
+  recent ``j`` (``j = T - 1`` is a candidate, so its successor is ``T`` itself). Its successor
+  ``j + 1`` predicts the next token's routes; the statistic pools
+  ``sum_l |R[j + 1, l] & R[T + 1, l]|`` over ``sum_l |R[j + 1, l]|`` across all ``T``. A router
+  with no memory scores ``K / E`` (0.25 on 2-of-8); the plain previous-token guess (always
+  ``j = T - 1``) scores the lag-1 reuse;
+* hit rates of ``lru``, ``route_knn`` and ``route_lfu`` (the library's replay, policy ``full``,
+  ``ReplayConfig(..., eviction=...)``) and Belady at S = 64 / 128 / 192, the share of the
+  LRU -> Belady gap ``(policy - LRU) / (Belady - LRU)`` of the seed means, and ROUTE_LFU's worst
+  difference to LRU.
+
+``--check`` replays one variant's seed 0 with the exact NumPy simulator of
+``benchmarks/route_rules_explore.py`` as well and asserts equal hit rates.
+
+    python benchmarks/preset_sensitivity.py [--tokens 1000] [--seeds 2] [--check] [--write]
+
+``--write`` replaces this benchmark's section of benchmarks/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import os
+import platform
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from pallas_cache.sizing.sweep import ReplayConfig, replay  # noqa: E402
+from pallas_cache.sizing.synthetic import PRESETS, synthetic_trace  # noqa: E402
+from realistic_preset import REAL, averaged  # noqa: E402
+from results_file import write_section  # noqa: E402
+
+SLOTS_PER_LAYER = (2, 4, 6)
+WINDOW = 128
+POLICIES = ("route_knn", "route_lfu")
+
+#: (label, knobs replaced in mixtral-realistic); the first row is the preset itself. A new span
+#: start ends the running span, so a large ``copy_prob`` makes spans short (mean about
+#: ``min(copy_span, 1 / copy_prob)``); a source up to ``copy_window = 512`` tokens back is mostly
+#: outside ROUTE_KNN's 128-token ring, hence the ``window 128`` rows.
+VARIANTS = [("default (copy_prob 0.02, span 8, window 512)", {})]
+VARIANTS += [(f"copy_prob {p}, span {s}, window {w}",
+              {"copy_prob": p, "copy_span": float(s), "copy_window": w})
+             for s, w in ((8, 512), (32, 512), (32, 128)) for p in (0.02, 0.05, 0.1, 0.2, 0.3)
+             if (p, s, w) != (0.02, 8, 512)]
+VARIANTS += [(f"vocab_zipf {z} (default 1.3)", {"vocab_zipf": z}) for z in (1.1, 1.5)]
+
+#: The variant ``--check`` replays with the simulator as well.
+CHECKED = "copy_prob 0.1, span 32, window 128"
+
+
+def next_token_precision(trace, window=WINDOW, *, block=256):
+    """The next-token neighbour precision of a dense trace (see the module docstring)."""
+    dense = trace.to_dense()                                       # [N, L, K], -1 = padding
+    tokens, layers, _ = dense.shape
+    if tokens < 3:
+        return float("nan")
+    onehot = np.zeros((tokens, layers, trace.num_experts), dtype=bool)
+    t_idx, l_idx, k_idx = np.nonzero(dense >= 0)
+    onehot[t_idx, l_idx, dense[t_idx, l_idx, k_idx]] = True
+    masks = np.packbits(onehot, axis=2)                            # [N, L, ceil(E / 8)] uint8
+    sizes = np.bitwise_count(masks).sum(axis=(1, 2), dtype=np.int64)   # [N] routes per token
+    lags = np.arange(1, window + 1)
+    matched = predicted = 0
+    for start in range(1, tokens - 1, block):
+        now = np.arange(start, min(start + block, tokens - 1))    # T with T + 1 < N
+        past = now[:, None] - lags[None, :]                        # [n, window], most recent first
+        valid = past >= 0
+        past = np.maximum(past, 0)
+        match = np.bitwise_count(masks[now][:, None] & masks[past]).sum(
+            axis=(2, 3), dtype=np.int64)                           # [n, window]
+        match = np.where(valid, match, -1)
+        best = past[np.arange(now.size), np.argmax(match, axis=1)]  # first max = most recent
+        matched += int(np.bitwise_count(masks[best + 1] & masks[now + 1]).sum(dtype=np.int64))
+        predicted += int(sizes[best + 1].sum())
+    return matched / predicted
+
+
+def policy_hit_rates(trace, sizes):
+    """{policy: (hit rate at each size)} for ROUTE_KNN and ROUTE_LFU, from the library's replay."""
+    configs = [ReplayConfig(size, "full", eviction=policy) for policy in POLICIES
+               for size in sizes]
+    results = replay(trace, configs, bounds=False, progress=lambda status: None)
+    rates = [1.0 - r.missing / r.active for r in results]
+    return {policy: tuple(rates[i * len(sizes):(i + 1) * len(sizes)])
+            for i, policy in enumerate(POLICIES)}
+
+
+def evaluate(params, tokens, seeds):
+    """Every number of one table row for ``params``."""
+    mean, _ = averaged(params, tokens, seeds, SLOTS_PER_LAYER)
+    known = [key for key, real in REAL.items() if real is not None]
+    row = {"worst": max(float(np.abs(np.atleast_1d(mean[key]) - np.atleast_1d(REAL[key])).max())
+                        for key in known)}
+    row.update({key: mean[key] for key in known})
+    sizes = [params.num_layers * s for s in SLOTS_PER_LAYER]
+    next_prec, rates = [], {policy: [] for policy in POLICIES}
+    for seed in range(seeds):
+        trace = synthetic_trace(params, num_tokens=tokens, seed=seed)
+        next_prec.append(next_token_precision(trace))
+        for policy, values in policy_hit_rates(trace, sizes).items():
+            rates[policy].append(values)
+    row["next-token precision"] = float(np.mean(next_prec))
+    lru, bel = np.asarray(mean["global LRU"]), np.asarray(mean["Belady"])
+    for policy in POLICIES:
+        row[policy] = np.mean(rates[policy], axis=0)
+        row[policy + " share"] = (row[policy] - lru) / (bel - lru)
+    row["route_lfu - LRU"] = float((row["route_lfu"] - lru).min())
+    return row
+
+
+def check(params, tokens):
+    """Assert the route_rules_explore simulator equals the library's replay on seed 0."""
+    from route_rules_explore import lru, ring_lfu, route_knn, simulate
+    trace = synthetic_trace(params, num_tokens=tokens, seed=0)
+    sizes = [params.num_layers * s for s in SLOTS_PER_LAYER]
+    library = policy_hit_rates(trace, sizes)
+    quiet = lambda status: None  # noqa: E731
+    library["lru"] = tuple(r.hit_rate for r in replay(
+        trace, [ReplayConfig(size, "full") for size in sizes], bounds=False, progress=quiet))
+    rules = {"lru": lru, "route_knn": route_knn, "route_lfu": ring_lfu(None)}
+    dense = trace.to_dense()
+    for name, rule in rules.items():
+        mine = [simulate(dense, size, rule) for size in sizes]
+        assert np.allclose(mine, library[name], rtol=0, atol=1e-12), (name, mine, library[name])
+    return library
+
+
+def fmt3(values, digits=2):
+    return " / ".join(f"{v:.{digits}f}" for v in np.atleast_1d(values))
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=1000)
+    parser.add_argument("--seeds", type=int, default=2)
+    parser.add_argument("--check", action="store_true")
+    parser.add_argument("--write", action="store_true")
+    args = parser.parse_args(argv)
+
+    start = time.perf_counter()
+    base = PRESETS["mixtral-realistic"]
+    rows = []
+    for label, knobs in VARIANTS:
+        t0 = time.perf_counter()
+        row = evaluate(dataclasses.replace(base, **knobs), args.tokens, args.seeds)
+        rows.append((label, knobs, row))
+        print(f"{label}: max|d| {row['worst']:.3f}, next-token {row['next-token precision']:.3f}"
+              f", knn share {fmt3(row['route_knn share'])}, lfu share "
+              f"{fmt3(row['route_lfu share'])} ({time.perf_counter() - t0:.0f} s)", flush=True)
+
+    checked = None
+    if args.check:
+        check(dataclasses.replace(base, **dict(VARIANTS)[CHECKED]), args.tokens)
+        checked = CHECKED
+        print(f"check: simulator == library replay on '{label}', seed 0", flush=True)
+
+    header = ("| variant | max \\|d\\| over 13 | lag 1 | lowest lag 2-8 | neighbour prec. | "
+              "entropy | global LRU | per-layer LRU | Belady | **next-token prec.** | route_knn "
+              "| route_lfu | route_knn share | route_lfu share | route_lfu - LRU (worst) |")
+    lines = [header, "|" + "---|" * (header.count(" | ") + 1)]
+    real_row = ("| real Mixtral-8x7B (issue 15) | 0 | 0.40 | 0.20 | 0.60 | 0.97 | "
+                + " | ".join(fmt3(REAL[k]) for k in ("global LRU", "per-layer LRU", "Belady"))
+                + " | ? | ? | ? | ? | ? | ? |")
+    lines.append(real_row)
+    for label, _, row in rows:
+        lines.append(
+            f"| {label} | {row['worst']:.3f} | {row['lag 1']:.3f} | "
+            f"{row['lowest of lags 2-8']:.3f} | {row['neighbour precision']:.3f} | "
+            f"{row['normalised entropy']:.3f} | {fmt3(row['global LRU'], 3)} | "
+            f"{fmt3(row['per-layer LRU'], 3)} | {fmt3(row['Belady'], 3)} | "
+            f"**{row['next-token precision']:.3f}** | {fmt3(row['route_knn'], 3)} | "
+            f"{fmt3(row['route_lfu'], 3)} | {fmt3(row['route_knn share'])} | "
+            f"{fmt3(row['route_lfu share'])} | {row['route_lfu - LRU']:+.4f} |")
+    table = "\n".join(lines)
+    elapsed = time.perf_counter() - start
+    print(table, f"({elapsed:.0f} s)", sep="\n\n")
+
+    if args.write:
+        machine = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores "
+                   f"(shared), {platform.system()}; numpy {np.__version__}, jax "
+                   f"{jax.__version__} on {jax.default_backend()}")
+        command = (f"python benchmarks/preset_sensitivity.py --tokens {args.tokens} --seeds "
+                   f"{args.seeds}" + (" --check" if args.check else "") + " --write")
+        check_line = (f" `--check`: on '{checked}', seed 0, the exact simulator of "
+                      f"`route_rules_explore.py` gives the library replay's `lru`, `route_knn` "
+                      f"and `route_lfu` hit rates at all three sizes." if checked else "")
+        section = (
+            f"## Sensitivity of the eviction results to the preset's token repetition "
+            f"(`benchmarks/preset_sensitivity.py`)\n\n`{command}` on "
+            f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC ({elapsed:.0f} s)."
+            f" Machine: {machine}.\n\n"
+            f"Variants of `mixtral-realistic` (`dataclasses.replace`), mean over seeds "
+            f"0..{args.seeds - 1} of {args.tokens} tokens each. The 13 calibration statistics "
+            f"as in `realistic_preset` (triples at S = 64 / 128 / 192); max \\|d\\| = the "
+            f"largest \\|preset - real\\| over them. Next-token prec. = next-token neighbour "
+            f"precision (window 128; the past token whose routes over all layers best match "
+            f"token T's, ties to the most recent, predicts T + 1's routes by its own successor's;"
+            f" chance 0.25; definition in the script's docstring). route_knn / route_lfu = the "
+            f"library's replay (policy `full`); share = (policy - LRU) / (Belady - LRU) of the "
+            f"seed means.{check_line}\n\n{table}\n\n{READING}\n")
+        write_section("preset_sensitivity", section)
+
+
+READING = "Reading: (to be written from the numbers above)."
+
+
+if __name__ == "__main__":
+    main()
