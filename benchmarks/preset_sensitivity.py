@@ -1,0 +1,357 @@
+"""How ROUTE_KNN / ROUTE_LFU's share of the LRU -> Belady gap depends on how much the tokens repeat.
+
+``mixtral-realistic`` is calibrated to 13 measured Mixtral-8x7B statistics (lag-1 reuse, the
+lowest of lags 2-8, neighbour precision, normalised entropy, global LRU / per-layer LRU / Belady
+at S = 64 / 128 / 192; ``benchmarks/realistic_preset.py``), but not to how often the *token
+sequence* repeats: its tokens are i.i.d. Zipf draws with copied spans (``copy_prob``,
+``copy_span``, ``copy_window``). This benchmark varies that degree of freedom (and the
+vocabulary's Zipf exponent) with ``dataclasses.replace(PRESETS["mixtral-realistic"], ...)``; a
+few hand-tuned variants (``TUNED``) combine long copied passages with a larger ``layer_noise``
+and lag-1 context tap, to stay near the 13 real statistics, and are also reported on held-out
+seeds. Per variant, mean over the seeds of ``tokens`` tokens each:
+
+* the 13 calibration statistics, computed by ``realistic_preset.averaged`` / ``measure`` (global
+  LRU = the library's replay with policy ``full``; Belady = ``pallas_cache.sizing.bounds.belady``),
+  and the largest ``|preset - real|`` over them;
+* **next-token neighbour precision** (window ``W = 128``), a statistic one can measure on a real
+  trace: with ``R[t, l]`` the set of experts token ``t`` routes at layer ``l``, for every token
+  ``T`` with ``1 <= T <= N - 2`` take, at the end of token ``T`` (causal: only tokens ``<= T``
+  are read), the past token ``j`` in ``[max(0, T - W), T - 1]`` with the largest
+  ``match(j) = sum_{l < L} |R[T, l] & R[j, l]|`` over *all* layers of ``T``, ties to the most
+  recent ``j`` (``j = T - 1`` is a candidate, so its successor is ``T`` itself). Its successor
+  ``j + 1`` predicts the next token's routes; the statistic pools
+  ``sum_l |R[j + 1, l] & R[T + 1, l]|`` over ``sum_l |R[j + 1, l]|`` across all ``T``. A router
+  with no memory scores ``K / E`` (0.25 on 2-of-8); the plain previous-token guess (always
+  ``j = T - 1``) scores the lag-1 reuse;
+* hit rates of ``lru``, ``route_knn`` and ``route_lfu`` (the library's replay, policy ``full``,
+  ``ReplayConfig(..., eviction=...)``) and Belady at S = 64 / 128 / 192, the share of the
+  LRU -> Belady gap ``(policy - LRU) / (Belady - LRU)`` of the seed means, and ROUTE_LFU's worst
+  difference to LRU.
+
+``--check`` replays one variant's seed 0 with the exact NumPy simulator of
+``benchmarks/route_rules_explore.py`` as well and asserts equal hit rates.
+
+    python benchmarks/preset_sensitivity.py [--tokens 1000] [--seeds 0 1] [--held-out 2 3] \\
+        [--check] [--save rows.json | --load rows.json] [--write]
+
+``--write`` replaces this benchmark's section of benchmarks/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from pallas_cache.sizing.sweep import ReplayConfig, replay  # noqa: E402
+from pallas_cache.sizing.synthetic import PRESETS, synthetic_trace  # noqa: E402
+from realistic_preset import REAL, measure  # noqa: E402
+from results_file import write_section  # noqa: E402
+
+SLOTS_PER_LAYER = (2, 4, 6)
+WINDOW = 128
+POLICIES = ("route_knn", "route_lfu")
+
+#: (label, knobs replaced in mixtral-realistic); the first row is the preset itself. A new span
+#: start ends the running span, so a large ``copy_prob`` makes spans short (mean about
+#: ``min(copy_span, 1 / copy_prob)``); a source up to ``copy_window = 512`` tokens back is mostly
+#: outside ROUTE_KNN's 128-token ring, hence the ``window 128`` rows.
+VARIANTS = [("default (copy_prob 0.02, span 8, window 512)", {})]
+VARIANTS += [(f"copy_prob {p}, span {s}, window {w}",
+              {"copy_prob": p, "copy_span": float(s), "copy_window": w})
+             for s, w in ((8, 512), (32, 512), (32, 128)) for p in (0.02, 0.05, 0.1, 0.2, 0.3)
+             if (p, s, w) != (0.02, 8, 512)]
+VARIANTS += [(f"copy_prob {p}, span 128, window 128",
+              {"copy_prob": p, "copy_span": 128.0, "copy_window": 128}) for p in (0.01, 0.02, 0.05)]
+VARIANTS += [(f"vocab_zipf {z} (default 1.3)", {"vocab_zipf": z}) for z in (1.1, 1.5)]
+
+
+def _context(tap1):
+    """mixtral-realistic's context filter with the lag-1 tap replaced."""
+    return (1.0, tap1) + tuple(PRESETS["mixtral-realistic"].context[2:])
+
+
+#: Long copied passages inside the ring, with ``layer_noise`` and the lag-1 context tap raised to
+#: bring the 13 statistics back near the real ones (chosen by hand on seeds 0-1 from about 20
+#: tries; also reported on the held-out seeds).
+TUNED = [(f"copy_prob 0.02, span {s}, window 128, layer_noise {n}, context[1] {c}",
+          {"copy_prob": 0.02, "copy_span": float(s), "copy_window": 128, "layer_noise": n,
+           "context": _context(c)})
+         for s, n, c in ((64, 0.35, 0.3), (96, 0.4, 0.45), (128, 0.4, 0.45), (128, 0.45, 0.5))]
+
+#: The variant ``--check`` replays with the simulator as well.
+CHECKED = "copy_prob 0.1, span 32, window 128"
+
+
+def next_token_precision(trace, window=WINDOW, *, block=256):
+    """The next-token neighbour precision of a dense trace (see the module docstring)."""
+    dense = trace.to_dense()                                       # [N, L, K], -1 = padding
+    tokens, layers, _ = dense.shape
+    if tokens < 3:
+        return float("nan")
+    onehot = np.zeros((tokens, layers, trace.num_experts), dtype=bool)
+    t_idx, l_idx, k_idx = np.nonzero(dense >= 0)
+    onehot[t_idx, l_idx, dense[t_idx, l_idx, k_idx]] = True
+    masks = np.packbits(onehot, axis=2)                            # [N, L, ceil(E / 8)] uint8
+    sizes = np.bitwise_count(masks).sum(axis=(1, 2), dtype=np.int64)   # [N] routes per token
+    lags = np.arange(1, window + 1)
+    matched = predicted = 0
+    for start in range(1, tokens - 1, block):
+        now = np.arange(start, min(start + block, tokens - 1))    # T with T + 1 < N
+        past = now[:, None] - lags[None, :]                        # [n, window], most recent first
+        valid = past >= 0
+        past = np.maximum(past, 0)
+        match = np.bitwise_count(masks[now][:, None] & masks[past]).sum(
+            axis=(2, 3), dtype=np.int64)                           # [n, window]
+        match = np.where(valid, match, -1)
+        best = past[np.arange(now.size), np.argmax(match, axis=1)]  # first max = most recent
+        matched += int(np.bitwise_count(masks[best + 1] & masks[now + 1]).sum(dtype=np.int64))
+        predicted += int(sizes[best + 1].sum())
+    return matched / predicted
+
+
+def policy_hit_rates(trace, sizes):
+    """{policy: (hit rate at each size)} for ROUTE_KNN and ROUTE_LFU, from the library's replay."""
+    configs = [ReplayConfig(size, "full", eviction=policy) for policy in POLICIES
+               for size in sizes]
+    results = replay(trace, configs, bounds=False, progress=lambda status: None)
+    rates = [1.0 - r.missing / r.active for r in results]
+    return {policy: tuple(rates[i * len(sizes):(i + 1) * len(sizes)])
+            for i, policy in enumerate(POLICIES)}
+
+
+def evaluate(params, tokens, seeds):
+    """Every number of one table row for ``params``: means over ``seeds`` (a sequence)."""
+    sizes = [params.num_layers * s for s in SLOTS_PER_LAYER]
+    runs = []
+    for seed in seeds:
+        trace = synthetic_trace(params, num_tokens=tokens, seed=seed)
+        run = measure(trace, SLOTS_PER_LAYER)
+        run["next-token precision"] = next_token_precision(trace)
+        run.update(policy_hit_rates(trace, sizes))
+        runs.append(run)
+    row = {key: np.mean([np.asarray(run[key], dtype=np.float64) for run in runs], axis=0)
+           for key in runs[0]}
+    known = [key for key, real in REAL.items() if real is not None]
+    row["worst"] = max(float(np.abs(np.atleast_1d(row[key]) - np.atleast_1d(REAL[key])).max())
+                       for key in known)
+    lru, bel = row["global LRU"], row["Belady"]
+    for policy in POLICIES:
+        row[policy + " share"] = (row[policy] - lru) / (bel - lru)
+    # per seed and size, stricter than the difference of the means
+    row["route_lfu - LRU"] = min(float(np.min(np.subtract(run["route_lfu"], run["global LRU"])))
+                                 for run in runs)
+    return row
+
+
+def check(params, tokens):
+    """Assert the route_rules_explore simulator equals the library's replay on seed 0."""
+    from route_rules_explore import lru, ring_lfu, route_knn, simulate
+    trace = synthetic_trace(params, num_tokens=tokens, seed=0)
+    sizes = [params.num_layers * s for s in SLOTS_PER_LAYER]
+    library = policy_hit_rates(trace, sizes)
+    quiet = lambda status: None  # noqa: E731
+    library["lru"] = tuple(r.hit_rate for r in replay(
+        trace, [ReplayConfig(size, "full") for size in sizes], bounds=False, progress=quiet))
+    rules = {"lru": lru, "route_knn": route_knn, "route_lfu": ring_lfu(None)}
+    dense = trace.to_dense()
+    for name, rule in rules.items():
+        mine = [simulate(dense, size, rule) for size in sizes]
+        assert np.allclose(mine, library[name], rtol=0, atol=1e-12), (name, mine, library[name])
+    return library
+
+
+def fmt3(values, digits=2):
+    return " / ".join(f"{v:.{digits}f}" for v in np.atleast_1d(values))
+
+
+def seed_text(seeds):
+    """``[2, 3, 4]`` -> ``'2-4'``; other lists comma-separated."""
+    seeds = list(seeds)
+    if len(seeds) > 1 and seeds == list(range(seeds[0], seeds[0] + len(seeds))):
+        return f"{seeds[0]}-{seeds[-1]}"
+    return ", ".join(map(str, seeds))
+
+
+def row_line(label, seeds, row):
+    return (f"| {label} | {seeds} | {row['worst']:.3f} | {row['lag 1']:.3f} | "
+            f"{row['lowest of lags 2-8']:.3f} | {row['neighbour precision']:.3f} | "
+            f"{row['normalised entropy']:.3f} | {fmt3(row['global LRU'], 3)} | "
+            f"{fmt3(row['per-layer LRU'], 3)} | {fmt3(row['Belady'], 3)} | "
+            f"**{row['next-token precision']:.3f}** | {fmt3(row['route_knn'], 3)} | "
+            f"{fmt3(row['route_lfu'], 3)} | **{fmt3(row['route_knn share'])}** | "
+            f"{fmt3(row['route_lfu share'])} | {row['route_lfu - LRU']:+.4f} |")
+
+
+def facts(rows, default_label):
+    """The reading's numbers, computed from the rows (so a rerun cannot contradict them)."""
+    knn64 = lambda row: float(row["route_knn share"][0])  # noqa: E731
+    close = [(label, seeds, row) for label, seeds, row in rows if row["worst"] <= 0.03]
+    crossing = [row for _, _, row in rows if knn64(row) >= 0.30]
+    below = [row for _, _, row in rows if knn64(row) < 0.30]
+    default = next(row for label, _, row in rows if label == default_label)
+    out = [f"Rows within 0.03 of every real statistic: {len(close)} of {len(rows)}; their "
+           f"route_knn share at S = 64: "
+           + ", ".join(f"{knn64(row):+.2f} ({label}, seeds {seeds})"
+                       for label, seeds, row in close) + "."]
+    out.append(f"The default preset's next-token neighbour precision is "
+               f"{default['next-token precision']:.3f} (its lag-1 reuse {default['lag 1']:.3f}).")
+    if crossing:
+        out.append(f"route_knn reaches >= 0.30 of the gap at S = 64 in {len(crossing)} rows, "
+                   f"with next-token precision {min(r['next-token precision'] for r in crossing):.3f}"
+                   f"-{max(r['next-token precision'] for r in crossing):.3f} and max |d| "
+                   f"{min(r['worst'] for r in crossing):.3f}-{max(r['worst'] for r in crossing):.3f};"
+                   f" the rows below 0.30 reach next-token precision up to "
+                   f"{max(r['next-token precision'] for r in below):.3f}.")
+    else:
+        out.append(f"route_knn stays below 0.30 of the gap at S = 64 in every row (best "
+                   f"{max(knn64(r) for _, _, r in rows):+.2f}).")
+    x = np.array([row["next-token precision"] for _, _, row in rows])
+    y = np.array([knn64(row) for _, _, row in rows])
+    slope, intercept = np.polyfit(x, y, 1)
+    residual = float(np.abs(y - (slope * x + intercept)).max())
+    out.append(f"A least-squares line through all {len(rows)} rows, route_knn share at S = 64 = "
+               f"{slope:.2f} * next-token precision {intercept:+.2f} (largest residual "
+               f"{residual:.2f}), gives 0.30 at next-token precision "
+               f"{(0.30 - intercept) / slope:.2f}.")
+    out.append(f"route_lfu minus global LRU, worst over every row, seed and size: "
+               f"{min(r['route_lfu - LRU'] for _, _, r in rows):+.4f}; its share at S = 64 is "
+               f"{min(float(r['route_lfu share'][0]) for _, _, r in rows):+.2f} to "
+               f"{max(float(r['route_lfu share'][0]) for _, _, r in rows):+.2f}.")
+    return " ".join(out)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=1000)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--held-out", type=int, nargs="*", default=[2, 3, 4, 5, 6, 7],
+                        help="seeds on which the default and the hand-tuned variants are also "
+                             "reported")
+    parser.add_argument("--check", action="store_true")
+    parser.add_argument("--save", help="write the rows as JSON to this path")
+    parser.add_argument("--load", help="render the rows saved by --save instead of computing")
+    parser.add_argument("--write", action="store_true")
+    args = parser.parse_args(argv)
+
+    start = time.perf_counter()
+    base = PRESETS["mixtral-realistic"]
+    saved = None
+    if args.load:
+        with open(args.load) as f:
+            saved = json.load(f)
+        args.tokens = saved.get("tokens", args.tokens)
+        args.seeds = saved.get("seeds", args.seeds)
+        args.held_out = saved.get("held_out", args.held_out)
+    seeds, held = seed_text(args.seeds), seed_text(args.held_out)
+    jobs = [(label, knobs, args.seeds, seeds) for label, knobs in VARIANTS + TUNED]
+    if args.held_out:
+        jobs += [(label, knobs, args.held_out, held) for label, knobs in VARIANTS[:1] + TUNED]
+    if saved is not None:
+        rows = [(label, shown, {k: np.asarray(v) if isinstance(v, list) else v
+                                    for k, v in row.items()})
+                for label, shown, row in saved["rows"]]
+        elapsed, checked = saved["elapsed"], saved["checked"]
+    else:
+        rows = []
+        for label, knobs, seed_list, shown in jobs:
+            t0 = time.perf_counter()
+            row = evaluate(dataclasses.replace(base, **knobs), args.tokens, seed_list)
+            rows.append((label, shown, row))
+            print(f"{label} (seeds {shown}): max|d| {row['worst']:.3f}, next-token "
+                  f"{row['next-token precision']:.3f}, knn share {fmt3(row['route_knn share'])}, "
+                  f"lfu share {fmt3(row['route_lfu share'])} ({time.perf_counter() - t0:.0f} s)",
+                  flush=True)
+        checked = None
+        if args.check:
+            check(dataclasses.replace(base, **dict(VARIANTS)[CHECKED]), args.tokens)
+            checked = CHECKED
+            print(f"check: simulator == library replay on '{checked}', seed 0", flush=True)
+        elapsed = time.perf_counter() - start
+        if args.save:
+            with open(args.save, "w") as f:
+                json.dump({"elapsed": elapsed, "checked": checked, "tokens": args.tokens,
+                           "seeds": args.seeds, "held_out": args.held_out,
+                           "rows": [(label, shown, {k: np.asarray(v).tolist()
+                                                        for k, v in row.items()})
+                                    for label, shown, row in rows]}, f)
+
+    header = ("| variant | seeds | max \\|d\\| over 13 | lag 1 | lowest lag 2-8 | neighbour "
+              "prec. | entropy | global LRU | per-layer LRU | Belady | **next-token prec.** | "
+              "route_knn | route_lfu | **route_knn share** | route_lfu share | route_lfu - LRU "
+              "(worst) |")
+    lines = [header, "|" + "---|" * (header.count(" | ") + 1)]
+    lines.append("| real Mixtral-8x7B (issue 15) | | 0 | 0.40 | 0.20 | 0.60 | 0.97 | "
+                 + " | ".join(fmt3(REAL[k]) for k in ("global LRU", "per-layer LRU", "Belady"))
+                 + " | ? | ? | ? | ? | ? | ? |")
+    lines += [row_line(label, shown, row) for label, shown, row in rows]
+    table = "\n".join(lines)
+    reading = facts(rows, VARIANTS[0][0])
+    print(table, reading, f"({elapsed:.0f} s)", sep="\n\n")
+
+    if args.write:
+        machine = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores "
+                   f"(shared), {platform.system()}; numpy {np.__version__}, jax "
+                   f"{jax.__version__} on {jax.default_backend()}")
+        command = (f"python benchmarks/preset_sensitivity.py --tokens {args.tokens} --seeds "
+                   f"{' '.join(map(str, args.seeds))} --held-out "
+                   f"{' '.join(map(str, args.held_out))}" + (" --check" if checked else ""))
+        check_line = (f" `--check`: on '{checked}', seed 0, the exact simulator of "
+                      f"`route_rules_explore.py` gives the library replay's `lru`, `route_knn` "
+                      f"and `route_lfu` hit rates at all three sizes." if checked else "")
+        section = (
+            f"## Sensitivity of the eviction results to the preset's token repetition "
+            f"(`benchmarks/preset_sensitivity.py`)\n\n`{command}` on "
+            f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC ({elapsed:.0f} s,"
+            f" niced). Machine: {machine}.\n\n"
+            f"Variants of `mixtral-realistic` (`dataclasses.replace`), mean over the seeds named"
+            f" of {args.tokens} tokens each. The 13 calibration statistics as in "
+            f"`realistic_preset.measure` (triples at S = 64 / 128 / 192); max \\|d\\| = the "
+            f"largest \\|preset - real\\| over them. Next-token prec. = next-token neighbour "
+            f"precision (window 128; the past token whose routes over all layers best match "
+            f"token T's, ties to the most recent, predicts T + 1's routes by its own successor's;"
+            f" chance 0.25; definition in the script's docstring). route_knn / route_lfu = the "
+            f"library's replay (policy `full`); share = (policy - LRU) / (Belady - LRU) of the "
+            f"seed means; route_lfu - LRU = the worst over seeds and sizes. The last rows were "
+            f"tuned by hand on seeds {seeds} to sit near the real statistics with long copied "
+            f"passages; they and the default are repeated on the held-out seeds {held}.{check_line}\n\n{table}\n\n"
+            f"Numbers: {reading}\n\n{READING}\n")
+        write_section("preset_sensitivity", section)
+
+
+READING = (
+    "Reading. (1) The 13 calibration statistics leave room: rows within 0.03 of every real "
+    "number (the default and the hand-tuned rows with long copied passages inside the 128-token "
+    "ring) span route_knn shares at S = 64 from about -0.2 to about +0.1 on the held-out seeds "
+    "(higher on seeds 0-1, on which they were tuned: copied passages are few per 1000-token "
+    "trace, so the spread over seeds is large). So the S = 64 result depends on how much the "
+    "token sequence repeats, a degree of freedom the calibration does not pin down. (2) No "
+    "variant tried here is within 0.03 of all 13 numbers and gives route_knn >= 0.30 at "
+    "S = 64: the rows that pass 0.30 have long passages within the ring and a neighbour "
+    "precision near 0.77, far above the real 0.60 (in this generator, router noise lowers both "
+    "precisions together, and the tries to decouple them fell short). The target is therefore "
+    "neither shown reachable nor shown unreachable on realistic repetition. (3) Next-token "
+    "neighbour precision tracks route_knn's S = 64 share across all rows (least-squares line "
+    "above); the default preset's value is below its own lag-1 reuse (the best-matching past "
+    "token's successor predicts the next token worse than the current token does). Measured on "
+    "a real Mixtral trace with the script's definition, a value near the default's would mean "
+    "the preset is faithful and the S = 64 target out of reach for ROUTE_KNN; a value near or "
+    "above the line's 0.30 crossing would mean the preset understates repetition. (4) "
+    "route_lfu equals global LRU exactly at S = 64 in every row and seed (its `prot` keeps each "
+    "layer's latest pair, LRU's choice at 2 slots per layer), is never below LRU at any size, "
+    "and its share at S = 128 / 192 also grows with repetition, though less than route_knn's "
+    "in the long-passage rows.")
+
+
+if __name__ == "__main__":
+    main()
