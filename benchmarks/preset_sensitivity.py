@@ -14,15 +14,8 @@ seeds. Per variant, mean over the seeds of ``tokens`` tokens each:
   LRU = the library's replay with policy ``full``; Belady = ``pallas_cache.sizing.bounds.belady``),
   and the largest ``|preset - real|`` over them;
 * **next-token neighbour precision** (window ``W = 128``), a statistic one can measure on a real
-  trace: with ``R[t, l]`` the set of experts token ``t`` routes at layer ``l``, for every token
-  ``T`` with ``1 <= T <= N - 2`` take, at the end of token ``T`` (causal: only tokens ``<= T``
-  are read), the past token ``j`` in ``[max(0, T - W), T - 1]`` with the largest
-  ``match(j) = sum_{l < L} |R[T, l] & R[j, l]|`` over *all* layers of ``T``, ties to the most
-  recent ``j`` (``j = T - 1`` is a candidate, so its successor is ``T`` itself). Its successor
-  ``j + 1`` predicts the next token's routes; the statistic pools
-  ``sum_l |R[j + 1, l] & R[T + 1, l]|`` over ``sum_l |R[j + 1, l]|`` across all ``T``. A router
-  with no memory scores ``K / E`` (0.25 on 2-of-8); the plain previous-token guess (always
-  ``j = T - 1``) scores the lag-1 reuse;
+  trace: :func:`pallas_cache.sizing.synthetic.next_token_precision` (its docstring defines it;
+  ``benchmarks/realistic_preset.py --trace PATH`` prints it for a recorded trace);
 * hit rates of ``lru``, ``route_knn`` and ``route_lfu`` (the library's replay, policy ``full``,
   ``ReplayConfig(..., eviction=...)``) and Belady at S = 64 / 128 / 192, the share of the
   LRU -> Belady gap ``(policy - LRU) / (Belady - LRU)`` of the seed means, and ROUTE_LFU's worst
@@ -59,7 +52,6 @@ from realistic_preset import REAL, measure  # noqa: E402
 from results_file import write_section  # noqa: E402
 
 SLOTS_PER_LAYER = (2, 4, 6)
-WINDOW = 128
 POLICIES = ("route_knn", "route_lfu")
 
 #: (label, knobs replaced in mixtral-realistic); the first row is the preset itself. A new span
@@ -93,33 +85,6 @@ TUNED = [(f"copy_prob 0.02, span {s}, window 128, layer_noise {n}, context[1] {c
 CHECKED = "copy_prob 0.1, span 32, window 128"
 
 
-def next_token_precision(trace, window=WINDOW, *, block=256):
-    """The next-token neighbour precision of a dense trace (see the module docstring)."""
-    dense = trace.to_dense()                                       # [N, L, K], -1 = padding
-    tokens, layers, _ = dense.shape
-    if tokens < 3:
-        return float("nan")
-    onehot = np.zeros((tokens, layers, trace.num_experts), dtype=bool)
-    t_idx, l_idx, k_idx = np.nonzero(dense >= 0)
-    onehot[t_idx, l_idx, dense[t_idx, l_idx, k_idx]] = True
-    masks = np.packbits(onehot, axis=2)                            # [N, L, ceil(E / 8)] uint8
-    sizes = np.bitwise_count(masks).sum(axis=(1, 2), dtype=np.int64)   # [N] routes per token
-    lags = np.arange(1, window + 1)
-    matched = predicted = 0
-    for start in range(1, tokens - 1, block):
-        now = np.arange(start, min(start + block, tokens - 1))    # T with T + 1 < N
-        past = now[:, None] - lags[None, :]                        # [n, window], most recent first
-        valid = past >= 0
-        past = np.maximum(past, 0)
-        match = np.bitwise_count(masks[now][:, None] & masks[past]).sum(
-            axis=(2, 3), dtype=np.int64)                           # [n, window]
-        match = np.where(valid, match, -1)
-        best = past[np.arange(now.size), np.argmax(match, axis=1)]  # first max = most recent
-        matched += int(np.bitwise_count(masks[best + 1] & masks[now + 1]).sum(dtype=np.int64))
-        predicted += int(sizes[best + 1].sum())
-    return matched / predicted
-
-
 def policy_hit_rates(trace, sizes):
     """{policy: (hit rate at each size)} for ROUTE_KNN and ROUTE_LFU, from the library's replay."""
     configs = [ReplayConfig(size, "full", eviction=policy) for policy in POLICIES
@@ -137,7 +102,6 @@ def evaluate(params, tokens, seeds):
     for seed in seeds:
         trace = synthetic_trace(params, num_tokens=tokens, seed=seed)
         run = measure(trace, SLOTS_PER_LAYER)
-        run["next-token precision"] = next_token_precision(trace)
         run.update(policy_hit_rates(trace, sizes))
         runs.append(run)
     row = {key: np.mean([np.asarray(run[key], dtype=np.float64) for run in runs], axis=0)

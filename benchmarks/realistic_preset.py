@@ -6,6 +6,9 @@ For ``mixtral-realistic`` (and, for comparison, the token-free ``mixtral-like``)
 * lag-``k`` repeat probability (:func:`~pallas_cache.sizing.synthetic.lag_repeat_probability`;
   chance is 0.25 on 2-of-8) and neighbour precision
   (:func:`~pallas_cache.sizing.synthetic.neighbour_precision`, window 128);
+* next-token neighbour precision
+  (:func:`~pallas_cache.sizing.synthetic.next_token_precision`, window 128; not measured on the
+  real traces: the degree of freedom ``benchmarks/preset_sensitivity.py`` varies);
 * hit rates at S = 64 / 128 / 192 slots (2 / 4 / 6 per layer) of global LRU (the library's own
   cache replayed with policy ``full``: every miss fetched, LRU victims), per-layer LRU
   (``benchmarks/baselines.py``: each layer owns S / L slots) and Belady's optimum
@@ -16,8 +19,13 @@ The "real" column holds the measured Mixtral-8x7B numbers the preset is calibrat
 at 8 / 16 / 32 slots per layer (top-8 needs at least 8) for reference.
 
     python benchmarks/realistic_preset.py [--tokens 4000] [--seeds 3] [--write]
+    python benchmarks/realistic_preset.py --trace routes.jsonl [--slots-per-layer 2 4 6]
 
-``--write`` replaces this benchmark's section of benchmarks/RESULTS.md.
+``--write`` replaces this benchmark's section of benchmarks/RESULTS.md. ``--trace`` measures a
+recorded decode trace instead (any format ``load_trace`` reads; one dense sequence: every token
+calls every layer in order), next to the real Mixtral-8x7B column, and adds ROUTE_KNN's and
+ROUTE_LFU's hit rates and share of the LRU -> Belady gap: on a real trace this settles what
+the synthetic presets cannot (RESULTS.md, ``preset_sensitivity``).
 """
 
 from __future__ import annotations
@@ -38,14 +46,16 @@ from baselines import per_layer_lru_hit_rate  # noqa: E402
 from pallas_cache.sizing.bounds import belady  # noqa: E402
 from pallas_cache.sizing.sweep import ReplayConfig, replay  # noqa: E402
 from pallas_cache.sizing.synthetic import (  # noqa: E402
-    lag_repeat_probability, neighbour_precision, synthetic_trace, trace_statistics)
+    lag_repeat_probability, neighbour_precision, next_token_precision, synthetic_trace,
+    trace_statistics)
+from pallas_cache.sizing.traces import load_trace  # noqa: E402
 from results_file import write_section  # noqa: E402
 
 #: Measured on real Mixtral-8x7B decode traces (issue 15); None = not measured.
 REAL = {
     "lag 1": 0.40, "lag 2": None, "lag 3": None, "lag 4": None, "lag 6": None, "lag 8": None,
     "lowest of lags 2-8": 0.20,
-    "neighbour precision": 0.60, "normalised entropy": 0.97,
+    "neighbour precision": 0.60, "next-token precision": None, "normalised entropy": 0.97,
     "global LRU": (0.40, 0.57, 0.80),
     "per-layer LRU": (0.40, 0.62, 0.82),
     "Belady": (0.61, 0.82, 0.93),
@@ -63,6 +73,7 @@ def measure(trace, slots_per_layer):
         "lag 1": lags[0], "lag 2": lags[1], "lag 3": lags[2], "lag 4": lags[3], "lag 6": lags[5],
         "lag 8": lags[7], "lowest of lags 2-8": float(lags[1:8].min()),
         "neighbour precision": neighbour_precision(trace, 128),
+        "next-token precision": next_token_precision(trace, 128),
         "normalised entropy": trace_statistics(trace).mean_norm_entropy,
         "global LRU": tuple(r.hit_rate for r in lru),
         "per-layer LRU": tuple(per_layer_lru_hit_rate(trace, size) for size in sizes),
@@ -92,13 +103,47 @@ def fmt(value, spread=None):
                       for v, s in zip(values, spreads))
 
 
+def measure_trace(path, slots_per_layer):
+    """Print the statistics of one recorded trace, and what ROUTE_KNN / ROUTE_LFU do on it."""
+    trace = load_trace(path)
+    sizes = [trace.num_layers * s for s in slots_per_layer]
+    stats = measure(trace, slots_per_layer)
+    quiet = lambda status: None  # noqa: E731
+    for policy in ("route_knn", "route_lfu"):
+        results = replay(trace, [ReplayConfig(size, "full", eviction=policy) for size in sizes],
+                         bounds=False, progress=quiet)
+        stats[policy] = tuple(r.hit_rate for r in results)
+    lru, bel = np.array(stats["global LRU"]), np.array(stats["Belady"])
+    gap = np.where(bel > lru, bel - lru, np.nan)
+    label = " / ".join(str(size) for size in sizes)
+    lines = [f"`{path}`: {trace.num_layers} layers x {trace.num_experts} experts, top-"
+             f"{trace.top_k}, {trace.num_tokens} tokens; S = {label}.", "",
+             f"| statistic (S = {label} where three) | this trace | real Mixtral-8x7B |",
+             "|---|---|---|"]
+    for key, real in REAL.items():
+        lines.append(f"| {key} | {fmt(stats[key], np.zeros_like(np.atleast_1d(stats[key])))} | "
+                     f"{fmt(real)} |")
+    for policy in ("route_knn", "route_lfu"):
+        share = (np.array(stats[policy]) - lru) / gap
+        lines.append(f"| {policy} | {fmt(stats[policy], np.zeros(3))} | - |")
+        lines.append(f"| {policy}: share of the LRU -> Belady gap | "
+                     f"{' / '.join(f'{s:+.2f}' for s in share)} | - |")
+    print("\n".join(lines))
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=4000)
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--fine-tokens", type=int, default=1000)
     parser.add_argument("--write", action="store_true")
+    parser.add_argument("--trace", help="measure this recorded trace instead of the presets")
+    parser.add_argument("--slots-per-layer", type=int, nargs=3, default=(2, 4, 6),
+                        help="the three pool sizes of --trace, in slots per layer (default 2 4 6)")
     args = parser.parse_args(argv)
+    if args.trace:
+        measure_trace(args.trace, tuple(args.slots_per_layer))
+        return
 
     start = time.perf_counter()
     realistic, realistic_spread = averaged("mixtral-realistic", args.tokens, args.seeds, (2, 4, 6))

@@ -17,8 +17,9 @@ import pytest
 
 from benchmarks.baselines import per_layer_lru_hit_rate, per_layer_lru_hit_rate_brute
 from pallas_cache.sizing.synthetic import (PRESETS, RealisticParams, lag_repeat_probability,
-                                           neighbour_precision, realistic_token_ids,
-                                           synthetic_trace, trace_statistics)
+                                           neighbour_precision, next_token_precision,
+                                           realistic_token_ids, synthetic_trace,
+                                           trace_statistics)
 from pallas_cache.sizing.traces import Trace, TraceError
 
 REALISTIC = ("mixtral-realistic", "fine-grained-realistic")
@@ -88,6 +89,62 @@ def test_neighbour_precision_needs_a_dense_trace_and_a_window():
         neighbour_precision(_lag_trace())
     with pytest.raises(ValueError, match="window must be a positive integer, got 0"):
         neighbour_precision(_neighbour_trace(), window=0)
+
+
+
+def _next_token_brute(dense, window):
+    """next_token_precision written out with Python sets, token by token."""
+    routes = [[{int(e) for e in call if e >= 0} for call in token] for token in dense]
+    matched = predicted = 0
+    for now in range(1, len(routes) - 1):
+        best, best_match = None, -1
+        for j in range(now - 1, max(0, now - window) - 1, -1):  # most recent first
+            match = sum(len(a & b) for a, b in zip(routes[now], routes[j]))
+            if match > best_match:
+                best, best_match = j, match
+        matched += sum(len(a & b) for a, b in zip(routes[best + 1], routes[now + 1]))
+        predicted += sum(len(a) for a in routes[best + 1])
+    return matched / predicted if predicted else float("nan")
+
+
+def test_next_token_precision_hand_counted():
+    """FAILS if ties go to the older token, the previous token is not a candidate, the neighbour
+    itself (not its successor) predicts, or the match uses fewer than all layers of the token."""
+    # Two layers, top-1 of 4. Tokens: (0,1) (2,3) (0,3) (0,3).
+    # T=1: only j=0 -> its successor (2,3) predicts (0,3): 1 of 2.
+    # T=2: j=1 and j=0 both match once (layer 1 / layer 0): the most recent, j=1, whose
+    # successor is T=2 itself, (0,3), predicts (0,3): 2 of 2. Total 3 of 4.
+    trace = Trace.from_dense([[[0], [1]], [[2], [3]], [[0], [3]], [[0], [3]]], num_experts=4)
+    assert next_token_precision(trace) == pytest.approx(3 / 4)
+    # A repeated phrase A B C A B C: at T=3 (A) the neighbour is token 0 (A), whose successor B
+    # is right; at T=4 (B) token 1, whose successor C is right; T=1, 2 predict wrongly. 4 of 8.
+    a, b, c = [[0], [0]], [[1], [1]], [[2], [2]]
+    phrase = Trace.from_dense([a, b, c, a, b, c], num_experts=4)
+    assert next_token_precision(phrase) == pytest.approx(4 / 8)
+    # A window of one token always takes the previous token: no successor repeats here. 0 of 8.
+    assert next_token_precision(phrase, window=1) == 0.0
+
+
+def test_next_token_precision_equals_a_brute_force_count():
+    """FAILS if the vectorised blocks, the window edge or duplicate routes are handled otherwise
+    than the token-by-token definition."""
+    rng = np.random.default_rng(7)
+    for _ in range(12):
+        tokens, layers, experts = int(rng.integers(3, 40)), int(rng.integers(1, 4)), 70
+        dense = rng.integers(0, 5, size=(tokens, layers, 3))      # few ids: ties and duplicates
+        dense[:, :, 2] = np.where(rng.random((tokens, layers)) < 0.3, 66, dense[:, :, 2])
+        trace = Trace.from_dense(dense, num_experts=experts)       # ids past 64: a second word
+        for window in (1, 3, 128):
+            assert next_token_precision(trace, window, block=int(rng.integers(1, 8))) == \
+                pytest.approx(_next_token_brute(dense, window), abs=0)
+
+
+def test_next_token_precision_needs_a_dense_trace_a_window_and_three_tokens():
+    with pytest.raises(TraceError, match="not a full"):
+        next_token_precision(_lag_trace())
+    with pytest.raises(ValueError, match="window must be a positive integer, got 0"):
+        next_token_precision(_neighbour_trace(), window=0)
+    assert np.isnan(next_token_precision(Trace.from_dense([[[0]], [[1]]], num_experts=2)))
 
 
 # ---- the per-layer LRU baseline ---------------------------------------------------------------

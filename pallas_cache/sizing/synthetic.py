@@ -35,6 +35,8 @@ A second family, :class:`RealisticParams` (presets ``mixtral-realistic`` and
 vocabulary with copied spans and each (token, layer) routes from a seeded embedding filtered over
 recent tokens, so a past token whose routes match predicts the next layers
 (:func:`neighbour_precision`) and repeats fade with lag (:func:`lag_repeat_probability`).
+:func:`next_token_precision` measures what the calibration leaves free: how well the successor of
+the past token most like the current one predicts the next token (how much the sequence repeats).
 
 (Why one module of ~700 lines: both preset families and the statistics that calibrate them
 (repeat probability, neighbour precision, skew) are read together when a preset is tuned; a
@@ -64,6 +66,7 @@ __all__ = [
     "realistic_token_ids",
     "lag_repeat_probability",
     "neighbour_precision",
+    "next_token_precision",
 ]
 
 #: Token count a preset generates when ``num_tokens`` is not given: long enough for stable
@@ -667,6 +670,58 @@ def neighbour_precision(trace: Trace, window: int = 128, *, block: int = 256) ->
         size = sizes[neighbour, np.arange(layers)[None, :]]
         matched += int(hits[:, 1:].sum())
         predicted += int(size[:, 1:].sum())
+    return matched / predicted if predicted else math.nan
+
+
+def next_token_precision(trace: Trace, window: int = 128, *, block: int = 256) -> float:
+    """How well the successor of the past token most like the current one predicts the next token.
+
+    For a dense trace ``R[t, l]`` (sets of distinct routed experts) and every token ``T`` with
+    ``1 <= T <= N - 2``: at the end of ``T`` (only tokens up to ``T`` are read), take the past
+    token ``j`` in ``[max(0, T - window), T - 1]`` with the most matching routes over *all*
+    layers, ``match(j) = sum_l |R[T, l] & R[j, l]|``, ties to the most recent ``j`` (so ``j = T -
+    1``, whose successor is ``T`` itself, is a candidate). Its successor predicts the next token:
+    the result pools ``sum_l |R[j + 1, l] & R[T + 1, l]|`` over ``sum_l |R[j + 1, l]|``. A router
+    with no memory scores ``K / E``; always taking ``j = T - 1`` scores the lag-1 reuse.
+
+    This is the statistic that decides whether a token-similarity eviction (``ROUTE_KNN``) can
+    beat LRU at two slots per layer, and one that the 13 Mixtral-8x7B statistics the realistic
+    preset is calibrated to do not fix (``benchmarks/RESULTS.md``, ``preset_sensitivity``):
+    ``mixtral-realistic`` scores about 0.33; on its variants, ROUTE_KNN reaches 30% of the
+    LRU -> Belady gap at 2 slots per layer only near 0.56 or above. Measure it on a real trace
+    (``benchmarks/realistic_preset.py --trace PATH``) to tell which regime your traffic is in.
+
+    Args:
+        trace: a dense trace (one sequence, every token calling layers ``0..L-1`` in order).
+        window: how many past tokens are candidates (``>= 1``).
+        block: tokens processed at once (memory ``block * window * L``; the value is unchanged).
+
+    Returns:
+        The pooled precision (NaN for a trace of fewer than 3 tokens).
+
+    Raises:
+        TraceError: the trace is not dense.
+    """
+    if not isinstance(window, (int, np.integer)) or isinstance(window, bool) or window < 1:
+        raise ValueError(f"window must be a positive integer, got {window!r}")
+    dense = trace.to_dense()
+    tokens = dense.shape[0]
+    if tokens < 3:
+        return math.nan
+    masks = _route_masks(dense, trace.num_experts)              # [T, L, W] uint64
+    sizes = np.bitwise_count(masks).sum(axis=(1, 2), dtype=np.int64)  # [T] routes per token
+    lags = np.arange(1, window + 1)
+    matched = predicted = 0
+    for start in range(1, tokens - 1, block):
+        now = np.arange(start, min(start + block, tokens - 1))  # T with T + 1 < N
+        past = now[:, None] - lags[None, :]                      # [n, window], most recent first
+        valid = past >= 0
+        past = np.maximum(past, 0)
+        match = np.bitwise_count(masks[now][:, None] & masks[past]).sum(
+            axis=(2, 3), dtype=np.int64)                          # [n, window]
+        best = past[np.arange(now.size), np.argmax(np.where(valid, match, -1), axis=1)]
+        matched += int(np.bitwise_count(masks[best + 1] & masks[now + 1]).sum(dtype=np.int64))
+        predicted += int(sizes[best + 1].sum())
     return matched / predicted if predicted else math.nan
 
 
