@@ -12,10 +12,11 @@ the pool donated, ``jax.jit(apply_copy_plan, donate_argnums=0)``, to update in p
 ignored, with a warning, on CPU). Weights may be one array or any pytree of arrays: pool leaves
 are ``[S, ...]``, host-bank leaves ``[E, ...]`` (one layer) or ``[L, E, ...]`` with ``layer=``.
 :func:`put_host_bank` places a bank in the device's ``pinned_host`` memory where the backend has
-it; a host-resident bank is read by moving the small *index* vector to host memory, gathering
-there and moving only the gathered rows (:func:`gather_rows`); elsewhere the bank stays in device
-memory with identical results. The dense MoE references that check a plan end to end
-(``moe_dense``, ``moe_combine``) live in :mod:`pallas_cache.testing`.
+it; a host-resident bank is read one row-sized slice per fetched row, each copied to where it
+is wanted (:func:`gather_rows`; XLA:GPU does not compile a gather from host memory), so only the
+fetched rows cross the link; elsewhere the bank stays in device memory with identical results.
+The dense MoE references that check a plan end to end (``moe_dense``, ``moe_combine``) live in
+:mod:`pallas_cache.testing`.
 """
 
 from __future__ import annotations
@@ -93,7 +94,10 @@ def _to_space(x, space):
 
 
 def gather_rows(bank_leaf, rows, layer, out_space):
-    """``bank_leaf[rows]`` (or ``bank_leaf[layer, rows]``), gathered where the bank lives.
+    """``bank_leaf[rows]`` (or ``bank_leaf[layer, rows]``) in memory ``out_space``.
+
+    From a bank in host memory into another space, each row is copied on its own
+    (:func:`_copy_host_rows`); otherwise one gather where the bank lives, then the rows move.
 
     Args:
       bank_leaf: ``[E, ...]`` (``layer`` None) or ``[L, E, ...]``; device or host memory.
@@ -104,10 +108,39 @@ def gather_rows(bank_leaf, rows, layer, out_space):
     if not isinstance(bank_leaf, jax.Array):  # a NumPy bank: index it as a JAX array
         bank_leaf = jnp.asarray(bank_leaf)
     bank_space = memory_space(bank_leaf)
+    if (bank_space is not None and bank_space == getattr(_MEMORY_SPACE, "Host", None)
+            and out_space not in (None, bank_space)):
+        return _copy_host_rows(bank_leaf, rows, layer, out_space)
     index = rows if layer is None else (jnp.broadcast_to(layer, rows.shape), rows)
     # Move the small index vector to the bank, not the bank to the index.
     index = jax.tree.map(lambda i: _to_space(i, bank_space), index)
     return _to_space(bank_leaf[index], out_space)
+
+
+def _copy_host_rows(bank_leaf, rows, layer, out_space):
+    """``bank_leaf[rows]`` from host memory into ``out_space``, one row-sized copy per row.
+
+    A gather that reads host memory is not something XLA:GPU compiles. It fails at layout
+    assignment with "Bitcast cannot have different memory spaces" (measured on an H200, jax
+    0.11.2; ``benchmarks/RESULTS.md``, ``gpu_moe``). What every backend moves between memories is
+    a slice: a ``dynamic_slice`` of the host array followed by a transfer. So each row is sliced
+    where it lives and copied on its own, in a loop with a fixed trip count, which also keeps the
+    rows that cross the link to exactly the ones asked for.
+    """
+    lead = 1 if layer is None else 2
+    row_shape = bank_leaf.shape[lead:]
+    flat = rows.reshape(-1).astype(jnp.int32)
+    zeros = (jnp.int32(0),) * len(row_shape)
+    start = (lambda row: (row,)) if layer is None else (lambda row: (layer, row))
+    out = _to_space(jnp.zeros((flat.shape[0],) + row_shape, bank_leaf.dtype), out_space)
+
+    def copy_row(i, out):
+        piece = jax.lax.dynamic_slice(bank_leaf, start(flat[i]) + zeros, (1,) * lead + row_shape)
+        piece = _to_space(piece, out_space).reshape((1,) + row_shape)
+        return jax.lax.dynamic_update_slice(out, piece, (i,) + zeros)
+
+    out = jax.lax.fori_loop(0, flat.shape[0], copy_row, out)
+    return out.reshape(rows.shape + row_shape)
 
 
 def check_bank_layer(host_bank, layer):

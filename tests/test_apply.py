@@ -21,13 +21,14 @@ import sys
 import warnings
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
 
 import pallas_cache as pc
-from pallas_cache.moe import apply_copy_plan, host_memory_kind, put_host_bank
+from pallas_cache.moe import apply_copy_plan, host_memory_kind, memory_space, put_host_bank
 from pallas_cache.testing import moe_combine, moe_dense
 
 
@@ -179,6 +180,35 @@ def test_host_bank_placement_gives_identical_results():
     assert step(_pool(), host_bank, 1).sharding.memory_kind == _pool().sharding.memory_kind
     kept_on_device = put_host_bank(bank, prefer_host=False)
     assert kept_on_device.sharding.memory_kind == jax.devices()[0].default_memory().kind
+
+
+
+def test_a_host_bank_is_read_by_row_slices_not_by_a_gather():
+    """FAILS if rows of a bank in host memory are read by a gather: XLA:GPU does not compile a
+    gather from host memory ("Bitcast cannot have different memory spaces", seen on an H200 with
+    jax 0.11.2 for apply_copy_plan, moe_dense and moe_combine alike), so the decode loop would
+    not run on a GPU."""
+    bank = jnp.arange(2 * E * ROW, dtype=jnp.float32).reshape(2, E, ROW)
+    host_bank = put_host_bank(bank)
+    if memory_space(host_bank) is None or host_memory_kind() is None:
+        pytest.skip("no host memory space on this backend")
+    copy = _copy([2, 0, -1], [3, 1, -1], 2)
+    jaxpr = jax.make_jaxpr(lambda pool, b, layer: apply_copy_plan(pool, b, copy, layer=layer))(
+        _pool(), host_bank, 1)
+
+    def gathers(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "gather":
+                yield eqn
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                yield from gathers(sub)
+
+    from_host = [eqn for eqn in gathers(jaxpr.jaxpr)
+                 if getattr(eqn.invars[0].aval, "memory_space", None) == memory_space(host_bank)]
+    assert not from_host, f"gathers from host memory: {from_host}"
+    # and the rows it copies are the right ones, as from a device bank
+    np.testing.assert_array_equal(apply_copy_plan(_pool(), host_bank, copy, layer=1),
+                                  apply_copy_plan(_pool(), bank, copy, layer=1))
 
 
 def test_structure_mismatch_is_rejected():
