@@ -48,11 +48,10 @@ import numpy as np  # noqa: E402
 
 from pallas_cache.sizing.sweep import ReplayConfig, replay  # noqa: E402
 from pallas_cache.sizing.synthetic import PRESETS, synthetic_trace  # noqa: E402
-from realistic_preset import REAL, measure  # noqa: E402
+from realistic_preset import POLICIES, REAL, measure, policy_hit_rates  # noqa: E402
 from results_file import write_section  # noqa: E402
 
 SLOTS_PER_LAYER = (2, 4, 6)
-POLICIES = ("route_knn", "route_lfu")
 
 #: (label, knobs replaced in mixtral-realistic); the first row is the preset itself. A new span
 #: start ends the running span, so a large ``copy_prob`` makes spans short (mean about
@@ -83,16 +82,6 @@ TUNED = [(f"copy_prob 0.02, span {s}, window 128, layer_noise {n}, context[1] {c
 
 #: The variant ``--check`` replays with the simulator as well.
 CHECKED = "copy_prob 0.1, span 32, window 128"
-
-
-def policy_hit_rates(trace, sizes):
-    """{policy: (hit rate at each size)} for ROUTE_KNN and ROUTE_LFU, from the library's replay."""
-    configs = [ReplayConfig(size, "full", eviction=policy) for policy in POLICIES
-               for size in sizes]
-    results = replay(trace, configs, bounds=False, progress=lambda status: None)
-    rates = [1.0 - r.missing / r.active for r in results]
-    return {policy: tuple(rates[i * len(sizes):(i + 1) * len(sizes)])
-            for i, policy in enumerate(POLICIES)}
 
 
 def evaluate(params, tokens, seeds):

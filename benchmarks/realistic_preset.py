@@ -81,6 +81,19 @@ def measure(trace, slots_per_layer):
     }
 
 
+#: The token-similarity evictions whose share of the LRU -> Belady gap is reported.
+POLICIES = ("route_knn", "route_lfu")
+
+
+def policy_hit_rates(trace, sizes):
+    """{policy: (hit rate at each size)} for ROUTE_KNN and ROUTE_LFU, from the library's replay."""
+    configs = [ReplayConfig(size, "full", eviction=policy) for policy in POLICIES
+               for size in sizes]
+    results = replay(trace, configs, bounds=False, progress=lambda status: None)
+    rates = [1.0 - r.missing / r.active for r in results]
+    return {policy: tuple(rates[i * len(sizes):(i + 1) * len(sizes)])
+            for i, policy in enumerate(POLICIES)}
+
 def averaged(preset, tokens, seeds, slots_per_layer):
     runs = [measure(synthetic_trace(preset, num_tokens=tokens, seed=seed), slots_per_layer)
             for seed in range(seeds)]
@@ -108,11 +121,7 @@ def measure_trace(path, slots_per_layer):
     trace = load_trace(path)
     sizes = [trace.num_layers * s for s in slots_per_layer]
     stats = measure(trace, slots_per_layer)
-    quiet = lambda status: None  # noqa: E731
-    for policy in ("route_knn", "route_lfu"):
-        results = replay(trace, [ReplayConfig(size, "full", eviction=policy) for size in sizes],
-                         bounds=False, progress=quiet)
-        stats[policy] = tuple(r.hit_rate for r in results)
+    stats.update(policy_hit_rates(trace, sizes))
     lru, bel = np.array(stats["global LRU"]), np.array(stats["Belady"])
     gap = np.where(bel > lru, bel - lru, np.nan)
     label = " / ".join(str(size) for size in sizes)
@@ -123,7 +132,7 @@ def measure_trace(path, slots_per_layer):
     for key, real in REAL.items():
         lines.append(f"| {key} | {fmt(stats[key], np.zeros_like(np.atleast_1d(stats[key])))} | "
                      f"{fmt(real)} |")
-    for policy in ("route_knn", "route_lfu"):
+    for policy in POLICIES:
         share = (np.array(stats[policy]) - lru) / gap
         lines.append(f"| {policy} | {fmt(stats[policy], np.zeros(3))} | - |")
         lines.append(f"| {policy}: share of the LRU -> Belady gap | "
