@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
+from jax.custom_batching import custom_vmap
 
 __all__ = [
     "apply_copy_plan",
@@ -126,21 +128,49 @@ def _copy_host_rows(bank_leaf, rows, layer, out_space):
     a slice: a ``dynamic_slice`` of the host array followed by a transfer. So each row is sliced
     where it lives and copied on its own, in a loop with a fixed trip count, which also keeps the
     rows that cross the link to exactly the ones asked for.
+
+    Under ``vmap`` (a batch of plans, layers or banks) the batch becomes more rows of the same
+    loop (a ``custom_vmap`` rule), not the gather that batching a ``dynamic_slice`` makes, which
+    JAX refuses outright for an operand in host memory.
     """
-    lead = 1 if layer is None else 2
+    indices = (rows,) if layer is None else (jnp.broadcast_to(layer, rows.shape), rows)
+
+    @custom_vmap
+    def copy(bank_leaf, *indices):
+        return _slice_rows(bank_leaf, indices, out_space)
+
+    @copy.def_vmap
+    def _copy_vmap(axis_size, in_batched, bank_leaf, *indices):
+        bank_batched, *index_batched = in_batched
+        # Every index has one per-example shape (the rows' at the first vmap, more at nested ones).
+        shape = (axis_size,) + indices[0].shape[1 if index_batched[0] else 0:]
+        indices = tuple(index if batched else jnp.broadcast_to(index, shape)
+                        for index, batched in zip(indices, index_batched))
+        if bank_batched:  # a batch of banks: the batch index is one more leading index
+            indices = (lax.broadcasted_iota(jnp.int32, shape, 0),) + indices
+        return copy(bank_leaf, *indices), True
+
+    return copy(bank_leaf, *indices)
+
+
+def _slice_rows(bank_leaf, indices, out_space):
+    """``bank_leaf[indices[0][j], indices[1][j], ...]`` for every ``j``, in ``out_space``: one
+    ``dynamic_slice`` and one transfer per row, in a ``fori_loop`` (see :func:`_copy_host_rows`).
+    ``indices``: int arrays of one shape, one per leading axis of the bank."""
+    lead = len(indices)
     row_shape = bank_leaf.shape[lead:]
-    flat = rows.reshape(-1).astype(jnp.int32)
+    flat = [index.reshape(-1).astype(jnp.int32) for index in indices]
     zeros = (jnp.int32(0),) * len(row_shape)
-    start = (lambda row: (row,)) if layer is None else (lambda row: (layer, row))
-    out = _to_space(jnp.zeros((flat.shape[0],) + row_shape, bank_leaf.dtype), out_space)
+    out = _to_space(jnp.zeros((flat[0].shape[0],) + row_shape, bank_leaf.dtype), out_space)
 
     def copy_row(i, out):
-        piece = jax.lax.dynamic_slice(bank_leaf, start(flat[i]) + zeros, (1,) * lead + row_shape)
+        start = tuple(index[i] for index in flat) + zeros
+        piece = lax.dynamic_slice(bank_leaf, start, (1,) * lead + row_shape)
         piece = _to_space(piece, out_space).reshape((1,) + row_shape)
-        return jax.lax.dynamic_update_slice(out, piece, (i,) + zeros)
+        return lax.dynamic_update_slice(out, piece, (i,) + zeros)
 
-    out = jax.lax.fori_loop(0, flat.shape[0], copy_row, out)
-    return out.reshape(rows.shape + row_shape)
+    out = lax.fori_loop(0, flat[0].shape[0], copy_row, out)
+    return out.reshape(indices[0].shape + row_shape)
 
 
 def check_bank_layer(host_bank, layer):

@@ -183,19 +183,15 @@ def test_host_bank_placement_gives_identical_results():
 
 
 
-def test_a_host_bank_is_read_by_row_slices_not_by_a_gather():
-    """FAILS if rows of a bank in host memory are read by a gather: XLA:GPU does not compile a
-    gather from host memory ("Bitcast cannot have different memory spaces", seen on an H200 with
-    jax 0.11.2 for apply_copy_plan, moe_dense and moe_combine alike), so the decode loop would
-    not run on a GPU."""
-    bank = jnp.arange(2 * E * ROW, dtype=jnp.float32).reshape(2, E, ROW)
+def _host_bank_or_skip(bank):
     host_bank = put_host_bank(bank)
     if memory_space(host_bank) is None or host_memory_kind() is None:
         pytest.skip("no host memory space on this backend")
-    copy = _copy([2, 0, -1], [3, 1, -1], 2)
-    jaxpr = jax.make_jaxpr(lambda pool, b, layer: apply_copy_plan(pool, b, copy, layer=layer))(
-        _pool(), host_bank, 1)
+    return host_bank
 
+
+def _gathers_from(space, fn, *args):
+    """The gathers in ``fn``'s jaxpr (nested ones included) whose operand lives in ``space``."""
     def gathers(jaxpr):
         for eqn in jaxpr.eqns:
             if eqn.primitive.name == "gather":
@@ -203,12 +199,76 @@ def test_a_host_bank_is_read_by_row_slices_not_by_a_gather():
             for sub in jax.extend.core.jaxprs_in_params(eqn.params):
                 yield from gathers(sub)
 
-    from_host = [eqn for eqn in gathers(jaxpr.jaxpr)
-                 if getattr(eqn.invars[0].aval, "memory_space", None) == memory_space(host_bank)]
+    jaxpr = jax.make_jaxpr(fn)(*args)
+    return [eqn for eqn in gathers(jaxpr.jaxpr)
+            if getattr(eqn.invars[0].aval, "memory_space", None) == space]
+
+
+def test_a_host_bank_is_read_by_row_slices_not_by_a_gather():
+    """FAILS if rows of a bank in host memory are read by a gather: XLA:GPU does not compile a
+    gather from host memory ("Bitcast cannot have different memory spaces", seen on an H200 with
+    jax 0.11.2 for apply_copy_plan, moe_dense and moe_combine alike), so the decode loop would
+    not run on a GPU."""
+    bank = jnp.arange(2 * E * ROW, dtype=jnp.float32).reshape(2, E, ROW)
+    host_bank = _host_bank_or_skip(bank)
+    copy = _copy([2, 0, -1], [3, 1, -1], 2)
+    apply = lambda pool, b, layer: apply_copy_plan(pool, b, copy, layer=layer)  # noqa: E731
+    from_host = _gathers_from(memory_space(host_bank), apply, _pool(), host_bank, 1)
     assert not from_host, f"gathers from host memory: {from_host}"
     # and the rows it copies are the right ones, as from a device bank
-    np.testing.assert_array_equal(apply_copy_plan(_pool(), host_bank, copy, layer=1),
-                                  apply_copy_plan(_pool(), bank, copy, layer=1))
+    np.testing.assert_array_equal(apply(_pool(), host_bank, 1), apply(_pool(), bank, 1))
+
+
+def test_a_host_bank_is_read_by_row_slices_under_vmap():
+    """FAILS if batching the row copies turns them into a gather: JAX refuses a gather whose
+    operand is in host memory ("memory_space of all inputs passed to `gather` must be the
+    same"), so vmapping apply_copy_plan, moe_dense or moe_combine over a batch of plans, layers,
+    pools or tokens with a put_host_bank bank raised, on the CPU as on a GPU. Each batched call
+    must also give what a device bank gives, and a batch of host banks (nested vmap included)
+    what each bank gives on its own."""
+    bank = jnp.arange(2 * E * ROW, dtype=jnp.float32).reshape(2, E, ROW)
+    host_bank = _host_bank_or_skip(bank)
+    space = memory_space(host_bank)
+    copies = pc.CopyPlan(dst_slots=jnp.asarray([[2, 0, -1], [1, 5, 4]], jnp.int32),
+                         src_rows=jnp.asarray([[3, 1, -1], [0, 2, 3]], jnp.int32),
+                         count=jnp.asarray([2, 3], jnp.int32))
+    layers = jnp.asarray([1, 0], jnp.int32)
+    pools = jnp.stack([_pool(), _pool() - 1.0])
+    x = jnp.arange(2 * 3 * ROW, dtype=jnp.float32).reshape(2, 3, ROW) / 10.0
+    ids = jnp.asarray([[[0, 3], [2, -1], [1, 1]], [[3, 2], [-1, -1], [0, 1]]], jnp.int32)
+    gates = jnp.full(ids.shape, 0.5, jnp.float32)
+    weight = lambda w, v: w * v  # noqa: E731  (rows are [ROW], like the tokens)
+    cases = {
+        "plans": (jax.vmap(lambda c, b: apply_copy_plan(_pool(), b, c, layer=1),
+                           in_axes=(0, None)), (copies,)),
+        "plans and layers": (jax.vmap(lambda c, l, b: apply_copy_plan(_pool(), b, c, layer=l),
+                                      in_axes=(0, 0, None)), (copies, layers)),
+        "pools and plans": (jax.vmap(lambda p, c, b: apply_copy_plan(p, b, c, layer=1),
+                                     in_axes=(0, 0, None)), (pools, copies)),
+        "moe_dense over token batches and layers": (
+            jax.vmap(lambda v, i, g, l, b: moe_dense(v, i, g, b, weight, layer=l),
+                     in_axes=(0, 0, 0, 0, None)), (x, ids, gates, layers)),
+        "moe_combine with plans": (
+            jax.vmap(lambda v, i, g, c, b: moe_combine(
+                v, i, g, pc.EnsurePlan(slots=jnp.full(i.shape, -1, jnp.int32),
+                                       cpu=i >= 0, copy=c, active=0, missing=0, fetched=0,
+                                       error=0), _pool(), b, weight, layer=1),
+                     in_axes=(0, 0, 0, 0, None)), (x, ids, gates, copies)),
+    }
+    for name, (fn, args) in cases.items():
+        assert not _gathers_from(space, fn, *args, host_bank), f"{name}: gathers from host memory"
+        np.testing.assert_array_equal(fn(*args, host_bank), fn(*args, bank), err_msg=name)
+
+    # A batch of host banks, and a vmap nested in another.
+    banks = jnp.stack([bank, bank * 2.0 + 1.0])
+    host_banks = put_host_bank(banks)
+    per_bank = jax.vmap(lambda b, c: apply_copy_plan(_pool(), b, c, layer=1))
+    assert not _gathers_from(space, per_bank, host_banks, copies)
+    np.testing.assert_array_equal(per_bank(host_banks, copies), per_bank(banks, copies))
+    nested = jax.jit(jax.vmap(jax.vmap(lambda c, b: apply_copy_plan(_pool(), b, c, layer=0),
+                                       in_axes=(0, None)), in_axes=(None, 0)))
+    np.testing.assert_array_equal(nested(copies, host_banks), nested(copies, banks))
+    assert nested(copies, host_banks).shape == (2, 2, S, ROW)
 
 
 def test_structure_mismatch_is_rejected():
