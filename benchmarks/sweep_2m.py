@@ -33,11 +33,13 @@ from results_file import write_section  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# Runs the CLI in-process, then prints the process's own peak RSS on stderr's last line.
+# Runs the console script's function (what `pallas-cache` runs, XLA:CPU's one runtime thread
+# included) in-process, then prints the process's own peak RSS on stderr's last line.
 _WRAPPER = """
 import sys
-from pallas_cache.sizing.cli import main
-rc = main(sys.argv[1:])
+from pallas_cache.sizing.cli import console_main
+sys.argv = ["pallas-cache"] + sys.argv[1:]
+rc = console_main()
 hwm = [l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1]
 print('VMHWM_KB', hwm, file=sys.stderr)
 sys.exit(rc)
@@ -47,7 +49,7 @@ sys.exit(rc)
 def run(tokens: int):
     argv = ["replay", "--synthetic", "fine-grained", "--tokens", str(tokens),
             "--cache-size", "256", "1024", "2048", "--policy", "full", "fraction:0.4",
-            "--format", "json", "--quiet"]
+            "--format", "json", "--quiet", "--no-compile-cache"]
     env = dict(os.environ, PYTHONPATH=REPO, PALLAS_CACHE_NO_COMPILE_CACHE="1")
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
