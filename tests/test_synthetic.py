@@ -15,6 +15,7 @@ import math
 import numpy as np
 import pytest
 
+from pallas_cache.sizing import synthetic
 from pallas_cache.sizing.synthetic import (DEFAULT_PRESET_TOKENS, PRESETS, SyntheticParams,
                                     layer_exponents, synthetic_trace, trace_statistics)
 from pallas_cache.sizing.traces import Trace
@@ -193,3 +194,98 @@ def test_bad_preset_and_seed_are_refused():
         synthetic_trace("mixtral")
     with pytest.raises(ValueError, match="seed must be a non-negative integer"):
         synthetic_trace("mixtral-like", seed=-1)
+
+
+# ---- the vectorised Gumbel draws decide exactly what rng.gumbel decides -------------------------
+
+def _routes_drawn_by_gumbel(params, seed):
+    """The generator as first written: ``rng.gumbel`` draws and a full argsort per token. The
+    vectorised draws must reproduce it route for route."""
+    rng = np.random.default_rng(seed)
+    _, log_popularity = synthetic._layer_popularity(params, rng)
+    layers, experts, top_k = params.num_layers, params.num_experts, params.top_k
+    rows, columns = np.arange(layers)[:, None], np.arange(top_k)[None, :]
+    penalty = 1e9 + 4.0 * float(np.abs(log_popularity).max())
+    keys = log_popularity + rng.gumbel(size=(layers, experts))
+    previous = np.sort(np.argsort(-keys, axis=1)[:, :top_k], axis=1)
+    out = [previous]
+    for _ in range(1, params.num_tokens):
+        keys = log_popularity + rng.gumbel(size=(layers, experts))
+        keep = rng.random((layers, top_k)) < params.reuse
+        keys[rows, previous] = np.where(keep, -np.inf, keys[rows, previous] - penalty)
+        fresh = np.argsort(-keys, axis=1)[:, :top_k]
+        take = columns < top_k - keep.sum(axis=1, keepdims=True)
+        chosen = np.concatenate([previous, fresh], axis=1)[np.concatenate([keep, take], axis=1)]
+        previous = np.sort(chosen.reshape(layers, top_k), axis=1)
+        out.append(previous)
+    return np.stack(out).reshape(-1, top_k)
+
+
+@pytest.mark.parametrize("margin", ["default", "every token exact"])
+@pytest.mark.parametrize("params,seed", [
+    (dataclasses.replace(PRESETS["fine-grained"], num_tokens=300), 0),
+    (dataclasses.replace(PRESETS["fine-grained"], num_tokens=300), 5),
+    (SyntheticParams(num_layers=8, num_experts=128, top_k=8, num_tokens=300, reuse=0.9), 2),
+    (SyntheticParams(num_layers=64, num_experts=16, top_k=4, num_tokens=300, skew=0.0), 3),
+])
+def test_vectorised_draws_give_the_routes_gumbel_gives(monkeypatch, params, seed, margin):
+    """FAILS if the vectorised Gumbel draws change a single route against ``rng.gumbel`` with a
+    full argsort: a stream consumed in another order, NumPy's ``log`` deciding a near-tie, or a
+    partial sort ranking the top experts otherwise. With a huge margin every token takes the
+    exact path, which must agree too."""
+    if margin != "default":
+        monkeypatch.setattr(synthetic, "_GUMBEL_MARGIN", 1e30)
+    trace = synthetic_trace(params, seed=seed)
+    np.testing.assert_array_equal(trace.routes, _routes_drawn_by_gumbel(params, seed))
+
+
+def test_exact_draws_are_gumbel_bit_for_bit_and_fast_ones_within_a_few_ulp():
+    """FAILS if ``_Gumbel.exact`` is not ``rng.gumbel``'s value bit for bit (NumPy's ``log``
+    differs in the last bits for some draws), or if the generator's stream is left elsewhere."""
+    a, b = np.random.default_rng(9), np.random.default_rng(9)
+    noise = synthetic._Gumbel(a, (64, 128))
+    want = b.gumbel(size=(64, 128))
+    assert np.array_equal(noise.exact(), want)
+    assert np.abs(noise.fast - want).max() < 1e-14
+    assert a.random() == b.random()
+
+
+class _ScriptedUniforms:
+    """A stand-in generator whose ``random`` returns scripted doubles (zeros included)."""
+
+    def __init__(self, values):
+        self.values = list(values)
+
+    def random(self, size):
+        out, self.values = self.values[:size], self.values[size:]
+        return np.asarray(out, dtype=np.float64)
+
+
+def test_a_zero_uniform_is_skipped_as_gumbel_skips_it():
+    """FAILS if a ``random() == 0`` draw is used (``gumbel`` rejects it: ``log(-log(1))`` is
+    infinite) or if the draws after it are not shifted up by one, as ``gumbel``'s are."""
+    script = [0.5, 0.0, 0.25, 0.0, 0.0, 0.75, 0.125, 0.9]
+    noise = synthetic._Gumbel(_ScriptedUniforms(script), (2, 2))
+    used = [0.5, 0.25, 0.75, 0.125]
+    want = np.array([-math.log(-math.log(1.0 - u)) for u in used]).reshape(2, 2)
+    assert np.array_equal(noise.exact(), want)
+    assert np.allclose(noise.fast, want, rtol=0, atol=1e-14)
+
+
+def test_near_ties_are_left_to_the_exact_draws():
+    """FAILS if ``_clear_top_ranks`` decides a ranking whose top ``K + 1`` keys are closer than
+    the margin (absolute near 0, relative to the key near the dropped-expert penalty's 1e9), or
+    one with an ``-inf`` neighbour, or ranks clear keys otherwise than a full argsort."""
+    rows = np.arange(2)[:, None]
+    keys = np.array([[3.0, 1.0, 2.0, -1.0, 0.5], [0.1, 0.4, 0.3, 0.2, -2.0]])
+    np.testing.assert_array_equal(synthetic._clear_top_ranks(keys, 2, rows),
+                                  np.argsort(-keys, axis=1)[:, :2])
+    tie = keys.copy()
+    tie[0, 1] = 1.0 + 1e-14 + 1.0  # 2.0 + 1e-14 against 2.0: ranks 2 and 3 nearly tied
+    assert synthetic._clear_top_ranks(tie, 2, rows) is None
+    big = keys.copy()
+    big[1] = [-1e9, -1e9 - 1e-6, -1e9 - 2e-6, -1e9 - 1.0, -2e9]  # 1e-6 apart: < 1e-12 * 1e9
+    assert synthetic._clear_top_ranks(big, 2, rows) is None
+    inf = keys.copy()
+    inf[0, [0, 2, 1, 3]] = -np.inf  # the top three include -inf neighbours
+    assert synthetic._clear_top_ranks(inf, 2, rows) is None
