@@ -289,15 +289,22 @@ def test_the_console_script_runs_xla_cpu_on_one_runtime_thread(tmp_path):
     ({"JAX_NUM_CPU_DEVICES": "2"}, [], False),             # several CPU devices need threads
     ({"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}, [], False),
     ({"XLA_FLAGS": "--xla_cpu_enable_fast_math=false"}, [], True),
-    ({}, ["cuda"], False),                                 # an accelerator runs the replay
+    ({}, ["entry point"], False),                          # an accelerator runs the replay
+    ({}, ["namespace package"], False),
 ])
 def test_one_runtime_thread_leaves_other_choices_alone(monkeypatch, environ, plugins, sets):
     """FAILS if ``NPROC=1`` overrides a user's ``NPROC``, starves several CPU devices, or is set
-    where an accelerator plugin is installed (or is not set where none of these holds)."""
+    where an accelerator plugin is installed, by entry point or in the ``jax_plugins``
+    namespace package (or is not set where none of these holds)."""
     import importlib.metadata
+    import importlib.util
 
-    monkeypatch.setattr(importlib.metadata, "entry_points",
-                        lambda group=None: [types.SimpleNamespace(name=p) for p in plugins])
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group=None: [
+        types.SimpleNamespace(name="cuda")] if "entry point" in plugins else [])
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: (
+        types.SimpleNamespace(name=name) if name == "jax_plugins" and "namespace package"
+        in plugins else find_spec(name, *a)))
     before = dict(environ)
     assert cli.one_runtime_thread(environ) is sets
     assert environ == ({**before, "NPROC": "1"} if sets else before)

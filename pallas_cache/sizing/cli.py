@@ -651,15 +651,18 @@ def one_runtime_thread(environ) -> bool:
     threads made the 2M-call sweep about 12% slower, with 18% more CPU time, on two cores
     (``benchmarks/RESULTS.md``, ``sweep_2m``). Left alone: an ``NPROC`` the user set, several CPU devices asked for
     (``JAX_NUM_CPU_DEVICES``, ``--xla_force_host_platform_device_count``: each needs threads),
-    and any installed accelerator plugin (the replay would not run on the CPU client).
+    and any installed accelerator plugin, found where JAX looks for one (the ``jax_plugins``
+    entry points and namespace package): the replay would not run on the CPU client.
     """
     if RUNTIME_THREADS_ENV in environ or "JAX_NUM_CPU_DEVICES" in environ:
         return False
     if "xla_force_host_platform_device_count" in environ.get("XLA_FLAGS", ""):
         return False
-    from importlib.metadata import entry_points
+    import importlib.metadata
+    import importlib.util
 
-    if list(entry_points(group="jax_plugins")):
+    if (list(importlib.metadata.entry_points(group="jax_plugins"))
+            or importlib.util.find_spec("jax_plugins") is not None):
         return False
     environ[RUNTIME_THREADS_ENV] = "1"
     return True
