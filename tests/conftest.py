@@ -60,11 +60,14 @@ os.environ["PALLAS_CACHE_NO_COMPILE_CACHE"] = "1"
 settings.load_profile(PROFILE)
 
 
-def examples(share: float) -> settings:
-    """Settings that run ``share`` of the loaded profile's examples (at least 4). For the
-    cross-product lockstep runs (every eviction policy x capacity x resize): each repeats, under
-    one more option, what tests/test_lockstep.py checks rule by rule, so the ``ci`` profile runs a
-    few of each (the suite stays within its time budget) and ``deep`` runs ``share`` x 1000."""
+def examples(share: float, *, ci: float | None = None) -> settings:
+    """Settings that run ``share`` of the loaded profile's examples (at least 4; ``ci``, if given,
+    is the share under the ``ci`` profile instead). For the cross-product lockstep runs (every
+    eviction policy x capacity x resize): each repeats, under one more option, what
+    tests/test_lockstep.py checks rule by rule, so the ``ci`` profile runs a few of each (the
+    suite stays within its time budget) and ``deep`` runs ``share`` x 1000."""
+    if ci is not None and PROFILE == "ci":
+        share = ci
     return settings(max_examples=max(4, round(settings.default.max_examples * share)))
 
 ADAPTERS = ("reference", "jax-eager", "jax-jit", "jax-interpret")

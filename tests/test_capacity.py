@@ -215,7 +215,7 @@ def run_equivalence(data, adapter_name, eviction=None):
         assert_same_reports(big, truth, f"the sequence on {big.adapter}")
 
 
-@examples(0.5)
+@examples(0.5, ci=0.32)
 @given(data=st.data())
 def test_eager_capacity_above_the_usable_size_equals_a_pool_of_that_size(data):
     """FAILS if any rule reads slots past the usable size: an unusable slot taken as a victim
@@ -224,13 +224,13 @@ def test_eager_capacity_above_the_usable_size_equals_a_pool_of_that_size(data):
     run_equivalence(data, "jax-eager")
 
 
-@examples(0.5)
+@examples(0.5, ci=0.32)
 @given(data=st.data())
 def test_jitted_capacity_above_the_usable_size_equals_a_pool_of_that_size(data):
     run_equivalence(data, "jax-jit")
 
 
-@examples(0.25)
+@examples(0.25, ci=0.16)
 @given(data=st.data())
 def test_interpreted_kernels_with_capacity_equal_a_pool_of_the_usable_size(data):
     """FAILS if the victims kernel picks a slot at or past the usable size."""
@@ -284,19 +284,19 @@ def run_resize_lockstep(data, adapter_name, eviction=None):
     assert_same_reports(cache, ref, "the sequence")
 
 
-@examples(0.5)
+@examples(0.5, ci=0.32)
 @given(data=st.data())
 def test_eager_resize_interleaved_with_every_op_matches_the_reference(data):
     run_resize_lockstep(data, "jax-eager")
 
 
-@examples(0.5)
+@examples(0.5, ci=0.32)
 @given(data=st.data())
 def test_jitted_resize_interleaved_with_every_op_matches_the_reference(data):
     run_resize_lockstep(data, "jax-jit")
 
 
-@examples(0.25)
+@examples(0.25, ci=0.16)
 @given(data=st.data())
 def test_interpreted_resize_interleaved_with_every_op_matches_the_reference(data):
     run_resize_lockstep(data, "jax-interpret")
@@ -305,7 +305,7 @@ def test_interpreted_resize_interleaved_with_every_op_matches_the_reference(data
 # ---- the eviction policies with a capacity (docs/semantics.md §5.16) -------------------------
 
 
-@examples(0.25)
+@examples(0.25, ci=0.16)
 @pytest.mark.parametrize("eviction", ["pair_lfu", "route_knn"])
 @given(data=st.data())
 def test_capacity_above_the_usable_size_equals_a_pool_of_that_size_under_each_eviction(
@@ -316,7 +316,7 @@ def test_capacity_above_the_usable_size_equals_a_pool_of_that_size_under_each_ev
     run_equivalence(data, "jax-jit", eviction)
 
 
-@examples(0.25)
+@examples(0.25, ci=0.16)
 @pytest.mark.parametrize("eviction", ["pair_lfu", "route_knn"])
 @given(data=st.data())
 def test_resize_interleaved_with_every_op_matches_the_reference_under_each_eviction(

@@ -262,8 +262,9 @@ def test_the_console_script_runs_xla_cpu_on_one_runtime_thread(tmp_path):
     """FAILS if pyproject's script leaves XLA:CPU's thread pool at its default size (a second
     thread slows the replay's scan while the optima hold the other core), or sets it too late
     to take effect (after JAX started its CPU client, which reads ``NPROC`` once)."""
-    done, _ = _run_script(tmp_path, ["scenarios"], XDG_CACHE_HOME=str(tmp_path / "xdg"))
-    assert done.returncode == 0, done.stderr[-3000:]
+    done, _ = _run_script(tmp_path, ["replay", "--cache-size", "1"],  # fails before the work
+                          XDG_CACHE_HOME=str(tmp_path / "xdg"))
+    assert done.returncode == 2, done.stderr[-3000:]
     assert "NPROC 1" in done.stdout
     code = ("import os; from pallas_cache.sizing import cli; cli.one_runtime_thread(os.environ); "
             "import jax.numpy as jnp; (jnp.ones(3) + 1).block_until_ready(); "
@@ -315,7 +316,7 @@ def test_main_in_process_leaves_the_environment_alone(capsys):
     console script owns its process."""
     had = os.environ.pop(cli.RUNTIME_THREADS_ENV, None)
     try:
-        assert cli.main(["scenarios"]) == 0
+        assert cli.main(["replay", "--cache-size", "1"]) == 2  # refused before the work
         assert cli.RUNTIME_THREADS_ENV not in os.environ
     finally:
         if had is not None:
