@@ -298,8 +298,8 @@ def _generate_routes(params: SyntheticParams, log_popularity: np.ndarray,
 #: key adds one rounding at its own magnitude (the dropped-expert penalty makes keys of about
 #: 1e9); gaps above this margin are ordered the same by both.
 _GUMBEL_MARGIN = 1e-12
-#: Draws per token from which :class:`_Gumbel` vectorises them (measured: 32 x 8 draws per token
-#: ran slower vectorised, 48 x 128 about twice as fast).
+#: Draws per token from which :class:`_Gumbel` vectorises them (measured: with 32 x 8 draws per
+#: token the generator ran slower vectorised, with 48 x 128 it took two thirds of the time).
 _VECTOR_DRAWS_FROM = 1024
 
 
