@@ -50,7 +50,7 @@ def run(tokens: int):
     argv = ["replay", "--synthetic", "fine-grained", "--tokens", str(tokens),
             "--cache-size", "256", "1024", "2048", "--policy", "full", "fraction:0.4",
             "--format", "json", "--quiet", "--no-compile-cache"]
-    env = dict(os.environ, PYTHONPATH=REPO, PALLAS_CACHE_NO_COMPILE_CACHE="1")
+    env = dict(os.environ, PYTHONPATH=REPO)
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, "-c", _WRAPPER, *argv], env=env, cwd=REPO,

@@ -649,8 +649,9 @@ def one_runtime_thread(environ) -> bool:
     A replay's compiled scan is a chain of small kernels: a second pool thread finds nothing to
     run beside it, and while the offline optima hold the other core, handing kernels between
     threads made the 2M-call sweep about 12% slower, with 18% more CPU time, on two cores
-    (``benchmarks/RESULTS.md``, ``sweep_2m``). Left alone: an ``NPROC`` the user set, several CPU devices asked for
-    (``JAX_NUM_CPU_DEVICES``, ``--xla_force_host_platform_device_count``: each needs threads),
+    (``benchmarks/RESULTS.md``, ``sweep_2m``). Left alone: an ``NPROC`` the user set, several
+    CPU devices asked for (``JAX_NUM_CPU_DEVICES``, ``--xla_force_host_platform_device_count``:
+    each needs threads),
     and any installed accelerator plugin, found where JAX looks for one (the ``jax_plugins``
     entry points and namespace package): the replay would not run on the CPU client.
     """

@@ -266,7 +266,8 @@ def _generate_routes(params: SyntheticParams, log_popularity: np.ndarray,
     previous = np.sort(np.argsort(-keys, axis=1)[:, :top_k], axis=1)
     out[0] = previous
     for token in range(1, params.num_tokens):
-        noise = _Gumbel(rng, (layers, experts)) if vectorised else rng.gumbel(size=(layers, experts))
+        shape = (layers, experts)
+        noise = _Gumbel(rng, shape) if vectorised else rng.gumbel(size=shape)
         keep = rng.random((layers, top_k)) < params.reuse
 
         def keys_of(noise_values):
