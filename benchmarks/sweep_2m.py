@@ -33,8 +33,8 @@ from results_file import write_section  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# Runs the console script's function (what `pallas-cache` runs, XLA:CPU's one runtime thread
-# included) in-process, then prints the process's own peak RSS on stderr's last line.
+# Runs the console script's function (what `pallas-cache` runs) in-process, then prints the
+# process's own peak RSS on stderr's last line.
 _WRAPPER = """
 import sys
 from pallas_cache.sizing.cli import console_main

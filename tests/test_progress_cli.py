@@ -197,12 +197,10 @@ def _run_script(tmp_path, argv, **env):
     home = tmp_path / "home"
     home.mkdir(exist_ok=True)
     base = {k: v for k, v in os.environ.items()
-            if k not in ("XDG_CACHE_HOME", cli.NO_COMPILE_CACHE_ENV, "JAX_COMPILATION_CACHE_DIR",
-                         cli.RUNTIME_THREADS_ENV)}
+            if k not in ("XDG_CACHE_HOME", cli.NO_COMPILE_CACHE_ENV, "JAX_COMPILATION_CACHE_DIR")}
     code = (f"import os, sys, jax; from {module} import {name} as entry; "
             f"sys.argv = {['pallas-cache', *argv]!r}; status = entry(); "
-            f"print('CACHE_DIR', jax.config.jax_compilation_cache_dir); "
-            f"print('NPROC', os.environ.get({cli.RUNTIME_THREADS_ENV!r})); sys.exit(status)")
+            f"print('CACHE_DIR', jax.config.jax_compilation_cache_dir); sys.exit(status)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
                           timeout=600, env={**base, "HOME": str(home), "JAX_PLATFORMS": "cpu",
                                             "PYTHONPATH": REPO, **env})
@@ -254,73 +252,6 @@ def test_main_in_process_never_turns_the_cache_on(capsys):
                      "8", "--policy", "full", "--quiet"]) == 0
     assert jax.config.jax_compilation_cache_dir is None
     assert os.environ.get(cli.NO_COMPILE_CACHE_ENV) == "1"  # conftest.py, for subprocesses
-
-
-# ---- XLA:CPU's runtime threads ------------------------------------------------------------------
-
-def test_the_console_script_runs_xla_cpu_on_one_runtime_thread(tmp_path):
-    """FAILS if pyproject's script leaves XLA:CPU's thread pool at its default size (a second
-    thread slows the replay's scan while the optima hold the other core), or sets it too late
-    to take effect (after JAX started its CPU client, which reads ``NPROC`` once)."""
-    done, _ = _run_script(tmp_path, ["replay", "--cache-size", "1"],  # fails before the work
-                          XDG_CACHE_HOME=str(tmp_path / "xdg"))
-    assert done.returncode == 2, done.stderr[-3000:]
-    assert "NPROC 1" in done.stdout
-    code = ("import os; from pallas_cache.sizing import cli; cli.one_runtime_thread(os.environ); "
-            "import jax.numpy as jnp; (jnp.ones(3) + 1).block_until_ready(); "
-            "print(len(os.listdir('/proc/self/task')))")
-    threads = {}
-    for value in ("1", "2"):  # the user's NPROC=2 is kept, and makes more threads than ours
-        env = {k: v for k, v in os.environ.items() if k != cli.RUNTIME_THREADS_ENV}
-        if value == "2":
-            env[cli.RUNTIME_THREADS_ENV] = "2"
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                             cwd=REPO, timeout=300, env={**env, "JAX_PLATFORMS": "cpu",
-                                                         "PYTHONPATH": REPO})
-        assert out.returncode == 0, out.stderr[-3000:]
-        threads[value] = int(out.stdout.split()[-1])
-    if not os.path.isdir("/proc/self/task"):
-        pytest.skip("no /proc to count threads in")
-    assert threads["1"] < threads["2"], threads
-
-
-@pytest.mark.parametrize("environ,plugins,sets", [
-    ({}, [], True),
-    ({"NPROC": "4"}, [], False),                           # the user's choice
-    ({"JAX_NUM_CPU_DEVICES": "2"}, [], False),             # several CPU devices need threads
-    ({"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}, [], False),
-    ({"XLA_FLAGS": "--xla_cpu_enable_fast_math=false"}, [], True),
-    ({}, ["entry point"], False),                          # an accelerator runs the replay
-    ({}, ["namespace package"], False),
-])
-def test_one_runtime_thread_leaves_other_choices_alone(monkeypatch, environ, plugins, sets):
-    """FAILS if ``NPROC=1`` overrides a user's ``NPROC``, starves several CPU devices, or is set
-    where an accelerator plugin is installed, by entry point or in the ``jax_plugins``
-    namespace package (or is not set where none of these holds)."""
-    import importlib.metadata
-    import importlib.util
-
-    find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group=None: [
-        types.SimpleNamespace(name="cuda")] if "entry point" in plugins else [])
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: (
-        types.SimpleNamespace(name=name) if name == "jax_plugins" and "namespace package"
-        in plugins else find_spec(name, *a)))
-    before = dict(environ)
-    assert cli.one_runtime_thread(environ) is sets
-    assert environ == ({**before, "NPROC": "1"} if sets else before)
-
-
-def test_main_in_process_leaves_the_environment_alone(capsys):
-    """FAILS if ``cli.main`` (called from Python: a notebook, a test) sets ``NPROC``: only the
-    console script owns its process."""
-    had = os.environ.pop(cli.RUNTIME_THREADS_ENV, None)
-    try:
-        assert cli.main(["replay", "--cache-size", "1"]) == 2  # refused before the work
-        assert cli.RUNTIME_THREADS_ENV not in os.environ
-    finally:
-        if had is not None:
-            os.environ[cli.RUNTIME_THREADS_ENV] = had
 
 
 def test_the_array_form_reports_its_distinct_routes():

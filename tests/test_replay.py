@@ -50,15 +50,18 @@ def reference_replay(trace, config):
                 pair_counts=sorted((f, c, n) for (f, c), n in pairs.items()))
 
 
-def test_a_compiled_replay_counts_exactly_what_the_reference_counts():
+@pytest.mark.parametrize("threads", [1, 3])
+def test_a_compiled_replay_counts_exactly_what_the_reference_counts(threads):
     """FAILS if configurations sharing a program leak into each other, if padding calls of the
-    last chunk count, if cpu routes are counted per distinct expert instead of per route, or if
+    last chunk count, if cpu routes are counted per distinct expert instead of per route, if
     the per-call (fetched, cpu_experts) pairs of the cost model count CPU routes instead of
-    distinct CPU experts."""
+    distinct CPU experts, if a rule the lanes do not all share is compiled in as if they did,
+    or if a part of the lanes run on another host thread is lost or mixed up with another
+    (three parts: the lanes do not divide evenly, so the last part is padded)."""
     trace = small_trace()
     configs = config_grid([6, 9], ["full", "fraction:0.4", "cap:1"], ["recency", "lowest_id"],
                           ["promote_one", "reuse"])
-    results = replay(trace, configs, chunk_calls=64, progress=lambda s: None)
+    results = replay(trace, configs, chunk_calls=64, progress=lambda s: None, threads=threads)
     for config, result in zip(configs, results):
         expected = reference_replay(trace, config)
         got = {k: getattr(result, k) for k in expected}

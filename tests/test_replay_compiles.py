@@ -81,7 +81,7 @@ def test_configurations_that_cannot_differ_share_a_lane(monkeypatch):
     configs = config_grid([4], ["full", "fraction:1.0", "fraction:0.4", "cap:2", "fraction:0"],
                           ["recency", "lowest_id"], ["promote_one", "none", "reuse"])
     rows = replay(tiny_trace(), configs, bounds=False, progress=lambda s: None,
-                  devices=jax.devices()[:1])
+                  devices=jax.devices()[:1], threads=1)  # one part: every lane in one batch
     # full == fraction:1.0: one lane per order (2); fraction:0.4: 3 admissions with RECENCY + 1;
     # cap:2 and fraction:0 (fetch nothing): one lane per order each.
     assert set(lanes) == {2 + 4 + 2 + 2}
@@ -164,3 +164,55 @@ def test_an_error_of_the_optima_thread_reaches_the_caller(monkeypatch):
     monkeypatch.setattr(sweep, "bypass_optimum", broken)
     with pytest.raises(ValueError, match="bypass optimum broke at 4"):
         replay(tiny_trace(), config_grid([4], ["full"]), progress=lambda s: None)
+
+
+def test_rules_every_lane_shares_are_compiled_in():
+    """FAILS if the chunk program still traces the paths no lane takes (a sweep without a REUSE
+    lane compiling the REUSE code, as when every rule was a traced lane value), or if a rule the
+    lanes do not share is fixed (``test_replay.py``'s exact test catches its wrong counts)."""
+    from pallas_cache.ops import Rules
+    from pallas_cache.policy import FetchPolicy
+    from pallas_cache.state import init
+
+    lanes = [Rules.of(True, "recency", "promote_one"), Rules.of(True, "recency", "none")]
+    fixed = sweep._fixed_rules(lanes)
+    assert dict(fixed) == {"hybrid": True, "by_recency": True, "reuse": False}
+    assert sweep._fixed_rules(lanes + [Rules.of(True, "recency", "reuse")]) == (
+        ("hybrid", True), ("by_recency", True))
+    batch = (sweep._stack([init(3, 4, 6)] * 2), np.zeros(2, np.int32),
+             np.zeros((2, 3, 3), np.int32),
+             sweep._stack([FetchPolicy(np.int32(0), np.int32(1))] * 2), sweep._stack(lanes))
+    layers, routes = np.zeros(8, np.int32), np.zeros((8, 2), np.int32)
+
+    def size(program):
+        return program.lower(batch, layers, routes).as_text().count("stablehlo.")
+
+    assert size(sweep._program(True, "cpu", fixed)) < size(sweep._program(True, "cpu", ()))
+
+
+def test_an_error_in_a_part_run_on_another_thread_reaches_the_caller(monkeypatch):
+    """FAILS if a failure of a host thread running a share of the lanes is swallowed (the
+    replay would return that share's initial, empty counts as results), or if ``threads`` is
+    not checked."""
+    program = sweep._program
+    calls = []
+
+    def spy(*args):
+        run = program(*args)
+
+        def failing(batch, layers, routes):
+            calls.append(int(batch[0].cache_size[0]))
+            if int(batch[0].cache_size[0]) == 8 and len(calls) > 2:
+                raise RuntimeError("lane share failed")
+            return run(batch, layers, routes)
+        return failing
+
+    monkeypatch.setattr(sweep, "_program", spy)
+    with pytest.raises(RuntimeError, match="lane share failed"):
+        replay(tiny_trace(), config_grid([4, 8], ["full"]), bounds=False, chunk_calls=8,
+               progress=lambda s: None, devices=jax.devices()[:1], threads=2)
+    assert set(calls) == {4, 8}  # the two sizes ran as two parts
+    for bad in (0, 1.5, "2"):
+        with pytest.raises(ValueError, match="threads must be a positive integer"):
+            replay(tiny_trace(), config_grid([4], ["full"]), threads=bad,
+                   progress=lambda s: None)

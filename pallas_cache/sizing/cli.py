@@ -638,50 +638,17 @@ def _enable_compile_cache() -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
 
-#: The variable XLA reads, when it starts its CPU client, for the size of its thread pool.
-RUNTIME_THREADS_ENV = "NPROC"
-
-
-def one_runtime_thread(environ) -> bool:
-    """Set ``NPROC=1`` in ``environ`` (XLA:CPU's runtime thread pool: one thread) unless the
-    user chose otherwise; returns whether it did.
-
-    A replay's compiled scan is a chain of small kernels: a second pool thread finds nothing to
-    run beside it, and while the offline optima hold the other core, handing kernels between
-    threads made the 2M-call sweep about 12% slower, with 18% more CPU time, on two cores
-    (``benchmarks/RESULTS.md``, ``sweep_2m``). Left alone: an ``NPROC`` the user set, several
-    CPU devices asked for (``JAX_NUM_CPU_DEVICES``, ``--xla_force_host_platform_device_count``:
-    each needs threads),
-    and any installed accelerator plugin, found where JAX looks for one (the ``jax_plugins``
-    entry points and namespace package): the replay would not run on the CPU client.
-    """
-    if RUNTIME_THREADS_ENV in environ or "JAX_NUM_CPU_DEVICES" in environ:
-        return False
-    if "xla_force_host_platform_device_count" in environ.get("XLA_FLAGS", ""):
-        return False
-    import importlib.metadata
-    import importlib.util
-
-    if (list(importlib.metadata.entry_points(group="jax_plugins"))
-            or importlib.util.find_spec("jax_plugins") is not None):
-        return False
-    environ[RUNTIME_THREADS_ENV] = "1"
-    return True
-
-
 def main(argv=None) -> int:
     """Run ``pallas-cache``; returns the exit status (``130`` after Ctrl-C, with one line on
-    stderr and no partial output file). Never touches JAX's persistent compilation cache or the
-    process's environment (the console script, :func:`console_main`, does)."""
+    stderr and no partial output file). Never touches JAX's persistent compilation cache (the
+    console script, :func:`console_main`, does)."""
     return _main(argv, compile_cache=False)
 
 
 def console_main() -> int:
     """The ``pallas-cache`` console script: :func:`main` with JAX's persistent compilation cache
     on (see :func:`compile_cache_dir`) unless ``--no-compile-cache`` is given or
-    ``PALLAS_CACHE_NO_COMPILE_CACHE`` is set to anything but ``""`` or ``"0"``, and XLA:CPU's
-    runtime on one thread (:func:`one_runtime_thread`; set before JAX starts a backend)."""
-    one_runtime_thread(os.environ)
+    ``PALLAS_CACHE_NO_COMPILE_CACHE`` is set to anything but ``""`` or ``"0"``."""
     return _main(None, compile_cache=True)
 
 

@@ -19,6 +19,9 @@ compiled JAX, for a whole grid of configurations:
   trace compiles once.
 - **Several devices**: the configuration axis is sharded across them with ``jax.sharding`` (a
   1-D mesh named ``"configs"``, padded to a multiple of the device count).
+- **Several cores** of one CPU device: a group's lanes are dealt into equal shares, one host
+  thread each, all running the same compiled program (XLA releases the GIL while it runs), and
+  rules every lane shares are compiled in rather than traced.
 - **The bounds** next to each result: Belady's offline optimum for the same pool (a bound for
   ``full`` rows), the bypass optimum (a miss may be served without being admitted: a bound for
   every row) and the stationary per-layer oracle of docs/semantics.md §5.10 (all from
@@ -40,6 +43,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 import queue
 import threading
 from typing import Callable, Iterable, Sequence
@@ -268,11 +272,14 @@ def _stack(trees):
 
 
 @functools.lru_cache(maxsize=None)
-def _program(lru: bool = True, platform: str = "cpu"):
+def _program(lru: bool = True, platform: str = "cpu", fixed: tuple = ()):
     """The jitted chunk program: every lane of one bucket (and eviction policy, a static part of
     the state) over one chunk of calls. ``lru=False``: the REUSE path, which a non-LRU eviction
     refuses, is left out (no lane of such a group runs it). ``platform``: the devices' platform
-    (``"cpu"`` adds XLA:CPU options).
+    (``"cpu"`` adds XLA:CPU options). ``fixed``: ``(field, bool)`` pairs of the :class:`Rules`
+    fields every lane shares (:func:`_fixed_rules`), compiled in as Python bools so the paths no
+    lane takes are not even traced (a sweep of RECENCY lanes without REUSE runs no REUSE code);
+    the lanes' traced values of those fields are ignored.
 
     Args (of the returned function): ``(states, cpu_routes, pairs, policies, rules)`` batched
     over the configurations, and the chunk's ``layers [C]`` and ``routes [C, K]``. ``pairs``
@@ -283,7 +290,9 @@ def _program(lru: bool = True, platform: str = "cpu"):
         def call(carry, layer_routes):
             state, cpu_routes, pairs = carry
             layer, route = layer_routes
-            lane_rules = rules if lru else rules.replace(reuse=False)
+            lane_rules = rules.replace(**dict(fixed))
+            if not lru:
+                lane_rules = lane_rules.replace(reuse=False)
             state, plan = ensure_with_rules(state, layer, route, policy, lane_rules, backend="xla")
             # The cost model's per-call pair (docs/semantics.md §11.2); refused calls add nothing.
             pairs = pairs.at[plan.fetched, plan.missing - plan.fetched].add(
@@ -310,8 +319,23 @@ def _program(lru: bool = True, platform: str = "cpu"):
     return jax.jit(_replay_chunk, donate_argnums=0, compiler_options=options)
 
 
+def _fixed_rules(rules: Sequence[Rules]) -> tuple:
+    """The ``(field, bool)`` pairs of the :class:`Rules` fields on which every lane agrees."""
+    fields = [field.name for field in dataclasses.fields(Rules)]
+    return tuple((name, getattr(rules[0], name)) for name in fields
+                 if len({getattr(lane, name) for lane in rules}) == 1)
+
+
 #: XLA options of the CPU chunk program (see :func:`_program`).
 _CPU_OPTIONS = {"xla_cpu_copy_insertion_use_region_analysis": True}
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
 
 
 def _shard(tree, mesh):
@@ -330,6 +354,7 @@ def replay(
     devices: Sequence[jax.Device] | None = None,
     progress: Progress | Callable[[str], None] | None = None,
     bucket_ratio: float = DEFAULT_BUCKET_RATIO,
+    threads: int | None = None,
 ) -> list[ReplayResult]:
     """Replay ``trace`` through every configuration and return one result per configuration.
 
@@ -350,6 +375,10 @@ def replay(
         ``lambda s: None`` to silence.
       bucket_ratio: sizes up to this factor above a bucket's smallest share its compiled program
         (:func:`capacity_buckets`); ``math.inf``: one program for the whole sweep.
+      threads: host threads that run a group's lanes, each through the same compiled program
+        over an equal share of them (XLA releases the GIL while a chunk runs, so on a multi-core
+        CPU the shares run side by side; the results do not depend on it). ``None``: the CPU
+        cores this process may use, when the sweep runs on one CPU device, else one.
 
     Returns:
       ``list[ReplayResult]``, aligned with ``configs``.
@@ -365,6 +394,10 @@ def replay(
     devices = list(devices) if devices is not None else jax.devices()
     mesh = Mesh(np.array(devices), ("configs",)) if len(devices) > 1 else None
     width = len(devices) if mesh is not None else 1
+    if threads is None:
+        threads = usable_cores() if mesh is None and devices[0].platform == "cpu" else 1
+    elif not is_int(threads) or threads < 1:
+        raise ValueError(f"threads must be a positive integer, got {threads!r}")
     report = as_progress(progress)
 
     layers, routes = trace.to_array()
@@ -403,7 +436,7 @@ def replay(
     try:
         results = _replay_groups(trace, configs, keys, groups, layers, routes, num_calls,
                                  num_chunks, chunk_calls, num_routes, pair_side, mesh, width,
-                                 report, devices[0].platform, start_optima)
+                                 report, devices[0].platform, start_optima, threads)
     except BaseException:
         for thread in optima:
             thread.cancel()
@@ -418,23 +451,28 @@ def replay(
 
 
 def _replay_groups(trace, configs, keys, groups, layers, routes, num_calls, num_chunks,
-                   chunk_calls, num_routes, pair_side, mesh, width, report, platform, compiled):
+                   chunk_calls, num_routes, pair_side, mesh, width, report, platform, compiled,
+                   threads):
     """The scan of :func:`replay`: ``{config index: ReplayResult}`` without the bounds.
 
     Every group's first chunk runs first (each compiles its program), then ``compiled()`` is
-    called, then the groups' other chunks run, one group after the other.
+    called, then the groups' other chunks run, one group after the other. With ``threads > 1``
+    a group's lanes are dealt into that many equal parts, each run by its own host thread
+    through the same compiled program (:func:`_run_parts`).
     """
     num_tokens = trace.num_tokens
     results: dict[int, ReplayResult] = {}
     done = 0
 
-    def run(program, batch, chunk, status):
+    def run(program, batch, chunk, status=None):
+        """One chunk of one part; ``status``: report it (the main thread's part only)."""
         nonlocal done
         window = slice(chunk * chunk_calls, (chunk + 1) * chunk_calls)
         batch = program(batch, jnp.asarray(layers[window]), jnp.asarray(routes[window]))
-        done += 1
-        report.update(done, f"{status} calls {min((chunk + 1) * chunk_calls, num_calls)}"
-                            f"/{num_calls}")
+        if status is not None:
+            done += 1
+            report.update(done, f"{status} calls {min((chunk + 1) * chunk_calls, num_calls)}"
+                                f"/{num_calls}")
         return batch
 
     started = []
@@ -445,30 +483,32 @@ def _replay_groups(trace, configs, keys, groups, layers, routes, num_calls, num_
         capacity = bucket[-1]
         unique = list(dict.fromkeys(key for key in keys
                                     if key.cache_size in bucket and key.eviction == eviction))
-        count = -(-len(unique) // width) * width  # pad to a multiple of the devices
+        parts = min(threads, len(unique))
+        # Pad to equal parts, each a multiple of the devices (one program for all the parts).
+        count = -(-len(unique) // (width * parts)) * width * parts
         lanes = unique + [unique[-1]] * (count - len(unique))
-        batch = (
+        rules = [Rules.of(True, key.order, key.admission) for key in lanes]
+        per_part = count // parts
+        batches = [_shard((
             _stack([init(trace.num_layers, trace.num_experts, key.cache_size, capacity=capacity,
-                         eviction=eviction) for key in lanes]),
-            jnp.zeros(count, jnp.int32),
-            jnp.zeros((count, pair_side, pair_side), jnp.int32),
-            _stack([FetchPolicy(jnp.int32(key.fraction16), jnp.int32(key.cap)) for key in lanes]),
-            _stack([Rules.of(True, key.order, key.admission) for key in lanes]),
-        )
-        batch = _shard(batch, mesh)
+                         eviction=eviction) for key in part]),
+            jnp.zeros(per_part, jnp.int32),
+            jnp.zeros((per_part, pair_side, pair_side), jnp.int32),
+            _stack([FetchPolicy(jnp.int32(key.fraction16), jnp.int32(key.cap)) for key in part]),
+            _stack(rules[start:start + per_part]),
+        ), mesh) for start in range(0, count, per_part) for part in [lanes[start:start + per_part]]]
         status = "cache_size=" + ",".join(str(size) for size in bucket) + (
             "" if eviction == Eviction.LRU.value else f" eviction={eviction}")
-        program = _program(eviction == Eviction.LRU.value, platform)
-        started.append([bucket, eviction, unique, program, run(program, batch, 0, status),
-                        status])
+        program = _program(eviction == Eviction.LRU.value, platform, _fixed_rules(rules))
+        batches[0] = run(program, batches[0], 0, status)  # compiles the group's program
+        started.append([bucket, eviction, unique, program, batches, status])
     compiled()
     for entry in started:
-        bucket, eviction, unique, program, batch, status = entry
-        entry[4] = None  # the group's state lives in `batch` only (donated chunk by chunk)
-        for chunk in range(1, num_chunks):
-            batch = run(program, batch, chunk, status)
-
-        states, cpu_routes, pairs = jax.device_get(batch[:3])
+        bucket, eviction, unique, program, batches, status = entry
+        entry[4] = None  # the group's state lives in `batches` only (donated chunk by chunk)
+        batches = _run_parts(run, program, batches, num_chunks, status)
+        states, cpu_routes, pairs = jax.tree.map(
+            lambda *parts: np.concatenate(parts), *(jax.device_get(b[:3]) for b in batches))
         for index, config in enumerate(configs):
             key = keys[index]
             if key.cache_size not in bucket or key.eviction != eviction:
@@ -504,6 +544,52 @@ def _replay_groups(trace, configs, keys, groups, layers, routes, num_calls, num_
                 eviction=eviction,
             )
     return results
+
+
+def _run_parts(run, program, batches, num_chunks, status):
+    """Run the parts of one group to the end of the trace: part 0 on this thread (from its
+    second chunk, reporting), every other part on a host thread of its own (from its first).
+
+    The parts share the compiled ``program``; XLA releases the GIL while a chunk runs, so on a
+    multi-core CPU the parts' scans run side by side. Lanes never interact, so the results are
+    those of one program over all the lanes. An error in any part is raised here, after every
+    part has stopped.
+    """
+    errors: list = []
+    stop = threading.Event()
+
+    def work(index):
+        try:
+            batch = batches[index]
+            for chunk in range(num_chunks):
+                if stop.is_set():
+                    return
+                # Waiting for each chunk keeps the thread from queueing the whole trace ahead,
+                # so a failure or Ctrl-C on the main thread stops it within a chunk.
+                batch = jax.block_until_ready(run(program, batch, chunk))
+            batches[index] = batch
+        except BaseException as error:  # noqa: BLE001 - raised on the calling thread
+            errors.append(error)
+
+    workers = [threading.Thread(target=work, args=(index,), daemon=True,
+                                name=f"pallas-cache-lanes-{index}")
+               for index in range(1, len(batches))]
+    for worker in workers:
+        worker.start()
+    try:
+        batch = batches[0]
+        for chunk in range(1, num_chunks):
+            batch = run(program, batch, chunk, status)
+        batches[0] = batch
+    except BaseException:
+        stop.set()
+        raise
+    finally:
+        for worker in workers:
+            worker.join()
+    if errors:
+        raise errors[0]
+    return batches
 
 
 class _Cancelled(Exception):
