@@ -60,6 +60,23 @@ os.environ["PALLAS_CACHE_NO_COMPILE_CACHE"] = "1"
 settings.load_profile(PROFILE)
 
 
+@pytest.fixture(params=["compiled", "python"])
+def optima_loop(request, monkeypatch):
+    """Run a bound test with each simulation loop of :mod:`pallas_cache.sizing.bounds`: the
+    Numba-compiled one (skipped where Numba is not installed; the ``test`` extra installs it)
+    and the pure-Python one, which must give the same schedules."""
+    from pallas_cache.sizing import bounds
+
+    if request.param == "compiled":
+        pytest.importorskip("numba")
+        monkeypatch.delenv(bounds.COMPILED_BOUNDS_ENV, raising=False)
+        assert bounds.compiled_loops() is not None
+    else:
+        monkeypatch.setenv(bounds.COMPILED_BOUNDS_ENV, "0")
+        assert bounds.compiled_loops() is None
+    return request.param
+
+
 def examples(share: float, *, ci: float | None = None) -> settings:
     """Settings that run ``share`` of the loaded profile's examples (at least 4; ``ci``, if given,
     is the share under the ``ci`` profile instead). For the cross-product lockstep runs (every

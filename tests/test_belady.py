@@ -82,6 +82,7 @@ def test_belady_equals_the_exhaustive_minimum(case):
     assert result.active == sum(len(c) for c in distinct_calls(trace))
 
 
+@pytest.mark.usefixtures("optima_loop")
 def test_belady_equals_the_exhaustive_minimum_on_a_crowded_enumeration():
     # Deterministic sweep of the tightest geometry (2 layers x 3 experts, S = 3 and 4), so the
     # check does not depend on what hypothesis happens to draw.
@@ -105,6 +106,7 @@ def test_belady_never_misses_more_than_lru_and_is_monotone_in_cache_size(case):
     assert result.missing >= len(set().union(*distinct_calls(trace)))
 
 
+@pytest.mark.usefixtures("optima_loop")
 @given(tiny_traces(max_ids=24, max_calls=300, max_top_k=4))
 def test_belady_matches_the_textbook_scan_on_longer_traces(case):
     # Long enough that the heap is compacted (stale entries dropped) several times; the
@@ -115,6 +117,7 @@ def test_belady_matches_the_textbook_scan_on_longer_traces(case):
 
 @pytest.mark.parametrize("name,tokens,sizes", [("mixtral-like", 150, (8, 20, 40, 128)),
                                                ("fine-grained", 10, (128, 600))])
+@pytest.mark.usefixtures("optima_loop")
 def test_belady_matches_the_textbook_scan_on_presets(name, tokens, sizes):
     trace = synthetic_trace(name, num_tokens=tokens, seed=2)
     for cache_size in sizes:
@@ -134,6 +137,7 @@ def test_belady_beats_lru_on_presets(name, tokens, sizes):
 # ---- hand-checked examples --------------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("optima_loop")
 def test_a_call_never_evicts_an_expert_it_needs():
     # L=2, E=2, S=2.  A = (0,0), B = (0,1), X = (1,0).
     # call 0: X     miss               pool {X}
@@ -148,6 +152,7 @@ def test_a_call_never_evicts_an_expert_it_needs():
     assert result.layer_missing.tolist() == [2, 2]
 
 
+@pytest.mark.usefixtures("optima_loop")
 def test_furthest_next_use_is_evicted_not_the_least_recent():
     # L=3, E=1, S=2: flat ids 0, 1, 2 (one expert per layer). Layers called: 0 1 2 0 1 0 1 0 2.
     # Belady at call 2 (pool {0,1}, next uses 0->3, 1->4) evicts 1; at call 4 (pool {0,2}:

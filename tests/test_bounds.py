@@ -67,6 +67,7 @@ def random_trace(rng: np.random.Generator, max_ids: int, max_calls: int,
 # ---- optimality against exhaustive search -----------------------------------------------------
 
 
+@pytest.mark.usefixtures("optima_loop")
 def test_both_optima_equal_the_exhaustive_minimum_on_thousands_of_tiny_traces():
     """FAILS if the bypass rule admits per miss instead of per call, may drop a call's hits,
     keeps never-used-again items, or if Belady lets a call evict its own experts."""
@@ -80,6 +81,7 @@ def test_both_optima_equal_the_exhaustive_minimum_on_thousands_of_tiny_traces():
         assert bypass.active == sum(len(call) for call in distinct_calls(trace))
 
 
+@pytest.mark.usefixtures("optima_loop")
 def test_bypass_optimum_equals_the_exhaustive_minimum_on_longer_traces():
     """FAILS if ties on the next use are broken by flat id alone (docs/semantics.md §5.14)."""
     rng = np.random.default_rng(7)
@@ -107,6 +109,7 @@ def test_bypass_optimum_equals_the_exhaustive_minimum(seed):
 # ---- the lean loop against the textbook versions ----------------------------------------------
 
 
+@pytest.mark.usefixtures("optima_loop")
 @pytest.mark.parametrize("chunk", [1, 5, 64])
 def test_lean_loops_match_the_textbook_rules_layer_by_layer(chunk, monkeypatch):
     """FAILS if a chunk boundary drops or repeats accesses, an entry the loop skips as settled
@@ -128,6 +131,7 @@ def test_lean_loops_match_the_textbook_rules_layer_by_layer(chunk, monkeypatch):
 
 @pytest.mark.parametrize("name,tokens,sizes", [("mixtral-like", 200, (8, 24, 64, 200)),
                                                ("fine-grained", 24, (128, 700, 2000))])
+@pytest.mark.usefixtures("optima_loop")
 def test_lean_loops_match_the_textbook_rules_on_presets(name, tokens, sizes):
     """FAILS if the settled-access shortcut or the heap compaction changes a decision on a
     realistic trace (many settled accesses at the large sizes, many evictions at the small)."""
@@ -139,6 +143,7 @@ def test_lean_loops_match_the_textbook_rules_on_presets(name, tokens, sizes):
             textbook_bypass(trace, cache_size)[1], cache_size
 
 
+@pytest.mark.usefixtures("optima_loop")
 def test_long_traces_cross_chunk_boundaries(monkeypatch):
     """FAILS if the default chunking loses or repeats accesses where a chunk is cut."""
     trace = synthetic_trace(SyntheticParams(num_layers=6, num_experts=16, top_k=4,
@@ -155,6 +160,7 @@ def test_long_traces_cross_chunk_boundaries(monkeypatch):
 # ---- hand-checked examples --------------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("optima_loop")
 def test_bypass_keeps_a_hot_expert_where_belady_must_thrash():
     """FAILS if bypass_optimum admits every miss (it would equal Belady here)."""
     # L=2, E=1, S=1: ids a=0 (layer 0), b=1 (layer 1); calls a b a b a b.
@@ -170,6 +176,7 @@ def test_bypass_keeps_a_hot_expert_where_belady_must_thrash():
     assert result.hit_rate == pytest.approx(2 / 6)
 
 
+@pytest.mark.usefixtures("optima_loop")
 def test_a_hit_keeps_its_slot_through_its_call_even_if_never_used_again():
     """FAILS if the bypass rule may drop a call's own hits (5 would become 4)."""
     # L=2, E=2, S=3; flat ids: layer 0 -> 0, 1; layer 1 -> 2, 3.
@@ -186,6 +193,7 @@ def test_a_hit_keeps_its_slot_through_its_call_even_if_never_used_again():
     assert exhaustive_min_misses(trace, 3, bypass=True) == 5
 
 
+@pytest.mark.usefixtures("optima_loop")
 def test_ids_tied_on_next_use_are_ranked_by_their_later_uses():
     """FAILS if tied candidates are ranked by flat id alone (8 misses instead of 7)."""
     # L=2, E=2, S=2; flat ids: layer 0 -> 0, 1; layer 1 -> 2, 3. Calls (distinct ids):
@@ -200,6 +208,7 @@ def test_ids_tied_on_next_use_are_ranked_by_their_later_uses():
     assert bypass_optimum(trace, 2).missing == 7
 
 
+@pytest.mark.usefixtures("optima_loop")
 def test_a_tie_can_reach_past_the_use_after_next():
     """FAILS if ties on the next use are broken only by the use after it (10 misses, not 9).
 

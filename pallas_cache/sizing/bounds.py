@@ -39,7 +39,10 @@ per-id bookkeeping: an entry whose next use has passed is stale, and it is never
 enough live ones rank above it; stale entries are dropped when they outnumber the live ones.
 Memory is linear in the accesses (about 30 bytes each at peak); the access arrays of the last
 :class:`Trace` seen are kept (its arrays are read-only), so both optima at several sizes build
-them once. Times are in ``benchmarks/RESULTS.md`` (``benchmarks/bounds_cost.py``).
+them once. With Numba installed (the ``fast`` extra) the loop runs compiled
+(:mod:`pallas_cache.sizing.compiled_bounds`, the same keys and the same schedule;
+``PALLAS_CACHE_COMPILED_BOUNDS=0`` keeps the Python loop). Times are in
+``benchmarks/RESULTS.md`` (``benchmarks/bounds_cost.py``).
 
 (Why one module of ~600 lines: Belady and the bypass optimum share the access arrays, the
 next-use pass and the eviction loop, which differ only in whether a miss may bypass; the
@@ -49,6 +52,7 @@ stationary oracle is the third bound users read next to them.)
 from __future__ import annotations
 
 import heapq
+import os
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -338,11 +342,17 @@ def _simulate(accesses: _Accesses, slots: int, *, bypass: bool,
     skip[next_index[settled]] = True  # certain hits ...
     skip &= settled                   # ... that need no entry either
 
-    state = _LoopState(slots=slots, id_space=id_space, calls=calls, unit=unit,
-                       resident=[0] * id_space, layer_missing=[0] * accesses.num_layers,
-                       flat=memoryview(flat), next_index=memoryview(next_index),
-                       next_call=memoryview(next_call))
-    loop = _bypass_loop if bypass else _belady_loop
+    compiled = compiled_loops() if exact else None
+    if compiled is not None:
+        most_per_call = int(np.diff(before).max()) if calls else 0
+        resident, layer_missing, heap, scalars, own, tied = compiled.new_state(
+            id_space, accesses.num_layers, slots, most_per_call)
+    else:
+        state = _LoopState(slots=slots, id_space=id_space, calls=calls, unit=unit,
+                           resident=[0] * id_space, layer_missing=[0] * accesses.num_layers,
+                           flat=memoryview(flat), next_index=memoryview(next_index),
+                           next_call=memoryview(next_call))
+        loop = _bypass_loop if bypass else _belady_loop
     start = 0
     while start < flat.size:  # chunks of whole calls
         stop = min(start + _CHUNK, flat.size)
@@ -362,15 +372,41 @@ def _simulate(accesses: _Accesses, slots: int, *, bypass: bool,
             keys[settled[start:stop][visit]] = 0
             last = np.ones(chunk_calls.size, dtype=bool)
             last[:-1] = chunk_calls[1:] != chunk_calls[:-1]
-            ends = np.where(last, accesses.layers[chunk_calls] + 1, 0).tolist()
-            stamps = (chunk_calls[last].astype(np.int64) + 1).tolist()
-            loop(state, v_flat.tolist(), keys.tolist(), stamps, ends)
+            ends = np.where(last, accesses.layers[chunk_calls].astype(np.int64) + 1, 0)
+            stamps = chunk_calls[last].astype(np.int64) + 1
+            if compiled is None:
+                loop(state, v_flat.tolist(), keys.tolist(), stamps.tolist(), ends.tolist())
+            elif bypass:
+                compiled.bypass_chunk(resident, layer_missing, heap, scalars, slots, unit, calls,
+                                      v_flat, keys, stamps, ends, own, tied, flat, next_index,
+                                      next_call)
+            else:
+                compiled.belady_chunk(resident, layer_missing, heap, scalars, slots, id_space,
+                                      v_flat, keys, stamps, ends, own)
         start = stop
         if progress is not None:
             progress(stop, flat.size)
     if progress is not None and flat.size == 0:
         progress(0, 0)
+    if compiled is not None:
+        return layer_missing
     return np.asarray(state.layer_missing, dtype=np.int64)
+
+
+#: Set to ``"0"`` to simulate the optima with the pure-Python loop even where Numba is installed.
+COMPILED_BOUNDS_ENV = "PALLAS_CACHE_COMPILED_BOUNDS"
+
+
+def compiled_loops():
+    """:mod:`pallas_cache.sizing.compiled_bounds` when Numba can be imported (the ``fast``
+    extra) and ``PALLAS_CACHE_COMPILED_BOUNDS`` is not ``"0"``; else ``None`` (the Python loop)."""
+    if os.environ.get(COMPILED_BOUNDS_ENV, "") == "0":
+        return None
+    try:
+        from pallas_cache.sizing import compiled_bounds
+    except ImportError:
+        return None
+    return compiled_bounds
 
 
 @dataclass
