@@ -45,6 +45,7 @@ class _Count(logging.Handler):
 def cold_run(trace, configs, bounds, ratio):
     """Seconds of one replay from a cold program cache, and its compilations."""
     sweep._program.cache_clear()
+    sweep._EXECUTABLES.clear()
     counter = _Count()
     logger = logging.getLogger("jax")
     logger.addHandler(counter)

@@ -32,6 +32,7 @@ def tiny_trace():
 def compiles_of(caplog, fn):
     """``fn()``'s result and how many times it compiled the replay's chunk program."""
     sweep._program.cache_clear()
+    sweep._EXECUTABLES.clear()
     caplog.clear()
     with caplog.at_level(logging.WARNING), jax.log_compiles(True):
         result = fn()
@@ -67,17 +68,17 @@ def test_configurations_that_cannot_differ_share_a_lane(monkeypatch):
     """FAILS if a sweep replays the admission variants of ``full``, ``cap:N`` or LOWEST_ID (which
     docs/semantics.md §5.5 makes inert) in lanes of their own, or merges what may differ."""
     lanes = []
-    program = sweep._program
+    executable = sweep._executable
 
-    def spy(*args):
-        run = program(*args)
+    def spy(program, *args):
+        run = executable(program, *args)
 
         def counted(batch, layers, routes):
             lanes.append(int(batch[0].cache_size.shape[0]))
             return run(batch, layers, routes)
         return counted
 
-    monkeypatch.setattr(sweep, "_program", spy)
+    monkeypatch.setattr(sweep, "_executable", spy)
     configs = config_grid([4], ["full", "fraction:1.0", "fraction:0.4", "cap:2", "fraction:0"],
                           ["recency", "lowest_id"], ["promote_one", "none", "reuse"])
     rows = replay(tiny_trace(), configs, bounds=False, progress=lambda s: None,
@@ -194,11 +195,11 @@ def test_an_error_in_a_part_run_on_another_thread_reaches_the_caller(monkeypatch
     """FAILS if a failure of a host thread running a share of the lanes is swallowed (the
     replay would return that share's initial, empty counts as results), or if ``threads`` is
     not checked."""
-    program = sweep._program
+    executable = sweep._executable
     calls = []
 
-    def spy(*args):
-        run = program(*args)
+    def spy(program, *args):
+        run = executable(program, *args)
 
         def failing(batch, layers, routes):
             calls.append(int(batch[0].cache_size[0]))
@@ -207,7 +208,7 @@ def test_an_error_in_a_part_run_on_another_thread_reaches_the_caller(monkeypatch
             return run(batch, layers, routes)
         return failing
 
-    monkeypatch.setattr(sweep, "_program", spy)
+    monkeypatch.setattr(sweep, "_executable", spy)
     with pytest.raises(RuntimeError, match="lane share failed"):
         replay(tiny_trace(), config_grid([4, 8], ["full"]), bounds=False, chunk_calls=8,
                progress=lambda s: None, devices=jax.devices()[:1], threads=2)
@@ -216,3 +217,25 @@ def test_an_error_in_a_part_run_on_another_thread_reaches_the_caller(monkeypatch
         with pytest.raises(ValueError, match="threads must be a positive integer"):
             replay(tiny_trace(), config_grid([4], ["full"]), threads=bad,
                    progress=lambda s: None)
+
+
+def test_the_cli_compiles_a_synthetic_sweep_while_it_generates_the_trace(caplog):
+    """FAILS if the CLI compiles the replay's program only once the synthetic trace exists (on
+    the main thread, after generating it), or if the program it compiles ahead is not the one
+    the replay runs (the replay would compile a second one)."""
+    from pallas_cache.sizing import cli
+
+    sweep._program.cache_clear()
+    sweep._EXECUTABLES.clear()
+    caplog.clear()
+    # Logged from every thread (the context manager would switch the log on for this one only).
+    jax.config.update("jax_log_compiles", True)
+    try:
+        with caplog.at_level(logging.WARNING):
+            assert cli.main(["replay", "--synthetic", "mixtral-like", "--tokens", "3",
+                             "--cache-size", "8", "16", "--policy", "full", "fraction:0.4",
+                             "--quiet"]) == 0
+    finally:
+        jax.config.update("jax_log_compiles", False)
+    compiles = [r for r in caplog.records if "Compiling jit(_replay_chunk)" in r.getMessage()]
+    assert [r.threadName for r in compiles] == ["pallas-cache-precompile"]

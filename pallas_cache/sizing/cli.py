@@ -501,6 +501,35 @@ class _Checked(Progress):
         self.inner.close()
 
 
+def _precompile_synthetic(args, policies, cost) -> threading.Thread | None:
+    """A thread compiling the replay's programs while the synthetic trace is generated (its
+    geometry is the preset's, so the sweep is known before the trace), or ``None`` where the
+    sweep's options are off (the replay reports them after the trace, as for a trace file)."""
+    from pallas_cache.sizing.sweep import config_grid, precompile
+
+    try:
+        params = synthetic.PRESETS[args.synthetic or DEFAULT_PRESET]
+        sizes, _ = _sizes(args.cache_size, params, cost)
+        configs = config_grid(sizes, policies, args.order, args.admission, args.eviction)
+        _check_state_memory(sizes, len(configs) // len(set(sizes)), params.num_layers,
+                            params.num_experts, args.max_memory)
+    except (TypeError, ValueError, ZeroDivisionError):
+        return None
+    if not configs:
+        return None
+
+    def compile_quietly():
+        try:
+            precompile(params.num_layers, params.num_experts, params.top_k, configs)
+        except Exception:  # noqa: BLE001 - the replay compiles, and reports, on its own
+            pass
+
+    thread = threading.Thread(target=compile_quietly, daemon=True,
+                              name="pallas-cache-precompile")
+    thread.start()
+    return thread
+
+
 def _replay(args) -> int:
     with _InterruptLatch() as latch:
         progress = _Checked(Progress() if args.quiet else
@@ -527,6 +556,7 @@ def _replay_with(args, progress: Progress, latch: _InterruptLatch) -> int:
         policies = _policies(args.policy, cost)
         progress.note(f"reading {args.trace}..." if args.trace else
                       f"generating the {args.synthetic or DEFAULT_PRESET} trace...")
+        compiling = None if args.trace else _precompile_synthetic(args, policies, cost)
         trace = _load(args)
         sizes, size_lines = _sizes(args.cache_size, trace, cost)
         configs = config_grid(sizes, policies, args.order, args.admission, args.eviction)
@@ -549,6 +579,8 @@ def _replay_with(args, progress: Progress, latch: _InterruptLatch) -> int:
         print(line, file=sys.stderr)
     if model is not None and _model_mismatch(model, trace):
         print(_model_mismatch(model, trace), file=sys.stderr)
+    if compiling is not None:
+        compiling.join()  # a replay started before its program is compiled compiles it again
     results = replay(trace, configs, cost=cost, progress=progress)
     latch.check()  # nothing is written after a Ctrl-C, even one a compile callback swallowed
     fmt = args.format or ("json" if args.json else "table")

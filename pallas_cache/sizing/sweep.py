@@ -40,6 +40,7 @@ sharding and the per-configuration results are one pipeline; about half is docst
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import math
@@ -391,13 +392,7 @@ def replay(
             raise ValueError(
                 f"cache_size {config.cache_size} cannot hold one layer of {trace.num_experts} experts"
             )
-    devices = list(devices) if devices is not None else jax.devices()
-    mesh = Mesh(np.array(devices), ("configs",)) if len(devices) > 1 else None
-    width = len(devices) if mesh is not None else 1
-    if threads is None:
-        threads = usable_cores() if mesh is None and devices[0].platform == "cpu" else 1
-    elif not is_int(threads) or threads < 1:
-        raise ValueError(f"threads must be a positive integer, got {threads!r}")
+    devices, mesh, width, threads = _placement(devices, threads)
     report = as_progress(progress)
 
     layers, routes = trace.to_array()
@@ -412,12 +407,7 @@ def replay(
 
     keys = [_lane_key(config) for config in configs]
     sizes = sorted({c.cache_size for c in configs})
-    buckets = capacity_buckets(sizes, bucket_ratio)
-    # One compiled program per (bucket of sizes, eviction): the capacity is a shape and the
-    # eviction policy static metadata of the state (docs/semantics.md §5.16), so each pair is its
-    # own program; sizes, policies, orders and admissions are lanes.
-    groups = [(bucket, eviction) for bucket in buckets for eviction in
-              sorted({key.eviction for key in keys if key.cache_size in bucket})]
+    groups = _groups(keys, bucket_ratio)
     programs = len(groups)
     report.phase(f"compiling {programs} program{'s' if programs != 1 else ''} for "
                  f"{len(configs)} configuration{'s' if len(configs) != 1 else ''} "
@@ -468,7 +458,9 @@ def _replay_groups(trace, configs, keys, groups, layers, routes, num_calls, num_
         """One chunk of one part; ``status``: report it (the main thread's part only)."""
         nonlocal done
         window = slice(chunk * chunk_calls, (chunk + 1) * chunk_calls)
-        batch = program(batch, jnp.asarray(layers[window]), jnp.asarray(routes[window]))
+        chunk_layers, chunk_routes = jnp.asarray(layers[window]), jnp.asarray(routes[window])
+        batch = _executable(program, batch, chunk_layers, chunk_routes)(
+            batch, chunk_layers, chunk_routes)
         if status is not None:
             done += 1
             report.update(done, f"{status} calls {min((chunk + 1) * chunk_calls, num_calls)}"
@@ -477,29 +469,10 @@ def _replay_groups(trace, configs, keys, groups, layers, routes, num_calls, num_
 
     started = []
     for bucket, eviction in groups:
-        # One program for every size of the bucket: the capacity is its largest size, each lane
-        # has its own traced usable size (docs/semantics.md §5.15), and configurations that
-        # cannot differ share a lane.
-        capacity = bucket[-1]
-        unique = list(dict.fromkeys(key for key in keys
-                                    if key.cache_size in bucket and key.eviction == eviction))
-        parts = min(threads, len(unique))
-        # Pad to equal parts, each a multiple of the devices (one program for all the parts).
-        count = -(-len(unique) // (width * parts)) * width * parts
-        lanes = unique + [unique[-1]] * (count - len(unique))
-        rules = [Rules.of(True, key.order, key.admission) for key in lanes]
-        per_part = count // parts
-        batches = [_shard((
-            _stack([init(trace.num_layers, trace.num_experts, key.cache_size, capacity=capacity,
-                         eviction=eviction) for key in part]),
-            jnp.zeros(per_part, jnp.int32),
-            jnp.zeros((per_part, pair_side, pair_side), jnp.int32),
-            _stack([FetchPolicy(jnp.int32(key.fraction16), jnp.int32(key.cap)) for key in part]),
-            _stack(rules[start:start + per_part]),
-        ), mesh) for start in range(0, count, per_part) for part in [lanes[start:start + per_part]]]
+        unique, batches, program = _group(trace.num_layers, trace.num_experts, pair_side, bucket,
+                                          eviction, keys, width, threads, mesh, platform)
         status = "cache_size=" + ",".join(str(size) for size in bucket) + (
             "" if eviction == Eviction.LRU.value else f" eviction={eviction}")
-        program = _program(eviction == Eviction.LRU.value, platform, _fixed_rules(rules))
         batches[0] = run(program, batches[0], 0, status)  # compiles the group's program
         started.append([bucket, eviction, unique, program, batches, status])
     compiled()
@@ -544,6 +517,106 @@ def _replay_groups(trace, configs, keys, groups, layers, routes, num_calls, num_
                 eviction=eviction,
             )
     return results
+
+
+def _placement(devices, threads):
+    """``(devices, mesh, width, threads)`` of a replay: the mesh over several devices (``None``
+    for one), the lane multiple it needs, and the host threads (see :func:`replay`)."""
+    devices = list(devices) if devices is not None else jax.devices()
+    mesh = Mesh(np.array(devices), ("configs",)) if len(devices) > 1 else None
+    width = len(devices) if mesh is not None else 1
+    if threads is None:
+        threads = usable_cores() if mesh is None and devices[0].platform == "cpu" else 1
+    elif not is_int(threads) or threads < 1:
+        raise ValueError(f"threads must be a positive integer, got {threads!r}")
+    return devices, mesh, width, threads
+
+
+def _groups(keys, bucket_ratio):
+    """One compiled program per (bucket of sizes, eviction): the capacity is a shape and the
+    eviction policy static metadata of the state (docs/semantics.md §5.16), so each pair is its
+    own program; sizes, policies, orders and admissions are lanes."""
+    buckets = capacity_buckets(sorted({key.cache_size for key in keys}), bucket_ratio)
+    return [(bucket, eviction) for bucket in buckets for eviction in
+            sorted({key.eviction for key in keys if key.cache_size in bucket})]
+
+
+def _group(num_layers, num_experts, pair_side, bucket, eviction, keys, width, threads, mesh,
+           platform):
+    """``(unique lanes, batches, program)`` of one group: its initial batches, one per host
+    thread's share of the lanes, and the compiled program they all run.
+
+    One program for every size of the bucket: the capacity is its largest size, each lane has
+    its own traced usable size (docs/semantics.md §5.15), and configurations that cannot differ
+    share a lane.
+    """
+    capacity = bucket[-1]
+    unique = list(dict.fromkeys(key for key in keys
+                                if key.cache_size in bucket and key.eviction == eviction))
+    parts = min(threads, len(unique))
+    # Pad to equal parts, each a multiple of the devices (one program for all the parts).
+    count = -(-len(unique) // (width * parts)) * width * parts
+    lanes = unique + [unique[-1]] * (count - len(unique))
+    rules = [Rules.of(True, key.order, key.admission) for key in lanes]
+    per_part = count // parts
+    batches = [_shard((
+        _stack([init(num_layers, num_experts, key.cache_size, capacity=capacity,
+                     eviction=eviction) for key in part]),
+        jnp.zeros(per_part, jnp.int32),
+        jnp.zeros((per_part, pair_side, pair_side), jnp.int32),
+        _stack([FetchPolicy(jnp.int32(key.fraction16), jnp.int32(key.cap)) for key in part]),
+        _stack(rules[start:start + per_part]),
+    ), mesh) for start in range(0, count, per_part) for part in [lanes[start:start + per_part]]]
+    program = _program(eviction == Eviction.LRU.value, platform, _fixed_rules(rules))
+    return unique, batches, program
+
+
+def precompile(num_layers: int, num_experts: int, top_k: int, configs: Sequence[ReplayConfig],
+               *, chunk_calls: int = DEFAULT_CHUNK_CALLS,
+               devices: Sequence[jax.Device] | None = None,
+               bucket_ratio: float = DEFAULT_BUCKET_RATIO, threads: int | None = None) -> None:
+    """Compile the programs :func:`replay` runs for ``configs`` on a trace of this geometry
+    (``top_k`` route columns), with the same options, so that the replay compiles nothing.
+
+    Meant for a second thread while the trace is read or generated: XLA compiles without the
+    GIL, so the compile and the trace overlap (the CLI does this for a synthetic trace). Join
+    the thread before calling :func:`replay`: a replay started while its program is still
+    compiling compiles it again.
+    """
+    keys = [_lane_key(config) for config in configs]
+    devices, mesh, width, threads = _placement(devices, threads)
+    layers = jnp.zeros((chunk_calls,), jnp.int32)
+    routes = jnp.zeros((chunk_calls, top_k), jnp.int32)
+    for bucket, eviction in _groups(keys, bucket_ratio):
+        _, batches, program = _group(num_layers, num_experts, min(top_k, num_experts) + 1,
+                                     bucket, eviction, keys, width, threads, mesh,
+                                     devices[0].platform)
+        _executable(program, batches[0], layers, routes)
+
+
+#: Compiled chunk programs by (program, argument signature), the most recent few: what
+#: :func:`precompile` compiles and the replay runs. (A jitted function's own cache is not
+#: filled by an ahead-of-time compile on every JAX version, nor under every context.)
+_EXECUTABLES: collections.OrderedDict = collections.OrderedDict()
+_EXECUTABLES_KEPT = 4
+_EXECUTABLES_LOCK = threading.Lock()
+
+
+def _executable(program, batch, layers, routes):
+    """The compiled ``program`` for these arguments' shapes, dtypes and shardings."""
+    leaves, tree = jax.tree.flatten((batch, layers, routes))
+    key = (program, tree, tuple((leaf.shape, leaf.dtype, leaf.sharding) for leaf in leaves))
+    with _EXECUTABLES_LOCK:
+        found = _EXECUTABLES.get(key)
+        if found is not None:
+            _EXECUTABLES.move_to_end(key)
+            return found
+    found = program.trace(batch, layers, routes).lower().compile()
+    with _EXECUTABLES_LOCK:
+        _EXECUTABLES[key] = found
+        while len(_EXECUTABLES) > _EXECUTABLES_KEPT:
+            _EXECUTABLES.popitem(last=False)
+    return found
 
 
 def _run_parts(run, program, batches, num_chunks, status):
