@@ -157,6 +157,20 @@ def test_long_traces_cross_chunk_boundaries(monkeypatch):
     assert chunked == whole
 
 
+def test_the_compiled_loop_is_kept_for_traces_worth_importing_numba_for(monkeypatch):
+    """FAILS if a small trace pays for importing Numba (about 0.8 s, more than its Python loop
+    takes), if a large one does not get the compiled loop, or if the variable is not obeyed."""
+    pytest.importorskip("numba")
+    monkeypatch.delenv(bounds_module.COMPILED_BOUNDS_ENV, raising=False)
+    threshold = bounds_module._COMPILED_FROM
+    assert bounds_module.compiled_loops(threshold - 1) is None
+    assert bounds_module.compiled_loops(threshold) is not None
+    monkeypatch.setenv(bounds_module.COMPILED_BOUNDS_ENV, "1")
+    assert bounds_module.compiled_loops(1) is not None
+    monkeypatch.setenv(bounds_module.COMPILED_BOUNDS_ENV, "0")
+    assert bounds_module.compiled_loops(10 * threshold) is None
+
+
 # ---- hand-checked examples --------------------------------------------------------------------
 
 

@@ -39,9 +39,9 @@ per-id bookkeeping: an entry whose next use has passed is stale, and it is never
 enough live ones rank above it; stale entries are dropped when they outnumber the live ones.
 Memory is linear in the accesses (about 30 bytes each at peak); the access arrays of the last
 :class:`Trace` seen are kept (its arrays are read-only), so both optima at several sizes build
-them once. With Numba installed (the ``fast`` extra) the loop runs compiled
-(:mod:`pallas_cache.sizing.compiled_bounds`, the same keys and the same schedule;
-``PALLAS_CACHE_COMPILED_BOUNDS=0`` keeps the Python loop). Times are in
+them once. With Numba installed (the ``fast`` extra) the loop runs compiled on traces of
+500k accesses or more (:mod:`pallas_cache.sizing.compiled_bounds`, the same keys and the same
+schedule; ``PALLAS_CACHE_COMPILED_BOUNDS=0`` or ``=1`` picks one loop whatever the size). Times are in
 ``benchmarks/RESULTS.md`` (``benchmarks/bounds_cost.py``).
 
 (Why one module of ~600 lines: Belady and the bypass optimum share the access arrays, the
@@ -342,7 +342,7 @@ def _simulate(accesses: _Accesses, slots: int, *, bypass: bool,
     skip[next_index[settled]] = True  # certain hits ...
     skip &= settled                   # ... that need no entry either
 
-    compiled = compiled_loops() if exact else None
+    compiled = compiled_loops(flat.size) if exact else None
     if compiled is not None:
         most_per_call = int(np.diff(before).max()) if calls else 0
         resident, layer_missing, heap, scalars, own, tied = compiled.new_state(
@@ -393,14 +393,22 @@ def _simulate(accesses: _Accesses, slots: int, *, bypass: bool,
     return np.asarray(state.layer_missing, dtype=np.int64)
 
 
-#: Set to ``"0"`` to simulate the optima with the pure-Python loop even where Numba is installed.
+#: ``"0"``: simulate the optima with the Python loop even where Numba is installed; ``"1"``: with
+#: the compiled loop whatever the trace's size; unset (or anything else): by size.
 COMPILED_BOUNDS_ENV = "PALLAS_CACHE_COMPILED_BOUNDS"
+#: Accesses from which the compiled loop runs by default: importing Numba and loading the compiled
+#: loops take about 0.8 s per process, what the Python loop spends on a few passes of this many.
+_COMPILED_FROM = 500_000
 
 
-def compiled_loops():
+def compiled_loops(accesses: int | None = None):
     """:mod:`pallas_cache.sizing.compiled_bounds` when Numba can be imported (the ``fast``
-    extra) and ``PALLAS_CACHE_COMPILED_BOUNDS`` is not ``"0"``; else ``None`` (the Python loop)."""
-    if os.environ.get(COMPILED_BOUNDS_ENV, "") == "0":
+    extra) and the loop is worth compiling (``accesses`` at least ``_COMPILED_FROM``, or
+    ``PALLAS_CACHE_COMPILED_BOUNDS=1``; never with ``=0``); else ``None`` (the Python loop)."""
+    choice = os.environ.get(COMPILED_BOUNDS_ENV, "")
+    if choice == "0":
+        return None
+    if choice != "1" and accesses is not None and accesses < _COMPILED_FROM:
         return None
     try:
         from pallas_cache.sizing import compiled_bounds
