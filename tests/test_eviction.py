@@ -28,7 +28,7 @@ def pair_lfu(adapter, L, E, S, **kwargs):
 # ---- lockstep ------------------------------------------------------------------------------
 
 
-@examples(0.25)
+@examples(0.25, ci=0.16)
 @given(data=st.data())
 def test_pair_lfu_eager_matches_the_reference_after_every_step(data):
     """FAILS if any op (ensure, ensure_hybrid, materialize, forget, prefill, reset, rebuild,
@@ -37,14 +37,14 @@ def test_pair_lfu_eager_matches_the_reference_after_every_step(data):
     run_lockstep(data, "jax-eager", eviction=PAIR_LFU)
 
 
-@examples(0.25)
+@examples(0.25, ci=0.16)
 @given(data=st.data())
 def test_pair_lfu_jitted_matches_the_reference_after_every_step(data):
     """As above, every op under an outer jit with a traced layer/slot."""
     run_lockstep(data, "jax-jit", eviction=PAIR_LFU)
 
 
-@examples(0.25)
+@examples(0.25, ci=0.16)
 @given(data=st.data())
 def test_pair_lfu_interpret_backend_matches_the_reference_after_every_step(data):
     """As above with backend="interpret" (PAIR_LFU ranks in XLA on every backend)."""
@@ -399,7 +399,7 @@ def test_the_cli_sweeps_evictions_and_refuses_reuse_with_pair_lfu(capsys):
 ROUTE_KNN = "route_knn"
 
 
-@examples(0.2)
+@examples(0.2, ci=0.16)
 @given(data=st.data())
 def test_route_knn_eager_matches_the_reference_after_every_step(data):
     """FAILS if any op, ``start_token`` included, disagrees with the reference in any state
@@ -407,7 +407,7 @@ def test_route_knn_eager_matches_the_reference_after_every_step(data):
     run_lockstep(data, "jax-eager", eviction=ROUTE_KNN)
 
 
-@examples(0.2)
+@examples(0.2, ci=0.16)
 @given(data=st.data())
 def test_route_knn_jitted_matches_the_reference_after_every_step(data):
     """As above, every op under an outer jit with a traced layer/slot."""
@@ -519,7 +519,7 @@ def test_start_token_starts_a_token_the_layers_do_not_show(adapter):
 ROUTE_LFU = "route_lfu"
 
 
-@examples(0.2)
+@examples(0.2, ci=0.16)
 @given(data=st.data())
 def test_route_lfu_eager_matches_the_reference_after_every_step(data):
     """FAILS if any op, ``start_token`` included, disagrees with the reference in any state
@@ -528,7 +528,7 @@ def test_route_lfu_eager_matches_the_reference_after_every_step(data):
     run_lockstep(data, "jax-eager", eviction=ROUTE_LFU)
 
 
-@examples(0.2)
+@examples(0.2, ci=0.16)
 @given(data=st.data())
 def test_route_lfu_jitted_matches_the_reference_after_every_step(data):
     """As above, every op under an outer jit with a traced layer/slot."""

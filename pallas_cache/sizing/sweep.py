@@ -67,7 +67,7 @@ from pallas_cache.sizing.traces import Trace
 from pallas_cache.validate import is_int
 
 __all__ = ["ReplayConfig", "ReplayResult", "parse_policy", "replay", "config_grid",
-           "auto_cache_sizes", "capacity_buckets"]
+           "auto_cache_sizes", "capacity_buckets", "precompile"]
 
 #: Layer-calls per compiled chunk: long enough that dispatch is noise, short enough for progress.
 DEFAULT_CHUNK_CALLS = 2048
@@ -331,7 +331,7 @@ def _fixed_rules(rules: Sequence[Rules]) -> tuple:
 _CPU_OPTIONS = {"xla_cpu_copy_insertion_use_region_analysis": True}
 
 
-def usable_cores() -> int:
+def _usable_cores() -> int:
     """The CPU cores this process may run on (its affinity mask where the OS has one)."""
     try:
         return len(os.sched_getaffinity(0))
@@ -526,7 +526,7 @@ def _placement(devices, threads):
     mesh = Mesh(np.array(devices), ("configs",)) if len(devices) > 1 else None
     width = len(devices) if mesh is not None else 1
     if threads is None:
-        threads = usable_cores() if mesh is None and devices[0].platform == "cpu" else 1
+        threads = _usable_cores() if mesh is None and devices[0].platform == "cpu" else 1
     elif not is_int(threads) or threads < 1:
         raise ValueError(f"threads must be a positive integer, got {threads!r}")
     return devices, mesh, width, threads
@@ -652,6 +652,8 @@ def _run_parts(run, program, batches, num_chunks, status):
     try:
         batch = batches[0]
         for chunk in range(1, num_chunks):
+            if errors:  # a part failed: stop this one too, and raise its error below
+                break
             batch = run(program, batch, chunk, status)
         batches[0] = batch
     except BaseException:
