@@ -41,8 +41,8 @@ Memory is linear in the accesses (about 30 bytes each at peak); the access array
 :class:`Trace` seen are kept (its arrays are read-only), so both optima at several sizes build
 them once. With Numba installed (the ``fast`` extra) the loop runs compiled on traces of
 500k accesses or more (:mod:`pallas_cache.sizing.compiled_bounds`, the same keys and the same
-schedule; ``PALLAS_CACHE_COMPILED_BOUNDS=0`` or ``=1`` picks one loop whatever the size). Times are in
-``benchmarks/RESULTS.md`` (``benchmarks/bounds_cost.py``).
+schedule; ``PALLAS_CACHE_COMPILED_BOUNDS=0`` or ``=1`` picks one loop whatever the size).
+Times are in ``benchmarks/RESULTS.md`` (``benchmarks/bounds_cost.py``).
 
 (Why one module of ~600 lines: Belady and the bypass optimum share the access arrays, the
 next-use pass and the eviction loop, which differ only in whether a miss may bypass; the

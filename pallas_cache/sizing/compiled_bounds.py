@@ -8,7 +8,8 @@ imported (``pip install 'pallas-cache[fast]'``) and the keys fit int64, and fall
 own loop otherwise. The results are the same: every heap key is distinct (a next use and a flat
 id, or an access index), so which entry a pop returns depends on the set of entries only, never
 on how a heap lays them out, and the two implementations hold the same sets
-(``tests/test_bounds.py`` compares them on every bound test and on random traces).
+(``tests/test_bounds.py`` compares them on every bound test and on random traces). The two
+chunk loops are twins, as ``bounds``' own are, so each reads line for line as its original.
 
 State (arrays, so that a chunk's call changes them in place): ``resident`` int64 ``[L * E]``
 (the stamps of :class:`~pallas_cache.sizing.bounds` ``_LoopState``), ``layer_missing`` int64
