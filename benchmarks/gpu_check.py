@@ -557,7 +557,7 @@ def _fresh(state):
 
 
 _COMPILED: dict = {}
-_UNROLL: dict = {}  # (L, E, S, op, backend) -> calls per unrolled jit
+_UNROLL: dict = {}  # (L, E, S, op, backend) -> (calls per unrolled jit, lowered ops per call)
 
 
 def compiled_program(mode, op, backend, *example):
@@ -694,22 +694,34 @@ def floor_row(L, E, S, k, args, base) -> dict:
             "kernels": kernel_count(prog.as_text(), loop=True), "compile_s": secs}
 
 
-def ops_per_call(op, backend, state, layer, routes) -> int:
+def ops_per_call(op, backend, state, layer, routes) -> tuple[int, float]:
     """StableHLO ops of one lowered call, by the rule of tests/test_kernels_lowering.py (every
-    ``stablehlo.<op>`` but the free ones; a Pallas call counts once)."""
+    ``stablehlo.<op>`` but the free ones; a Pallas call counts once), and the seconds the
+    lowering took."""
+    start = time.perf_counter()
     text = jax.jit(functools.partial(_unrolled_impl, op=op, backend=backend)).lower(
         state, (layer,), (routes,)).as_text()
+    secs = time.perf_counter() - start
     free = {"constant", "reshape", "bitcast_convert", "return", "tuple", "get_tuple_element",
             "optimization_barrier"}
-    return sum(1 for name in re.findall(r"stablehlo\.([a-z_]+)", text) if name not in free)
+    return sum(1 for name in re.findall(r"stablehlo\.([a-z_]+)", text) if name not in free), secs
 
 
-def unroll_width(op, backend, state, first, args) -> int:
-    """Calls per unrolled jit for ``backend``: ``--calls``, or ``--heavy-unroll`` when one call
-    lowers to more than ``--light-ops`` ops (the XLA step's ~300 ops per call make a 128-call
-    jit take minutes to compile; its per-call cost does not need 128)."""
-    ops = ops_per_call(op, backend, state, first[0][0], first[1][0])
-    return args.calls if ops <= args.light_ops else min(args.heavy_unroll, args.calls)
+def unroll_width(op, backend, state, first, args) -> tuple[int, int]:
+    """Calls per unrolled jit for ``backend``: ``--calls``; ``--heavy-unroll`` when one call
+    lowers to more than ``--light-ops`` ops (the XLA step's ~300 ops per call make a 128-call jit
+    take minutes to compile; its per-call cost does not need 128); and fewer than ``--calls``
+    when tracing them would take over ``--trace-seconds`` (halved until it fits). Returns
+    ``(calls per jit, lowered ops per call)``."""
+    ops, secs = ops_per_call(op, backend, state, first[0][0], first[1][0])
+    width = args.calls
+    if ops > args.light_ops:
+        width = min(args.heavy_unroll, args.calls)
+    while width > args.heavy_unroll and width * secs > args.trace_seconds:
+        width //= 2
+    while args.calls % width:  # every dispatch of one chain has the same shapes
+        width -= 1
+    return width, ops
 
 
 def _pieces(window, width):
@@ -732,7 +744,7 @@ def cost_row(L, E, S, k, m, args, base, results) -> dict:
     sched = MissSchedule(L, E, S, k, m, seed=args.seed + 7 * S + m)
     sched.check()
     row = {"L": L, "E": E, "S": S, "k": k, "m": m, "us": {}, "off_m": {}, "kernels": {},
-           "compile_s": {}, "unroll": {}, "match": True}
+           "compile_s": {}, "unroll": {}, "ops": {}, "match": True}
 
     def take():
         return tuple(jnp.asarray(a) for a in sched.take(n))
@@ -756,8 +768,11 @@ def cost_row(L, E, S, k, m, args, base, results) -> dict:
             if mode == "scan":
                 width, pieces = n, [[w] for w in windows]
             else:
-                width = _UNROLL.setdefault((L, E, S, args.op, backend),
-                                           unroll_width(args.op, backend, warm, first, args))
+                key = (L, E, S, args.op, backend)
+                if key not in _UNROLL:
+                    _UNROLL[key] = unroll_width(args.op, backend, warm, first, args)
+                width, ops = _UNROLL[key]
+                row["ops"][backend] = ops
                 pieces = [_pieces(w, width) for w in windows]
                 row["unroll"][backend] = width
             prog, secs = compiled_program(mode, args.op, backend, warm, *pieces[0][0])
@@ -960,6 +975,8 @@ def parse_args(argv=None):
                         "--light-ops ops (default 8)")
     p.add_argument("--light-ops", type=int, default=64,
                    help="ops per lowered call up to which the unrolled jit holds --calls calls")
+    p.add_argument("--trace-seconds", type=float, default=40.0,
+                   help="halve the unrolled jit's calls while tracing them would take longer")
     p.add_argument("--replays", type=int, default=None,
                    help="dispatches per trial (default 20, smoke 2)")
     p.add_argument("--repeats", type=int, default=None,
@@ -1024,10 +1041,10 @@ def cost_markdown(args, cost) -> list[str]:
         "(each evicts the LRU entry; checked on every timed call's plan), "
         f"{args.calls} layer-calls per dispatch, {args.replays} dispatches per trial, median of "
         f"{args.repeats} alternating trials, us per call. *unrolled*: one `jax.jit` of the "
-        f"{args.calls} calls written out (\"(x{args.heavy_unroll})\": {args.heavy_unroll} calls "
-        "per jit, for a backend whose call "
-        f"lowers to more than {args.light_ops} ops: a 128-call jit of the XLA step compiles for "
-        "minutes); *scan*: per `lax.scan` iteration minus the trivial-body "
+        f"{args.calls} calls written out (\"(xN)\": N calls per jit, for a backend whose call "
+        f"lowers to more than {args.light_ops} ops -- a 128-call jit of the XLA step compiles for "
+        f"minutes -- or whose {args.calls} calls would take over {args.trace_seconds:.0f} s to "
+        "trace); *scan*: per `lax.scan` iteration minus the trivial-body "
         "floor. Kernels per call, from the compiled programs: unrolled = all launches / calls "
         "(includes one stacking concatenation per plan leaf per jit); scan = while body and "
         "condition minus the floor's; in brackets the Pallas calls. Upstream: flashlib "
@@ -1065,14 +1082,17 @@ def cost_markdown(args, cost) -> list[str]:
             f"{_verdict(row, floor, cand, args.smoke)} |")
     lines.append("")
     for (L, E, S), floor in cost["floors"].items():
-        compiles = {}
+        compiles, ops = {}, {}
         for row in cost["rows"]:
             if (row["L"], row["E"], row["S"]) == (L, E, S):
                 compiles.update(row.get("compile_s", {}))
+                ops.update(row.get("ops", {}))
         lines.append(
             f"- L={L}, E={E}, S={S}: scan floor {floor['us']:.2f} us and {floor['kernels'][0]} "
-            f"kernels per iteration; compile s: "
-            + ", ".join(f"{k} {v:.1f}" for k, v in sorted(compiles.items())))
+            "kernels per iteration; one call lowers to "
+            + ", ".join(f"{b} {n}" for b, n in ops.items())
+            + " StableHLO ops (the rule of tests/test_kernels_lowering.py, host platform); "
+            "compile s: " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(compiles.items())))
     for msg in cost["notes"]:
         lines.append(f"- {msg}")
     return lines
