@@ -969,6 +969,9 @@ def parse_args(argv=None):
     p.add_argument("--op", choices=("ensure", "ensure_hybrid"), default="ensure",
                    help="the timed call (ensure_hybrid runs with the full policy)")
     p.add_argument("--misses", default="0,1,4,8", help="misses per call, comma separated")
+    p.add_argument("--sizes", default=None,
+                   help="only the cost geometries with these pool sizes S, comma separated "
+                        "(e.g. 16384 to rerun the rows a cut-off run skipped)")
     p.add_argument("--calls", type=int, default=None,
                    help="layer-calls per dispatch (default 128, smoke 4)")
     p.add_argument("--heavy-unroll", type=int, default=8,
@@ -996,6 +999,11 @@ def parse_args(argv=None):
     args.misses = tuple(int(m) for m in args.misses.split(","))
     args.eq_geometries = GEOMETRIES[:1] if smoke else GEOMETRIES
     args.cost_geometries = SMOKE_COST_GEOMETRIES if smoke else COST_GEOMETRIES
+    if args.sizes:
+        keep = {int(x) for x in args.sizes.split(",")}
+        args.cost_geometries = tuple(g for g in args.cost_geometries if g[2] in keep)
+        if not args.cost_geometries:
+            p.error(f"--sizes {args.sizes}: no cost geometry has those pool sizes")
     return args
 
 
@@ -1018,8 +1026,8 @@ def _cell(x, fmt="{:.2f}"):
 
 def _verdict(row, floor, cand, smoke) -> str:
     target = upstream_us(row["S"], row["m"])
-    if smoke or target is None:
-        return "n/a (CPU smoke)" if smoke else "n/a"
+    if smoke or target is None or jax.default_backend() != "gpu":
+        return "n/a (not a GPU)" if target is not None or smoke else "n/a"
     misses = []
     unrolled = row["us"][f"unrolled {cand}"]
     scan = row["us"][f"scan {cand}"] - floor["us"]
@@ -1105,7 +1113,8 @@ def markdown(args, results, cost, matched, elapsed) -> str:
         f"## GPU check: {cand} vs xla (`benchmarks/gpu_check.py`)",
         "",
         f"- date: {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}; "
-        f"{'CPU smoke run' if args.smoke else 'GPU run'}; {elapsed:.0f} s in all",
+        f"{'CPU smoke run' if args.smoke else jax.default_backend().upper() + ' run'}; "
+        f"{elapsed:.0f} s in all",
         f"- jax {jax.__version__}, jaxlib {jaxlib.__version__}, "
         f"Python {platform.python_version()}, device {device_description()}",
         f"- equality ({cand} vs xla, every state and plan leaf after every step, and after every "
