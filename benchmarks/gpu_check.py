@@ -51,6 +51,9 @@ What it checks
     * **scan**: a ``lax.scan`` of 128 calls, per iteration, minus the same scan with a trivial
       body and plan-shaped outputs (the floor: what one iteration costs with no call in it).
 
+    The unrolled program's own dispatch (its 2 x 128 arguments and outputs, with a trivial body)
+    is timed too and printed per geometry: an unrolled figure near it is host-bound.
+
     Kernels per call are counted in the compiled programs (``kernel_count``: the launches of the
     while body and condition, with the floor's subtracted; the unrolled program's launches per
     call), and Pallas calls separately. Next to each row: upstream's published figures (flashlib
@@ -542,7 +545,18 @@ def _floor_impl(state, layers, routes):
     return lax.scan(body, state, (layers, routes))
 
 
-_PROGRAMS = {"unrolled": _unrolled_impl, "scan": _scan_impl}
+def _unrolled_floor_impl(state, layers, routes):
+    # The unrolled program's arguments and outputs with a trivial body: what dispatching it costs.
+    like = jax.eval_shape(lambda s, la, r: pc.ensure(s, la, r, backend="xla")[1],
+                          state, layers[0], routes[0])
+    plans = [jax.tree.map(lambda s, la=la, r=r: jnp.broadcast_to((la + r[0]).astype(s.dtype),
+                                                                 s.shape), like)
+             for la, r in zip(layers, routes)]
+    return state.replace(step=state.step + len(plans)), _stack(plans)
+
+
+_PROGRAMS = {"unrolled": _unrolled_impl, "scan": _scan_impl, "floor": _floor_impl,
+             "unrolled floor": _unrolled_floor_impl}
 
 
 def _split_impl(layers, routes):
@@ -566,7 +580,7 @@ def compiled_program(mode, op, backend, *example):
     key = (mode, op, backend, str(jax.tree.structure(example)),
            str([(a.shape, str(a.dtype)) for a in jax.tree.leaves(example)]))
     if key not in _COMPILED:
-        fn = (_floor_impl if mode == "floor"
+        fn = (_PROGRAMS[mode] if "floor" in mode
               else functools.partial(_PROGRAMS[mode], op=op, backend=backend))
         start = time.perf_counter()
         compiled = jax.jit(fn, donate_argnums=(0,)).lower(*example).compile()
@@ -680,19 +694,25 @@ def _per_call_us(samples, calls) -> float:
 
 
 def floor_row(L, E, S, k, args, base) -> dict:
-    """The scan with a trivial body: us and kernels per iteration."""
+    """The trivial-body programs: the scan's us and kernels per iteration, and the unrolled
+    program's us per call (dispatching 128 calls' arguments and outputs, nothing else)."""
     ins = tuple(jnp.asarray(a) for a in MissSchedule(L, E, S, k, 0, args.seed).take(args.calls))
-    prog, secs = compiled_program("floor", None, None, base, *ins)
-    state, ys = prog(_fresh(base), *ins)
-    samples = []
-    for _ in range(args.repeats):
-        t0 = time.perf_counter()
-        for _ in range(args.replays):
-            state, ys = prog(state, *ins)
-        jax.block_until_ready((state, ys))
-        samples.append(time.perf_counter() - t0)
-    return {"us": _per_call_us(samples, args.replays * args.calls),
-            "kernels": kernel_count(prog.as_text(), loop=True), "compile_s": secs}
+    row = {"compile_s": {}}
+    for mode, args_in in (("floor", ins), ("unrolled floor", _split(*ins))):
+        prog, row["compile_s"][mode] = compiled_program(mode, None, None, base, *args_in)
+        state, ys = prog(_fresh(base), *args_in)
+        samples = []
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            for _ in range(args.replays):
+                state, ys = prog(state, *args_in)
+            jax.block_until_ready((state, ys))
+            samples.append(time.perf_counter() - t0)
+        row["us" if mode == "floor" else "unrolled_us"] = _per_call_us(
+            samples, args.replays * args.calls)
+        if mode == "floor":
+            row["kernels"] = kernel_count(prog.as_text(), loop=True)
+    return row
 
 
 def ops_per_call(op, backend, state, layer, routes) -> tuple[int, float]:
@@ -1091,14 +1111,16 @@ def cost_markdown(args, cost) -> list[str]:
             f"{_verdict(row, floor, cand, args.smoke)} |")
     lines.append("")
     for (L, E, S), floor in cost["floors"].items():
-        compiles, ops = {}, {}
+        compiles, ops = dict(floor["compile_s"]), {}
         for row in cost["rows"]:
             if (row["L"], row["E"], row["S"]) == (L, E, S):
                 compiles.update(row.get("compile_s", {}))
                 ops.update(row.get("ops", {}))
         lines.append(
             f"- L={L}, E={E}, S={S}: scan floor {floor['us']:.2f} us and {floor['kernels'][0]} "
-            "kernels per iteration; one call lowers to "
+            f"kernels per iteration; the unrolled program's dispatch alone (trivial body, same "
+            f"arguments and outputs) {floor['unrolled_us']:.2f} us per call, so an unrolled "
+            "figure near it is host-bound; one call lowers to "
             + ", ".join(f"{b} {n}" for b, n in ops.items())
             + " StableHLO ops (the rule of tests/test_kernels_lowering.py, this platform); "
             "compile s: " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(compiles.items())))
