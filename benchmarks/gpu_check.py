@@ -1099,6 +1099,7 @@ def cost_markdown(args, cost) -> list[str]:
             ku, pu = row["kernels"][f"unrolled {backend}"]
             ks, ps = row["kernels"][f"scan {backend}"]
             return f"{ku:.3g} ({pu:.3g}); {ks - floor['kernels'][0]:g} ({ps:g})"
+
         def unrolled(backend, row=row):
             width = row["unroll"].get(backend, args.calls)
             us = f"{row['us'][f'unrolled {backend}']:.2f}"
