@@ -672,9 +672,9 @@ def kernel_count(compiled_text: str, loop: bool) -> tuple[int, int]:
 
 def off_m_calls(plans, m) -> int:
     """Calls whose plan did not miss and fetch exactly ``m`` (or was refused), over every
-    dispatch's stacked plans."""
+    dispatch's stacked plans (host arrays)."""
     bad = 0
-    for p in jax.device_get(plans):
+    for p in plans:
         bad += int(((np.asarray(p.missing) != m) | (np.asarray(p.fetched) != m)
                     | (np.asarray(p.error) != 0)).sum())
     return bad
@@ -753,9 +753,8 @@ def _pieces(window, width):
 
 
 def _concat(plans_list):
-    """The plans of consecutive dispatches as one stack (host arrays)."""
-    host = jax.device_get(plans_list)
-    return jax.tree.map(lambda *leaves: np.concatenate(leaves), *host)
+    """The plans of consecutive dispatches (host arrays) as one stack."""
+    return jax.tree.map(lambda *leaves: np.concatenate(leaves), *plans_list)
 
 
 def cost_row(L, E, S, k, m, args, base, results) -> dict:
@@ -819,15 +818,16 @@ def cost_row(L, E, S, k, m, args, base, results) -> dict:
                         outs[i].append(plans)
                 states[i] = jax.block_until_ready(state)
                 samples[i].append(time.perf_counter() - t0)
+        host = [jax.device_get(outs[i]) for i in (0, 1)]  # one transfer per chain
         for i, backend in enumerate(backends):
             key = f"{mode} {backend}"
             prog, width = progs[i]
             row["us"][key] = _per_call_us(samples[i], args.replays * n)
-            row["off_m"][key] = off_m_calls(outs[i], m)
+            row["off_m"][key] = off_m_calls(host[i], m)
             kernels, pallas = kernel_count(prog.as_text(), loop=(mode == "scan"))
             row["kernels"][key] = ((kernels / width, pallas / width) if mode == "unrolled"
                                    else (kernels, pallas))
-        got = [(jax.device_get(states[i]), _concat(outs[i])) for i in (0, 1)]
+        got = [(jax.device_get(states[i]), _concat(host[i])) for i in (0, 1)]
         diff = tree_difference(got[0], got[1])
         if diff:
             row["match"] = False
