@@ -1,16 +1,18 @@
-"""GPU check: the Pallas backend against the XLA backend, for equality and for speed (docs/semantics.md §7).
+"""GPU check: the Pallas backend against the XLA one, equality and per-call cost (docs/semantics.md §7).
 
 A prepared script for the one lent GPU machine (an NVIDIA H200, stock image: Python 3.12,
 jax 0.11.x, numpy; no network, no installs, no chex/hypothesis). It needs no install: it puts
-the repository root on ``sys.path`` itself. Run it from the repository root::
+the repository root on ``sys.path`` itself. Run it from the repository root, in one command with
+a time limit::
 
-    PYTHONUNBUFFERED=1 python benchmarks/gpu_check.py --out $OUT/gpu_check.md
+    PYTHONUNBUFFERED=1 timeout 470 python benchmarks/gpu_check.py --out $OUT/gpu_check.md
 
-It must finish in under 5 minutes, compiles included; ``--budget-seconds`` (default 240) makes
-it skip the timing rows that would not fit (they are reported as skipped). Exit status: 0 when
-everything matched and every scenario check held, 1 on any pallas/xla difference (or a backend
-that failed to compile or run), 2 when a timing scenario was not what it claims to be, 3 when
-there is no GPU (use ``--cpu-smoke`` there).
+It must finish in under 8 minutes, compiles included; ``--budget-seconds`` (default 420) makes
+it skip the cost rows that would not fit (they are reported as skipped), and the report file is
+rewritten after every phase, so a run cut off by its limit still leaves a report. Exit status: 0
+when everything matched and every row's miss count held, 1 on any pallas/xla difference (or a
+backend that failed to compile or run), 2 when a cost row did not have exactly ``m`` misses on
+every call, 3 when there is no GPU (use ``--smoke`` there).
 
 What it checks
 --------------
@@ -29,38 +31,49 @@ What it checks
     step, op and field, and the exit status is 1. A coverage line says how often each path ran
     (fetches, promotions, evictions, CPU routes, errors).
 
-(b) **Timing.** The per-layer-call cost of ``ensure_hybrid`` (fraction 0.4, RECENCY,
-    PROMOTE_ONE) inside a compiled decode loop: one jitted ``lax.scan`` of ``--calls`` (128)
-    layer-calls (layer = call % L), dispatched ``--replays`` (20) times back to back, then
-    ``block_until_ready``; the median over ``--repeats`` (9) trials, pallas and xla alternating
-    (the seed-000 protocol). Two scenarios of the seed-000 table, both on a **full** pool:
+(b) **Per-call cost** of ``ensure`` (``--op``; ``ensure_hybrid`` with the full policy is the
+    other choice) at (L, E, S, k) = (48, 64, 512, 8), (48, 128, 4096, 8) and (64, 512, 16384, 8),
+    with exactly m in {0, 1, 4, 8} misses per call on a full pool (every miss evicts the LRU
+    entry). The routes come from a schedule (``MissSchedule``): each layer has ``k - m`` hot
+    experts, routed on every visit, and cycles its other ``E - k + m`` experts ``m`` at a time; an
+    expert comes round again only long after the LRU order has evicted it. The script does not
+    assume this works: every timed call's plan comes back (stacked per dispatch, so nothing of it
+    is dead code), and a row with any call whose ``missing``, ``fetched`` or ``error`` is not
+    ``m``, ``m``, 0 fails (exit status 2). ``--calls`` (128) layer-calls per dispatch, layer =
+    call index mod L, ``--replays`` (20) dispatches per trial, ``block_until_ready``, median of
+    ``--repeats`` (9) trials after a warm-up dispatch, pallas and xla alternating, in two forms:
 
-    * "all hits": every call routes 8 resident experts of its layer.
-    * "full cache, one recurring miss": every call routes 7 resident experts and one expert that
-      is not resident but was routed before. At fraction 0.4 the split of one miss is 0, and the
-      pool has no empty slot, so PROMOTE_ONE never fires: the miss stays a CPU route on every call.
-      The script **verifies** this (per call: 7 device routes + 1 CPU route, nothing fetched,
-      no empty slot, the missing expert's recency >= 0; and no fetch during the whole timing run)
-      and prints the verdict; a failed verdict exits with status 2.
+    * **unrolled**: one ``jax.jit`` of the 128 calls written out one after another (how JAX LLM
+      code runs its layers), each call's layer and routes a separate argument (no slicing
+      kernel). A backend whose call lowers to more than ``--light-ops`` (64) ops -- the XLA step
+      -- gets ``--heavy-unroll`` (8) calls per jit instead: a 128-call jit of it compiles for
+      minutes. The table marks such cells.
+    * **scan**: a ``lax.scan`` of 128 calls, per iteration, minus the same scan with a trivial
+      body and plan-shaped outputs (the floor: what one iteration costs with no call in it).
 
-    Note: these numbers are a whole decode-loop iteration of a JAX program (XLA control flow of
-    the scan included), not the seed's CUDA-graph replay of one kernel, so compare the
-    pallas/xla ratio, not the absolute values, with the seed table.
+    The unrolled program's own dispatch (its 2 x 128 arguments and outputs, with a trivial body)
+    is timed too and printed per geometry: an unrolled figure near it is host-bound.
 
-(c) **Host sync.** The per-step time of one compiled ``lax.scan`` of ``--loop-steps`` (1,000)
-    ``ensure_hybrid`` layer-calls, both backends, median of ``--repeats``: once with every call
-    a hit, once with uniform top-8 routes from ``synthetic_trace`` (several misses and fetches
-    per call). The step has no data-dependent loop outside its kernels (docs/semantics.md
-    §7.1), so the two should cost about the same; a step that read a loop predicate back to the
-    host per miss would show tens of microseconds more per step with misses.
+    Kernels per call are counted in the compiled programs (``kernel_count``: the launches of the
+    while body and condition, with the floor's subtracted; the unrolled program's launches per
+    call), and Pallas calls separately. Next to each row: upstream's published figures (flashlib
+    ``lru_ensure``, one Triton program, an H100 in a CUDA graph: 1.33 us per call with no miss;
+    base + slope * m = 1.6 + 0.56m us at 512 slots, 2.9 + 0.89m at 4096, 3.6 + 2.11m at 16384)
+    and the target: at or below base + slope * m, one kernel per call. Both backends replay the
+    same calls from the same pool, so every row is also an equality check (final states and all
+    plans identical, else exit status 1).
 
-(d) ``--cpu-smoke``: the same on the CPU with backend "interpret" standing in for "pallas",
-    fewer steps and repeats -- to test this script without a GPU. The CUDA lowering itself is
-    checked without a GPU by tests/test_kernels_lowering.py.
+(c) ``--smoke``: the same on the CPU with backend "interpret" standing in for "pallas", one
+    equality geometry, a tiny cost geometry (L=4, E=32, S=64, k=8), 4 calls per dispatch, few
+    repeats -- to test this script without a GPU (about 25 s of CPU time, mostly compiles). The
+    CUDA lowering itself is checked without a GPU by tests/test_kernels_lowering.py.
 
 Output: the jax version, the device kind, whether every comparison matched, and the tables;
 ``--out FILE`` also writes them as the ``gpu_check`` section of FILE (``results_file``: pass
 benchmarks/RESULTS.md, or a file under ``$OUT`` on a lent machine).
+
+``loop_rows`` (a 1,000-step scanned ``ensure_hybrid`` decode loop, with and without misses) is
+kept for ``benchmarks/gpu_loop_flags.py``, which imports it; this script does not run it.
 """
 
 from __future__ import annotations
@@ -70,15 +83,16 @@ import datetime
 import functools
 import os
 import platform
+import re
 import statistics
 import sys
 import time
 import traceback
 from pathlib import Path
 
-# Parsed before jax is imported, so --cpu-smoke can pin the CPU platform.
-_CPU_SMOKE = "--cpu-smoke" in sys.argv[1:]
-if _CPU_SMOKE:
+# Parsed before jax is imported, so --smoke can pin the CPU platform.
+_SMOKE = bool({"--smoke", "--cpu-smoke"} & set(sys.argv[1:]))
+if _SMOKE:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # be gentle with a shared GPU
 
@@ -315,7 +329,7 @@ def chunked_routes(rng, per_layer: dict):
     return np.asarray(layers, np.int32)[order], np.asarray(routes, np.int32)[order]
 
 
-def nearly_full_state(rng, L, E, S, empty: int = 4):
+def full_state(rng, L, E, S, empty: int = 0):
     """A pool filled (by real ensure calls, xla backend) to all but ``empty`` slots."""
     flat = rng.choice(L * E, size=S - empty, replace=False)
     per_layer: dict = {}
@@ -325,7 +339,12 @@ def nearly_full_state(rng, L, E, S, empty: int = 4):
     state = _fill(pc.init(L, E, S), jnp.asarray(layers), jnp.asarray(routes))
     ids = np.asarray(state.id_of_slot)
     assert int((ids < 0).sum()) == empty, "warm-up fill left the wrong number of empty slots"
-    return pc.set_collect_routing(state, True)
+    return state
+
+
+def nearly_full_state(rng, L, E, S, empty: int = 4):
+    """A pool filled to all but ``empty`` slots, collecting routing."""
+    return pc.set_collect_routing(full_state(rng, L, E, S, empty), True)
 
 
 def first_difference(ys_ref, ys_cand):
@@ -421,7 +440,420 @@ def check_equality(L, E, S, steps, candidate, seed, results) -> bool:
 
 
 # --------------------------------------------------------------------------------------------
-# (b) Timing: ensure_hybrid per layer-call inside a compiled decode loop.
+# (b) Per-call cost: exactly m misses per call, unrolled and scanned, against upstream's figures.
+# --------------------------------------------------------------------------------------------
+
+COST_GEOMETRIES = ((48, 64, 512, 8), (48, 128, 4096, 8), (64, 512, 16384, 8))  # (L, E, S, k)
+SMOKE_COST_GEOMETRIES = ((4, 32, 64, 8),)
+MISSES = (0, 1, 4, 8)
+# flashlib lru_ensure on an H100 in a CUDA graph: us per call = base + slope * misses, by S.
+UPSTREAM_FIT = {512: (1.6, 0.56), 4096: (2.9, 0.89), 16384: (3.6, 2.11)}
+UPSTREAM_NO_MISS_US = 1.33
+MODES = ("unrolled", "scan")
+
+
+class MissSchedule:
+    """Routes with exactly ``m`` misses per call once the pool is warm (full, LRU).
+
+    Call ``c`` routes layer ``c mod L``. Each layer routes its ``k - m`` hot experts on every
+    visit (refreshed every ``L`` calls) and the next ``m`` of its other ``P = E - k + m`` experts,
+    taken cyclically. On a full pool every miss evicts the least recently used entry; the hot
+    entries are younger than every streamed one when ``S > k * L``, so the streamed entries leave
+    in install order, each after about ``R = (S - L (k - m)) / m`` calls, and an expert comes
+    round again after at least ``floor(P / m) * L`` calls. ``check`` asks for that to exceed
+    ``R + L``. The plans of the timed calls are checked all the same (``off_m_calls``).
+    """
+
+    def __init__(self, L, E, S, k, m, seed):
+        self.L, self.E, self.S, self.k, self.m = L, E, S, k, m
+        rng = np.random.default_rng(seed)
+        perms = [rng.permutation(E).astype(np.int32) for _ in range(L)]
+        self.hot = [p[: k - m] for p in perms]
+        self.stream = [p[k - m:] for p in perms]
+        self.visits = np.zeros(L, np.int64)
+        self.call = 0
+
+    def check(self):
+        L, E, S, k, m = self.L, self.E, self.S, self.k, self.m
+        if not 0 <= m <= k or S <= k * L or S > L * E:
+            raise ValueError(f"schedule needs 0 <= m <= k and k*L < S <= L*E, got L={L} E={E} "
+                             f"S={S} k={k} m={m}")
+        if m:
+            residence = (S - L * (k - m)) / m
+            period = ((E - k + m) // m) * L
+            if period <= residence + L:
+                raise ValueError(f"L={L} E={E} S={S} k={k} m={m}: an expert comes round after "
+                                 f"{period} calls, before its eviction (~{residence:.0f} calls)")
+
+    def warmup_calls(self) -> int:
+        """Calls after which the timed calls have exactly ``m`` misses (from a full pool)."""
+        return 2 * self.L if self.m == 0 else -(-self.S // self.m) + 2 * self.L
+
+    def take(self, n):
+        """The next ``n`` calls: ``(layers int32[n], routes int32[n, k])``."""
+        layers = np.empty(n, np.int32)
+        routes = np.empty((n, self.k), np.int32)
+        for j in range(n):
+            layer = self.call % self.L
+            stream = self.stream[layer]
+            start = int(self.visits[layer]) * self.m
+            miss = stream[(start + np.arange(self.m)) % len(stream)]
+            row = np.concatenate([self.hot[layer], miss])
+            layers[j], routes[j] = layer, np.roll(row, self.call % self.k)
+            self.visits[layer] += 1
+            self.call += 1
+        return layers, routes
+
+
+def _call(state, layer, routes, op, backend):
+    if op == "ensure":
+        return pc.ensure(state, layer, routes, backend=backend)
+    return pc.ensure_hybrid(state, layer, routes, pc.FetchPolicy.full(), backend=backend)
+
+
+def _stack(plans):
+    return jax.tree.map(lambda *leaves: jnp.stack(leaves), *plans)
+
+
+def _unrolled_impl(state, layers, routes, op, backend):
+    # layers: a tuple of int32[] and routes a tuple of int32[k], one per call, so each call reads
+    # its own argument buffer (no slice kernel between two calls). The plans leave stacked: one
+    # concatenation per plan leaf for all the calls.
+    plans = []
+    for layer, r in zip(layers, routes):
+        state, plan = _call(state, layer, r, op, backend)
+        plans.append(plan)
+    return state, _stack(plans)
+
+
+def _scan_impl(state, layers, routes, op, backend):
+    def body(state, x):
+        return _call(state, x[0], x[1], op, backend)
+    return lax.scan(body, state, (layers, routes))
+
+
+def _floor_impl(state, layers, routes):
+    # The same carry, inputs and per-iteration outputs (a plan's shapes) with a trivial body:
+    # what one scan iteration costs with no cache call in it.
+    like = jax.eval_shape(lambda s, la, r: pc.ensure(s, la, r, backend="xla")[1],
+                          state, layers[0], routes[0])
+
+    def body(state, x):
+        fake = jax.tree.map(lambda s: jnp.broadcast_to((x[0] + x[1][0]).astype(s.dtype), s.shape),
+                            like)
+        return state.replace(step=state.step + 1), fake
+    return lax.scan(body, state, (layers, routes))
+
+
+def _unrolled_floor_impl(state, layers, routes):
+    # The unrolled program's arguments and outputs with a trivial body: what dispatching it costs.
+    like = jax.eval_shape(lambda s, la, r: pc.ensure(s, la, r, backend="xla")[1],
+                          state, layers[0], routes[0])
+    plans = [jax.tree.map(lambda s, la=la, r=r: jnp.broadcast_to((la + r[0]).astype(s.dtype),
+                                                                 s.shape), like)
+             for la, r in zip(layers, routes)]
+    return state.replace(step=state.step + len(plans)), _stack(plans)
+
+
+_PROGRAMS = {"unrolled": _unrolled_impl, "scan": _scan_impl, "floor": _floor_impl,
+             "unrolled floor": _unrolled_floor_impl}
+
+
+def _split_impl(layers, routes):
+    return tuple(layers[i] for i in range(layers.shape[0])), tuple(routes)
+
+
+_split = jax.jit(_split_impl)  # outside the timed programs: one buffer per call's arguments
+
+
+def _fresh(state):
+    """A copy of ``state`` in new buffers (the timed programs donate their state)."""
+    return jax.tree.map(jnp.copy, state)
+
+
+_COMPILED: dict = {}
+_UNROLL: dict = {}  # (L, E, S, op, backend) -> (calls per unrolled jit, lowered ops per call)
+
+
+def compiled_program(mode, op, backend, *example):
+    """``(compiled, compile seconds)`` of one program for arguments shaped like ``example``."""
+    key = (mode, op, backend, str(jax.tree.structure(example)),
+           str([(a.shape, str(a.dtype)) for a in jax.tree.leaves(example)]))
+    if key not in _COMPILED:
+        fn = (_PROGRAMS[mode] if "floor" in mode
+              else functools.partial(_PROGRAMS[mode], op=op, backend=backend))
+        start = time.perf_counter()
+        compiled = jax.jit(fn, donate_argnums=(0,)).lower(*example).compile()
+        _COMPILED[key] = (compiled, time.perf_counter() - start)
+        return _COMPILED[key]
+    return _COMPILED[key][0], 0.0
+
+
+_FREE_OPS = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all",
+             "add-dependency", "opt-barrier", "partition-id", "replica-id"}
+
+
+def _computations(text: str) -> tuple[dict, str]:
+    """``({name: [instruction line, ...]}, entry name)`` of an optimized HLO module's text."""
+    comps, entry, name = {}, None, None
+    for line in text.splitlines():
+        head = re.match(r"^(ENTRY )?%?([\w.\-]+) (?:\(.*\) -> .*)?\{\s*$", line)
+        if head and not line.startswith(" "):
+            name = head.group(2)
+            comps[name] = []
+            entry = name if head.group(1) else entry
+        elif line.startswith("}"):
+            name = None
+        elif name is not None and " = " in line:
+            comps[name].append(line)
+    return comps, entry
+
+
+def _opcode(line: str) -> str:
+    rhs = line.split(" = ", 1)[1].lstrip()
+    if rhs.startswith("("):  # a tuple shape
+        depth = 0
+        for i, ch in enumerate(rhs):
+            depth += {"(": 1, ")": -1}.get(ch, 0)
+            if depth == 0:
+                rhs = rhs[i + 1:]
+                break
+    else:
+        rhs = rhs.split(" ", 1)[1] if " " in rhs else rhs
+    match = re.match(r"\s*([a-z][a-z0-9\-]*)\(", rhs)
+    return match.group(1) if match else "?"
+
+
+def _launches(comps, name, seen=()) -> tuple[int, int]:
+    """``(kernels, pallas calls)`` one run of computation ``name`` launches: every instruction
+    except the free ones; a while counts its body and condition once, a conditional its largest
+    branch plus one (the predicate), a call its callee."""
+    kernels = pallas = 0
+    for line in comps.get(name, ()):
+        op = _opcode(line)
+        if op in _FREE_OPS:
+            continue
+        callees = re.findall(r"(?:body|condition|to_apply|true_computation|false_computation)"
+                             r"=%?([\w.\-]+)", line)
+        if op == "while":
+            for callee in callees:
+                k, p = _launches(comps, callee, seen + (name,))
+                kernels, pallas = kernels + k, pallas + p
+        elif op == "conditional":
+            branches = callees + re.findall(r"%([\w.\-]+)", line.split("branch_computations=")[1]
+                                            if "branch_computations=" in line else "")
+            counts = [_launches(comps, b, seen + (name,)) for b in branches if b not in seen]
+            k, p = max(counts, default=(0, 0))
+            kernels, pallas = kernels + 1 + k, pallas + p
+        elif op == "call":
+            k, p = _launches(comps, callees[0], seen + (name,)) if callees else (1, 0)
+            kernels, pallas = kernels + k, pallas + p
+        else:
+            kernels += 1
+            pallas += int(op == "custom-call" and "triton" in line)
+    return kernels, pallas
+
+
+def kernel_count(compiled_text: str, loop: bool) -> tuple[int, int]:
+    """``(kernels, pallas calls)``: per iteration of the program's largest while loop (body and
+    condition) when ``loop``, else per run of the whole program."""
+    comps, entry = _computations(compiled_text)
+    if not loop:
+        return _launches(comps, entry)
+    best = (0, 0)
+    for line in (line for body in comps.values() for line in body):  # XLA:CPU wraps it in a call
+        if _opcode(line) == "while":
+            callees = re.findall(r"(?:body|condition)=%?([\w.\-]+)", line)
+            counts = [_launches(comps, c) for c in callees]
+            total = (sum(c[0] for c in counts), sum(c[1] for c in counts))
+            best = max(best, total)
+    return best
+
+
+def off_m_calls(plans, m) -> int:
+    """Calls whose plan did not miss and fetch exactly ``m`` (or was refused), over every
+    dispatch's stacked plans (host arrays)."""
+    bad = 0
+    for p in plans:
+        bad += int(((np.asarray(p.missing) != m) | (np.asarray(p.fetched) != m)
+                    | (np.asarray(p.error) != 0)).sum())
+    return bad
+
+
+def tree_difference(a, b) -> list[str]:
+    """The leaves (dotted names) where two pytrees differ; [] when equal bit for bit."""
+    la, lb = named_leaves(a), named_leaves(b)
+    if [n for n, _ in la] != [n for n, _ in lb]:
+        return ["<tree structure>"]
+    return [name for (name, x), (_, y) in zip(la, lb)
+            if x.shape != y.shape or x.dtype != y.dtype or not np.array_equal(x, y)]
+
+
+def _per_call_us(samples, calls) -> float:
+    return statistics.median(samples) / calls * 1e6
+
+
+def floor_row(L, E, S, k, args, base) -> dict:
+    """The trivial-body programs: the scan's us and kernels per iteration, and the unrolled
+    program's us per call (dispatching 128 calls' arguments and outputs, nothing else)."""
+    ins = tuple(jnp.asarray(a) for a in MissSchedule(L, E, S, k, 0, args.seed).take(args.calls))
+    row = {"compile_s": {}}
+    for mode, args_in in (("floor", ins), ("unrolled floor", _split(*ins))):
+        prog, row["compile_s"][mode] = compiled_program(mode, None, None, base, *args_in)
+        state, ys = prog(_fresh(base), *args_in)
+        samples = []
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            for _ in range(args.replays):
+                state, ys = prog(state, *args_in)
+            jax.block_until_ready((state, ys))
+            samples.append(time.perf_counter() - t0)
+        row["us" if mode == "floor" else "unrolled_us"] = _per_call_us(
+            samples, args.replays * args.calls)
+        if mode == "floor":
+            row["kernels"] = kernel_count(prog.as_text(), loop=True)
+    return row
+
+
+def ops_per_call(op, backend, state, layer, routes) -> tuple[int, float]:
+    """StableHLO ops of one lowered call, by the rule of tests/test_kernels_lowering.py (every
+    ``stablehlo.<op>`` but the free ones; a Pallas call counts once), and the seconds the
+    lowering took."""
+    start = time.perf_counter()
+    text = jax.jit(functools.partial(_unrolled_impl, op=op, backend=backend)).lower(
+        state, (layer,), (routes,)).as_text()
+    secs = time.perf_counter() - start
+    free = {"constant", "reshape", "bitcast_convert", "return", "tuple", "get_tuple_element",
+            "optimization_barrier"}
+    return sum(1 for name in re.findall(r"stablehlo\.([a-z_]+)", text) if name not in free), secs
+
+
+def unroll_width(op, backend, state, first, args) -> tuple[int, int]:
+    """Calls per unrolled jit for ``backend``: ``--calls``; ``--heavy-unroll`` when one call
+    lowers to more than ``--light-ops`` ops (the XLA step's ~300 ops per call make a 128-call jit
+    take minutes to compile; its per-call cost does not need 128); and fewer than ``--calls``
+    when tracing them would take over ``--trace-seconds`` (halved until it fits). Returns
+    ``(calls per jit, lowered ops per call)``."""
+    ops, secs = ops_per_call(op, backend, state, first[0][0], first[1][0])
+    width = args.calls
+    if ops > args.light_ops:
+        width = min(args.heavy_unroll, args.calls)
+    while width > args.heavy_unroll and width * secs > args.trace_seconds:
+        width //= 2
+    while args.calls % width:  # every dispatch of one chain has the same shapes
+        width -= 1
+    return width, ops
+
+
+def _pieces(window, width):
+    """One window's calls as the argument tuples of ``n / width`` unrolled dispatches."""
+    layers, routes = window
+    return [_split(layers[j:j + width], routes[j:j + width])
+            for j in range(0, layers.shape[0], width)]
+
+
+def _concat(plans_list):
+    """The plans of consecutive dispatches (host arrays) as one stack."""
+    return jax.tree.map(lambda *leaves: np.concatenate(leaves), *plans_list)
+
+
+def cost_row(L, E, S, k, m, args, base, results) -> dict:
+    """One row: both backends, both modes, the same calls from the same warm pool."""
+    backends = ("xla", args.candidate)  # indexed 0 / 1, so --candidate xla works too
+    n, geometry = args.calls, f"L={L},E={E},S={S},k={k}"
+    sched = MissSchedule(L, E, S, k, m, seed=args.seed + 7 * S + m)
+    sched.check()
+    row = {"L": L, "E": E, "S": S, "k": k, "m": m, "us": {}, "off_m": {}, "kernels": {},
+           "compile_s": {}, "unroll": {}, "ops": {}, "match": True}
+
+    def take():
+        return tuple(jnp.asarray(a) for a in sched.take(n))
+
+    # Warm-up: the schedule's first calls on the xla scan program, from a full pool.
+    first = take()
+    warm_prog, secs = compiled_program("scan", args.op, "xla", base, *first)
+    if secs:
+        row["compile_s"]["scan xla"] = secs
+    warm, _ = warm_prog(_fresh(base), *first)
+    for _ in range(-(-sched.warmup_calls() // n) - 1):
+        warm, _ = warm_prog(warm, *take())
+    # The timed calls: one warm-up window, then repeats x replays, the same for every chain.
+    windows = [take() for _ in range(1 + args.repeats * args.replays)]
+    jax.block_until_ready((warm, windows))
+    row["calls"] = len(windows) * n
+    finals = {}
+    for mode in MODES:
+        progs, states, outs, ins = [], [], ([], []), []
+        for i, backend in enumerate(backends):
+            if mode == "scan":
+                width, pieces = n, [[w] for w in windows]
+            else:
+                key = (L, E, S, args.op, backend)
+                if key not in _UNROLL:
+                    _UNROLL[key] = unroll_width(args.op, backend, warm, first, args)
+                width, ops = _UNROLL[key]
+                row["ops"][backend] = ops
+                pieces = [_pieces(w, width) for w in windows]
+                row["unroll"][backend] = width
+            prog, secs = compiled_program(mode, args.op, backend, warm, *pieces[0][0])
+            if secs:
+                row["compile_s"][f"{mode} {backend}"] = secs
+            state = _fresh(warm)
+            for piece in pieces[0]:  # the warm-up window
+                state, plans = prog(state, *piece)
+                outs[i].append(plans)
+            progs.append((prog, width))
+            states.append(state)
+            ins.append(pieces)
+        jax.block_until_ready((states, outs))
+        samples = ([], [])
+        for trial in range(args.repeats):
+            for i in ((0, 1) if trial % 2 == 0 else (1, 0)):  # alternate who goes first
+                prog = progs[i][0]
+                t0 = time.perf_counter()
+                state = states[i]
+                for r in range(args.replays):
+                    for piece in ins[i][1 + trial * args.replays + r]:
+                        state, plans = prog(state, *piece)
+                        outs[i].append(plans)
+                states[i] = jax.block_until_ready(state)
+                samples[i].append(time.perf_counter() - t0)
+        host = [jax.device_get(outs[i]) for i in (0, 1)]  # one transfer per chain
+        for i, backend in enumerate(backends):
+            key = f"{mode} {backend}"
+            prog, width = progs[i]
+            row["us"][key] = _per_call_us(samples[i], args.replays * n)
+            row["off_m"][key] = off_m_calls(host[i], m)
+            kernels, pallas = kernel_count(prog.as_text(), loop=(mode == "scan"))
+            row["kernels"][key] = ((kernels / width, pallas / width) if mode == "unrolled"
+                                   else (kernels, pallas))
+        got = [(jax.device_get(states[i]), _concat(host[i])) for i in (0, 1)]
+        diff = tree_difference(got[0], got[1])
+        if diff:
+            row["match"] = False
+            msg = (f"MISMATCH [{geometry}, m={m}, {mode}]: xla and {args.candidate} differ after "
+                   f"the same {row['calls']} calls in: {', '.join(diff[:6])}")
+            print(msg, flush=True)
+            results["failures"].append(msg)
+        finals[mode] = got[0]
+    if tree_difference(finals["unrolled"], finals["scan"]):
+        row["match"] = False
+        msg = f"MISMATCH [{geometry}, m={m}]: the unrolled and the scanned xla runs differ"
+        print(msg, flush=True)
+        results["failures"].append(msg)
+    if any(row["off_m"].values()):
+        results["scenario_failures"].append(
+            f"{geometry}, m={m}: calls without exactly {m} misses and fetches: {row['off_m']}")
+    log(f"cost [{geometry}, m={m}]: "
+        + ", ".join(f"{key} {us:.2f} us/call" for key, us in row["us"].items())
+        + f"; off-m calls {sum(row['off_m'].values())} of {4 * row['calls']}; kernels/call "
+        + ", ".join(f"{key} {kp[0]:.3g} ({kp[1]:.3g} pallas)"
+                    for key, kp in row["kernels"].items()))
+    return row
+
+
+# --------------------------------------------------------------------------------------------
+# The host-sync decode loop (benchmarks/gpu_loop_flags.py runs it; this script does not).
 # --------------------------------------------------------------------------------------------
 
 def _checksum(plan):
@@ -430,34 +862,6 @@ def _checksum(plan):
             + jnp.sum(plan.copy.dst_slots) + jnp.sum(plan.copy.src_rows) + plan.missing
             + plan.error)
 
-
-def _decode_impl(state, acc, layers, routes, policy, backend, unroll):
-    def body(carry, x):
-        state, acc = carry
-        state, plan = pc.ensure_hybrid(state, x[0], x[1], policy, backend=backend)
-        return (state, acc + _checksum(plan)), None
-    return lax.scan(body, (state, acc), (layers, routes), unroll=unroll)[0]
-
-
-decode = jax.jit(_decode_impl, static_argnames=("backend", "unroll"))
-
-
-def _decode_trace_impl(state, layers, routes, policy, backend):
-    """The same loop, emitting what the scenario check needs about every call."""
-    def body(state, x):
-        layer, r = x
-        empty_before = jnp.sum(state.id_of_slot < 0, dtype=jnp.int32)
-        recency_before = jnp.min(state.recency[layer][r])
-        state, plan = pc.ensure_hybrid(state, layer, r, policy, backend=backend)
-        out = {"device": jnp.sum(plan.slots >= 0, dtype=jnp.int32),
-               "cpu": jnp.sum(plan.cpu, dtype=jnp.int32), "missing": plan.missing,
-               "fetched": plan.fetched, "error": plan.error, "empty_before": empty_before,
-               "min_recency_before": recency_before}
-        return state, out
-    return lax.scan(body, state, (layers, routes))
-
-
-decode_trace = jax.jit(_decode_trace_impl, static_argnames=("backend",))
 
 
 @functools.lru_cache(maxsize=None)
@@ -481,79 +885,6 @@ def timing_fixture(L, E, S, seed):
     return state, np.asarray(hit_routes, np.int32), np.asarray(miss_routes, np.int32)
 
 
-SCENARIOS = ("all hits", "full cache, one recurring miss")
-
-
-def scenario_check(scenario, trace) -> tuple[bool, str]:
-    t = {k: np.asarray(v) for k, v in trace.items()}
-    if scenario == "all hits":
-        ok = ((t["device"] == TOP_K).all() and (t["cpu"] == 0).all() and (t["missing"] == 0).all()
-              and (t["fetched"] == 0).all() and (t["error"] == 0).all())
-        return ok, "every call: 8 device routes, 0 misses, 0 fetched"
-    ok = ((t["device"] == TOP_K - 1).all() and (t["cpu"] == 1).all()
-          and (t["missing"] == 1).all() and (t["fetched"] == 0).all()
-          and (t["error"] == 0).all() and (t["empty_before"] == 0).all()
-          and (t["min_recency_before"] >= 0).all())
-    return ok, ("every call: 7 device routes + 1 CPU route, 1 miss, 0 fetched, 0 empty slots, "
-                "the missing expert routed before (recency >= 0): split(1)=0 at fraction 0.4 and "
-                "no empty slot, so PROMOTE_ONE never fires and it stays a CPU route")
-
-
-def time_row(L, E, S, scenario, candidate, args, results):
-    """One table row: both backends, verified scenario, median us/call."""
-    state0, hit_routes, miss_routes = timing_fixture(L, E, S, seed=args.seed + S)
-    table = hit_routes if scenario == "all hits" else miss_routes
-    layers_np = (np.arange(args.calls) % L).astype(np.int32)
-    layers = jnp.asarray(layers_np)
-    routes = jnp.asarray(table[layers_np])
-    policy = pc.FetchPolicy.fraction(FRACTION)
-    assert int(policy.split(jnp.int32(1))) == 0, "split(1) at fraction 0.4 should be 0"
-    backends = ("xla", candidate)  # indexed 0 / 1, so --candidate xla works too
-    states, accs, verdicts = [None, None], [None, None], []
-    for i, backend in enumerate(backends):
-        # Warm-up pass: compiles, and makes every miss expert a recurring one.
-        state, acc = decode(state0, jnp.int32(0), layers, routes, policy, backend=backend,
-                            unroll=args.unroll)
-        state, trace = decode_trace(state, layers, routes, policy, backend=backend)
-        jax.block_until_ready((state, acc, trace))
-        ok, what = scenario_check(scenario, trace)
-        verdicts.append((backend, ok))
-        states[i], accs[i] = state, acc
-    fetched_before = [int(np.asarray(st.stats)[:, 3].sum()) for st in states]
-    samples = ([], [])
-    timed_start = time.perf_counter()
-    for trial in range(args.repeats):
-        for i in ((0, 1) if trial % 2 == 0 else (1, 0)):  # alternate which backend goes first
-            state, acc = states[i], accs[i]
-            start = time.perf_counter()
-            for _ in range(args.replays):
-                state, acc = decode(state, acc, layers, routes, policy, backend=backends[i],
-                                    unroll=args.unroll)
-            jax.block_until_ready((state, acc))
-            samples[i].append((time.perf_counter() - start) / (args.replays * args.calls))
-            states[i], accs[i] = state, acc
-    timed_s = time.perf_counter() - timed_start
-    no_fetch = all(int(np.asarray(st.stats)[:, 3].sum()) == before
-                   for st, before in zip(states, fetched_before))
-    ok = all(v for _, v in verdicts) and no_fetch
-    verdict = ("OK: " if ok else "FAILED: ") + what + (
-        "; no fetch during the timing run" if no_fetch else "; SOME CALL FETCHED during timing")
-    if int(accs[0]) != int(accs[1]):
-        msg = (f"MISMATCH [S={S}, {scenario}]: plan checksums differ after timing "
-               f"(xla {int(accs[0])}, {candidate} {int(accs[1])})")
-        print(msg, flush=True)
-        results["failures"].append(msg)
-    if not ok:
-        results["scenario_failures"].append(f"S={S} {scenario}: {verdict} "
-                                             f"(per backend: {verdicts})")
-    xla_us = statistics.median(samples[0]) * 1e6
-    cand_us = statistics.median(samples[1]) * 1e6
-    return xla_us, cand_us, verdict, timed_s
-
-
-# --------------------------------------------------------------------------------------------
-# (c) Host sync: a long scanned decode loop, with and without misses.
-# --------------------------------------------------------------------------------------------
 
 def _loop_impl(state, layers, routes, policy, backend):
     def body(carry, x):
@@ -566,7 +897,7 @@ def _loop_impl(state, layers, routes, policy, backend):
 decode_loop = jax.jit(_loop_impl, static_argnames=("backend",))
 
 
-def _floor_impl(state, layers, routes):
+def _loop_floor_impl(state, layers, routes):
     # The same carry and inputs with a trivial body: what one scan iteration costs on this device.
     def body(carry, x):
         state, acc = carry
@@ -575,7 +906,7 @@ def _floor_impl(state, layers, routes):
     return lax.scan(body, (state, jnp.int32(0)), (layers, routes))[0]
 
 
-scan_floor = jax.jit(_floor_impl)
+scan_floor = jax.jit(_loop_floor_impl)
 
 
 def kernels_in(compiled_text: str) -> int:
@@ -636,6 +967,7 @@ def loop_rows(args):
     return rows
 
 
+
 # --------------------------------------------------------------------------------------------
 # Driver and report.
 # --------------------------------------------------------------------------------------------
@@ -643,34 +975,55 @@ def loop_rows(args):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--cpu-smoke", action="store_true",
-                   help="run on the CPU with backend 'interpret' for 'pallas', small sizes")
+    p.add_argument("--smoke", "--cpu-smoke", dest="smoke", action="store_true",
+                   help="run on the CPU with backend 'interpret' for 'pallas', tiny sizes")
     p.add_argument("--candidate", choices=pc.BACKENDS, default=None,
-                   help="backend compared against 'xla' (default: pallas; interpret with "
-                        "--cpu-smoke)")
-    p.add_argument("--budget-seconds", type=float, default=240.0,
-                   help="skip timing rows that would end after this many seconds (default 240)")
+                   help="backend compared against 'xla' (default: pallas; interpret with --smoke)")
+    p.add_argument("--budget-seconds", type=float, default=None,
+                   help="skip cost rows that would end after this many seconds (default 420, "
+                        "smoke 240)")
     p.add_argument("--steps", type=int, default=None,
                    help="ops per equality sequence; two sequences per geometry (default 192, "
-                        "smoke 96)")
-    p.add_argument("--calls", type=int, default=None, help="layer-calls per scan (default 128)")
+                        "smoke 48)")
+    p.add_argument("--skip-equality", action="store_true", help="only the cost table")
+    p.add_argument("--op", choices=("ensure", "ensure_hybrid"), default="ensure",
+                   help="the timed call (ensure_hybrid runs with the full policy)")
+    p.add_argument("--misses", default="0,1,4,8", help="misses per call, comma separated")
+    p.add_argument("--sizes", default=None,
+                   help="only the cost geometries with these pool sizes S, comma separated "
+                        "(e.g. 16384 to rerun the rows a cut-off run skipped)")
+    p.add_argument("--calls", type=int, default=None,
+                   help="layer-calls per dispatch (default 128, smoke 4)")
+    p.add_argument("--heavy-unroll", type=int, default=8,
+                   help="calls per unrolled jit for a backend whose call lowers to more than "
+                        "--light-ops ops (default 8)")
+    p.add_argument("--light-ops", type=int, default=64,
+                   help="ops per lowered call up to which the unrolled jit holds --calls calls")
+    p.add_argument("--trace-seconds", type=float, default=40.0,
+                   help="halve the unrolled jit's calls while tracing them would take longer")
     p.add_argument("--replays", type=int, default=None,
-                   help="scan dispatches per trial (default 20, smoke 2)")
+                   help="dispatches per trial (default 20, smoke 2)")
     p.add_argument("--repeats", type=int, default=None,
                    help="trials, median taken (default 9, smoke 3)")
-    p.add_argument("--unroll", type=int, default=1, help="lax.scan unroll of the timed loop")
-    p.add_argument("--loop-steps", type=int, default=1000,
-                   help="layer-calls of the host-sync decode loop (default 1000)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None,
                    help="also write the report as the gpu_check section of this markdown file")
     args = p.parse_args(argv)
-    smoke = args.cpu_smoke
+    smoke = args.smoke
     args.candidate = args.candidate or ("interpret" if smoke else "pallas")
-    args.steps = args.steps or (96 if smoke else 192)
-    args.calls = args.calls or (64 if smoke else 128)
+    args.budget_seconds = args.budget_seconds or (240.0 if smoke else 420.0)
+    args.steps = args.steps or (48 if smoke else 192)
+    args.calls = args.calls or (4 if smoke else 128)
     args.replays = args.replays or (2 if smoke else 20)
     args.repeats = args.repeats or (3 if smoke else 9)
+    args.misses = tuple(int(m) for m in args.misses.split(","))
+    args.eq_geometries = GEOMETRIES[:1] if smoke else GEOMETRIES
+    args.cost_geometries = SMOKE_COST_GEOMETRIES if smoke else COST_GEOMETRIES
+    if args.sizes:
+        keep = {int(x) for x in args.sizes.split(",")}
+        args.cost_geometries = tuple(g for g in args.cost_geometries if g[2] in keep)
+        if not args.cost_geometries:
+            p.error(f"--sizes {args.sizes}: no cost geometry has those pool sizes")
     return args
 
 
@@ -679,52 +1032,125 @@ def device_description() -> str:
     return f"{d.platform} ({getattr(d, 'device_kind', '?')})"
 
 
-def markdown(args, results, rows, matched, elapsed, loops=()) -> str:
+def upstream_us(S, m):
+    """flashlib's published figure for S slots and m misses (None where it published none)."""
+    if S not in UPSTREAM_FIT:
+        return None
+    base, slope = UPSTREAM_FIT[S]
+    return base + slope * m
+
+
+def _cell(x, fmt="{:.2f}"):
+    return "" if x is None else fmt.format(x)
+
+
+def _verdict(row, floor, cand, smoke) -> str:
+    target = upstream_us(row["S"], row["m"])
+    if smoke or target is None or jax.default_backend() != "gpu":
+        return "n/a (not a GPU)" if target is not None or smoke else "n/a"
+    misses = []
+    unrolled = row["us"][f"unrolled {cand}"]
+    scan = row["us"][f"scan {cand}"] - floor["us"]
+    for label, us in (("unrolled", unrolled), ("scan", scan)):
+        if us > target:
+            misses.append(f"{label} {us:.2f} > {target:.2f} us")
+    k_unrolled, p_unrolled = row["kernels"][f"unrolled {cand}"]
+    k_scan = row["kernels"][f"scan {cand}"][0] - floor["kernels"][0]
+    if p_unrolled != 1 or k_scan > 1:
+        misses.append(f"{k_scan:g} kernels/call in the scan, {p_unrolled:g} Pallas")
+    return "met" if not misses else "not met: " + "; ".join(misses)
+
+
+def cost_markdown(args, cost) -> list[str]:
+    cand = args.candidate
+    op = "`ensure`" if args.op == "ensure" else "`ensure_hybrid` (full policy)"
+    lines = [
+        "",
+        f"Per-call cost of {op}, top-k routes on a full pool with exactly m misses per call "
+        "(each evicts the LRU entry; checked on every timed call's plan), "
+        f"{args.calls} layer-calls per dispatch, {args.replays} dispatches per trial, median of "
+        f"{args.repeats} alternating trials, us per call. *unrolled*: one `jax.jit` of the "
+        f"{args.calls} calls written out (\"(xN)\": N calls per jit, for a backend whose call "
+        f"lowers to more than {args.light_ops} ops -- a 128-call jit of the XLA step compiles for "
+        f"minutes -- or whose {args.calls} calls would take over {args.trace_seconds:.0f} s to "
+        "trace); *scan*: per `lax.scan` iteration minus the trivial-body "
+        "floor. Kernels per call, from the compiled programs: unrolled = all launches / calls "
+        "(includes one stacking concatenation per plan leaf per jit); scan = while body and "
+        "condition minus the floor's; in brackets the Pallas calls. Upstream: flashlib "
+        f"`lru_ensure`, one Triton program, H100, CUDA graph ({UPSTREAM_NO_MISS_US} us with no "
+        "miss; base + slope * m). Target: at or below upstream's base + slope * m, one kernel "
+        "per call.",
+        "",
+        f"| L, E, S, k | m | upstream us | {cand} unrolled | {cand} scan-floor | xla unrolled | "
+        f"xla scan-floor | {cand} kernels/call (unrolled; scan) | xla kernels/call "
+        "(unrolled; scan) | off-m calls | target |",
+        "|---|---:|---:|---:|---:|---:|---:|---|---|---:|---|",
+    ]
+    for row in cost["rows"]:
+        geo = f"{row['L']}, {row['E']}, {row['S']}, {row['k']}"
+        target = upstream_us(row["S"], row["m"])
+        if "skipped" in row:
+            lines.append(f"| {geo} | {row['m']} | {_cell(target)} | {row['skipped']} "
+                         "| | | | | | | |")
+            continue
+        floor = cost["floors"][(row["L"], row["E"], row["S"])]
+
+        def kern(backend, row=row, floor=floor):
+            ku, pu = row["kernels"][f"unrolled {backend}"]
+            ks, ps = row["kernels"][f"scan {backend}"]
+            return f"{ku:.3g} ({pu:.3g}); {ks - floor['kernels'][0]:g} ({ps:g})"
+
+        def unrolled(backend, row=row):
+            width = row["unroll"].get(backend, args.calls)
+            us = f"{row['us'][f'unrolled {backend}']:.2f}"
+            return us if width == args.calls else f"{us} (x{width})"
+        lines.append(
+            f"| {geo} | {row['m']} | {_cell(target)} | {unrolled(cand)} | "
+            f"{row['us'][f'scan {cand}'] - floor['us']:.2f} | {unrolled('xla')} | "
+            f"{row['us']['scan xla'] - floor['us']:.2f} | {kern(cand)} | {kern('xla')} | "
+            f"{sum(row['off_m'].values())} of {4 * row['calls']} | "
+            f"{_verdict(row, floor, cand, args.smoke)} |")
+    lines.append("")
+    for (L, E, S), floor in cost["floors"].items():
+        compiles, ops = dict(floor["compile_s"]), {}
+        for row in cost["rows"]:
+            if (row["L"], row["E"], row["S"]) == (L, E, S):
+                compiles.update(row.get("compile_s", {}))
+                ops.update(row.get("ops", {}))
+        lines.append(
+            f"- L={L}, E={E}, S={S}: scan floor {floor['us']:.2f} us and {floor['kernels'][0]} "
+            f"kernels per iteration; the unrolled program's dispatch alone (trivial body, same "
+            f"arguments and outputs) {floor['unrolled_us']:.2f} us per call, so an unrolled "
+            "figure near it is host-bound; one call lowers to "
+            + ", ".join(f"{b} {n}" for b, n in ops.items())
+            + " StableHLO ops (the rule of tests/test_kernels_lowering.py, this platform); "
+            "compile s: " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(compiles.items())))
+    for msg in cost["notes"]:
+        lines.append(f"- {msg}")
+    return lines
+
+
+def markdown(args, results, cost, matched, elapsed) -> str:
     cand = args.candidate
     lines = [
         f"## GPU check: {cand} vs xla (`benchmarks/gpu_check.py`)",
         "",
         f"- date: {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}; "
-        f"{'CPU smoke run' if args.cpu_smoke else 'GPU run'}; {elapsed:.0f} s in all",
+        f"{'CPU smoke run' if args.smoke else jax.default_backend().upper() + ' run'}; "
+        f"{elapsed:.0f} s in all",
         f"- jax {jax.__version__}, jaxlib {jaxlib.__version__}, "
         f"Python {platform.python_version()}, device {device_description()}",
-        f"- equality ({cand} vs xla, every state and plan leaf after every step): "
-        f"**{'all matched' if matched else 'MISMATCH'}**",
+        f"- equality ({cand} vs xla, every state and plan leaf after every step, and after every "
+        f"cost row's calls): **{'all matched' if matched else 'MISMATCH'}**",
     ]
     for geometry, label, steps, status, detail in results["equality"]:
         lines.append(f"  - {geometry}, {label} start, {steps} random ops: {status} ({detail})")
     if results["failures"]:
         lines += ["", "Failures:", "", "```"] + results["failures"] + ["```"]
-    lines += [
-        "",
-        f"Per layer-call cost of `ensure_hybrid` (fraction {FRACTION}, RECENCY, PROMOTE_ONE, "
-        f"top-{TOP_K}) inside a compiled `lax.scan` of {args.calls} layer-calls, "
-        f"{args.replays} dispatches per trial, median of {args.repeats} alternating trials:",
-        "",
-        f"| Slots | Scenario | xla us/call | {cand} us/call | {cand}/xla |",
-        "|---:|---|---:|---:|---:|",
-    ]
-    for S, scenario, xla_us, cand_us, _ in rows:
-        if xla_us is None:
-            lines.append(f"| {S} | {scenario} | {cand_us} | | |")
-        else:
-            lines.append(f"| {S} | {scenario} | {xla_us:.3f} | {cand_us:.3f} | "
-                         f"{cand_us / xla_us:.2f} |")
-    lines.append("")
-    for S, scenario, _, _, verdict in rows:
-        if verdict:
-            lines.append(f"- S={S}, {scenario}: {verdict}")
-    if loops:
-        lines += ["", f"Host sync: one compiled `lax.scan` of {args.loop_steps} `ensure_hybrid` "
-                  f"layer-calls, us per step, median of {args.repeats}:", "",
-                  f"| Slots | Routes | fetched/step | xla us/step | {cand} us/step |",
-                  "|---:|---|---:|---:|---:|"]
-        for S, label, fetched, times in loops:
-            if label.startswith("kernels"):
-                lines.append(f"| {S} | {label} | | {times['xla']} | {times[cand]} |")
-                continue
-            lines.append(f"| {S} | {label} | {fetched:.2f} | {times['xla']:.2f} | "
-                         f"{times[cand]:.2f} |")
+    if results["scenario_failures"]:
+        lines += ["", "Rows without exactly m misses per call:", "", "```"]
+        lines += results["scenario_failures"] + ["```"]
+    lines += cost_markdown(args, cost)
     return "\n".join(lines) + "\n"
 
 
@@ -734,86 +1160,73 @@ def main(argv=None) -> int:
     log(f"jax {jax.__version__} on {device_description()}; comparing {args.candidate!r} "
         f"against 'xla'")
     if args.candidate == "pallas" and jax.default_backend() != "gpu":
-        print("No GPU here: backend 'pallas' needs one. Use --cpu-smoke (interpret) on a CPU; "
-              "tests/test_kernels_lowering.py checks the CUDA lowering without a GPU.", file=sys.stderr)
+        print("No GPU here: backend 'pallas' needs one. Use --smoke (interpret) on a CPU; "
+              "tests/test_kernels_lowering.py checks the CUDA lowering without a GPU.",
+              file=sys.stderr)
         return 3
 
     results = {"equality": [], "failures": [], "scenario_failures": []}
-    rows, loops = [], []
+    cost = {"rows": [], "floors": {}, "notes": []}
+
+    def report() -> str:
+        ok = all(status == "match" for _, _, _, status, _ in results["equality"])
+        return markdown(args, results, cost, ok and not results["failures"],
+                        time.perf_counter() - start)
 
     def write_report():
         # Rewritten after every phase, so a run killed at its time limit still leaves a report.
         if args.out is not None:
             args.out.parent.mkdir(parents=True, exist_ok=True)
-            ok = all(status == "match" for _, _, _, status, _ in results["equality"])
-            write_section("gpu_check", markdown(args, results, rows, ok and not results["failures"],
-                                                time.perf_counter() - start, loops), args.out)
+            write_section("gpu_check", report(), args.out)
 
-    matched = True
-    for i, (L, E, S) in enumerate(GEOMETRIES):
-        matched &= check_equality(L, E, S, args.steps, args.candidate, args.seed + i, results)
-        write_report()
+    if not args.skip_equality:
+        for i, (L, E, S) in enumerate(args.eq_geometries):
+            check_equality(L, E, S, args.steps, args.candidate, args.seed + i, results)
+            write_report()
 
-    # Budget estimates: the first row of a geometry compiles (estimated from the previous first
-    # row), a later one only times (estimated from the previous row's timed part).
-    first_row_s, timed_row_s = 5.0, 2.0
-    for L, E, S in GEOMETRIES:
-        compiled = False  # whether this geometry's timing programs are compiled yet
-        for scenario in SCENARIOS:
+    # Budget: a geometry's first row compiles (estimated from the previous geometry's first row,
+    # scaled up), a later row only runs (estimated from the row before it).
+    first_row_s = 10.0 if args.smoke else 45.0
+    for L, E, S, k in args.cost_geometries:
+        base = None
+        row_s = None
+        for m in args.misses:
             elapsed = time.perf_counter() - start
-            needed = 1.5 * (timed_row_s if compiled else first_row_s)
+            needed = 1.3 * (row_s if row_s is not None else first_row_s)
             if elapsed + needed > args.budget_seconds:
-                log(f"timing [S={S}, {scenario}]: SKIPPED ({elapsed:.0f} s used of a "
-                    f"{args.budget_seconds:.0f} s budget, about {needed:.0f} s needed)")
-                rows.append((S, scenario, None, "skipped (budget)", ""))
+                log(f"cost [L={L},E={E},S={S},k={k}, m={m}]: SKIPPED ({elapsed:.0f} s used of "
+                    f"{args.budget_seconds:.0f} s, about {needed:.0f} s needed)")
+                cost["rows"].append({"L": L, "E": E, "S": S, "k": k, "m": m,
+                                     "skipped": "skipped (budget)"})
                 continue
             t0 = time.perf_counter()
             try:
-                xla_us, cand_us, verdict, timed_s = time_row(L, E, S, scenario, args.candidate,
-                                                             args, results)
+                if base is None:
+                    base = full_state(np.random.default_rng(args.seed + S), L, E, S)
+                    cost["floors"][(L, E, S)] = floor_row(L, E, S, k, args, base)
+                cost["rows"].append(cost_row(L, E, S, k, m, args, base, results))
             except Exception as exc:
                 traceback.print_exc()
-                msg = f"timing [S={S}, {scenario}] failed: {type(exc).__name__}: {exc}"
+                msg = f"cost [L={L},E={E},S={S},k={k}, m={m}] failed: {type(exc).__name__}: {exc}"
                 print(msg, flush=True)
                 results["failures"].append(msg)
-                rows.append((S, scenario, None, "error", ""))
+                cost["rows"].append({"L": L, "E": E, "S": S, "k": k, "m": m,
+                                     "skipped": "error"})
                 continue
-            row_s = time.perf_counter() - t0
-            first_row_s = first_row_s if compiled else row_s
-            compiled = True
-            timed_row_s = max(timed_s, 0.5)
-            log(f"timing [S={S}, {scenario}]: xla {xla_us:.3f} us/call, {args.candidate} "
-                f"{cand_us:.3f} us/call ({row_s:.1f} s) -- scenario check {verdict}")
-            rows.append((S, scenario, xla_us, cand_us, verdict))
+            spent = time.perf_counter() - t0
+            if row_s is None:
+                first_row_s = 1.5 * spent
+            compiling = sum(cost["rows"][-1]["compile_s"].values())
+            row_s = max(spent - compiling, 0.5)  # the next row of this geometry compiles nothing
             write_report()
 
-    try:
-        loops.extend(loop_rows(args))
-    except Exception as exc:
-        traceback.print_exc()
-        results["failures"].append(f"decode loop failed: {type(exc).__name__}: {exc}")
-    write_report()
-
-    matched &= not results["failures"]
-    elapsed = time.perf_counter() - start
-    cand = args.candidate
+    matched = not results["failures"] and all(
+        status == "match" for _, _, _, status, _ in results["equality"])
+    text = report()
     print()
-    print(f"jax {jax.__version__}; device {device_description()}; "
-          f"{'CPU smoke, ' if args.cpu_smoke else ''}{cand} vs xla")
-    print(f"results matched: {'YES' if matched else 'NO'}")
-    print(f"{'slots':>6} | {'scenario':<31} | {'xla us/call':>11} | {cand + ' us/call':>16} | "
-          f"{cand + '/xla':>13}")
-    for S, scenario, xla_us, cand_us, _ in rows:
-        if xla_us is None:
-            print(f"{S:>6} | {scenario:<31} | {cand_us}")
-        else:
-            print(f"{S:>6} | {scenario:<31} | {xla_us:>11.3f} | {cand_us:>16.3f} | "
-                  f"{cand_us / xla_us:>13.2f}")
-    for msg in results["scenario_failures"]:
-        print("SCENARIO CHECK FAILED: " + msg)
-    print(f"total {elapsed:.1f} s")
+    print(text)
+    write_report()
     if args.out is not None:
-        write_report()
         print(f"markdown report written to {args.out}")
     if not matched:
         print("FAILED: pallas/xla results differ or a backend failed (see above)", file=sys.stderr)
