@@ -362,14 +362,15 @@ def test_realistic_is_seeded_and_a_longer_trace_extends_a_shorter_one():
     assert np.array_equal(longer.routes[: a.num_calls], a.routes)
 
 
-def test_repeats_fade_with_lag_and_dip_below_chance(mixtral_realistic):
-    """FAILS if routes carry no context from recent tokens (lag 1 would equal lag 2) or the
-    negative context taps are ignored (no lag falls below chance)."""
+def test_repeats_fade_with_lag_and_stay_above_chance(mixtral_realistic):
+    """FAILS if routes carry no context from recent tokens (lag 1 would be no higher than the
+    longer lags), or the repeat profile dips below chance (the measured Mixtral-8x7B profile
+    falls monotonically to about 0.27, above chance 0.25)."""
     lags = lag_repeat_probability(mixtral_realistic, 8)
     chance = 2 / 8
-    assert lags[0] > chance + 0.1
-    assert lags[0] > lags[1] + 0.05 and lags[1] > lags[7] + 0.05
-    assert lags[7] < chance - 0.02
+    assert lags[0] > lags[1] > lags[2]
+    assert lags[0] > lags[3:].max() + 0.03
+    assert lags.min() > chance
 
 
 def test_past_tokens_predict_the_next_layers_only_with_token_identity(mixtral_realistic):
