@@ -65,8 +65,10 @@ REAL = {
     "per-layer LRU": ((0.397, 0.624, 0.819), (0.342, 0.603, 0.813)),
     "Belady": ((0.615, 0.819, 0.933), (0.584, 0.809, 0.926)),
 }
-#: The two real traces' ROUTE_KNN and ROUTE_LFU hit rates at S = 64 / 128 / 192 (same source).
+#: The two real traces' PAIR_LFU, ROUTE_KNN and ROUTE_LFU hit rates at S = 64 / 128 / 192 (same
+#: source).
 REAL_POLICIES = {
+    "pair_lfu": ((0.397, 0.641, 0.842), (0.342, 0.610, 0.825)),
     "route_knn": ((0.443, 0.682, 0.859), (0.394, 0.654, 0.845)),
     "route_lfu": ((0.397, 0.662, 0.854), (0.342, 0.631, 0.844)),
 }
