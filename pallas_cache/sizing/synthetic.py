@@ -35,8 +35,10 @@ A second family, :class:`RealisticParams` (presets ``mixtral-realistic`` and
 vocabulary with copied spans and each (token, layer) routes from a seeded embedding filtered over
 recent tokens, so a past token whose routes match predicts the next layers
 (:func:`neighbour_precision`) and repeats fade with lag (:func:`lag_repeat_probability`).
-:func:`next_token_precision` measures what the calibration leaves free: how well the successor of
-the past token most like the current one predicts the next token (how much the sequence repeats).
+:func:`next_token_precision` measures how well the successor of the past token most like the
+current one predicts the next token (how much the sequence repeats). Every statistic reads any
+trace: the repeat statistics pair the calls of one layer within one sequence, the two precisions
+read each sequence's complete tokens (:func:`complete_sequences`) and pool them by calls.
 
 (Why one module of ~700 lines: both preset families and the statistics that calibrate them
 (repeat probability, neighbour precision, skew) are read together when a preset is tuned; a
