@@ -157,7 +157,10 @@ _CACHE = {}
 def baseline(seed, tokens=1000):
     import json
     from pallas_cache.sizing.bounds import belady
-    path = f"/tmp/knn_base_{seed}_{tokens}.json"
+    import hashlib
+    from pallas_cache.sizing.synthetic import PRESETS
+    preset = hashlib.sha1(repr(PRESETS["mixtral-realistic"]).encode()).hexdigest()[:12]
+    path = f"/tmp/knn_base_{preset}_{seed}_{tokens}.json"  # other knobs miss the cache
     if os.path.exists(path):
         return json.load(open(path))
     tr = synthetic_trace("mixtral-realistic", num_tokens=tokens, seed=seed)

@@ -15,12 +15,12 @@ import random
 import numpy as np
 import pytest
 
-from benchmarks.baselines import per_layer_lru_hit_rate, per_layer_lru_hit_rate_brute
-from pallas_cache.sizing.synthetic import (PRESETS, RealisticParams, lag_repeat_probability,
-                                           neighbour_precision, next_token_precision,
+from pallas_cache.sizing.synthetic import (PRESETS, RealisticParams, complete_sequences,
+                                           lag_repeat_probability, neighbour_precision,
+                                           next_token_precision, per_layer_lru_hit_rate,
                                            realistic_token_ids, synthetic_trace,
                                            trace_statistics)
-from pallas_cache.sizing.traces import Trace, TraceError
+from pallas_cache.sizing.traces import Trace, load_trace, save_trace
 
 REALISTIC = ("mixtral-realistic", "fine-grained-realistic")
 
@@ -84,26 +84,14 @@ def test_neighbour_precision_hand_counted():
     assert neighbour_precision(_neighbour_trace(), window=1) == pytest.approx(4 / 8)
 
 
-def test_neighbour_precision_needs_a_dense_trace_and_a_window():
-    with pytest.raises(TraceError, match="not a full"):
-        neighbour_precision(_lag_trace())
+def test_neighbour_precision_needs_a_window():
     with pytest.raises(ValueError, match="window must be a positive integer, got 0"):
         neighbour_precision(_neighbour_trace(), window=0)
 
 
-
 def _next_token_brute(dense, window):
     """next_token_precision written out with Python sets, token by token."""
-    routes = [[{int(e) for e in call if e >= 0} for call in token] for token in dense]
-    matched = predicted = 0
-    for now in range(1, len(routes) - 1):
-        best, best_match = None, -1
-        for j in range(now - 1, max(0, now - window) - 1, -1):  # most recent first
-            match = sum(len(a & b) for a, b in zip(routes[now], routes[j]))
-            if match > best_match:
-                best, best_match = j, match
-        matched += sum(len(a & b) for a, b in zip(routes[best + 1], routes[now + 1]))
-        predicted += sum(len(a) for a in routes[best + 1])
+    matched, predicted = _next_token_pair(dense, window)
     return matched / predicted if predicted else float("nan")
 
 
@@ -139,15 +127,165 @@ def test_next_token_precision_equals_a_brute_force_count():
                 pytest.approx(_next_token_brute(dense, window), abs=0)
 
 
-def test_next_token_precision_needs_a_dense_trace_a_window_and_three_tokens():
-    with pytest.raises(TraceError, match="not a full"):
-        next_token_precision(_lag_trace())
+def test_next_token_precision_needs_a_window_and_three_tokens():
     with pytest.raises(ValueError, match="window must be a positive integer, got 0"):
         next_token_precision(_neighbour_trace(), window=0)
     assert np.isnan(next_token_precision(Trace.from_dense([[[0]], [[1]]], num_experts=2)))
 
 
+# ---- many sequences, ragged tails --------------------------------------------------------------
+
+
+def _ragged_trace(rng, *, sequences, layers, experts, top_k, tokens=(2, 30)):
+    """Random JSONL-like trace: sequences of tokens calling layers 0..L-1 in order, the last 1-3
+    tokens of each stopping after a random number of layers, requests interleaved by token."""
+    calls = []
+    for seq in range(sequences):
+        count = int(rng.integers(*tokens))
+        short = int(rng.integers(1, 4))
+        for token in range(count):
+            reached = layers if token < count - short else int(rng.integers(1, layers + 1))
+            for layer in range(reached):
+                route = rng.integers(-1, min(experts, 5), size=top_k)  # few ids: ties, repeats
+                calls.append((token, seq, layer, route))
+    calls.sort(key=lambda c: (c[0], c[1], c[2]))  # interleaved: token-major across requests
+    return Trace(routes=np.array([c[3] for c in calls]), layers=[c[2] for c in calls],
+                 sequence=[c[1] for c in calls], token_idx=[c[0] for c in calls],
+                 sequence_names=tuple(f"req{seq}" for seq in range(sequences)),
+                 num_layers=layers, num_experts=experts)
+
+
+def _complete_brute(trace):
+    """Per sequence, the complete tokens' [L, K] routes in token order, by dictionaries."""
+    calls = {}
+    for seq, token, layer, route in zip(trace.sequence.tolist(), trace.token_idx.tolist(),
+                                        trace.layers.tolist(), trace.routes.tolist()):
+        calls.setdefault(seq, {}).setdefault(token, []).append((layer, route))
+    out = []
+    for seq in sorted(calls):
+        rows = [[route for _, route in made] for _, made in sorted(calls[seq].items())
+                if [layer for layer, _ in made] == list(range(trace.num_layers))]
+        if rows:
+            out.append(np.array(rows))
+    return out
+
+
+def _neighbour_brute(dense, window):
+    """neighbour_precision of one dense sequence with Python sets: (matched, predicted)."""
+    routes = [[{int(e) for e in call if e >= 0} for call in token] for token in dense]
+    matched = predicted = 0
+    for now in range(1, len(routes)):
+        for layer in range(1, len(routes[now])):
+            best, best_match = None, -1
+            for j in range(now - 1, max(0, now - window) - 1, -1):  # most recent first
+                match = sum(len(a & b) for a, b in zip(routes[now][:layer], routes[j][:layer]))
+                if match > best_match:
+                    best, best_match = j, match
+            matched += len(routes[best][layer] & routes[now][layer])
+            predicted += len(routes[best][layer])
+    return matched, predicted
+
+
+def _multi_request_jsonl(tmp_path):
+    # Two requests, 2 layers, top-1 of 4; each request's last token stops after layer 0.
+    #   r0: A B C A B C + (A, -)    r1: C A B + (B, -)
+    # with A = (0, 0), B = (1, 1), C = (2, 2), written interleaved by token as a server logs them.
+    a, b, c = [[0], [0]], [[1], [1]], [[2], [2]]
+    requests = {"r0": [a, b, c, a, b, c, [[0]]], "r1": [c, a, b, [[1]]]}
+    calls = [(token, name, layer, route) for name, tokens in requests.items()
+             for token, layers in enumerate(tokens) for layer, route in enumerate(layers)]
+    calls.sort(key=lambda call: call[:3])
+    names = tuple(requests)
+    trace = Trace(routes=[call[3] for call in calls], layers=[call[2] for call in calls],
+                  sequence=[names.index(call[1]) for call in calls],
+                  token_idx=[call[0] for call in calls], sequence_names=names, num_layers=2,
+                  num_experts=4)
+    path = tmp_path / "requests.jsonl"
+    save_trace(trace, path)
+    return load_trace(path)
+
+
+def test_complete_sequences_drops_the_tokens_that_miss_layers(tmp_path):
+    """FAILS if requests are run together, their calls left interleaved, or a token that stops
+    before the last layer is kept (padded) instead of dropped."""
+    trace = _multi_request_jsonl(tmp_path)
+    r0, r1 = complete_sequences(trace)
+    a, b, c = [[0], [0]], [[1], [1]], [[2], [2]]
+    assert r0.tolist() == [a, b, c, a, b, c] and r1.tolist() == [c, a, b]
+    dense = synthetic_trace("mixtral-realistic", num_tokens=40, seed=1)
+    (only,) = complete_sequences(dense)
+    assert np.array_equal(only, dense.to_dense())
+
+
+def test_precisions_pool_the_requests_of_a_jsonl_trace_by_calls(tmp_path):
+    """FAILS if the requests are concatenated (a neighbour or successor taken across requests),
+    the per-request precisions averaged instead of pooled, or the short last tokens counted."""
+    trace = _multi_request_jsonl(tmp_path)
+    # Next token: r0 alone is the phrase of test_next_token_precision_hand_counted, 4 of 8; r1:
+    # at T=1 (A) the only past token C's successor A predicts B: 0 of 2. Pooled: 4 of 10.
+    assert next_token_precision(trace) == pytest.approx(4 / 10)
+    # Neighbour: r0 (A B C A B C): layer 1 of token t predicted by the best match on layer 0,
+    # which is the token 3 back for t >= 3 (right, 1 each: 3 of 5); t = 1, 2 wrong. r1 (C A B):
+    # no repeat: 0 of 2. Pooled: 3 of 7.
+    assert neighbour_precision(trace) == pytest.approx(3 / 7)
+
+
+@pytest.mark.parametrize("case", range(6))
+def test_precisions_of_ragged_requests_equal_a_brute_force_count(case):
+    """FAILS if a sequence's complete tokens are found, ordered or pooled otherwise than the
+    per-request, set-by-set definitions (ties, duplicates and padding included)."""
+    rng = np.random.default_rng(100 + case)
+    layers = int(rng.integers(1, 4))
+    trace = _ragged_trace(rng, sequences=int(rng.integers(1, 4)), layers=layers, experts=70,
+                          top_k=3)
+    brute = _complete_brute(trace)
+    assert [d.tolist() for d in complete_sequences(trace)] == [d.tolist() for d in brute]
+    for window in (1, 4, 128):
+        counts = [_neighbour_brute(d, window) for d in brute]
+        matched, predicted = sum(m for m, _ in counts), sum(p for _, p in counts)
+        expected = matched / predicted if predicted else None
+        got = neighbour_precision(trace, window, block=int(rng.integers(1, 8)))
+        assert (np.isnan(got) and expected is None) or got == pytest.approx(expected, abs=0)
+        counts = [_next_token_pair(d, window) for d in brute]
+        matched, predicted = sum(m for m, _ in counts), sum(p for _, p in counts)
+        expected = matched / predicted if predicted else None
+        got = next_token_precision(trace, window, block=int(rng.integers(1, 8)))
+        assert (np.isnan(got) and expected is None) or got == pytest.approx(expected, abs=0)
+
+
+def _next_token_pair(dense, window):
+    """(matched, predicted) of next_token_precision on one dense sequence, with sets."""
+    routes = [[{int(e) for e in call if e >= 0} for call in token] for token in dense]
+    matched = predicted = 0
+    for now in range(1, len(routes) - 1):
+        best, best_match = None, -1
+        for j in range(now - 1, max(0, now - window) - 1, -1):
+            match = sum(len(a & b) for a, b in zip(routes[now], routes[j]))
+            if match > best_match:
+                best, best_match = j, match
+        matched += sum(len(a & b) for a, b in zip(routes[best + 1], routes[now + 1]))
+        predicted += sum(len(a) for a in routes[best + 1])
+    return matched, predicted
+
+
 # ---- the per-layer LRU baseline ---------------------------------------------------------------
+
+
+def _per_layer_lru_brute(trace, cache_size):
+    """Per-layer LRU one call at a time with plain lists, over the calls in call order."""
+    per_layer = cache_size // trace.num_layers
+    resident = {layer: [] for layer in range(trace.num_layers)}
+    hits = active = 0
+    for call, (layer, route) in enumerate(trace):
+        wanted = sorted({int(e) for e in route if e >= 0})
+        held = {e for _, e in resident[int(layer)]}
+        hits += sum(e in held for e in wanted)
+        active += len(wanted)
+        entries = [(use, e) for use, e in resident[int(layer)] if e not in wanted]
+        entries += [(call, e) for e in wanted]
+        entries.sort()                                 # oldest first, then lowest id
+        resident[int(layer)] = entries[max(0, len(entries) - per_layer):]
+    return hits / active if active else 1.0
 
 
 def test_per_layer_lru_hand_counted_with_its_tie_rule():
@@ -157,13 +295,14 @@ def test_per_layer_lru_hand_counted_with_its_tie_rule():
     # lowest id 0 -> {1,2,3}; {1} hit; {0} miss. 1 hit of 6.
     trace = Trace.from_dense([[[0, 1]], [[2, 3]], [[1, -1]], [[0, -1]]], num_experts=4)
     assert per_layer_lru_hit_rate(trace, 3) == pytest.approx(1 / 6)
-    assert per_layer_lru_hit_rate_brute(trace, 3) == pytest.approx(1 / 6)
+    assert _per_layer_lru_brute(trace, 3) == pytest.approx(1 / 6)
 
 
 @pytest.mark.parametrize("case", range(12))
 def test_per_layer_lru_fast_equals_brute_force(case):
     """FAILS if the vectorised simulator drifts from the call-by-call one (slots per layer, ties,
-    duplicates, padding, slots >= experts)."""
+    duplicates, padding, slots >= experts), on dense traces and on many sequences whose last
+    tokens miss layers (every call counted, in call order)."""
     rng = random.Random(case)
     layers, experts = rng.randint(1, 4), rng.randint(2, 9)
     top_k = rng.randint(1, min(experts, 3))
@@ -171,9 +310,12 @@ def test_per_layer_lru_fast_equals_brute_force(case):
     tokens = rng.randint(1, 40)
     routes = np.array([[[rng.randint(-1, experts - 1) for _ in range(top_k)]
                         for _ in range(layers)] for _ in range(tokens)])
-    trace = Trace.from_dense(routes, num_experts=experts)
     size = slots * layers + rng.randint(0, layers - 1)   # S / L rounds down
-    assert per_layer_lru_hit_rate(trace, size) == per_layer_lru_hit_rate_brute(trace, size)
+    trace = Trace.from_dense(routes, num_experts=experts)
+    assert per_layer_lru_hit_rate(trace, size) == _per_layer_lru_brute(trace, size)
+    ragged = _ragged_trace(np.random.default_rng(case), sequences=3, layers=layers,
+                           experts=experts, top_k=top_k)
+    assert per_layer_lru_hit_rate(ragged, size) == _per_layer_lru_brute(ragged, size)
 
 
 def test_per_layer_lru_with_top_k_slots_is_the_previous_token_repeat(mixtral_realistic):
@@ -220,14 +362,15 @@ def test_realistic_is_seeded_and_a_longer_trace_extends_a_shorter_one():
     assert np.array_equal(longer.routes[: a.num_calls], a.routes)
 
 
-def test_repeats_fade_with_lag_and_dip_below_chance(mixtral_realistic):
-    """FAILS if routes carry no context from recent tokens (lag 1 would equal lag 2) or the
-    negative context taps are ignored (no lag falls below chance)."""
+def test_repeats_fade_with_lag_and_stay_above_chance(mixtral_realistic):
+    """FAILS if routes carry no context from recent tokens (lag 1 would be no higher than the
+    longer lags), or the repeat profile dips below chance (the measured Mixtral-8x7B profile
+    falls monotonically to about 0.27, above chance 0.25)."""
     lags = lag_repeat_probability(mixtral_realistic, 8)
     chance = 2 / 8
-    assert lags[0] > chance + 0.1
-    assert lags[0] > lags[1] + 0.05 and lags[1] > lags[7] + 0.05
-    assert lags[7] < chance - 0.02
+    assert lags[0] > lags[1] > lags[2]
+    assert lags[0] > lags[3:].max() + 0.03
+    assert lags.min() > chance
 
 
 def test_past_tokens_predict_the_next_layers_only_with_token_identity(mixtral_realistic):

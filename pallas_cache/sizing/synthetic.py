@@ -35,8 +35,10 @@ A second family, :class:`RealisticParams` (presets ``mixtral-realistic`` and
 vocabulary with copied spans and each (token, layer) routes from a seeded embedding filtered over
 recent tokens, so a past token whose routes match predicts the next layers
 (:func:`neighbour_precision`) and repeats fade with lag (:func:`lag_repeat_probability`).
-:func:`next_token_precision` measures what the calibration leaves free: how well the successor of
-the past token most like the current one predicts the next token (how much the sequence repeats).
+:func:`next_token_precision` measures how well the successor of the past token most like the
+current one predicts the next token (how much the sequence repeats). Every statistic reads any
+trace: the repeat statistics pair the calls of one layer within one sequence, the two precisions
+read each sequence's complete tokens (:func:`complete_sequences`) and pool them by calls.
 
 (Why one module of ~700 lines: both preset families and the statistics that calibrate them
 (repeat probability, neighbour precision, skew) are read together when a preset is tuned; a
@@ -67,6 +69,8 @@ __all__ = [
     "lag_repeat_probability",
     "neighbour_precision",
     "next_token_precision",
+    "complete_sequences",
+    "per_layer_lru_hit_rate",
 ]
 
 #: Token count a preset generates when ``num_tokens`` is not given: long enough for stable
@@ -353,12 +357,11 @@ def _clear_top_ranks(keys: np.ndarray, top_k: int, rows: np.ndarray) -> np.ndarr
 # ---- the token-structured ("realistic") family ------------------------------------------------
 
 
-#: The context filter of the realistic presets: the token itself, a weak echo of the previous
-#: token (previous-token reuse about 0.40 on 2-of-8) and a negative echo of tokens 7-11 back (the
-#: repeat probability measured on Mixtral-8x7B falls below chance a few tokens back, to about
-#: 0.2 against 0.25). Placing the dip nearer (lags 3-5) reaches 0.2 sooner but costs LRU at 6
-#: slots per layer about 0.03 against the measured hit rates.
-_REALISTIC_CONTEXT = (1.0, 0.3, 0.0, 0.0, 0.0, 0.0, 0.0, -0.2, -0.2, -0.2, -0.2, -0.2)
+#: The context filter of the realistic presets: the token itself and a weak, fading echo of the
+#: two previous tokens. With the copied spans and the vocabulary's repeats it gives the repeat
+#: profile measured on Mixtral-8x7B decode traces: 0.34-0.41 at lag 1, falling monotonically to
+#: about 0.27-0.28 by lag 4-8 (chance 0.25 on 2-of-8), with no dip below chance.
+_REALISTIC_CONTEXT = (1.0, 0.3, 0.15)
 
 
 @dataclass(frozen=True)
@@ -378,9 +381,8 @@ class RealisticParams:
     2. **Hidden state.** Each vocabulary id has a seeded embedding ``U[v]`` (``embed_dim``
        Gaussian, unit expected norm); the router input of token ``t`` is the causal filter
        ``h[t] = sum_k context[k] * U[tok[t - k]]`` (tokens before the trace contribute nothing),
-       so ``context[0]`` weighs the token itself and later taps its recent context (negative
-       taps make the routes of tokens that far back *less* likely than chance, as measured on
-       Mixtral).
+       so ``context[0]`` weighs the token itself and later taps its recent context (a negative
+       tap makes the routes of tokens that far back *less* likely than chance).
     3. **Routing.** Layer ``l`` routes the ``K`` largest of
        ``(h[t] + layer_noise * n[t, l]) @ W[l] + b[l]``, with ``W[l]`` a seeded
        Gaussian ``[embed_dim, E]`` router, ``n`` fresh Gaussian noise per (token, layer) and
@@ -412,12 +414,12 @@ class RealisticParams:
     top_k: int
     num_tokens: int = DEFAULT_PRESET_TOKENS
     vocab_size: int = 8192
-    vocab_zipf: float = 1.3
-    copy_prob: float = 0.02
-    copy_span: float = 8.0
-    copy_window: int = 512
+    vocab_zipf: float = 0.9
+    copy_prob: float = 0.05
+    copy_span: float = 48.0
+    copy_window: int = 128
     context: tuple[float, ...] = _REALISTIC_CONTEXT
-    layer_noise: float = 0.15
+    layer_noise: float = 0.37
     embed_dim: int = 16
     skew: float = 0.0
     skew_spread: float = 0.0
@@ -451,9 +453,10 @@ class RealisticParams:
 
 #: The token-structured presets (``benchmarks/realistic_preset.py`` prints their statistics next
 #: to the measured Mixtral-8x7B ones). ``mixtral-realistic``: Mixtral-8x7B geometry calibrated
-#: against real decode traces (previous-token reuse, neighbour precision, LRU / per-layer LRU /
-#: Belady hit rates at 2-6 slots per layer). ``fine-grained-realistic``: the same token model on
-#: the fine-grained geometry, with a skewed router bias (mean normalised entropy about 0.87).
+#: against two real decode traces (HumanEval and GSM8K prompts: lag 1-8 repeats, neighbour and
+#: next-token precision, normalised entropy, LRU / per-layer LRU / Belady hit rates at 2-6 slots
+#: per layer; docs/policies.md). ``fine-grained-realistic``: the same token model on the
+#: fine-grained geometry, with a skewed router bias.
 PRESETS["mixtral-realistic"] = RealisticParams(num_layers=32, num_experts=8, top_k=2)
 PRESETS["fine-grained-realistic"] = RealisticParams(num_layers=48, num_experts=128, top_k=8,
                                                     skew=0.4, skew_spread=0.4)
@@ -695,33 +698,41 @@ def lag_repeat_probability(trace: Trace, max_lag: int = 8) -> np.ndarray:
 def neighbour_precision(trace: Trace, window: int = 128, *, block: int = 256) -> float:
     """How well the past token whose routes best match the current token's predicts the next layer.
 
-    For a dense trace ``R[t, l]`` (sets of distinct routed experts) and every token ``t >= 1``
-    and layer ``l >= 1``: among the past tokens ``j`` in ``[max(0, t - window), t - 1]`` take the
-    one with the most matching routes over the layers so far,
-    ``match(j) = sum_{m < l} |R[t, m] & R[j, m]|``, ties to the most recent ``j``; its precision
-    is ``|R[j, l] & R[t, l]| / |R[j, l]|`` -- the share of the neighbour's layer-``l`` experts
-    the current token routes too. The result pools the matches over the predictions
-    (``sum |R[j, l] & R[t, l]| / sum |R[j, l]|``). Layer 0 (no evidence yet) and token 0 (no
-    past) are not counted. A router with no memory scores ``K / E``.
+    Per sequence, over its complete tokens ``R[t, l]`` (:func:`complete_sequences`: sets of
+    distinct routed experts) and every token ``t >= 1`` and layer ``l >= 1``: among the past
+    tokens ``j`` in ``[max(0, t - window), t - 1]`` of the same sequence take the one with the
+    most matching routes over the layers so far, ``match(j) = sum_{m < l} |R[t, m] & R[j, m]|``,
+    ties to the most recent ``j``; its precision is ``|R[j, l] & R[t, l]| / |R[j, l]|`` -- the
+    share of the neighbour's layer-``l`` experts the current token routes too. The result pools
+    the matches over the predictions of every sequence (``sum |R[j, l] & R[t, l]| / sum
+    |R[j, l]|``). Layer 0 (no evidence yet) and a sequence's first token (no past) are not
+    counted. A router with no memory scores ``K / E``.
 
     Args:
-        trace: a dense trace (one sequence, every token calling layers ``0..L-1`` in order).
+        trace: any trace; tokens that do not call every layer are dropped (see
+            :func:`complete_sequences`).
         window: how many past tokens are candidates (``>= 1``).
         block: tokens processed at once (memory ``block * window * L``; the value is unchanged).
 
     Returns:
-        The pooled precision (NaN for a trace with one token or one layer).
-
-    Raises:
-        TraceError: the trace is not dense.
+        The pooled precision (NaN when no sequence has two complete tokens, or ``L == 1``).
     """
     if not isinstance(window, (int, np.integer)) or isinstance(window, bool) or window < 1:
         raise ValueError(f"window must be a positive integer, got {window!r}")
-    dense = trace.to_dense()
+    matched = predicted = 0
+    for dense in complete_sequences(trace):
+        hits, size = _neighbour_counts(dense, trace.num_experts, window, block)
+        matched, predicted = matched + hits, predicted + size
+    return matched / predicted if predicted else math.nan
+
+
+def _neighbour_counts(dense: np.ndarray, num_experts: int, window: int, block: int
+                      ) -> tuple[int, int]:
+    """(matched, predicted) of :func:`neighbour_precision` over one dense sequence."""
     tokens, layers, _ = dense.shape
     if tokens < 2 or layers < 2:
-        return math.nan
-    masks = _route_masks(dense, trace.num_experts)              # [T, L, W] uint64
+        return 0, 0
+    masks = _route_masks(dense, num_experts)                    # [T, L, W] uint64
     sizes = np.bitwise_count(masks).sum(axis=2, dtype=np.int64)  # [T, L]
     lags = np.arange(1, window + 1)
     matched = predicted = 0
@@ -740,45 +751,53 @@ def neighbour_precision(trace: Trace, window: int = 128, *, block: int = 256) ->
         size = sizes[neighbour, np.arange(layers)[None, :]]
         matched += int(hits[:, 1:].sum())
         predicted += int(size[:, 1:].sum())
-    return matched / predicted if predicted else math.nan
+    return matched, predicted
 
 
 def next_token_precision(trace: Trace, window: int = 128, *, block: int = 256) -> float:
     """How well the successor of the past token most like the current one predicts the next token.
 
-    For a dense trace ``R[t, l]`` (sets of distinct routed experts) and every token ``T`` with
-    ``1 <= T <= N - 2``: at the end of ``T`` (only tokens up to ``T`` are read), take the past
-    token ``j`` in ``[max(0, T - window), T - 1]`` with the most matching routes over *all*
-    layers, ``match(j) = sum_l |R[T, l] & R[j, l]|``, ties to the most recent ``j`` (so ``j = T -
-    1``, whose successor is ``T`` itself, is a candidate). Its successor predicts the next token:
-    the result pools ``sum_l |R[j + 1, l] & R[T + 1, l]|`` over ``sum_l |R[j + 1, l]|``. A router
-    with no memory scores ``K / E``; always taking ``j = T - 1`` scores the lag-1 reuse.
+    Per sequence, over its ``N`` complete tokens ``R[t, l]`` (:func:`complete_sequences`: sets
+    of distinct routed experts) and every token ``T`` with ``1 <= T <= N - 2``: at the end of
+    ``T`` (only tokens up to ``T`` are read), take the past token ``j`` in ``[max(0, T -
+    window), T - 1]`` of the same sequence with the most matching routes over *all* layers,
+    ``match(j) = sum_l |R[T, l] & R[j, l]|``, ties to the most recent ``j`` (so ``j = T - 1``,
+    whose successor is ``T`` itself, is a candidate). Its successor predicts the next token: the
+    result pools ``sum_l |R[j + 1, l] & R[T + 1, l]|`` over ``sum_l |R[j + 1, l]|``, summed over
+    the sequences. A router with no memory scores ``K / E``; always taking ``j = T - 1`` scores
+    the lag-1 reuse.
 
-    This is the statistic that decides whether a token-similarity eviction (``ROUTE_KNN``) can
-    beat LRU at two slots per layer, and one that the 13 Mixtral-8x7B statistics the realistic
-    preset is calibrated to do not fix (``benchmarks/RESULTS.md``, ``preset_sensitivity``):
-    ``mixtral-realistic`` scores about 0.33; on its variants, ROUTE_KNN reaches 30% of the
-    LRU -> Belady gap at 2 slots per layer only near 0.56 or above. Measure it on a real trace
+    This is the statistic that decides how much a token-similarity eviction (``ROUTE_KNN``)
+    gains over LRU at two slots per layer (``benchmarks/RESULTS.md``, ``preset_sensitivity``):
+    measured on real Mixtral-8x7B decode traces it is 0.49-0.59 (docs/policies.md), and
+    ``mixtral-realistic`` is calibrated into that range. Measure it on your own trace
     (``benchmarks/realistic_preset.py --trace PATH``) to tell which regime your traffic is in.
 
     Args:
-        trace: a dense trace (one sequence, every token calling layers ``0..L-1`` in order).
+        trace: any trace; tokens that do not call every layer are dropped (see
+            :func:`complete_sequences`).
         window: how many past tokens are candidates (``>= 1``).
         block: tokens processed at once (memory ``block * window * L``; the value is unchanged).
 
     Returns:
-        The pooled precision (NaN for a trace of fewer than 3 tokens).
-
-    Raises:
-        TraceError: the trace is not dense.
+        The pooled precision (NaN when no sequence has three complete tokens).
     """
     if not isinstance(window, (int, np.integer)) or isinstance(window, bool) or window < 1:
         raise ValueError(f"window must be a positive integer, got {window!r}")
-    dense = trace.to_dense()
+    matched = predicted = 0
+    for dense in complete_sequences(trace):
+        hits, size = _next_token_counts(dense, trace.num_experts, window, block)
+        matched, predicted = matched + hits, predicted + size
+    return matched / predicted if predicted else math.nan
+
+
+def _next_token_counts(dense: np.ndarray, num_experts: int, window: int, block: int
+                       ) -> tuple[int, int]:
+    """(matched, predicted) of :func:`next_token_precision` over one dense sequence."""
     tokens = dense.shape[0]
     if tokens < 3:
-        return math.nan
-    masks = _route_masks(dense, trace.num_experts)              # [T, L, W] uint64
+        return 0, 0
+    masks = _route_masks(dense, num_experts)              # [T, L, W] uint64
     sizes = np.bitwise_count(masks).sum(axis=(1, 2), dtype=np.int64)  # [T] routes per token
     lags = np.arange(1, window + 1)
     matched = predicted = 0
@@ -792,7 +811,7 @@ def next_token_precision(trace: Trace, window: int = 128, *, block: int = 256) -
         best = past[np.arange(now.size), np.argmax(np.where(valid, match, -1), axis=1)]
         matched += int(np.bitwise_count(masks[best + 1] & masks[now + 1]).sum(dtype=np.int64))
         predicted += int(sizes[best + 1].sum())
-    return matched / predicted if predicted else math.nan
+    return matched, predicted
 
 
 def _route_masks(dense: np.ndarray, num_experts: int) -> np.ndarray:
@@ -809,3 +828,87 @@ def _route_masks(dense: np.ndarray, num_experts: int) -> np.ndarray:
         for word in range(words):
             masks[:, :, word] |= np.where(safe // 64 == word, bit, np.uint64(0))
     return masks
+
+
+def complete_sequences(trace: Trace) -> list[np.ndarray]:
+    """Each sequence's complete tokens as one dense ``[tokens, layers, top_k]`` array.
+
+    A token (a ``(sequence, token_idx)`` pair) is *complete* when its calls, in call order, are
+    layers ``0..L-1`` once each; other tokens are dropped -- typically a request's last tokens
+    in a JSONL trace, which stop before the last layers. A sequence's complete tokens keep
+    ascending ``token_idx`` order, so a dropped token's neighbours become adjacent. A dense
+    trace gives ``[trace.to_dense()]``.
+
+    Args:
+        trace: any trace.
+
+    Returns:
+        One int32 array per sequence with at least one complete token, in sequence order.
+    """
+    layers = trace.num_layers
+    pairs = np.stack([trace.sequence.astype(np.int64), trace.token_idx], axis=1)
+    _, token_of = np.unique(pairs, axis=0, return_inverse=True)  # sorted by (sequence, token_idx)
+    token_of = token_of.reshape(-1)
+    order = np.argsort(token_of, kind="stable")                  # by token, call order inside
+    counts = np.bincount(token_of)
+    starts = np.cumsum(counts) - counts
+    position = np.arange(trace.num_calls) - np.repeat(starts, counts)
+    out_of_place = np.bincount(token_of[order], weights=trace.layers[order] != position,
+                               minlength=counts.size)
+    complete = (counts == layers) & (out_of_place == 0)
+    keep = complete[token_of[order]]
+    calls = order[keep]                                          # complete tokens' calls, layer order
+    routes = trace.routes[calls].reshape(-1, layers, trace.top_k)
+    sequence_of = trace.sequence[calls[::layers]]
+    bounds = np.flatnonzero(np.diff(sequence_of)) + 1
+    return [np.ascontiguousarray(part) for part in np.split(routes, bounds) if part.size]
+
+
+def per_layer_lru_hit_rate(trace: Trace, cache_size: int) -> float:
+    """Hit rate of per-layer LRU with ``cache_size // L`` slots per layer over ``trace``.
+
+    Per-layer LRU is the policy of mixtral-offloading: each of the ``L`` layers owns ``S / L``
+    slots and keeps the most recently used experts of that layer in them. A call to layer ``l``
+    with distinct experts ``D`` hits the experts of ``D`` that are resident; then every expert
+    of ``D`` becomes resident with last use = this call, and while the layer holds more than its
+    ``S / L`` slots it evicts its least recently used resident, ties (experts of one earlier
+    call) to the lowest expert id. Counting matches the cache's stats: distinct experts per
+    call, ``-1`` padding ignored. Like the replay, it runs over every call of the trace in call
+    order with one cache: a new sequence starts with the previous one's residents, and a token
+    that misses some layers simply does not touch them (every call is counted).
+
+    Vectorised over layers: step ``i`` plays the ``i``-th call of every layer.
+
+    Raises:
+        ValueError: ``cache_size // L`` is below the trace's ``top_k`` (a call would evict its
+            own experts).
+    """
+    layers, experts = trace.num_layers, trace.num_experts
+    per_layer = cache_size // layers
+    if per_layer < trace.top_k:
+        raise ValueError(f"cache_size {cache_size} gives {per_layer} slots per layer for "
+                         f"{layers} layers, fewer than top_k={trace.top_k}")
+    order = np.argsort(trace.layers, kind="stable")              # by layer, call order inside
+    counts = np.bincount(trace.layers, minlength=layers)
+    rank = np.arange(trace.num_calls) - np.repeat(np.cumsum(counts) - counts, counts)
+    schedule = np.full((int(counts.max()), layers), -1, dtype=np.int64)  # [step, L] call index
+    schedule[rank, trace.layers[order]] = order
+    rows = np.arange(layers)[:, None]
+    # key = last use * E + expert for residents, -1 otherwise: the largest `per_layer` keys stay
+    # (a later use wins; among one call's experts the higher id stays, the lower is evicted).
+    key = np.full((layers, experts), -1, dtype=np.int64)
+    hits = active = 0
+    expert_ids = np.arange(experts, dtype=np.int64)[None, :]
+    for call in schedule:
+        route = np.where(call[:, None] >= 0, trace.routes[np.maximum(call, 0)], -1)
+        routed = route >= 0
+        safe = np.where(routed, route, 0)
+        used = np.zeros((layers, experts), dtype=bool)
+        used[np.broadcast_to(rows, route.shape)[routed], safe[routed]] = True
+        hits += int(((key >= 0) & used).sum())
+        active += int(used.sum())
+        key = np.where(used, call[:, None] * experts + expert_ids, key)
+        if per_layer < experts:
+            kth = np.partition(key, experts - per_layer, axis=1)[:, experts - per_layer]
+            key = np.where(key >= kth[:, None], key, -1)
+    return hits / active if active else 1.0
