@@ -211,3 +211,64 @@ def test_a_real_sigint_during_the_replay_exits_130_without_a_traceback(tmp_path)
     text = seen.decode(errors="replace")
     assert "Traceback" not in text and text.rstrip().endswith("pallas-cache: interrupted"), text
     assert os.listdir(tmp_path) == []
+
+
+def _console(argv_or_code, **popen):
+    """The console script in a fresh interpreter (an abort at exit needs the real exit)."""
+    import subprocess
+
+    command = ([sys.executable, "-c", argv_or_code] if isinstance(argv_or_code, str) else
+               [sys.executable, "-m", "pallas_cache.sizing.cli", *argv_or_code])
+    return subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, cwd=REPO,
+                            env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO},
+                            **popen)
+
+
+def test_a_refused_synthetic_trace_exits_2_with_one_line_not_an_abort():
+    """FAILS if a refused --synthetic command prints its line and then aborts at interpreter
+    exit (``terminate called after throwing ...`` / ``FATAL: exception not rethrown``, exit
+    134): the precompile thread was started before the trace was checked and was still inside
+    XLA when the interpreter exited."""
+    cases = {"--tokens 0": "num_tokens must be a positive integer, got 0",
+             "--seed -1": "seed must be a non-negative integer, got -1",
+             f"--tokens {10**12}": "above the memory limit"}
+    processes = {flags: _console(["replay", "--synthetic", "mixtral-like", *flags.split()])
+                 for flags in cases}  # side by side: each is mostly the import of JAX
+    for flags, process in processes.items():
+        err = process.stderr.read().decode(errors="replace")
+        assert process.wait(timeout=120) == 2, (flags, err)
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("pallas-cache: "), (flags, err)
+        assert cases[flags] in lines[0], (flags, err)
+
+
+def test_ctrl_c_while_the_precompile_thread_compiles_exits_130_not_an_abort():
+    """FAILS if a SIGINT that arrives while the background precompile is inside XLA (a cold
+    compile, ``--no-compile-cache``) prints "interrupted" and then aborts (exit 134 or -6, in
+    every run here before): the interpreter's exit stopped the thread mid-compile. The marker
+    is written by the precompile thread as it enters XLA's compile, so the signal lands there."""
+    import signal
+
+    code = ("import sys, threading\n"
+            "import jax.stages\n"
+            "from pallas_cache.sizing import cli\n"
+            "real = jax.stages.Lowered.compile\n"
+            "def compile(self, *args, **kwargs):\n"
+            "    if threading.current_thread().name == 'pallas-cache-precompile':\n"
+            "        print('precompile compiling', file=sys.stderr, flush=True)\n"
+            "    return real(self, *args, **kwargs)\n"
+            "jax.stages.Lowered.compile = compile\n"
+            "sys.argv = ['pallas-cache', 'replay', '--no-compile-cache']\n"
+            "sys.exit(cli.console_main())\n")
+    process = _console(code)
+    seen = b""
+    while b"precompile compiling" not in seen:
+        chunk = process.stderr.read1(256)
+        assert chunk, seen.decode(errors="replace")
+        seen += chunk
+    process.send_signal(signal.SIGINT)
+    seen += process.stderr.read()
+    text = seen.decode(errors="replace")
+    assert process.wait(timeout=120) == 130, text
+    assert text.rstrip().endswith("pallas-cache: interrupted"), text
+    assert "terminate" not in text and "FATAL" not in text and "Traceback" not in text, text

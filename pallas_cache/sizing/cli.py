@@ -507,27 +507,55 @@ def _precompile_synthetic(args, policies, cost) -> threading.Thread | None:
     sweep's options are off (the replay reports them after the trace, as for a trace file)."""
     from pallas_cache.sizing.sweep import config_grid, precompile
 
-    try:
-        params = synthetic.PRESETS[args.synthetic or DEFAULT_PRESET]
+    try:  # a refused trace starts no compile: the thread never outlives a refusal
+        params, _ = synthetic.checked_params(args.synthetic or DEFAULT_PRESET, args.tokens,
+                                             args.seed, max_memory=args.max_memory)
         sizes, _ = _sizes(args.cache_size, params, cost)
         configs = config_grid(sizes, policies, args.order, args.admission, args.eviction)
         _check_state_memory(sizes, len(configs) // len(set(sizes)), params.num_layers,
                             params.num_experts, args.max_memory)
-    except (TypeError, ValueError, ZeroDivisionError):
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
         return None
     if not configs:
         return None
+
+    finished = threading.Event()
+    _COMPILES.append(finished)
 
     def compile_quietly():
         try:
             precompile(params.num_layers, params.num_experts, params.top_k, configs)
         except Exception:  # noqa: BLE001 - the replay compiles, and reports, on its own
             pass
+        finally:
+            finished.set()
 
     thread = threading.Thread(target=compile_quietly, daemon=True,
                               name="pallas-cache-precompile")
     thread.start()
     return thread
+
+
+#: One event per precompile thread, set by the thread as it ends. (``Thread.is_alive()`` is no
+#: witness: a ``join()`` interrupted by Ctrl-C can leave it False while the thread compiles.)
+_COMPILES: list[threading.Event] = []
+
+
+def _exit_now_if_compiling(status: int) -> None:
+    """End the process with ``status`` at once if a precompile thread is still running.
+
+    The interpreter's normal exit stops daemon threads wherever they are; one inside XLA's C++
+    code then aborts the process (``terminate called ...``, exit 134) after the CLI has printed
+    its line. A refusal starts no such thread, but a Ctrl-C can arrive while one compiles, so
+    the console script flushes its output and leaves without the interpreter's teardown."""
+    if all(finished.is_set() for finished in _COMPILES):
+        return
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(status)
 
 
 def _replay(args) -> int:
@@ -681,7 +709,9 @@ def console_main() -> int:
     """The ``pallas-cache`` console script: :func:`main` with JAX's persistent compilation cache
     on (see :func:`compile_cache_dir`) unless ``--no-compile-cache`` is given or
     ``PALLAS_CACHE_NO_COMPILE_CACHE`` is set to anything but ``""`` or ``"0"``."""
-    return _main(None, compile_cache=True)
+    status = _main(None, compile_cache=True)
+    _exit_now_if_compiling(status)
+    return status
 
 
 def _main(argv, *, compile_cache: bool) -> int:
