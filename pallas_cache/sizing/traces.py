@@ -697,7 +697,7 @@ def _read_jsonl(path: str | os.PathLike, *, num_layers: int | None = None,
             raise TraceError(f"{where}: field 'layer': layer {layer} is outside "
                              f"[0, {declared_layers}) (num_layers={declared_layers})")
         if layer > INT32_MAX - 1:
-            raise TraceError(f"{where}: field 'layer': layer {layer} does not fit int32")
+            raise TraceError(f"{where}: field 'layer': {_id_past_int32('layer', layer)}")
         token = _record_int(record, "token_idx", where)
         if token < 0:
             raise TraceError(f"{where}: field 'token_idx': token_idx {token} is negative")
@@ -806,8 +806,10 @@ def trace_from_records(source: str, *, sequence: np.ndarray, token_idx: np.ndarr
             if name == "layer" and declared_layers is not None and value >= declared_layers:
                 raise TraceError(f"{where}: field 'layer': layer {value} is outside "
                                  f"[0, {declared_layers}) (num_layers={declared_layers})")
+            if name == "layer":
+                raise TraceError(f"{where}: field 'layer': {_id_past_int32('layer', value)}")
             raise TraceError(f"{where}: field {name!r}: {name} {value} is too large "
-                             f"({'does not fit int32' if name == 'layer' else 'limit 2**62'})")
+                             f"(limit 2**62)")
     if experts.size:
         limit_expert = declared_experts if declared_experts is not None else INT32_MAX
         if int(experts.min()) < -1 or int(experts.max()) >= limit_expert:
@@ -1130,9 +1132,11 @@ def _assemble_dense(members: list[_Member], where: str, declared_layers: int | N
             text = (f"[-1, {declared_experts}) (num_experts={declared_experts})"
                     if declared_experts is not None else "[-1, 2**31 - 1)")
             note = " (-1 is the only padding value)" if int(values[index]) < -1 else ""
+            reason = f"expert {int(values[index])} is outside {text}{note}"
+            if declared_experts is None and int(values[index]) >= INT32_MAX:
+                reason = _id_past_int32("expert", int(values[index]))
             raise TraceError(f"{member.label}[token={index[0]}, layer={index[1]}, "
-                             f"k={index[2]}]: expert {int(values[index])} is outside {text}"
-                             f"{note}")
+                             f"k={index[2]}]: {reason}")
         tokens, layers, width = member.shape
         routes[row:row + tokens * layers, :width] = values.reshape(tokens * layers, width)
         offsets.append(row)
@@ -1230,7 +1234,17 @@ def _expert_out_of_range(where: str, expert: int, declared_experts: int | None) 
     if declared_experts is not None and expert >= declared_experts:
         return TraceError(f"{where}: field 'experts': expert {expert} is outside "
                           f"[-1, {declared_experts}) (num_experts={declared_experts})")
-    return TraceError(f"{where}: field 'experts': expert {expert} does not fit int32")
+    return TraceError(f"{where}: field 'experts': {_id_past_int32('expert', expert)}")
+
+
+def _id_past_int32(name: str, value: int) -> str:
+    """Why an id at or past ``2**31 - 1`` is refused: past it the id itself does not fit int32;
+    at it the id fits, but the count it implies (``max + 1``) does not."""
+    if value > INT32_MAX:
+        return f"{name} {value} does not fit int32"
+    count = "num_layers" if name == "layer" else "num_experts"
+    return (f"{name} {value} fits int32, but {count} = {value} + 1 = 2**31 would not (ids "
+            f"must be below 2**31 - 1)")
 
 
 def _short(value: Any) -> str:
