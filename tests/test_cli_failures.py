@@ -272,3 +272,25 @@ def test_ctrl_c_while_the_precompile_thread_compiles_exits_130_not_an_abort():
     assert process.wait(timeout=120) == 130, text
     assert text.rstrip().endswith("pallas-cache: interrupted"), text
     assert "terminate" not in text and "FATAL" not in text and "Traceback" not in text, text
+
+
+@pytest.mark.parametrize("size", ["-5", "-0.5"])
+def test_a_negative_cache_size_says_it_must_be_positive(capsys, no_replay, size):
+    """FAILS if --cache-size -5 is read as a byte size and refused as "bad byte size" instead
+    of saying that a cache size must be positive."""
+    line = one_line_error(capsys, cli.main(SMALL[:-3] + [size, "--policy", "full"]))
+    assert f"cache size {size!r} must be positive" in line, line
+
+
+def test_a_clamped_fraction_runs_and_is_shown_resolved(capsys, monkeypatch):
+    """FAILS if fraction:1.5 (or fraction:-1) runs with its warning but every row keeps the
+    label fraction:1.5 instead of the fraction it ran, fraction:1 (fraction:0), as
+    fraction:auto is shown resolved; an unchanged fraction keeps its label."""
+    ran = []
+    monkeypatch.setattr(replay_mod, "replay",
+                        lambda trace, configs, **options: ran.extend(configs) or [])
+    argv = SMALL[:-1] + ["fraction:1.5", "fraction:-1", "fraction:0.4", "--json"]
+    assert cli.main(argv) == 0
+    assert [config.policy for config in ran] == ["fraction:1", "fraction:0", "fraction:0.4"]
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert [w.split()[2] for w in warnings] == ["fraction:1.5", "fraction:-1"], warnings

@@ -354,6 +354,9 @@ def _sizes(texts, trace, cost):
             sizes += auto_cache_sizes(trace.num_layers, trace.num_experts, trace.top_k)
         elif text.isdigit():
             sizes.append(int(text))
+        elif re.fullmatch(r"\s*-\s*[0-9.]+\s*[a-zA-Z]*\s*", text):
+            raise ValueError(f"cache size {text!r} must be positive: a slot count (at least one "
+                             f"layer's experts) or bytes such as 12GiB")
         else:
             wanted = parse_bytes(text)
             if cost.expert_bytes is None:
@@ -382,6 +385,27 @@ def _policies(requested, cost):
             else DEFAULT_POLICIES
     resolved = [cost.auto_policy() if p == "fraction:auto" else p for p in requested]
     return list(dict.fromkeys(resolved))
+
+
+def _clamped(policy: str) -> str:
+    """``fraction:Q`` as the fraction it runs when clamping or rounding changes it
+    (``fraction:1.5`` -> ``fraction:1``, ``fraction:-1`` -> ``fraction:0``; see
+    :func:`_policy_warnings`), so a row shows what it ran; anything else unchanged."""
+    from pallas_cache.policy import ONE
+    from pallas_cache.sizing.sweep import parse_policy
+
+    kind, _, value = policy.partition(":")
+    if kind != "fraction":
+        return policy
+    try:
+        requested, f16 = float(value), int(parse_policy(policy).fraction16)
+    except ValueError:
+        return policy  # malformed: config_grid reports it
+    if f16 == 0 and requested != 0:
+        return "fraction:0"
+    if f16 == ONE and requested > 1:
+        return "fraction:1"
+    return policy
 
 
 def _legend(results, trace, cost) -> list[str]:
@@ -581,7 +605,8 @@ def _replay_with(args, progress: Progress, latch: _InterruptLatch) -> int:
         if args.plot:
             args.plot = _check_plot_path(args.plot)
         cost, model, weight_label = _cost_options(args)
-        policies = _policies(args.policy, cost)
+        requested = _policies(args.policy, cost)
+        policies = list(dict.fromkeys(_clamped(policy) for policy in requested))
         progress.note(f"reading {args.trace}..." if args.trace else
                       f"generating the {args.synthetic or DEFAULT_PRESET} trace...")
         compiling = None if args.trace else _precompile_synthetic(args, policies, cost)
@@ -603,7 +628,7 @@ def _replay_with(args, progress: Progress, latch: _InterruptLatch) -> int:
         print(f"pallas-cache: {error}", file=sys.stderr)
         return 2
     progress.close()  # the note: warnings follow on a clean line
-    for line in _policy_warnings(policies):
+    for line in _policy_warnings(requested):
         print(line, file=sys.stderr)
     if model is not None and _model_mismatch(model, trace):
         print(_model_mismatch(model, trace), file=sys.stderr)
