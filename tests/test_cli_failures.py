@@ -294,3 +294,72 @@ def test_a_clamped_fraction_runs_and_is_shown_resolved(capsys, monkeypatch):
     assert [config.policy for config in ran] == ["fraction:1", "fraction:0", "fraction:0.4"]
     warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
     assert [w.split()[2] for w in warnings] == ["fraction:1.5", "fraction:-1"], warnings
+
+
+@pytest.fixture
+def umask():
+    """Set the process umask for a test, and restore it."""
+    previous = os.umask(0o022)
+    yield os.umask
+    os.umask(previous)
+
+
+def test_a_new_plot_follows_the_umask_and_an_existing_one_keeps_its_mode(tmp_path, capsys,
+                                                                          umask):
+    """FAILS if the plot keeps the temporary file's mode 0600 whatever the umask (a new file
+    must be 0644 under umask 022 and 0640 under 027), or an existing writable file ends 0600
+    instead of keeping its mode."""
+    for mask, mode in ((0o022, 0o644), (0o027, 0o640)):
+        umask(mask)
+        target = tmp_path / f"new-{mask:o}.png"
+        assert cli.main(SMALL + ["--json", "--plot", str(target)]) == 0
+        assert oct(os.stat(target).st_mode & 0o777) == oct(mode)
+    umask(0o022)
+    existing = tmp_path / "existing.png"
+    existing.write_bytes(b"old")
+    os.chmod(existing, 0o664)
+    assert cli.main(SMALL + ["--json", "--plot", str(existing)]) == 0
+    assert existing.read_bytes()[:4] == b"\x89PNG"
+    assert oct(os.stat(existing).st_mode & 0o777) == oct(0o664)
+    assert sorted(os.listdir(tmp_path)) == ["existing.png", "new-22.png", "new-27.png"]
+    capsys.readouterr()
+
+
+def test_a_plot_target_that_cannot_be_replaced_is_refused_before_the_replay(
+        tmp_path, capsys, no_replay, monkeypatch):
+    """FAILS if an existing --plot file whose directory refuses the rename over it is found out
+    only after the whole replay (a 20-line PermissionError traceback from os.replace); the
+    file is left as it was."""
+    target = tmp_path / "plot.png"
+    target.write_bytes(b"keep me")
+    real_replace = os.replace
+
+    def refusing_replace(src, dst, **kwargs):
+        if str(target) in (str(src), str(dst)):
+            raise PermissionError(1, "Operation not permitted")
+        return real_replace(src, dst, **kwargs)
+
+    monkeypatch.setattr(os, "replace", refusing_replace)
+    monkeypatch.setattr(os, "rename", refusing_replace)
+    line = one_line_error(capsys, cli.main(SMALL + ["--plot", str(target)]))
+    assert f"--plot {target}: cannot replace the existing file: Operation not permitted" in line
+    assert target.read_bytes() == b"keep me" and os.listdir(tmp_path) == ["plot.png"]
+
+
+def test_an_immutable_plot_target_is_refused_before_the_replay(tmp_path, capsys, no_replay):
+    """FAILS if an immutable (chattr +i) --plot file is refused only after the replay, by a
+    traceback. Needs chattr and the right to use it (root here); skipped elsewhere."""
+    import shutil
+    import subprocess
+
+    target = tmp_path / "plot.png"
+    target.write_bytes(b"keep me")
+    if shutil.which("chattr") is None or subprocess.run(
+            ["chattr", "+i", str(target)], capture_output=True).returncode != 0:
+        pytest.skip("chattr +i is not available here")
+    try:
+        line = one_line_error(capsys, cli.main(SMALL + ["--plot", str(target)]))
+    finally:
+        subprocess.run(["chattr", "-i", str(target)], check=True)
+    assert f"--plot {target}: " in line and ("cannot replace" in line or "not writable" in line)
+    assert target.read_bytes() == b"keep me" and os.listdir(tmp_path) == ["plot.png"]

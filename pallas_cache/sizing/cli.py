@@ -19,6 +19,7 @@ import argparse
 import os
 import re
 import signal
+import stat
 import sys
 import tempfile
 import textwrap
@@ -230,7 +231,8 @@ def _memory_size(text: str) -> int:
 
 def _check_plot_path(path: str) -> str:
     """The file ``--plot`` will write, checked now: matplotlib importable, a known image format,
-    an existing, writable directory. A directory gets :data:`DEFAULT_PLOT_NAME` inside it.
+    an existing, writable directory, and an existing file there writable and replaceable (the
+    plot is renamed over it). A directory gets :data:`DEFAULT_PLOT_NAME` inside it.
 
     Raises:
         ValueError: the one-line reason.
@@ -259,7 +261,47 @@ def _check_plot_path(path: str) -> str:
     except OSError as error:
         raise ValueError(f"--plot {path}: cannot write in {folder}: "
                          f"{error.strerror or error}") from None
+    if os.path.lexists(path):
+        if not os.access(path, os.W_OK, follow_symlinks=False):
+            raise ValueError(f"--plot {path}: the existing file is not writable")
+        try:
+            _rename_aside_and_back(path, folder)
+        except OSError as error:
+            raise ValueError(f"--plot {path}: cannot replace the existing file: "
+                             f"{error.strerror or error}") from None
     return path
+
+
+def _rename_aside_and_back(path: str, folder: str) -> None:
+    """Rename the existing ``path`` to a temporary name in ``folder`` and back: the checks a
+    rename over it meets (an immutable file, a sticky directory, a read-only mount) are the
+    checks this meets, and the file ends where it was, same inode, same bytes."""
+    handle, aside = tempfile.mkstemp(dir=folder, prefix=".pallas-cache-probe-")
+    os.close(handle)
+    try:
+        os.replace(path, aside)
+    except OSError:
+        os.remove(aside)
+        raise
+    try:
+        os.replace(aside, path)
+    except OSError as error:
+        raise OSError(error.errno, f"{error.strerror}; the file is now {aside}") from None
+
+
+def _new_file_mode() -> int:
+    """The mode a newly created file gets from the process umask (0o644 under umask 022).
+    Read from /proc where Linux has it, so the umask is never changed, even for a moment."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
 
 
 def _policy_warnings(policies) -> list[str]:
@@ -457,6 +499,11 @@ def _write_atomically(path: str, write) -> None:
     os.close(handle)
     try:
         write(temp)
+        try:  # the temporary file is 0600: give it the mode the file has, or a new file gets
+            mode = stat.S_IMODE(os.stat(path).st_mode)
+        except FileNotFoundError:
+            mode = _new_file_mode()
+        os.chmod(temp, mode)
         os.replace(temp, path)
     finally:
         if os.path.exists(temp):
@@ -656,7 +703,11 @@ def _replay_with(args, progress: Progress, latch: _InterruptLatch) -> int:
         print(format_records(rows, "table", header))
         print("\n".join(_legend(results, trace, cost)))
     if args.plot:
-        _plot(rows, args.plot)
+        try:
+            _plot(rows, args.plot)
+        except OSError as error:  # checked before the replay; changed since
+            print(f"pallas-cache: --plot {args.plot}: {error.strerror or error}", file=sys.stderr)
+            return 2
         print(f"plot written to {args.plot}", file=sys.stderr)
     return 0
 
