@@ -192,3 +192,47 @@ def test_an_id_at_or_past_the_int32_edge_says_why(tmp_path_factory, format, fiel
         assert f"{name} {value} fits int32, but {count} = {value} + 1 = 2**31" in message, message
     else:
         assert f"{name} {value} does not fit int32" in message, message
+
+
+def _lines_one_by_one(data: bytes, limit: int):
+    """The line rule read naively, one line at a time: ``(line number, line)`` of each line that
+    is not blank (``bytes.strip``), then the number of the first such line longer than
+    ``limit`` bytes (newline included), if any."""
+    parts = data.split(b"\n")
+    lines = [part + b"\n" for part in parts[:-1]] + ([parts[-1]] if parts[-1] else [])
+    kept = []
+    for number, line in enumerate(lines, 1):
+        if line.strip():
+            if len(line) > limit:
+                return kept, number
+            kept.append((number, line))
+    return kept, None
+
+
+@given(pieces=st.lists(st.sampled_from([b"\n", b" ", b"\t", b"\r", b"\x0b", b"\x0c", b"\r\n",
+                                        b"{}", b"x", b"ab  c", b"\n\n\n", b"    " * 5]),
+                       max_size=40),
+       block=st.integers(1, 12), limit=st.integers(1, 24), compress=st.booleans())
+def test_the_block_reader_yields_the_lines_of_the_line_by_line_rule(tmp_path_factory, pieces,
+                                                                    block, limit, compress):
+    """FAILS if skipping blank content a block at a time changes which lines are read, their
+    numbers, or which line is refused as too long (whitespace-only lines are skipped however
+    long), whatever the block boundaries cut (blocks and the limit shrunk to a few bytes)."""
+    from pallas_cache.sizing import traces
+
+    data = b"".join(pieces)
+    path = tmp_path_factory.mktemp("blocks") / "t.jsonl"
+    path.write_bytes(gzip.compress(data) if compress else data)
+    want, too_long = _lines_one_by_one(data, limit)
+    saved = traces._BLOCK_BYTES, traces.MAX_LINE_BYTES
+    traces._BLOCK_BYTES, traces.MAX_LINE_BYTES = block, limit
+    got = []
+    try:
+        for item in traces._numbered_lines(str(path)):
+            got.append(item)
+        refused = None
+    except TraceError as error:
+        refused = int(re.search(r"t\.jsonl:(\d+): line is longer", str(error)).group(1))
+    finally:
+        traces._BLOCK_BYTES, traces.MAX_LINE_BYTES = saved
+    assert (got, refused) == (want, too_long)

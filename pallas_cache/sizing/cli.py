@@ -24,6 +24,7 @@ import sys
 import tempfile
 import textwrap
 import threading
+import time
 
 from pallas_cache.sizing import synthetic
 from pallas_cache.sizing.cost import CostModel
@@ -199,14 +200,36 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _load(args):
+def _load(args, progress: Progress | None = None):
     if args.trace:
         fields = parse_fields(args.field) if args.field is not None else None
+        report = None if progress is None else _ReadProgress(progress, args.trace)
         return load_trace(args.trace, num_layers=args.num_layers, num_experts=args.num_experts,
                           max_memory=args.max_memory, fields=fields,
-                          trace_format=args.trace_format)
+                          trace_format=args.trace_format, progress=report)
     return synthetic.synthetic_trace(args.synthetic or DEFAULT_PRESET, num_tokens=args.tokens,
                                      seed=args.seed, max_memory=args.max_memory)
+
+
+#: Seconds a trace may take to read before its progress is shown (a phase of the replay's).
+READ_PROGRESS_AFTER = 2.0
+
+
+class _ReadProgress:
+    """``progress(bytes read, file size)`` of :func:`load_trace` as a phase of the CLI's
+    :class:`Progress`, started once the read has taken :data:`READ_PROGRESS_AFTER` seconds."""
+
+    def __init__(self, progress: Progress, path: str):
+        self.progress, self.path = progress, path
+        self.start, self.shown = time.perf_counter(), False
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.shown:
+            if time.perf_counter() - self.start < READ_PROGRESS_AFTER:
+                return
+            self.progress.phase(f"reading {self.path} ({format_bytes(total)})...", max(total, 1))
+            self.shown = True
+        self.progress.update(done, f"{format_bytes(done)} of {format_bytes(total)}")
 
 
 # ---- argument checks: everything that can fail does so before the work ----------------------
@@ -657,7 +680,7 @@ def _replay_with(args, progress: Progress, latch: _InterruptLatch) -> int:
         progress.note(f"reading {args.trace}..." if args.trace else
                       f"generating the {args.synthetic or DEFAULT_PRESET} trace...")
         compiling = None if args.trace else _precompile_synthetic(args, policies, cost)
-        trace = _load(args)
+        trace = _load(args, progress)
         sizes, size_lines = _sizes(args.cache_size, trace, cost)
         configs = config_grid(sizes, policies, args.order, args.admission, args.eviction)
         if not configs:
