@@ -17,7 +17,8 @@ Formats (:func:`load_trace` picks one from the file suffix, or takes ``trace_for
 
   ``layer``, ``token_idx`` and ``experts`` are required; ``sequence`` (or, when absent,
   ``problem_id``) optionally names the sequence the token belongs to; any other key is ignored.
-  Blank lines are skipped. Calls are ordered by sequence (in order of first appearance in the
+  Blank (whitespace-only) lines are skipped, however long; a line with a record may hold at most
+  :data:`MAX_LINE_BYTES`. Calls are ordered by sequence (in order of first appearance in the
   file), then ``token_idx`` ascending, then ``layer`` ascending -- the order a layer-by-layer
   decode loop makes them, whatever order the file was written in. A missing (token, layer) record
   is simply absent (no call); a record whose ``experts`` list is shorter than the longest one is
