@@ -87,7 +87,7 @@ def main() -> None:
         trace = synthetic_trace("fine-grained", num_tokens=args.records // 48)
         records = os.path.join(folder, "records.jsonl")
         save_trace(trace, records)
-        inputs.append((f"{trace.num_calls:,} records, JSONL "
+        inputs.append((f"{trace.num_calls:,} synthetic fine-grained records, JSONL "
                        f"({os.path.getsize(records) / 1e6:.0f} MB)", records, None))
         for label, path, mib in inputs:
             row = [label]
