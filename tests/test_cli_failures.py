@@ -282,14 +282,19 @@ def test_a_negative_cache_size_says_it_must_be_positive(capsys, no_replay, size)
     assert f"cache size {size!r} must be positive" in line, line
 
 
-def test_a_clamped_fraction_runs_and_is_shown_resolved(capsys, monkeypatch):
+def test_a_clamped_fraction_runs_and_is_shown_resolved(tmp_path, capsys, monkeypatch):
     """FAILS if fraction:1.5 (or fraction:-1) runs with its warning but every row keeps the
     label fraction:1.5 instead of the fraction it ran, fraction:1 (fraction:0), as
-    fraction:auto is shown resolved; an unchanged fraction keeps its label."""
+    fraction:auto is shown resolved; an unchanged fraction keeps its label. (A trace file, so
+    no precompile runs for the replay that is replaced.)"""
     ran = []
     monkeypatch.setattr(replay_mod, "replay",
                         lambda trace, configs, **options: ran.extend(configs) or [])
-    argv = SMALL[:-1] + ["fraction:1.5", "fraction:-1", "fraction:0.4", "--json"]
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps({"layer": layer, "token_idx": 0, "experts": [0, 1]}) + "\n"
+                            for layer in range(2)))
+    argv = ["replay", "--trace", str(path), "--num-experts", "8", "--cache-size", "8", "--policy",
+            "fraction:1.5", "fraction:-1", "fraction:0.4", "--json"]
     assert cli.main(argv) == 0
     assert [config.policy for config in ran] == ["fraction:1", "fraction:0", "fraction:0.4"]
     warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
