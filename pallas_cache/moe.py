@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.custom_batching import custom_vmap
 
@@ -174,7 +175,11 @@ def _slice_rows(bank_leaf, indices, out_space):
 
 
 def check_bank_layer(host_bank, layer):
-    """Validate ``layer`` against the bank rank; returns it as an int32 scalar or None."""
+    """Validate ``layer`` against the bank rank; returns it as an int32 scalar or None.
+
+    A concrete ``layer`` (a Python int or a concrete array) outside ``[0, L)`` of any bank leaf
+    raises ``ValueError`` naming it and ``L``; a traced one cannot be seen here (callers mask it,
+    docs/semantics.md §5.13)."""
     leaves = jax.tree.leaves(host_bank)
     if layer is None:
         return None
@@ -182,6 +187,13 @@ def check_bank_layer(host_bank, layer):
         if leaf.ndim < 2:
             raise ValueError(
                 f"with layer= the host bank leaves must be [L, E, ...], got shape {leaf.shape}")
+    if not isinstance(layer, jax.core.Tracer):
+        value = np.asarray(layer)
+        if value.shape == () and np.issubdtype(value.dtype, np.integer):
+            num_layers = min(leaf.shape[0] for leaf in leaves)
+            if not 0 <= int(value) < num_layers:
+                raise ValueError(f"layer {int(value)} is outside [0, {num_layers}): the host "
+                                 f"bank holds {num_layers} layers")
     layer = jnp.asarray(layer)
     if layer.shape != () or not jnp.issubdtype(layer.dtype, jnp.integer):
         raise TypeError(f"layer must be an integer scalar, got {layer.dtype}{list(layer.shape)}")
@@ -211,6 +223,22 @@ def check_plan_geometry(copy, pool, host_bank, layer) -> None:
                              f"its expert axis {axis})")
 
 
+def _check_entries(copy, num_slots, num_rows) -> None:
+    """Raise ``ValueError`` naming the first counted entry of a concrete plan whose slot is not in
+    ``[0, num_slots)`` or whose row is not in ``[0, num_rows)``; a traced plan is masked instead."""
+    fields = (copy.dst_slots, copy.src_rows, copy.count)
+    if any(isinstance(x, jax.core.Tracer) for x in fields):
+        return
+    dst, src, count = (np.asarray(x).astype(np.int64) for x in fields)
+    counted = (np.arange(dst.shape[0]) < count) & (dst >= 0) & (src >= 0)
+    for i in np.flatnonzero(counted & ((dst >= num_slots) | (src >= num_rows))):
+        if dst[i] >= num_slots:
+            raise ValueError(f"copy entry {i}: dst_slots[{i}] = {dst[i]} is outside [0, "
+                             f"{num_slots}), the pool's slots")
+        raise ValueError(f"copy entry {i}: src_rows[{i}] = {src[i]} is outside [0, {num_rows}), "
+                         f"the host bank's expert rows")
+
+
 def apply_copy_plan(pool, host_bank, plan, *, layer=None):
     """Copy a plan's fetched experts from the host bank into their device slots.
 
@@ -233,7 +261,11 @@ def apply_copy_plan(pool, host_bank, plan, *, layer=None):
 
     Raises:
       ValueError: at trace time, a pool or bank whose geometry differs from the plan's
-        (:func:`check_plan_geometry`), naming both shapes.
+        (:func:`check_plan_geometry`), naming both shapes; a concrete ``layer`` outside
+        ``[0, L)``, naming it and ``L``; a concrete plan with a counted entry whose slot is
+        outside ``[0, S)`` or whose row is outside ``[0, E)``, naming the entry. Traced, the
+        same values copy nothing: an entry out of range writes no slot, a layer out of range
+        returns the pool unchanged (docs/semantics.md §5.13).
     """
     copy = getattr(plan, "copy", plan)
     dst_slots = jnp.asarray(copy.dst_slots, jnp.int32)
@@ -251,7 +283,18 @@ def apply_copy_plan(pool, host_bank, plan, *, layer=None):
         if leaf.shape[0] != num_slots:
             raise ValueError(f"pool leaves disagree on the slot count: {leaf.shape[0]} vs {num_slots}")
 
-    valid = (jnp.arange(dst_slots.shape[0]) < count) & (dst_slots >= 0) & (src_rows >= 0)
+    axis = 0 if layer is None else 1
+    num_rows = min(leaf.shape[axis] for leaf in bank_leaves)
+    counted = (jnp.arange(dst_slots.shape[0]) < count) & (dst_slots >= 0) & (src_rows >= 0)
+    _check_entries(copy, num_slots, num_rows)
+    # A traced entry out of range copies nothing (a gather would clamp it onto another row),
+    # and so does every entry under a traced layer out of range.
+    valid = counted & (dst_slots < num_slots) & (src_rows < num_rows)
+    if layer is not None:
+        num_layers = min(leaf.shape[0] for leaf in bank_leaves)
+        layer_ok = (layer >= 0) & (layer < num_layers)
+        valid = valid & layer_ok
+        layer = jnp.where(layer_ok, layer, 0)
     # Out-of-range index + mode="drop" writes nothing; -1 would wrap to the last slot.
     scatter_to = jnp.where(valid, dst_slots, num_slots)
     gather_from = jnp.where(valid, src_rows, 0)  # any in-range row; its copy is dropped

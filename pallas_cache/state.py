@@ -177,9 +177,30 @@ def _capacity(cache_size: int, capacity) -> int:
     if capacity < cache_size:
         raise ValueError(f"capacity {capacity} is below cache_size {cache_size}: the usable "
                          f"slots are the first cache_size of the capacity")
-    if capacity > validate.INT32_MAX:
-        raise ValueError(f"capacity must fit in int32, got {capacity}")
-    return capacity
+    return _fits_int32("capacity", capacity)
+
+
+def _fits_int32(name: str, value: int) -> int:
+    if value > validate.INT32_MAX:
+        raise ValueError(f"{name} must fit in int32 (<= {validate.INT32_MAX}), got {value}")
+    return value
+
+
+def _check_representable(L: int, E: int, S: int, C: int) -> None:
+    """Refuse, before anything is allocated, a geometry whose int32 quantities overflow
+    (docs/semantics.md §5.1): each size, the ``L * E`` flat ids, and the clock's stamps after a
+    rebase (at most ``C + L * E + 1``, then the call's tick; §5.12)."""
+    for name, value in (("num_layers", L), ("num_experts", E), ("cache_size", S),
+                        ("capacity", C)):
+        _fits_int32(name, value)
+    if L * E > validate.INT32_MAX:
+        raise ValueError(f"num_layers * num_experts = {L} * {E} = {L * E} flat ids do not fit "
+                         f"in int32 (<= {validate.INT32_MAX})")
+    stamps = C + L * E + 1
+    if stamps >= validate.INT32_MAX:
+        raise ValueError(f"capacity + num_layers * num_experts + 1 = {stamps} clock stamps leave "
+                         f"the int32 clock no room to tick after a rebase (at most "
+                         f"{validate.INT32_MAX - 1})")
 
 
 def init(num_layers: int, num_experts: int, cache_size: int, *, capacity: int | None = None,
@@ -205,8 +226,10 @@ def init(num_layers: int, num_experts: int, cache_size: int, *, capacity: int | 
       collection off and no prefill chunk open.
 
     Raises:
-      TypeError: a non-integer argument. ValueError: an argument < 1, ``S < E``, ``C < S``, or
-        an unknown eviction.
+      TypeError: a non-integer argument. ValueError: an argument < 1, ``S < E``, ``C < S``, an
+        unknown eviction, or a size int32 cannot represent: ``L``, ``E``, ``S``, ``C``, the
+        threshold or ``history`` above ``2**31 - 1``, ``L * E`` above it, or
+        ``C + L * E + 1 >= 2**31 - 1`` (no room for the clock after a rebase).
     """
     L = validate.positive_int("num_layers", num_layers)
     E = validate.positive_int("num_experts", num_experts)
@@ -217,8 +240,9 @@ def init(num_layers: int, num_experts: int, cache_size: int, *, capacity: int | 
     if S < E:
         raise ValueError(f"cache_size {S} cannot hold one layer of {E} experts")
     C = _capacity(S, capacity)
-    if threshold > validate.INT32_MAX:
-        raise ValueError(f"rebase_threshold must fit in int32, got {threshold}")
+    _check_representable(L, E, S, C)
+    _fits_int32("rebase_threshold", threshold)
+    _fits_int32("history", ring)
     return _empty_state(L, E, C, S, threshold, collect_routing=False, eviction=policy,
                         history=ring)
 
@@ -248,12 +272,14 @@ def rebuild(state: CacheState, cache_size: int, *, capacity: int | None = None) 
     Raises:
       RebuildRejected: ``cache_size < E``; the caller keeps the old state, which is untouched.
       TypeError: ``cache_size`` or ``capacity`` is not an integer. ValueError: ``capacity <
-        cache_size``.
+        cache_size``, or a size int32 cannot represent (as :func:`init`).
     """
     requested = validate.as_host_int("cache_size", cache_size)
     if requested < state.num_experts:
         raise RebuildRejected(requested=requested, minimum=state.num_experts)
-    return _empty_state(state.num_layers, state.num_experts, _capacity(requested, capacity),
+    new_capacity = _capacity(requested, capacity)
+    _check_representable(state.num_layers, state.num_experts, requested, new_capacity)
+    return _empty_state(state.num_layers, state.num_experts, new_capacity,
                         requested, state.rebase_threshold, state.collect_routing, state.eviction,
                         history_of(state.ranking))
 

@@ -25,11 +25,16 @@ import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from jax import lax
 
 import pallas_cache as pc
 from pallas_cache.moe import apply_copy_plan, host_memory_kind, memory_space, put_host_bank
 from pallas_cache.testing import moe_combine, moe_dense
+from reference import moe as reference_moe
+
+from conftest import examples
 
 
 def _load_example():
@@ -276,6 +281,109 @@ def test_structure_mismatch_is_rejected():
         apply_copy_plan({"w": _pool()}, _bank(), _copy([0], [0], 1))
     with pytest.raises(ValueError, match="rows"):
         apply_copy_plan(_pool(), jnp.zeros((E, ROW + 1)), _copy([0], [0], 1))
+
+
+# --- bad layers and bad entries (docs/semantics.md §5.13) ---------------------------------------
+
+NUM_LAYERS = 3
+
+
+def _layered_bank():
+    """[L, E, ROW], every row of every layer distinct."""
+    return jnp.arange(NUM_LAYERS * E * ROW, dtype=jnp.float32).reshape(NUM_LAYERS, E, ROW) + 100.0
+
+
+@pytest.mark.parametrize("layer", [NUM_LAYERS, NUM_LAYERS + 3, -1, -5, 2**31 - 1, 2**40])
+def test_a_python_int_layer_out_of_range_is_refused_naming_it_and_L(layer):
+    """FAILS if a Python-int layer outside [0, L) is accepted: layer L+3, -1 and 2**31-1 copied
+    the last layer's rows and -5 layer 0's, silently."""
+    copy = _copy([1, -1], [2, -1], 1)
+    with pytest.raises(ValueError, match=rf"layer {layer} is outside \[0, {NUM_LAYERS}\)"):
+        apply_copy_plan(_pool(), _layered_bank(), copy, layer=layer)
+    with pytest.raises(ValueError, match=rf"layer {layer} is outside"):  # a constant under jit
+        jax.jit(lambda pool: apply_copy_plan(pool, _layered_bank(), copy, layer=layer))(_pool())
+
+
+def test_a_traced_layer_out_of_range_writes_nothing():
+    """FAILS if a traced layer outside [0, L) writes the clamped layer's rows (the last layer's
+    for L, L+3, -1 and 2**31-1, layer 0's for -5) instead of returning the pool unchanged."""
+    copy = _copy([1, 4, -1], [2, 0, -1], 2)
+    step = jax.jit(lambda pool, layer: apply_copy_plan(pool, _layered_bank(), copy, layer=layer))
+    for layer in (NUM_LAYERS, NUM_LAYERS + 3, -1, -5, 2**31 - 1, -(2**31)):
+        np.testing.assert_array_equal(step(_pool(), jnp.int32(layer)), _pool(),
+                                      err_msg=f"layer {layer}")
+    for layer in range(NUM_LAYERS):  # and an in-range layer still copies its own rows
+        np.testing.assert_array_equal(
+            step(_pool(), jnp.int32(layer)),
+            _expected(_pool(), _layered_bank()[layer], [(1, 2), (4, 0)]))
+
+
+@pytest.mark.parametrize("dst, src, match", [
+    ([1, 20], [2, 3], r"copy entry 1: dst_slots\[1\] = 20 is outside \[0, 6\)"),
+    ([1, 2], [2, 9], r"copy entry 1: src_rows\[1\] = 9 is outside \[0, 4\)"),
+    ([S, 2], [2, 3], r"copy entry 0: dst_slots\[0\] = 6 is outside \[0, 6\)"),
+    ([1, 2], [E, 3], r"copy entry 0: src_rows\[0\] = 4 is outside \[0, 4\)"),
+])
+def test_a_concrete_hand_built_entry_out_of_range_is_refused_naming_it(dst, src, match):
+    """FAILS if a hand-built plan's out-of-range entry is accepted: a row past E copied row E-1
+    (a clamped gather) and a slot past S was dropped, both without a word."""
+    copy = _copy(dst, src, 2)
+    with pytest.raises(ValueError, match=match):
+        apply_copy_plan(_pool(), _bank(), copy)
+    with pytest.raises(ValueError, match=match):  # a constant plan under jit is seen too
+        jax.jit(lambda pool: apply_copy_plan(pool, _bank(), copy))(_pool())
+
+
+def test_out_of_range_entries_past_count_or_beside_padding_are_not_refused():
+    """FAILS if the entry check looks at entries that are not counted: past ``count``, or
+    padding (a -1 slot or row) inside it, which write nothing whatever else they hold."""
+    new_pool = apply_copy_plan(_pool(), _bank(), _copy([1, -1, 50, 70], [2, 40, -1, 80], 3))
+    np.testing.assert_array_equal(new_pool, _expected(_pool(), _bank(), [(1, 2)]))
+
+
+def test_a_traced_entry_out_of_range_copies_nothing_never_a_clamped_row():
+    """FAILS if a traced src_rows[i] >= E copies the clamped row E-1 (or a traced slot >= S
+    writes anything); the in-range entries beside it are still copied."""
+    step = jax.jit(apply_copy_plan)
+    got = step(_pool(), _bank(), _copy([1, 2, S + 14, 3], [9, 0, 1, E], 4))
+    np.testing.assert_array_equal(got, _expected(_pool(), _bank(), [(2, 0)]))
+
+
+@examples(1.0)
+@given(data=st.data())
+def test_bad_layers_and_entries_match_the_reference_eager_and_traced(data):
+    """FAILS if the JAX function and the NumPy reference (reference/moe.py) disagree on any plan
+    of in-range, padding and out-of-range entries with any layer: eagerly both raise or both
+    return the same pool; traced (jit, donated pool) the pool equals the reference's
+    ``traced=True`` one."""
+    width = 4
+    entry = st.integers(-3, 9)
+    dst = data.draw(st.lists(entry, min_size=width, max_size=width), label="dst_slots")
+    src = data.draw(st.lists(entry, min_size=width, max_size=width), label="src_rows")
+    count = data.draw(st.integers(-1, width + 1), label="count")
+    layer = data.draw(st.integers(-2, NUM_LAYERS + 1), label="layer")
+    copy = _copy(dst, src, count)
+    bank, pool = np.asarray(_layered_bank()), np.asarray(_pool())
+    ref_copy = reference_moe.apply_copy_plan
+    try:
+        want = ref_copy(pool, bank, copy, layer=layer)
+    except ValueError:
+        want = None
+    if want is None:
+        with pytest.raises(ValueError):
+            apply_copy_plan(_pool(), _layered_bank(), copy, layer=layer)
+    else:
+        np.testing.assert_array_equal(
+            apply_copy_plan(_pool(), _layered_bank(), copy, layer=layer), want)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # backends without donation warn
+        got = _DONATED_LAYERED(_pool(), _layered_bank(), copy, jnp.int32(layer))
+    np.testing.assert_array_equal(got, ref_copy(pool, bank, copy, layer=layer, traced=True))
+
+
+_DONATED_LAYERED = jax.jit(lambda pool, bank, copy, layer: apply_copy_plan(pool, bank, copy,
+                                                                           layer=layer),
+                           donate_argnums=0)
 
 
 # --- moe_combine / moe_dense ---------------------------------------------------------------------

@@ -505,6 +505,47 @@ def test_init_and_rebuild_check_the_capacity():
     assert (again.capacity, int(again.cache_size)) == (9, 7), "reset keeps both"
 
 
+INT32_MAX = 2**31 - 1
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: pc.init(4, 8, 2**31), r"cache_size must fit in int32 \(<= 2147483647\), got 2147483648"),
+    (lambda: pc.init(2**31, 8, 16), "num_layers must fit in int32"),
+    (lambda: pc.init(1, 2**31, 2**31), "num_experts must fit in int32"),
+    (lambda: pc.init(2, 8, 16, capacity=2**31), "capacity must fit in int32"),
+    (lambda: pc.init(2**16, 2**15, 2**15), r"2147483648 flat ids do not fit in int32"),
+    (lambda: pc.init(1, 2**29, INT32_MAX - 1 - 2**29), r"= 2147483647 clock stamps"),
+    (lambda: pc.init(2, 8, 16, rebase_threshold=2**31), "rebase_threshold must fit in int32"),
+    (lambda: pc.init(2, 8, 16, history=2**31), "history must fit in int32"),
+    (lambda: pc.rebuild(pc.init(2, 4, 8), 2**31), "cache_size must fit in int32"),
+    (lambda: pc.rebuild(pc.init(2, 4, 8), 8, capacity=2**31), "capacity must fit in int32"),
+    (lambda: pc.rebuild(pc.init(1, 2**3, 8), INT32_MAX - 2**3 - 1), "clock stamps"),
+])
+def test_init_and_rebuild_refuse_unrepresentable_sizes_before_allocating(call, match, monkeypatch):
+    """FAILS if a size whose int32 quantities overflow reaches the allocation (docs/semantics.md
+    §5.1): ``init(4, 8, 2**31)`` took 26 s and 17 GB before an OverflowError, ``init(2**31, 8,
+    16)`` tried to allocate 64 GiB, and ``capacity=None`` was not range-checked at all. The
+    cold state is replaced by a stub here, so a missed check fails at once, allocating nothing."""
+    from pallas_cache import state as state_module
+
+    real = state_module._empty_state
+    monkeypatch.setattr(state_module, "_empty_state",
+                        lambda *args, **kwargs: real(*args, **kwargs) if args[2] <= 64 else "alloc")
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_the_largest_representable_sizes_are_accepted(monkeypatch):
+    """FAILS if the int32 checks refuse a size one below their limit (the boundary is
+    ``C + L * E + 1 <= 2**31 - 2``; the cold state is stubbed, so nothing is allocated)."""
+    from pallas_cache import state as state_module
+
+    monkeypatch.setattr(state_module, "_empty_state", lambda *args, **kwargs: args)
+    L, E = 1, 2**29
+    assert pc.init(L, E, INT32_MAX - 2 - L * E)[2] == INT32_MAX - 2 - L * E
+    assert pc.init(2, 8, 16, capacity=INT32_MAX - 2 - 16)[2] == INT32_MAX - 18
+
+
 # ---- kernels and the dispatch point ------------------------------------------------------------
 
 

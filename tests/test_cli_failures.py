@@ -211,3 +211,160 @@ def test_a_real_sigint_during_the_replay_exits_130_without_a_traceback(tmp_path)
     text = seen.decode(errors="replace")
     assert "Traceback" not in text and text.rstrip().endswith("pallas-cache: interrupted"), text
     assert os.listdir(tmp_path) == []
+
+
+def _console(argv_or_code, **popen):
+    """The console script in a fresh interpreter (an abort at exit needs the real exit)."""
+    import subprocess
+
+    command = ([sys.executable, "-c", argv_or_code] if isinstance(argv_or_code, str) else
+               [sys.executable, "-m", "pallas_cache.sizing.cli", *argv_or_code])
+    return subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, cwd=REPO,
+                            env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO},
+                            **popen)
+
+
+def test_a_refused_synthetic_trace_exits_2_with_one_line_not_an_abort():
+    """FAILS if a refused --synthetic command prints its line and then aborts at interpreter
+    exit (``terminate called after throwing ...`` / ``FATAL: exception not rethrown``, exit
+    134): the precompile thread was started before the trace was checked and was still inside
+    XLA when the interpreter exited."""
+    cases = {"--tokens 0": "num_tokens must be a positive integer, got 0",
+             "--seed -1": "seed must be a non-negative integer, got -1",
+             f"--tokens {10**12}": "above the memory limit"}
+    processes = {flags: _console(["replay", "--synthetic", "mixtral-like", *flags.split()])
+                 for flags in cases}  # side by side: each is mostly the import of JAX
+    for flags, process in processes.items():
+        err = process.stderr.read().decode(errors="replace")
+        assert process.wait(timeout=120) == 2, (flags, err)
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("pallas-cache: "), (flags, err)
+        assert cases[flags] in lines[0], (flags, err)
+
+
+def test_ctrl_c_while_the_precompile_thread_compiles_exits_130_not_an_abort():
+    """FAILS if a SIGINT that arrives while the background precompile is inside XLA (a cold
+    compile, ``--no-compile-cache``) prints "interrupted" and then aborts (exit 134 or -6, in
+    every run here before): the interpreter's exit stopped the thread mid-compile. The marker
+    is written by the precompile thread as it enters XLA's compile, so the signal lands there."""
+    import signal
+
+    code = ("import sys, threading\n"
+            "import jax.stages\n"
+            "from pallas_cache.sizing import cli\n"
+            "real = jax.stages.Lowered.compile\n"
+            "def compile(self, *args, **kwargs):\n"
+            "    if threading.current_thread().name == 'pallas-cache-precompile':\n"
+            "        print('precompile compiling', file=sys.stderr, flush=True)\n"
+            "    return real(self, *args, **kwargs)\n"
+            "jax.stages.Lowered.compile = compile\n"
+            "sys.argv = ['pallas-cache', 'replay', '--no-compile-cache']\n"
+            "sys.exit(cli.console_main())\n")
+    process = _console(code)
+    seen = b""
+    while b"precompile compiling" not in seen:
+        chunk = process.stderr.read1(256)
+        assert chunk, seen.decode(errors="replace")
+        seen += chunk
+    process.send_signal(signal.SIGINT)
+    seen += process.stderr.read()
+    text = seen.decode(errors="replace")
+    assert process.wait(timeout=120) == 130, text
+    assert text.rstrip().endswith("pallas-cache: interrupted"), text
+    assert "terminate" not in text and "FATAL" not in text and "Traceback" not in text, text
+
+
+@pytest.mark.parametrize("size", ["-5", "-0.5"])
+def test_a_negative_cache_size_says_it_must_be_positive(capsys, no_replay, size):
+    """FAILS if --cache-size -5 is read as a byte size and refused as "bad byte size" instead
+    of saying that a cache size must be positive."""
+    line = one_line_error(capsys, cli.main(SMALL[:-3] + [size, "--policy", "full"]))
+    assert f"cache size {size!r} must be positive" in line, line
+
+
+def test_a_clamped_fraction_runs_and_is_shown_resolved(tmp_path, capsys, monkeypatch):
+    """FAILS if fraction:1.5 (or fraction:-1) runs with its warning but every row keeps the
+    label fraction:1.5 instead of the fraction it ran, fraction:1 (fraction:0), as
+    fraction:auto is shown resolved; an unchanged fraction keeps its label. (A trace file, so
+    no precompile runs for the replay that is replaced.)"""
+    ran = []
+    monkeypatch.setattr(replay_mod, "replay",
+                        lambda trace, configs, **options: ran.extend(configs) or [])
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps({"layer": layer, "token_idx": 0, "experts": [0, 1]}) + "\n"
+                            for layer in range(2)))
+    argv = ["replay", "--trace", str(path), "--num-experts", "8", "--cache-size", "8", "--policy",
+            "fraction:1.5", "fraction:-1", "fraction:0.4", "--json"]
+    assert cli.main(argv) == 0
+    assert [config.policy for config in ran] == ["fraction:1", "fraction:0", "fraction:0.4"]
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert [w.split()[2] for w in warnings] == ["fraction:1.5", "fraction:-1"], warnings
+
+
+@pytest.fixture
+def umask():
+    """Set the process umask for a test, and restore it."""
+    previous = os.umask(0o022)
+    yield os.umask
+    os.umask(previous)
+
+
+def test_a_new_plot_follows_the_umask_and_an_existing_one_keeps_its_mode(tmp_path, capsys,
+                                                                          umask):
+    """FAILS if the plot keeps the temporary file's mode 0600 whatever the umask (a new file
+    must be 0644 under umask 022 and 0640 under 027), or an existing writable file ends 0600
+    instead of keeping its mode."""
+    for mask, mode in ((0o022, 0o644), (0o027, 0o640)):
+        umask(mask)
+        target = tmp_path / f"new-{mask:o}.png"
+        assert cli.main(SMALL + ["--json", "--plot", str(target)]) == 0
+        assert oct(os.stat(target).st_mode & 0o777) == oct(mode)
+    umask(0o022)
+    existing = tmp_path / "existing.png"
+    existing.write_bytes(b"old")
+    os.chmod(existing, 0o664)
+    assert cli.main(SMALL + ["--json", "--plot", str(existing)]) == 0
+    assert existing.read_bytes()[:4] == b"\x89PNG"
+    assert oct(os.stat(existing).st_mode & 0o777) == oct(0o664)
+    assert sorted(os.listdir(tmp_path)) == ["existing.png", "new-22.png", "new-27.png"]
+    capsys.readouterr()
+
+
+def test_a_plot_target_that_cannot_be_replaced_is_refused_before_the_replay(
+        tmp_path, capsys, no_replay, monkeypatch):
+    """FAILS if an existing --plot file whose directory refuses the rename over it is found out
+    only after the whole replay (a 20-line PermissionError traceback from os.replace); the
+    file is left as it was."""
+    target = tmp_path / "plot.png"
+    target.write_bytes(b"keep me")
+    real_replace = os.replace
+
+    def refusing_replace(src, dst, **kwargs):
+        if str(target) in (str(src), str(dst)):
+            raise PermissionError(1, "Operation not permitted")
+        return real_replace(src, dst, **kwargs)
+
+    monkeypatch.setattr(os, "replace", refusing_replace)
+    monkeypatch.setattr(os, "rename", refusing_replace)
+    line = one_line_error(capsys, cli.main(SMALL + ["--plot", str(target)]))
+    assert f"--plot {target}: cannot replace the existing file: Operation not permitted" in line
+    assert target.read_bytes() == b"keep me" and os.listdir(tmp_path) == ["plot.png"]
+
+
+def test_an_immutable_plot_target_is_refused_before_the_replay(tmp_path, capsys, no_replay):
+    """FAILS if an immutable (chattr +i) --plot file is refused only after the replay, by a
+    traceback. Needs chattr and the right to use it (root here); skipped elsewhere."""
+    import shutil
+    import subprocess
+
+    target = tmp_path / "plot.png"
+    target.write_bytes(b"keep me")
+    if shutil.which("chattr") is None or subprocess.run(
+            ["chattr", "+i", str(target)], capture_output=True).returncode != 0:
+        pytest.skip("chattr +i is not available here")
+    try:
+        line = one_line_error(capsys, cli.main(SMALL + ["--plot", str(target)]))
+    finally:
+        subprocess.run(["chattr", "-i", str(target)], check=True)
+    assert f"--plot {target}: " in line and ("cannot replace" in line or "not writable" in line)
+    assert target.read_bytes() == b"keep me" and os.listdir(tmp_path) == ["plot.png"]

@@ -67,3 +67,19 @@ def test_a_hand_built_copy_plan_carries_no_geometry_and_is_not_checked():
                        count=jnp.int32(1))
     pool = pc.apply_copy_plan(jnp.zeros((4, H)), jnp.ones((3, H)), copy)
     assert float(pool[1].sum()) == H
+
+
+def test_a_hand_built_copy_plan_is_checked_entry_by_entry_against_the_shapes():
+    """FAILS if a hand-built plan (no geometry) with src_rows = 9 on an E = 8 bank copies row 7
+    (a clamped gather), or one with dst_slots = 20 on a 16-slot pool is dropped without a word."""
+    bank = jnp.arange(E * H, dtype=jnp.float32).reshape(E, H)
+    rows = pc.CopyPlan(dst_slots=jnp.array([3, -1]), src_rows=jnp.array([9, -1]),
+                       count=jnp.int32(1))
+    with pytest.raises(ValueError, match=r"src_rows\[0\] = 9 is outside \[0, 8\)"):
+        pc.apply_copy_plan(jnp.zeros((S, H)), bank, rows)
+    slots = pc.CopyPlan(dst_slots=jnp.array([20, -1]), src_rows=jnp.array([2, -1]),
+                        count=jnp.int32(1))
+    with pytest.raises(ValueError, match=r"dst_slots\[0\] = 20 is outside \[0, 16\)"):
+        pc.apply_copy_plan(jnp.zeros((S, H)), bank, slots)
+    traced = jax.jit(pc.apply_copy_plan)(jnp.zeros((S, H)), bank, rows)
+    np.testing.assert_array_equal(traced, jnp.zeros((S, H)))  # traced: nothing, not row 7

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import subprocess
 import sys
 import tomllib
@@ -305,3 +306,33 @@ def test_a_terminal_sees_the_trace_being_read_and_then_only_what_follows(monkeyp
     terminal.truncate()
     assert cli.main(SMALL[:-4] + ["fraction:2", "--format", "json"]) == 0  # a policy warning
     assert "\r" + " " * len(note) + "\rpallas-cache: warning: fraction:2" in terminal.getvalue()
+
+
+def test_a_long_read_shows_its_progress_as_a_phase_and_a_short_one_does_not(tmp_path, capsys,
+                                                                             monkeypatch):
+    """FAILS if a trace that takes a while to read shows nothing on stderr until its end (a
+    gzip of blank lines read for minutes in silence), or if a quick read adds a line. The read
+    is "long" here by setting the threshold to 0 s and the block to 64 KiB, so the file spans
+    several blocks."""
+    import gzip
+
+    from pallas_cache.sizing import traces
+
+    path = tmp_path / "blank.jsonl.gz"
+    path.write_bytes(gzip.compress(b"\n" * (1 << 20)))
+    assert cli.main(["replay", "--trace", str(path)]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"pallas-cache: {path}: the trace is empty (no records)"]  # quick: one line
+    monkeypatch.setattr(cli, "READ_PROGRESS_AFTER", 0.0)
+    monkeypatch.setattr(traces, "_BLOCK_BYTES", 1 << 16)
+    updates = []
+    real_update = Bar.update
+    monkeypatch.setattr(Bar, "update", lambda self, done, status="": (
+        updates.append((done, status)), real_update(self, done, status)))
+    assert cli.main(["replay", "--trace", str(path)]) == 2
+    size = os.path.getsize(path)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == f"pallas-cache: reading {path} ({size / 1024:.1f}KiB)...", lines
+    assert re.fullmatch(r"pallas-cache: done in \d+\.\d s", lines[1]), lines
+    assert lines[2:] == [f"pallas-cache: {path}: the trace is empty (no records)"], lines
+    assert len(updates) >= 2 and updates[-1][0] == size, updates  # block by block, to the end

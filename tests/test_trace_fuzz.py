@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from pallas_cache.sizing.traces import Trace, TraceError, load_trace
 
 LIMIT = 16 * 2**20
+INT32_MAX = 2**31 - 1
 SUFFIXES = (".jsonl", ".jsonl.gz", ".npy", ".npz")
 # Whole-file errors of JSONL carry no line; every other JSONL error names one.
 FILE_LEVEL = ("the trace is empty", "every record has an empty list", "every route is padding",
@@ -41,6 +42,8 @@ def check_load(tmp_path, suffix, data, **kwargs):
         assert "\n" not in message, message
         if suffix.startswith(".jsonl") and not any(text in message for text in FILE_LEVEL):
             assert re.match(re.escape(str(path)) + r":\d+: ", message), message
+        for value in re.findall(r"(-?\d+) does not fit int32", message):
+            assert int(value) > INT32_MAX, message  # 2**31 - 1 fits: its count does not
         return None
     assert isinstance(trace, Trace)
     assert trace.routes.dtype == np.int32 and trace.num_calls >= 1
@@ -69,7 +72,8 @@ records = st.lists(st.fixed_dictionaries({
     optional={"sequence": st.sampled_from(["a", "b", 7])}), min_size=1, max_size=12)
 
 hostile_values = st.one_of(
-    st.integers(-3, 3), st.sampled_from([2**27, 10**7, 2**31, 2**63, -2**40, 10**400]),
+    st.integers(-3, 3), st.sampled_from([2**27, 10**7, 2**31, 2**63, -2**40, 10**400,
+                                         INT32_MAX]),
     st.floats(allow_nan=True), st.text(max_size=3), st.booleans(), st.none(),
     st.lists(st.integers(-2, 2**31), max_size=3), st.dictionaries(st.text(max_size=2),
                                                                    st.integers(), max_size=2))
@@ -154,3 +158,81 @@ def test_lying_headers(tmp_path_factory, shape, descr, payload, in_zip):
             archive.writestr("routes.npy", data)
         data = buffer.getvalue()
     check_load(tmp_path_factory.mktemp("lying"), ".npz" if in_zip else ".npy", data)
+
+
+@given(format=st.sampled_from([".jsonl", ".jsonl.gz", ".npy", ".npz"]),
+       field=st.sampled_from(["layer", "experts"]),
+       value=st.sampled_from([INT32_MAX, INT32_MAX + 1, 2**40]))
+def test_an_id_at_or_past_the_int32_edge_says_why(tmp_path_factory, format, field, value):
+    """FAILS if an id of 2**31 - 1 is refused as "does not fit int32" (it does; the count
+    ``max + 1`` it implies does not) in any format, or an id past it is refused without
+    saying it does not fit (checked in :func:`check_load` for every fuzzed input too)."""
+    if format in (".npy", ".npz"):
+        if field == "layer":
+            return  # an array's layer is its position: no id to be too large
+        routes = np.zeros((1, 1, 2), np.int64)
+        routes[0, 0, 1] = value
+        data = npy_bytes(routes) if format == ".npy" else npz_bytes(r=routes)
+    else:
+        row = {"layer": 0, "token_idx": 0, "experts": [1]}
+        row[field] = [1, value] if field == "experts" else value
+        data = jsonl_bytes([row])
+        data = gzip.compress(data) if format == ".jsonl.gz" else data
+    path = tmp_path_factory.mktemp("edge") / f"t{format}"
+    path.write_bytes(data)
+    try:
+        load_trace(path, max_memory=LIMIT)
+    except TraceError as error:
+        message = str(error)
+    else:
+        raise AssertionError(f"{field} {value} loaded")
+    name = "layer" if field == "layer" else "expert"
+    if value == INT32_MAX:
+        count = "num_layers" if field == "layer" else "num_experts"
+        assert f"{name} {value} fits int32, but {count} = {value} + 1 = 2**31" in message, message
+    else:
+        assert f"{name} {value} does not fit int32" in message, message
+
+
+def _lines_one_by_one(data: bytes, limit: int):
+    """The line rule read naively, one line at a time: ``(line number, line)`` of each line that
+    is not blank (``bytes.strip``), then the number of the first such line longer than
+    ``limit`` bytes (newline included), if any."""
+    parts = data.split(b"\n")
+    lines = [part + b"\n" for part in parts[:-1]] + ([parts[-1]] if parts[-1] else [])
+    kept = []
+    for number, line in enumerate(lines, 1):
+        if line.strip():
+            if len(line) > limit:
+                return kept, number
+            kept.append((number, line))
+    return kept, None
+
+
+@given(pieces=st.lists(st.sampled_from([b"\n", b" ", b"\t", b"\r", b"\x0b", b"\x0c", b"\r\n",
+                                        b"{}", b"x", b"ab  c", b"\n\n\n", b"    " * 5]),
+                       max_size=40),
+       block=st.integers(1, 12), limit=st.integers(1, 24), compress=st.booleans())
+def test_the_block_reader_yields_the_lines_of_the_line_by_line_rule(tmp_path_factory, pieces,
+                                                                    block, limit, compress):
+    """FAILS if skipping blank content a block at a time changes which lines are read, their
+    numbers, or which line is refused as too long (whitespace-only lines are skipped however
+    long), whatever the block boundaries cut (blocks and the limit shrunk to a few bytes)."""
+    from pallas_cache.sizing import traces
+
+    data = b"".join(pieces)
+    path = tmp_path_factory.mktemp("blocks") / "t.jsonl"
+    path.write_bytes(gzip.compress(data) if compress else data)
+    want, too_long = _lines_one_by_one(data, limit)
+    saved = traces._BLOCK_BYTES, traces.MAX_LINE_BYTES
+    traces._BLOCK_BYTES, traces.MAX_LINE_BYTES = block, limit
+    got = []
+    try:
+        for item in traces._numbered_lines(str(path)):
+            got.append(item)
+        refused = None
+    except TraceError as error:
+        refused = int(re.search(r"t\.jsonl:(\d+): line is longer", str(error)).group(1))
+    finally:
+        traces._BLOCK_BYTES, traces.MAX_LINE_BYTES = saved
+    assert (got, refused) == (want, too_long)

@@ -19,10 +19,12 @@ import argparse
 import os
 import re
 import signal
+import stat
 import sys
 import tempfile
 import textwrap
 import threading
+import time
 
 from pallas_cache.sizing import synthetic
 from pallas_cache.sizing.cost import CostModel
@@ -198,14 +200,36 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _load(args):
+def _load(args, progress: Progress | None = None):
     if args.trace:
         fields = parse_fields(args.field) if args.field is not None else None
+        report = None if progress is None else _ReadProgress(progress, args.trace)
         return load_trace(args.trace, num_layers=args.num_layers, num_experts=args.num_experts,
                           max_memory=args.max_memory, fields=fields,
-                          trace_format=args.trace_format)
+                          trace_format=args.trace_format, progress=report)
     return synthetic.synthetic_trace(args.synthetic or DEFAULT_PRESET, num_tokens=args.tokens,
                                      seed=args.seed, max_memory=args.max_memory)
+
+
+#: Seconds a trace may take to read before its progress is shown (a phase of the replay's).
+READ_PROGRESS_AFTER = 2.0
+
+
+class _ReadProgress:
+    """``progress(bytes read, file size)`` of :func:`load_trace` as a phase of the CLI's
+    :class:`Progress`, started once the read has taken :data:`READ_PROGRESS_AFTER` seconds."""
+
+    def __init__(self, progress: Progress, path: str):
+        self.progress, self.path = progress, path
+        self.start, self.shown = time.perf_counter(), False
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.shown:
+            if time.perf_counter() - self.start < READ_PROGRESS_AFTER:
+                return
+            self.progress.phase(f"reading {self.path} ({format_bytes(total)})...", max(total, 1))
+            self.shown = True
+        self.progress.update(done, f"{format_bytes(done)} of {format_bytes(total)}")
 
 
 # ---- argument checks: everything that can fail does so before the work ----------------------
@@ -230,7 +254,8 @@ def _memory_size(text: str) -> int:
 
 def _check_plot_path(path: str) -> str:
     """The file ``--plot`` will write, checked now: matplotlib importable, a known image format,
-    an existing, writable directory. A directory gets :data:`DEFAULT_PLOT_NAME` inside it.
+    an existing, writable directory, and an existing file there writable and replaceable (the
+    plot is renamed over it). A directory gets :data:`DEFAULT_PLOT_NAME` inside it.
 
     Raises:
         ValueError: the one-line reason.
@@ -259,7 +284,47 @@ def _check_plot_path(path: str) -> str:
     except OSError as error:
         raise ValueError(f"--plot {path}: cannot write in {folder}: "
                          f"{error.strerror or error}") from None
+    if os.path.lexists(path):
+        if not os.access(path, os.W_OK, follow_symlinks=False):
+            raise ValueError(f"--plot {path}: the existing file is not writable")
+        try:
+            _rename_aside_and_back(path, folder)
+        except OSError as error:
+            raise ValueError(f"--plot {path}: cannot replace the existing file: "
+                             f"{error.strerror or error}") from None
     return path
+
+
+def _rename_aside_and_back(path: str, folder: str) -> None:
+    """Rename the existing ``path`` to a temporary name in ``folder`` and back: the checks a
+    rename over it meets (an immutable file, a sticky directory, a read-only mount) are the
+    checks this meets, and the file ends where it was, same inode, same bytes."""
+    handle, aside = tempfile.mkstemp(dir=folder, prefix=".pallas-cache-probe-")
+    os.close(handle)
+    try:
+        os.replace(path, aside)
+    except OSError:
+        os.remove(aside)
+        raise
+    try:
+        os.replace(aside, path)
+    except OSError as error:
+        raise OSError(error.errno, f"{error.strerror}; the file is now {aside}") from None
+
+
+def _new_file_mode() -> int:
+    """The mode a newly created file gets from the process umask (0o644 under umask 022).
+    Read from /proc where Linux has it, so the umask is never changed, even for a moment."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
 
 
 def _policy_warnings(policies) -> list[str]:
@@ -354,6 +419,9 @@ def _sizes(texts, trace, cost):
             sizes += auto_cache_sizes(trace.num_layers, trace.num_experts, trace.top_k)
         elif text.isdigit():
             sizes.append(int(text))
+        elif re.fullmatch(r"\s*-\s*[0-9.]+\s*[a-zA-Z]*\s*", text):
+            raise ValueError(f"cache size {text!r} must be positive: a slot count (at least one "
+                             f"layer's experts) or bytes such as 12GiB")
         else:
             wanted = parse_bytes(text)
             if cost.expert_bytes is None:
@@ -382,6 +450,27 @@ def _policies(requested, cost):
             else DEFAULT_POLICIES
     resolved = [cost.auto_policy() if p == "fraction:auto" else p for p in requested]
     return list(dict.fromkeys(resolved))
+
+
+def _clamped(policy: str) -> str:
+    """``fraction:Q`` as the fraction it runs when clamping or rounding changes it
+    (``fraction:1.5`` -> ``fraction:1``, ``fraction:-1`` -> ``fraction:0``; see
+    :func:`_policy_warnings`), so a row shows what it ran; anything else unchanged."""
+    from pallas_cache.policy import ONE
+    from pallas_cache.sizing.sweep import parse_policy
+
+    kind, _, value = policy.partition(":")
+    if kind != "fraction":
+        return policy
+    try:
+        requested, f16 = float(value), int(parse_policy(policy).fraction16)
+    except ValueError:
+        return policy  # malformed: config_grid reports it
+    if f16 == 0 and requested != 0:
+        return "fraction:0"
+    if f16 == ONE and requested > 1:
+        return "fraction:1"
+    return policy
 
 
 def _legend(results, trace, cost) -> list[str]:
@@ -433,6 +522,11 @@ def _write_atomically(path: str, write) -> None:
     os.close(handle)
     try:
         write(temp)
+        try:  # the temporary file is 0600: give it the mode the file has, or a new file gets
+            mode = stat.S_IMODE(os.stat(path).st_mode)
+        except FileNotFoundError:
+            mode = _new_file_mode()
+        os.chmod(temp, mode)
         os.replace(temp, path)
     finally:
         if os.path.exists(temp):
@@ -507,27 +601,55 @@ def _precompile_synthetic(args, policies, cost) -> threading.Thread | None:
     sweep's options are off (the replay reports them after the trace, as for a trace file)."""
     from pallas_cache.sizing.sweep import config_grid, precompile
 
-    try:
-        params = synthetic.PRESETS[args.synthetic or DEFAULT_PRESET]
+    try:  # a refused trace starts no compile: the thread never outlives a refusal
+        params, _ = synthetic.checked_params(args.synthetic or DEFAULT_PRESET, args.tokens,
+                                             args.seed, max_memory=args.max_memory)
         sizes, _ = _sizes(args.cache_size, params, cost)
         configs = config_grid(sizes, policies, args.order, args.admission, args.eviction)
         _check_state_memory(sizes, len(configs) // len(set(sizes)), params.num_layers,
                             params.num_experts, args.max_memory)
-    except (TypeError, ValueError, ZeroDivisionError):
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
         return None
     if not configs:
         return None
+
+    finished = threading.Event()
+    _COMPILES.append(finished)
 
     def compile_quietly():
         try:
             precompile(params.num_layers, params.num_experts, params.top_k, configs)
         except Exception:  # noqa: BLE001 - the replay compiles, and reports, on its own
             pass
+        finally:
+            finished.set()
 
     thread = threading.Thread(target=compile_quietly, daemon=True,
                               name="pallas-cache-precompile")
     thread.start()
     return thread
+
+
+#: One event per precompile thread, set by the thread as it ends. (``Thread.is_alive()`` is no
+#: witness: a ``join()`` interrupted by Ctrl-C can leave it False while the thread compiles.)
+_COMPILES: list[threading.Event] = []
+
+
+def _exit_now_if_compiling(status: int) -> None:
+    """End the process with ``status`` at once if a precompile thread is still running.
+
+    The interpreter's normal exit stops daemon threads wherever they are; one inside XLA's C++
+    code then aborts the process (``terminate called ...``, exit 134) after the CLI has printed
+    its line. A refusal starts no such thread, but a Ctrl-C can arrive while one compiles, so
+    the console script flushes its output and leaves without the interpreter's teardown."""
+    if all(finished.is_set() for finished in _COMPILES):
+        return
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(status)
 
 
 def _replay(args) -> int:
@@ -553,11 +675,12 @@ def _replay_with(args, progress: Progress, latch: _InterruptLatch) -> int:
         if args.plot:
             args.plot = _check_plot_path(args.plot)
         cost, model, weight_label = _cost_options(args)
-        policies = _policies(args.policy, cost)
+        requested = _policies(args.policy, cost)
+        policies = list(dict.fromkeys(_clamped(policy) for policy in requested))
         progress.note(f"reading {args.trace}..." if args.trace else
                       f"generating the {args.synthetic or DEFAULT_PRESET} trace...")
         compiling = None if args.trace else _precompile_synthetic(args, policies, cost)
-        trace = _load(args)
+        trace = _load(args, progress)
         sizes, size_lines = _sizes(args.cache_size, trace, cost)
         configs = config_grid(sizes, policies, args.order, args.admission, args.eviction)
         if not configs:
@@ -575,7 +698,7 @@ def _replay_with(args, progress: Progress, latch: _InterruptLatch) -> int:
         print(f"pallas-cache: {error}", file=sys.stderr)
         return 2
     progress.close()  # the note: warnings follow on a clean line
-    for line in _policy_warnings(policies):
+    for line in _policy_warnings(requested):
         print(line, file=sys.stderr)
     if model is not None and _model_mismatch(model, trace):
         print(_model_mismatch(model, trace), file=sys.stderr)
@@ -603,7 +726,11 @@ def _replay_with(args, progress: Progress, latch: _InterruptLatch) -> int:
         print(format_records(rows, "table", header))
         print("\n".join(_legend(results, trace, cost)))
     if args.plot:
-        _plot(rows, args.plot)
+        try:
+            _plot(rows, args.plot)
+        except OSError as error:  # checked before the replay; changed since
+            print(f"pallas-cache: --plot {args.plot}: {error.strerror or error}", file=sys.stderr)
+            return 2
         print(f"plot written to {args.plot}", file=sys.stderr)
     return 0
 
@@ -681,7 +808,9 @@ def console_main() -> int:
     """The ``pallas-cache`` console script: :func:`main` with JAX's persistent compilation cache
     on (see :func:`compile_cache_dir`) unless ``--no-compile-cache`` is given or
     ``PALLAS_CACHE_NO_COMPILE_CACHE`` is set to anything but ``""`` or ``"0"``."""
-    return _main(None, compile_cache=True)
+    status = _main(None, compile_cache=True)
+    _exit_now_if_compiling(status)
+    return status
 
 
 def _main(argv, *, compile_cache: bool) -> int:

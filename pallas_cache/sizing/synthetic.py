@@ -61,6 +61,7 @@ __all__ = [
     "PRESETS",
     "DEFAULT_PRESET_TOKENS",
     "synthetic_trace",
+    "checked_params",
     "layer_exponents",
     "TraceStatistics",
     "trace_statistics",
@@ -177,6 +178,32 @@ def layer_exponents(params: SyntheticParams, seed: int = 0) -> np.ndarray:
     return _layer_popularity(params, np.random.default_rng(seed))[0]
 
 
+def checked_params(preset_or_params, num_tokens: int | None = None, seed: int = 0, *,
+                   max_memory: int | None = None):
+    """``(params, label)`` of a :func:`synthetic_trace` call, every argument checked and nothing
+    generated; raises exactly what :func:`synthetic_trace` raises for them."""
+    if isinstance(preset_or_params, str):
+        if preset_or_params not in PRESETS:
+            raise KeyError(f"unknown synthetic preset {preset_or_params!r}; choose one of "
+                           f"{sorted(PRESETS)}")
+        params, label = PRESETS[preset_or_params], preset_or_params
+    elif isinstance(preset_or_params, (SyntheticParams, RealisticParams)):
+        params, label = preset_or_params, "custom"
+    else:
+        raise TypeError(f"expected a preset name, SyntheticParams or RealisticParams, got "
+                        f"{type(preset_or_params).__name__}")
+    if num_tokens is not None:
+        params = replace(params, num_tokens=num_tokens)
+    if not is_int(seed) or seed < 0:
+        raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+
+    calls = params.num_tokens * params.num_layers
+    check_memory(4 * calls * params.top_k + 2 * trace_bytes(calls, params.top_k),
+                 resolve_memory_limit(max_memory), f"synthetic:{label}",
+                 f"num_tokens={params.num_tokens} ({calls} calls x top_k {params.top_k})")
+    return params, label
+
+
 def synthetic_trace(preset_or_params: str | SyntheticParams | RealisticParams,
                     num_tokens: int | None = None, seed: int = 0, *,
                     max_memory: int | None = None) -> Trace:
@@ -202,25 +229,7 @@ def synthetic_trace(preset_or_params: str | SyntheticParams | RealisticParams,
         MemoryLimitError: (a ``ValueError``) ``num_tokens`` whose arrays would exceed
             ``max_memory``.
     """
-    if isinstance(preset_or_params, str):
-        if preset_or_params not in PRESETS:
-            raise KeyError(f"unknown synthetic preset {preset_or_params!r}; choose one of "
-                           f"{sorted(PRESETS)}")
-        params, label = PRESETS[preset_or_params], preset_or_params
-    elif isinstance(preset_or_params, (SyntheticParams, RealisticParams)):
-        params, label = preset_or_params, "custom"
-    else:
-        raise TypeError(f"expected a preset name, SyntheticParams or RealisticParams, got "
-                        f"{type(preset_or_params).__name__}")
-    if num_tokens is not None:
-        params = replace(params, num_tokens=num_tokens)
-    if not is_int(seed) or seed < 0:
-        raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
-
-    calls = params.num_tokens * params.num_layers
-    check_memory(4 * calls * params.top_k + 2 * trace_bytes(calls, params.top_k),
-                 resolve_memory_limit(max_memory), f"synthetic:{label}",
-                 f"num_tokens={params.num_tokens} ({calls} calls x top_k {params.top_k})")
+    params, label = checked_params(preset_or_params, num_tokens, seed, max_memory=max_memory)
     if isinstance(params, RealisticParams):
         return Trace.from_dense(_realistic_routes(params, seed), num_layers=params.num_layers,
                                 num_experts=params.num_experts,

@@ -17,7 +17,8 @@ Formats (:func:`load_trace` picks one from the file suffix, or takes ``trace_for
 
   ``layer``, ``token_idx`` and ``experts`` are required; ``sequence`` (or, when absent,
   ``problem_id``) optionally names the sequence the token belongs to; any other key is ignored.
-  Blank lines are skipped. Calls are ordered by sequence (in order of first appearance in the
+  Blank (whitespace-only) lines are skipped, however long; a line with a record may hold at most
+  :data:`MAX_LINE_BYTES`. Calls are ordered by sequence (in order of first appearance in the
   file), then ``token_idx`` ascending, then ``layer`` ascending -- the order a layer-by-layer
   decode loop makes them, whatever order the file was written in. A missing (token, layer) record
   is simply absent (no call); a record whose ``experts`` list is shorter than the longest one is
@@ -63,6 +64,7 @@ import gzip
 import json
 import lzma
 import os
+import re
 import tokenize
 import zipfile
 import zlib
@@ -371,7 +373,13 @@ BYTES_PER_FLAT_ID = 32
 OUTLIER_RATIO = 4
 OUTLIER_FLOOR = 1024
 #: Longest JSONL line read (a record with ~100k experts); a longer "line" is not a record.
+#: Whitespace is not counted against it: a blank stretch of any length is skipped.
 MAX_LINE_BYTES = 1 << 20
+#: Bytes a JSONL reader decodes at a time (its blank lines are skipped a block at a time).
+_BLOCK_BYTES = 1 << 20
+#: What ``bytes.strip()`` removes: a line of only these is blank.
+_BLANK_BYTES = b" \t\n\r\x0b\x0c"
+_BLANK_RUN = re.compile(rb"[ \t\n\r\x0b\x0c]*")
 #: Bytes per call a JSONL reader holds before the dense arrays exist (sequence, token, layer,
 #: line, expert count), plus 4 per expert.
 _RECORD_BYTES = 28
@@ -504,7 +512,8 @@ def trace_format_of(path: str | os.PathLike) -> str:
 
 def load_trace(path: str | os.PathLike, *, num_layers: int | None = None,
                num_experts: int | None = None, max_memory: int | None = None,
-               fields: Mapping[str, str] | None = None, trace_format: str = "auto") -> Trace:
+               fields: Mapping[str, str] | None = None, trace_format: str = "auto",
+               progress: Callable[[int, int], None] | None = None) -> Trace:
     """Read a routing trace file; the format follows the suffix (see the module docstring).
 
     Args:
@@ -522,6 +531,8 @@ def load_trace(path: str | os.PathLike, *, num_layers: int | None = None,
             ``"jsonl"``, ``"array"`` (:func:`load_array_trace`), ``"vllm"``
             (:func:`load_vllm_trace`) or ``"parquet"``
             (:func:`pallas_cache.sizing.parquet.load_parquet_trace`, needs ``pyarrow``).
+        progress: JSONL only: called as ``progress(bytes of the file read, file size)`` while
+            the file is read (after every block of :data:`_BLOCK_BYTES` decoded bytes).
 
     Returns:
         The trace, calls in replay order.
@@ -539,7 +550,7 @@ def load_trace(path: str | os.PathLike, *, num_layers: int | None = None,
     kind = trace_format_of(path_str) if trace_format == "auto" else trace_format
     geometry = dict(num_layers=num_layers, num_experts=num_experts, max_memory=max_memory)
     if kind == "jsonl":
-        return load_jsonl_trace(path_str, fields=fields, **geometry)
+        return load_jsonl_trace(path_str, fields=fields, progress=progress, **geometry)
     if kind == "parquet":
         from pallas_cache.sizing.parquet import load_parquet_trace  # pyarrow: optional
 
@@ -551,8 +562,18 @@ def load_trace(path: str | os.PathLike, *, num_layers: int | None = None,
     return load_array_trace(path_str, **geometry)
 
 
-def _numbered_lines(path_str: str) -> Iterator[tuple[int, bytes]]:
-    """Yield ``(line number, raw line)``; gzip input is recognised by its magic bytes."""
+def _numbered_lines(path_str: str,
+                    progress: Callable[[int, int], None] | None = None
+                    ) -> Iterator[tuple[int, bytes]]:
+    """Yield ``(line number, raw line)`` of every line that is not blank (whitespace only, as
+    ``bytes.strip`` sees it); gzip input is recognised by its magic bytes.
+
+    The file is read in blocks of :data:`_BLOCK_BYTES`; a run of blank lines is counted and
+    skipped inside a block (C-level scans), so blank content costs no Python per line, and a
+    whitespace-only stretch is not held (only a line with a record counts towards
+    :data:`MAX_LINE_BYTES`). ``progress(bytes of the file read, file size)`` is called after
+    every block and once at the end.
+    """
     try:
         handle = open(path_str, "rb")
     except OSError as exc:
@@ -561,23 +582,65 @@ def _numbered_lines(path_str: str) -> Iterator[tuple[int, bytes]]:
         try:
             compressed = handle.read(2) == _GZIP_MAGIC
             handle.seek(0)
+            size = os.fstat(handle.fileno()).st_size
         except OSError as exc:
             raise TraceError(f"{path_str}: cannot read trace file: {exc.strerror or exc}") from exc
         stream = gzip.GzipFile(fileobj=handle, mode="rb") if compressed else handle
-        line_no = 0
+
+        def too_long(line_no):
+            return TraceError(f"{path_str}:{line_no}: line is longer than {MAX_LINE_BYTES} "
+                              f"bytes; not a routing record")
+
+        line_no = 1  # the line `pending` is on
+        pending = b""  # the start of that line, not yet ended by a newline
+        dropped = 0  # whitespace at that line's start not kept in `pending` (past the limit)
         while True:
-            line_no += 1
-            try:
-                raw = stream.readline(MAX_LINE_BYTES + 1)
+            try:  # read1: what a truncated stream decodes is still yielded before its error
+                block = stream.read1(_BLOCK_BYTES)
             except _READ_ERRORS as exc:
                 kind = "gzip data" if compressed else "trace file"
                 raise TraceError(f"{path_str}:{line_no}: cannot read {kind}: {exc}") from None
-            if not raw:
+            if progress is not None:
+                progress(size if not block else min(handle.tell(), size), size)
+            if not block:
+                if pending.strip():
+                    if dropped + len(pending) > MAX_LINE_BYTES:
+                        raise too_long(line_no)
+                    yield line_no, pending
                 return
-            if len(raw) > MAX_LINE_BYTES:
-                raise TraceError(f"{path_str}:{line_no}: line is longer than {MAX_LINE_BYTES} "
-                                 f"bytes; not a routing record")
-            yield line_no, raw
+            if not block.translate(None, _BLANK_BYTES) and not pending.strip():  # all blank
+                newlines = block.count(b"\n")
+                if newlines:
+                    line_no += newlines
+                    pending, dropped = block[block.rfind(b"\n") + 1:], 0
+                else:
+                    pending += block
+                if dropped + len(pending) > MAX_LINE_BYTES:
+                    dropped, pending = dropped + len(pending), b""
+                continue
+            buffer = pending + block
+            pos, end = 0, len(buffer)
+            while True:
+                first = _BLANK_RUN.match(buffer, pos).end()  # the first non-blank byte
+                newline = buffer.rfind(b"\n", pos, first)
+                if newline >= 0:  # whole blank lines before it: count them, skip them
+                    line_no += buffer.count(b"\n", pos, newline + 1)
+                    pos, dropped = newline + 1, 0
+                if first == end:  # the rest is blank: keep the unfinished line's start
+                    pending = buffer[pos:]
+                    if dropped + len(pending) > MAX_LINE_BYTES:
+                        dropped, pending = dropped + len(pending), b""
+                    break
+                newline = buffer.find(b"\n", first)
+                if newline < 0:  # the line goes on in the next block
+                    pending = buffer[pos:]
+                    if dropped + len(pending) > MAX_LINE_BYTES:
+                        raise too_long(line_no)
+                    break
+                if dropped + newline + 1 - pos > MAX_LINE_BYTES:
+                    raise too_long(line_no)
+                yield line_no, buffer[pos:newline + 1]
+                line_no, pos, dropped = line_no + 1, newline + 1, 0
 
 
 def parse_fields(text: str) -> dict[str, str]:
@@ -615,7 +678,8 @@ def _renamed(record: dict, fields: Mapping[str, str]) -> dict:
 
 def load_jsonl_trace(path: str | os.PathLike, *, num_layers: int | None = None,
                      num_experts: int | None = None, max_memory: int | None = None,
-                     fields: Mapping[str, str] | None = None) -> Trace:
+                     fields: Mapping[str, str] | None = None,
+                     progress: Callable[[int, int], None] | None = None) -> Trace:
     """Read a JSONL trace (one ``{"layer", "token_idx", "experts"}`` record per line), whose keys
     may carry other names (``fields``, as :func:`load_trace`); messages name the file's keys.
 
@@ -623,14 +687,14 @@ def load_jsonl_trace(path: str | os.PathLike, *, num_layers: int | None = None,
     """
     if not fields:
         return _read_jsonl(path, num_layers=num_layers, num_experts=num_experts,
-                           max_memory=max_memory)
+                           max_memory=max_memory, progress=progress)
     unknown = set(fields) - set(FIELD_KEYS)
     if unknown:
         raise ValueError(f"fields: unknown keys {sorted(unknown)}; the keys are "
                          f"{', '.join(FIELD_KEYS)}")
     try:
         return _read_jsonl(path, num_layers=num_layers, num_experts=num_experts,
-                           max_memory=max_memory, fields=dict(fields))
+                           max_memory=max_memory, fields=dict(fields), progress=progress)
     except TraceError as error:
         if type(error) is not TraceError:
             raise
@@ -643,7 +707,8 @@ def load_jsonl_trace(path: str | os.PathLike, *, num_layers: int | None = None,
 
 def _read_jsonl(path: str | os.PathLike, *, num_layers: int | None = None,
                      num_experts: int | None = None, max_memory: int | None = None,
-                     fields: Mapping[str, str] | None = None) -> Trace:
+                     fields: Mapping[str, str] | None = None,
+                     progress: Callable[[int, int], None] | None = None) -> Trace:
     """Read a JSONL trace (one ``{"layer", "token_idx", "experts"}`` record per line).
 
     Gzip-compressed input is recognised by its magic bytes, whatever the file is called.
@@ -673,10 +738,8 @@ def _read_jsonl(path: str | os.PathLike, *, num_layers: int | None = None,
     experts_flat = array.array("i")
     held = 0
 
-    for line_no, raw in _numbered_lines(path_str):
+    for line_no, raw in _numbered_lines(path_str, progress):
         where = f"{path_str}:{line_no}"
-        if not raw.strip():
-            continue
         try:
             record = json.loads(raw)
         except json.JSONDecodeError as exc:
@@ -697,7 +760,7 @@ def _read_jsonl(path: str | os.PathLike, *, num_layers: int | None = None,
             raise TraceError(f"{where}: field 'layer': layer {layer} is outside "
                              f"[0, {declared_layers}) (num_layers={declared_layers})")
         if layer > INT32_MAX - 1:
-            raise TraceError(f"{where}: field 'layer': layer {layer} does not fit int32")
+            raise TraceError(f"{where}: field 'layer': {_id_past_int32('layer', layer)}")
         token = _record_int(record, "token_idx", where)
         if token < 0:
             raise TraceError(f"{where}: field 'token_idx': token_idx {token} is negative")
@@ -806,8 +869,10 @@ def trace_from_records(source: str, *, sequence: np.ndarray, token_idx: np.ndarr
             if name == "layer" and declared_layers is not None and value >= declared_layers:
                 raise TraceError(f"{where}: field 'layer': layer {value} is outside "
                                  f"[0, {declared_layers}) (num_layers={declared_layers})")
+            if name == "layer":
+                raise TraceError(f"{where}: field 'layer': {_id_past_int32('layer', value)}")
             raise TraceError(f"{where}: field {name!r}: {name} {value} is too large "
-                             f"({'does not fit int32' if name == 'layer' else 'limit 2**62'})")
+                             f"(limit 2**62)")
     if experts.size:
         limit_expert = declared_experts if declared_experts is not None else INT32_MAX
         if int(experts.min()) < -1 or int(experts.max()) >= limit_expert:
@@ -1130,9 +1195,11 @@ def _assemble_dense(members: list[_Member], where: str, declared_layers: int | N
             text = (f"[-1, {declared_experts}) (num_experts={declared_experts})"
                     if declared_experts is not None else "[-1, 2**31 - 1)")
             note = " (-1 is the only padding value)" if int(values[index]) < -1 else ""
+            reason = f"expert {int(values[index])} is outside {text}{note}"
+            if declared_experts is None and int(values[index]) >= INT32_MAX:
+                reason = _id_past_int32("expert", int(values[index]))
             raise TraceError(f"{member.label}[token={index[0]}, layer={index[1]}, "
-                             f"k={index[2]}]: expert {int(values[index])} is outside {text}"
-                             f"{note}")
+                             f"k={index[2]}]: {reason}")
         tokens, layers, width = member.shape
         routes[row:row + tokens * layers, :width] = values.reshape(tokens * layers, width)
         offsets.append(row)
@@ -1230,7 +1297,17 @@ def _expert_out_of_range(where: str, expert: int, declared_experts: int | None) 
     if declared_experts is not None and expert >= declared_experts:
         return TraceError(f"{where}: field 'experts': expert {expert} is outside "
                           f"[-1, {declared_experts}) (num_experts={declared_experts})")
-    return TraceError(f"{where}: field 'experts': expert {expert} does not fit int32")
+    return TraceError(f"{where}: field 'experts': {_id_past_int32('expert', expert)}")
+
+
+def _id_past_int32(name: str, value: int) -> str:
+    """Why an id at or past ``2**31 - 1`` is refused: past it the id itself does not fit int32;
+    at it the id fits, but the count it implies (``max + 1``) does not."""
+    if value > INT32_MAX:
+        return f"{name} {value} does not fit int32"
+    count = "num_layers" if name == "layer" else "num_experts"
+    return (f"{name} {value} fits int32, but {count} = {value} + 1 = 2**31 would not (ids "
+            f"must be below 2**31 - 1)")
 
 
 def _short(value: Any) -> str:
