@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -62,11 +63,25 @@ def _plan_routes(plan, expert_ids, field):
     return value.reshape(-1, jnp.shape(expert_ids)[-1])
 
 
+def _distinct(values, take, gates, size: int, width: int) -> CpuExperts:
+    """The distinct ``values`` (in ``[0, size)``) of the routes in ``take``, ascending and
+    ``-1``-padded to ``width``, their count, and each token's summed gate on each of them.
+    Fixed-size and loop-free (a one-hot over ``size``)."""
+    onehot = take[..., None] & (values[..., None] == jnp.arange(size, dtype=jnp.int32))
+    marked = jnp.any(onehot, axis=(0, 1))  # [size]
+    (chosen,) = jnp.nonzero(marked, size=width, fill_value=-1)
+    chosen = chosen.astype(jnp.int32)
+    per_value = jnp.sum(jnp.where(onehot, gates[..., None], 0), axis=1)  # [T, size]
+    token_gates = jnp.where(chosen >= 0, per_value[:, jnp.maximum(chosen, 0)], 0)
+    return CpuExperts(chosen, jnp.sum(marked, dtype=jnp.int32), token_gates.astype(gates.dtype))
+
+
 def cpu_experts(plan, expert_ids, gates, num_experts: int) -> CpuExperts:
     """The distinct experts ``plan`` marks ``cpu``, ascending, with the per-token gates.
 
     Fixed-size and loop-free (a one-hot over the ``E`` experts), so it runs on the device inside
-    the step without a host sync.
+    the step without a host sync. A route is a CPU route when ``plan.cpu`` is set and its id is
+    in ``[0, E)`` (``ensure_hybrid`` never marks another).
 
     Args:
       plan: an ``EnsurePlan`` of ``ensure``/``ensure_hybrid`` for ``expert_ids``.
@@ -77,14 +92,7 @@ def cpu_experts(plan, expert_ids, gates, num_experts: int) -> CpuExperts:
     ids = jnp.asarray(expert_ids).reshape(-1, jnp.shape(expert_ids)[-1]).astype(jnp.int32)
     gates = jnp.asarray(gates).reshape(ids.shape)
     cpu = _plan_routes(plan, expert_ids, "cpu") & (ids >= 0)
-    width = min(ids.size, num_experts)
-    onehot = cpu[..., None] & (ids[..., None] == jnp.arange(num_experts, dtype=jnp.int32))
-    marked = jnp.any(onehot, axis=(0, 1))  # [E]
-    (chosen,) = jnp.nonzero(marked, size=width, fill_value=-1)
-    chosen = chosen.astype(jnp.int32)
-    per_expert = jnp.sum(jnp.where(onehot, gates[..., None], 0), axis=1)  # [T, E]
-    token_gates = jnp.where(chosen >= 0, per_expert[:, jnp.maximum(chosen, 0)], 0)
-    return CpuExperts(chosen, jnp.sum(marked, dtype=jnp.int32), token_gates.astype(gates.dtype))
+    return _distinct(ids, cpu, gates, num_experts, min(ids.size, num_experts))
 
 
 def _bank_row(host_bank, layer, expert):
@@ -141,34 +149,40 @@ def cpu_partial(x, expert_ids, gates, plan, host_bank,
     num_experts = jax.tree.leaves(host_bank)[0].shape[axis]
     _check_bank(plan, host_bank, layer)
     chosen = cpu_experts(plan, expert_ids, gates, num_experts)
-    width = chosen.ids.shape[0]
-    out_shape = jax.eval_shape(
-        lambda w, t: jax.vmap(expert_fn, in_axes=(None, 0))(w, t),
-        jax.tree.map(lambda b: jax.ShapeDtypeStruct(b.shape[axis + 1:], b.dtype), host_bank),
-        tokens)
-    layer_index = jnp.int32(0) if layer is None else layer
     bank_space = memory_space(jax.tree.leaves(host_bank)[0])
-
-    def host_region(tokens, chosen_ids, count, token_gates, layer_index):
-        def branch(n):
-            def run(tokens, chosen_ids, token_gates, layer_index):
-                if n == 0:
-                    return _to_space(jnp.zeros(out_shape.shape, out_shape.dtype), bank_space)
-                return _experts_on_tokens(tokens, chosen_ids, token_gates, host_bank, expert_fn,
-                                          None if layer is None else layer_index, n)
-            return run
-
-        return lax.switch(count, [branch(n) for n in range(width + 1)], tokens, chosen_ids,
-                          token_gates, layer_index)
-
+    layer_index = jnp.int32(0) if layer is None else layer
     # The region's inputs go to where the bank lives (host memory for a host bank), so every op
     # in it reads one memory space; its result returns to the activations' space.
     inputs = [_to_space(v, bank_space)
               for v in (tokens, chosen.ids, chosen.count, chosen.gates, layer_index)]
     with compute_on(HOST_COMPUTE):
-        partial = jax.jit(host_region)(*inputs)
+        partial = jax.jit(functools.partial(_switch_partial, host_bank, expert_fn,
+                                            layer is not None, bank_space))(*inputs)
     partial = _to_space(partial, memory_space(x))
-    return partial.reshape(x.shape[:-1] + out_shape.shape[-1:])
+    return partial.reshape(x.shape[:-1] + partial.shape[-1:])
+
+
+def _switch_partial(bank, expert_fn, has_layer, space, tokens, chosen_ids, count, token_gates,
+                    layer_index):
+    """``[T, H]`` in memory ``space``: a ``lax.switch`` on ``count`` whose branch ``n`` reads the
+    rows of ``chosen_ids[:n]`` from ``bank`` (``[L, E, ...]`` leaves when ``has_layer``, else
+    ``[N, ...]``) and applies each to ``tokens`` (:func:`_experts_on_tokens`); branch 0 is zeros."""
+    axis = 1 if has_layer else 0
+    out = jax.eval_shape(
+        lambda w, t: jax.vmap(expert_fn, in_axes=(None, 0))(w, t),
+        jax.tree.map(lambda b: jax.ShapeDtypeStruct(b.shape[axis + 1:], b.dtype), bank),
+        jax.ShapeDtypeStruct(tokens.shape, tokens.dtype))
+
+    def branch(n):
+        def run(tokens, chosen_ids, token_gates, layer_index):
+            if n == 0:
+                return _to_space(jnp.zeros(out.shape, out.dtype), space)
+            return _experts_on_tokens(tokens, chosen_ids, token_gates, bank, expert_fn,
+                                      layer_index if has_layer else None, n)
+        return run
+
+    return lax.switch(count, [branch(n) for n in range(chosen_ids.shape[0] + 1)], tokens,
+                      chosen_ids, token_gates, layer_index)
 
 
 def _check_bank(plan, host_bank, layer):
@@ -200,27 +214,31 @@ def cpu_partial_reference(x, expert_ids, gates, plan, host_bank,
 
 def device_partial(x, expert_ids, gates, plan, pool,
                    expert_fn: Callable[[Any, jax.Array], jax.Array]):
-    """The plan's device partial: every route with a slot (``plan.slots >= 0``) reads its expert
-    from the pool (after :func:`~pallas_cache.moe.apply_copy_plan`); other routes add 0.
+    """The plan's device partial: the distinct slots of its device routes (``plan.slots >= 0``),
+    each expert read once from the pool (after :func:`~pallas_cache.moe.apply_copy_plan`) and
+    applied to the tokens, by the same switch on their count as :func:`cpu_partial`, on the
+    device; other routes add 0.
 
     Returns:
       ``[..., H]``, the gate-weighted sum over the device routes.
     """
     tokens, ids, gate = _token_routes(x, expert_ids, gates)
-    slots = _plan_routes(plan, expert_ids, "slots")
-    on_device = slots >= 0
+    slots = _plan_routes(plan, expert_ids, "slots").astype(jnp.int32)
+    num_slots = getattr(plan.copy, "num_slots", None)
     for leaf in jax.tree.leaves(pool):
-        num_slots = getattr(plan.copy, "num_slots", None)
         if num_slots is not None and leaf.shape[0] != num_slots:
             raise ValueError(f"the plan is for a pool of {num_slots} slots, but a pool leaf has "
                              f"shape {tuple(leaf.shape)} ({leaf.shape[0]} slots)")
-    weights = jax.tree.map(
-        lambda p: gather_rows(p, jnp.where(on_device, slots, 0).reshape(-1), None,
-                              memory_space(x)), pool)
-    routes = jnp.repeat(tokens, ids.shape[1], axis=0)
-    y = jax.vmap(expert_fn)(weights, routes).reshape(ids.shape + (-1,))
-    gated = jnp.where(on_device[..., None], gate[..., None].astype(y.dtype) * y, 0)
-    return gated.sum(axis=1).reshape(x.shape[:-1] + y.shape[-1:])
+    pool_slots = jax.tree.leaves(pool)[0].shape[0]
+    num_experts = getattr(plan.copy, "num_experts", None) or ids.size
+    # A layer-call's distinct slots never exceed its distinct experts, min(K, E).
+    chosen = _distinct(slots, slots >= 0, gate, pool_slots, min(ids.size, num_experts, pool_slots))
+    space = memory_space(jax.tree.leaves(pool)[0])
+    partial = _switch_partial(pool, expert_fn, False, space,
+                              *[_to_space(v, space) for v in (tokens, chosen.ids, chosen.count,
+                                                              chosen.gates, jnp.int32(0))])
+    partial = _to_space(partial, memory_space(x))
+    return partial.reshape(x.shape[:-1] + partial.shape[-1:])
 
 
 def moe_hybrid(x, expert_ids, gates, plan, pool, host_bank,
