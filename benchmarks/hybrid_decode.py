@@ -1,4 +1,4 @@
-"""Measured ms per token of a hybrid decode loop with host-resident experts, beside the replay's modeled ms per token.
+"""A hybrid decode loop with host-resident experts: measured ms per token beside the modeled.
 
 A routing trace (the synthetic ``mixtral-realistic`` preset cut to ``--layers`` x ``--tokens``,
 or a recorded dense trace with ``--trace``) is decoded one token per step through MoE layers
@@ -55,8 +55,8 @@ import pallas_cache as pc  # noqa: E402
 from hybrid_mechanism import mech_compute_on, swiglu  # noqa: E402
 from hybrid_mechanism import time_median as mech_median  # noqa: E402
 from pallas_cache.moe import apply_copy_plan, put_host_bank  # noqa: E402
-from pallas_cache.sizing import (PRESETS, ReplayConfig, Trace, load_trace, parse_policy,  # noqa: E402
-                                 replay, synthetic_trace)
+from pallas_cache.sizing import (  # noqa: E402
+    PRESETS, ReplayConfig, Trace, load_trace, parse_policy, replay, synthetic_trace)
 from pallas_cache.sizing import cli  # noqa: E402
 from pallas_cache.sizing.cost import CostModel  # noqa: E402
 from pallas_cache.sizing.units import format_bandwidth, parse_bandwidth  # noqa: E402

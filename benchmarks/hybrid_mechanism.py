@@ -1,4 +1,4 @@
-"""The JAX mechanisms for the CPU partial of a hybrid MoE layer, measured: per-layer overhead and per-expert cost.
+"""Three JAX mechanisms for the CPU partial: per-layer overhead and per-expert cost, measured.
 
 For one layer-call that computes ``n`` distinct experts on the CPU (Mixtral-shaped SwiGLU
 experts, bf16, one decode token), three ways to run that work from a decode step:
@@ -193,9 +193,11 @@ def main(argv=None):
         f"`python benchmarks/hybrid_mechanism.py --hidden {args.hidden} --ffn {args.ffn} "
         f"--dtype {args.dtype} "
         f"--layers {args.layers} --rounds {args.rounds}` on {now:%Y-%m-%d %H:%M} UTC "
-        f"(1-minute load average {os.getloadavg()[0]:.1f}). Machine: {platform.processor() or platform.machine()}, "
-        f"{os.cpu_count()} cores; JAX {jax.__version__} on {device.platform} "
-        f"({device.device_kind}): host and device are one memory and one CPU here.",
+        f"(1-minute load average {os.getloadavg()[0]:.1f}). Machine: "
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores; JAX "
+        f"{jax.__version__} on {device.platform} ({device.device_kind})"
+        + (": host and device are one memory and one CPU here." if device.platform == "cpu"
+           else "."),
         "",
         f"One decode token, `n` distinct CPU experts per layer-call (SwiGLU, {args.dtype}, "
         f"hidden {args.hidden}, ffn {args.ffn}: {expert_bytes / 2**20:.1f} MiB per expert); "

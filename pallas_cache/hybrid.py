@@ -1,4 +1,4 @@
-"""The hybrid MoE layer: resident and fetched experts on the device, the plan's CPU experts on the host CPU (docs/semantics.md §5.13)."""
+"""The hybrid MoE layer: the plan's CPU experts run on the host CPU (docs/semantics.md §5.13)."""
 
 from __future__ import annotations
 

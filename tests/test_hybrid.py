@@ -1,4 +1,4 @@
-"""The hybrid MoE layer (pallas_cache.hybrid, docs/semantics.md §5.13): the plan's CPU experts on the host CPU.
+"""The hybrid MoE layer (pallas_cache.hybrid, docs/semantics.md §5.13).
 
 * End to end: decode random calls (padding, duplicate routes, every policy, a bank in host or
   device memory) through ``ensure_hybrid`` + ``apply_copy_plan`` + ``moe_hybrid``; every output
@@ -167,8 +167,8 @@ def test_the_cpu_partial_is_lowered_as_host_compute_for_cuda():
     matmul, as ``pallas_cache.testing.moe_combine``): in the step lowered for CUDA the CPU
     experts' matmuls must carry XLA's host compute type, one switch branch per count
     ``n = 1..K'`` with ``n`` experts of two matmuls each, while the device partial's switch
-    (over its distinct slots, the same branches) stays on the device; and on this backend the region reads a host
-    bank where it lives (the bank's rows are sliced in ``pinned_host`` memory)."""
+    (over its distinct slots, the same branches) stays on the device; and, where the backend
+    has host memory, the region reads the bank where it lives (host-annotated row slices)."""
     bank = put_host_bank(_bank())
     ids = jnp.zeros((T, K), jnp.int32)
     args = (pc.init(L, E, S), _pool(), bank, jnp.int32(0), ids, jnp.ones((T, K)),
@@ -245,7 +245,8 @@ def test_moe_hybrid_runs_in_a_scan_with_a_traced_layer():
             def layer_step(carry, inputs):
                 state, pool = carry
                 layer, layer_ids = inputs
-                state, plan = pc.ensure_hybrid(state, layer, layer_ids, pc.FetchPolicy.fraction(.5))
+                state, plan = pc.ensure_hybrid(state, layer, layer_ids,
+                                               pc.FetchPolicy.fraction(0.5))
                 pool = apply_copy_plan(pool, placed, plan, layer=layer)
                 out = pc.moe_hybrid(x, layer_ids, gates, plan, pool, placed, expert_fn,
                                     layer=layer)
