@@ -199,7 +199,7 @@ def _check_bank(plan, host_bank, layer):
 def cpu_partial_reference(x, expert_ids, gates, plan, host_bank,
                           expert_fn: Callable[[Any, jax.Array], jax.Array], *, layer=None):
     """What :func:`cpu_partial` computes, as a masked evaluation of every route on the device
-    (two expert reads per CPU route, none skipped): the oracle of its tests."""
+    (one expert evaluation per route, CPU route or not): the oracle of its tests."""
     layer = check_bank_layer(host_bank, layer)
     tokens, ids, gate = _token_routes(x, expert_ids, gates)
     on_cpu = _plan_routes(plan, expert_ids, "cpu") & (ids >= 0)
