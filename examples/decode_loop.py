@@ -9,8 +9,11 @@ one ``jax.jit``: a ``lax.scan`` over tokens, and inside it a ``lax.scan`` over l
 2. plan: ``ensure_hybrid`` decides which experts are on the device, which are copied in (into
    which slot) and which are computed on the CPU;
 3. copy: ``apply_copy_plan`` moves the fetched experts from the host bank into the pool;
-4. compute: the device partial (experts read from the pool) plus the CPU partial (experts read
-   from the host bank), gate-weighted, added to the residual stream.
+4. compute: ``moe_hybrid``, gate-weighted, added to the residual stream. Its device partial runs
+   the resident and fetched experts from the pool on the device; its CPU partial
+   (``cpu_partial``) runs the plan's distinct CPU experts on the host CPU, reading them from
+   the host bank inside a ``compute_on("device_host")`` region, one expert read per CPU expert
+   (on the CPU backend the host is the device, so both partials run on the same cores).
 
 The same scan also runs the dense MoE (every expert read straight from the host bank) on the same
 token stream, so every step of the cached path can be compared with the oracle. The two agree to
@@ -38,7 +41,7 @@ from jax import lax
 
 import pallas_cache as pc
 from pallas_cache.moe import apply_copy_plan, put_host_bank
-from pallas_cache.testing import moe_combine, moe_dense
+from pallas_cache.testing import moe_dense
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,8 +176,8 @@ def _decode(params, tokens, cache, pool, policy, *, config, order, admission, ta
             if tamper is not None:
                 plan = tamper(plan)
             pool = apply_copy_plan(pool, host_bank, plan, layer=layer)
-            h_cached = h_cached + moe_combine(h_cached, expert_ids, gates, plan, pool, host_bank,
-                                              expert_mlp, layer=layer)
+            h_cached = h_cached + pc.moe_hybrid(h_cached, expert_ids, gates, plan, pool,
+                                                host_bank, expert_mlp, layer=layer)
 
             dense_ids, dense_gates = route(h_dense, router_weights, active_rows, config.top_k)
             h_dense = h_dense + moe_dense(h_dense, dense_ids, dense_gates, host_bank, expert_mlp,

@@ -3,7 +3,9 @@
 Expert weights live in host RAM; a pool of ``S`` device slots holds the experts in use, shared by
 all layers (global LRU). Each MoE layer call asks the cache which routed experts are resident,
 which must be copied in (and where, evicting whom), and -- in the hybrid mode -- which misses the
-CPU computes instead. The library computes that metadata only; it never moves weights.
+CPU computes instead. The cache computes that metadata only; the helpers that apply a plan to
+weights (``apply_copy_plan``, and ``moe_hybrid``, whose ``cpu_partial`` runs the plan's CPU
+experts on the host CPU) are in :mod:`pallas_cache.moe` and :mod:`pallas_cache.hybrid`.
 
 The state is an immutable pytree and every operation a pure function, so a whole decode step is
 one compiled program::
@@ -42,6 +44,7 @@ from pallas_cache.host.reports import (
 )
 from pallas_cache.host.views import describe, diff
 from pallas_cache.kernels.dispatch import BACKENDS
+from pallas_cache.hybrid import cpu_partial, moe_hybrid
 from pallas_cache.moe import apply_copy_plan, put_host_bank
 from pallas_cache.ops import (
     CopyPlan,
@@ -98,6 +101,7 @@ __all__ = [
     "begin_prefill",
     "check",
     "checked",
+    "cpu_partial",
     "describe",
     "diff",
     "ensure",
@@ -106,6 +110,7 @@ __all__ = [
     "init",
     "layer_stats",
     "materialize_layer",
+    "moe_hybrid",
     "per_layer_stats",
     "prefetch_prefill_layer",
     "prefill_overlap_fits",

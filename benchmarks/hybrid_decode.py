@@ -1,0 +1,351 @@
+"""A hybrid decode loop with host-resident experts: measured ms per token beside the modeled.
+
+A routing trace (the synthetic ``mixtral-realistic`` preset cut to ``--layers`` x ``--tokens``,
+or a recorded dense trace with ``--trace``) is decoded one token per step through MoE layers
+whose expert weights (Mixtral-shaped SwiGLU experts, bf16; ``--small``: float32) sit in host memory
+(``put_host_bank``): per layer-call ``ensure_hybrid`` plans, ``apply_copy_plan`` copies the
+fetched experts into the pool, and ``moe_hybrid`` runs the resident ones on the device and the
+plan's CPU experts on the host CPU (``cpu_partial``). The whole decode is one compiled
+``lax.scan``. Per configuration (cache size ``S`` x policy) it reports:
+
+* ``measured``: ms per token, the median of ``--rounds`` timed decodes after a warm-up, each
+  from a cold cache (as the replay starts);
+* ``overhead``: measured minus the same loop with every expert resident (``S = L*E``, the pool
+  filled before the timed decode, so no copy and no CPU expert);
+* ``modeled``: ``modeled_ms_per_token`` of ``pallas_cache.sizing.replay`` on the same trace
+  (docs/semantics.md §11), with ``B_link`` from ``pallas-cache bench-bandwidth`` and ``B_cpu``
+  measured on ``cpu_partial`` itself (bench-bandwidth's ``B_cpu`` is printed beside it);
+* ``overhead / modeled`` and, per cache size, whether the model orders the policies as the
+  measured overheads do (two overheads within 5% of each other count as equal).
+
+The decode loop's fetched and CPU-expert counts are checked equal to the replay's. Geometry:
+hidden 4096, ffn 14336 (``--small``: 1024, 3584), 8 experts, top-2, 4 layers, 32 tokens,
+``S`` in {8, 16, 24}, policies ``full``, ``fraction:auto``, ``cap:1``. Run from the repository
+root::
+
+    python benchmarks/hybrid_decode.py [--small] [--trace FILE] [--rounds 3] [--no-write]
+
+It writes (or replaces) the ``hybrid_decode`` section of ``benchmarks/RESULTS.md`` (the
+``--small`` run as ``hybrid_decode_small``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import io
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import pallas_cache as pc  # noqa: E402
+from hybrid_mechanism import mech_compute_on, swiglu  # noqa: E402
+from hybrid_mechanism import time_median as mech_median  # noqa: E402
+from pallas_cache.moe import apply_copy_plan, put_host_bank  # noqa: E402
+from pallas_cache.sizing import (  # noqa: E402
+    PRESETS, ReplayConfig, Trace, load_trace, parse_policy, replay, synthetic_trace)
+from pallas_cache.sizing import cli  # noqa: E402
+from pallas_cache.sizing.cost import CostModel  # noqa: E402
+from pallas_cache.sizing.units import format_bandwidth, parse_bandwidth  # noqa: E402
+from results_file import write_section  # noqa: E402
+
+POLICIES = ("full", "fraction:auto", "cap:1")
+TIE = 0.05
+
+
+
+
+def make_bank(layers, experts, hidden, ffn, seed=0, dtype="bf16"):
+    """Random expert weights ``{w1, w3: [L, E, H, F], w2: [L, E, F, H]}`` in ``dtype`` (NumPy,
+    one matrix at a time, so the float32 draw never holds more than one matrix)."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(seed)
+    shapes = {"w1": (hidden, ffn), "w3": (hidden, ffn), "w2": (ffn, hidden)}
+    bank = {}
+    for name, shape in shapes.items():
+        leaf = np.empty((layers, experts) + shape,
+                        ml_dtypes.bfloat16 if dtype == "bf16" else np.float32)
+        for layer in range(layers):
+            for expert in range(experts):
+                leaf[layer, expert] = rng.standard_normal(shape, np.float32) / np.sqrt(shape[0])
+        bank[name] = leaf
+    return bank
+
+
+def the_trace(args) -> Trace:
+    """A dense ``[tokens, layers, top_k]`` trace: the first ``--tokens`` x ``--layers`` of it."""
+    if args.trace:
+        trace = load_trace(args.trace)
+        dense = trace.to_dense()[:args.tokens, :args.layers]
+        return Trace.from_dense(dense, num_experts=trace.num_experts,
+                                source=f"{trace.source}[:{args.tokens}, :{args.layers}]")
+    params = dataclasses.replace(PRESETS["mixtral-realistic"], num_layers=args.layers,
+                                 num_tokens=args.tokens)
+    trace = synthetic_trace(params, seed=args.seed)
+    return Trace.from_dense(trace.to_dense(), num_experts=trace.num_experts,
+                            source=f"synthetic:mixtral-realistic(layers={args.layers}, "
+                                   f"tokens={args.tokens}, seed={args.seed})")
+
+
+@jax.jit
+def _decode(state, pool, bank, routes, gates, x0, policy):
+    """Decode ``routes [T, L, k]`` one token at a time; returns the last hidden state, the
+    per-call fetched and CPU-expert counts and the final cache."""
+    num_layers = routes.shape[1]
+
+    def token(carry, inputs):
+        state, pool = carry
+        token_routes, token_gates = inputs
+
+        def layer_step(carry, inputs):
+            state, pool, h = carry
+            layer, ids, g = inputs
+            ids, g = ids[None], g[None]
+            state, plan = pc.ensure_hybrid(state, layer, ids, policy)
+            pool = apply_copy_plan(pool, bank, plan, layer=layer)
+            out = pc.moe_hybrid(h, ids, g, plan, pool, bank, swiglu, layer=layer)
+            h = h + out
+            h = h / jnp.sqrt(jnp.mean(h * h) + 1e-6)  # keep the residual stream O(1)
+            return (state, pool, h), (plan.copy.count, plan.missing - plan.fetched)
+
+        (state, pool, h), counts = lax.scan(
+            layer_step, (state, pool, x0),
+            (jnp.arange(num_layers, dtype=jnp.int32), token_routes, token_gates))
+        return (state, pool), (h, counts)
+
+    (state, pool), (h, (fetched, cpu_experts)) = lax.scan(token, (state, pool), (routes, gates))
+    return h, fetched, cpu_experts, state
+
+
+def _pool(bank, cache_size):
+    return {name: jnp.zeros((cache_size,) + leaf.shape[2:], leaf.dtype)
+            for name, leaf in bank.items()}
+
+
+def _primed(bank, host, num_layers, num_experts):
+    """A cache of ``S = L*E`` with every expert resident, and its filled pool."""
+    state = pc.init(num_layers, num_experts, num_layers * num_experts)
+    pool = _pool(bank, num_layers * num_experts)
+    for layer in range(num_layers):
+        state, plan = pc.ensure(state, layer, jnp.arange(num_experts, dtype=jnp.int32))
+        pool = apply_copy_plan(pool, host, plan, layer=layer)
+    return state, pool
+
+
+def time_decode(make_start, host, routes, gates, x0, policy, rounds):
+    """Median seconds of one decode (warm-up first), and its outputs."""
+    times, out = [], None
+    for i in range(rounds + 1):
+        state, pool = make_start()
+        jax.block_until_ready((state, pool))
+        start = time.perf_counter()
+        out = _decode(state, pool, host, routes, gates, x0, policy)
+        jax.block_until_ready(out)
+        if i:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times), out
+
+
+def bench_bandwidth(hidden, ffn, mib):
+    """``pallas-cache bench-bandwidth``'s two figures (bytes per second)."""
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        status = cli.main(["bench-bandwidth", "--mib", str(mib), "--d-model", str(hidden),
+                           "--d-expert", str(ffn), "--repeats", "5"])
+    if status:
+        raise SystemExit(f"bench-bandwidth failed with status {status}")
+    flags = [line for line in text.getvalue().splitlines() if line.startswith("flags:")][0]
+    words = flags.split()
+    return (parse_bandwidth(words[words.index("--link-bandwidth") + 1]),
+            parse_bandwidth(words[words.index("--cpu-bandwidth") + 1]))
+
+
+def copy_path_bandwidth(bank, host, rounds):
+    """Expert bytes per second ``apply_copy_plan`` moves from the host bank into a pool inside
+    a compiled program: the slope of one call copying 0, 1 and 2 experts."""
+    pool = _pool(bank, 2)
+    run = jax.jit(apply_copy_plan, static_argnames=())
+    seconds = []
+    for n in (0, 1, 2):
+        plan = pc.CopyPlan(dst_slots=jnp.array([0, 1][:n] + [-1] * (2 - n), jnp.int32),
+                           src_rows=jnp.array([0, 1][:n] + [-1] * (2 - n), jnp.int32),
+                           count=jnp.int32(n))
+        seconds.append(mech_median(lambda: jax.block_until_ready(run(pool, host, plan, layer=0)),
+                                   rounds))
+    expert_bytes = sum(leaf[0, 0].nbytes for leaf in bank.values())
+    return expert_bytes / ((seconds[2] - seconds[0]) / 2)
+
+
+def relation(a, b):
+    """-1, 0 or 1: ``a`` below, within 5% of, or above ``b``."""
+    if abs(a - b) <= TIE * max(abs(a), abs(b)):
+        return 0
+    return -1 if a < b else 1
+
+
+def orders_agree(measured, modeled):
+    """Whether every pair of rows compares the same way in both lists (5% ties)."""
+    pairs = [(i, j) for i in range(len(measured)) for j in range(i + 1, len(measured))]
+    wrong = [(i, j) for i, j in pairs
+             if relation(measured[i], measured[j]) != relation(modeled[i], modeled[j])]
+    return not wrong, wrong
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--small", action="store_true",
+                        help="hidden 1024, ffn 3584 (for a small CPU-only machine)")
+    parser.add_argument("--trace", help="a recorded dense trace (default: mixtral-realistic)")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--sizes", default="8,16,24")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--mib", type=int, default=256, help="bench-bandwidth's --mib")
+    parser.add_argument("--dtype", choices=("bf16", "f32"), default=None,
+                        help="expert weight type (default: bf16; f32 with --small, where "
+                             "XLA:CPU's bf16 matmuls ran 9x slower than f32 ones)")
+    parser.add_argument("--no-write", action="store_true")
+    args = parser.parse_args(argv)
+    hidden, ffn = (1024, 3584) if args.small else (4096, 14336)
+    dtype = args.dtype or ("f32" if args.small else "bf16")
+    sizes = [int(s) for s in args.sizes.split(",")]
+    wall = time.perf_counter()
+
+    trace = the_trace(args)
+    L, E, k, T = trace.num_layers, trace.num_experts, trace.top_k, trace.num_tokens
+    routes = jnp.asarray(trace.to_dense(), jnp.int32)
+    rng = np.random.default_rng(args.seed + 1)
+    gates = jnp.asarray(rng.dirichlet(np.ones(k), size=(T, L)).astype(np.float32))
+    x0 = jnp.asarray(rng.standard_normal((1, hidden), np.float32))
+    bank = make_bank(L, E, hidden, ffn, args.seed, dtype)
+    host = put_host_bank(bank)
+    expert_bytes = sum(leaf[0, 0].nbytes for leaf in bank.values())
+    placement = jax.tree.leaves(host)[0].sharding.memory_kind
+    print(f"trace {trace.source}: L={L} E={E} top-{k} T={T}; expert {expert_bytes / 2**20:.1f} "
+          f"MiB {dtype}, bank in {placement!r} memory", flush=True)
+
+    link, bench_cpu = bench_bandwidth(hidden, ffn, args.mib)
+    per_expert = [mech_compute_on({n: v[:1] for n, v in bank.items()}, x0,
+                                  jnp.full((1, 2), 0.5), 1, n, 2 * args.rounds + 1)
+                  for n in (0, 1, 2)]
+    path_cpu = expert_bytes / ((per_expert[2] - per_expert[0]) / 2)
+    copy_link = copy_path_bandwidth(bank, host, 2 * args.rounds + 1)
+    cost = CostModel(expert_bytes=expert_bytes, link_bandwidth=link, cpu_bandwidth=path_cpu)
+    copy_cost = CostModel(expert_bytes=expert_bytes, link_bandwidth=copy_link,
+                          cpu_bandwidth=path_cpu)
+    policies = [cost.auto_policy() if p == "fraction:auto" else p for p in POLICIES]
+    print(f"B_link {format_bandwidth(link)} (bench-bandwidth); B_cpu {format_bandwidth(path_cpu)} "
+          f"(cpu_partial) vs {format_bandwidth(bench_cpu)} (bench-bandwidth); "
+          f"fraction:auto = {policies[1]}", flush=True)
+
+    configs = [ReplayConfig(s, p) for s in sizes for p in policies]
+    modeled = replay(trace, configs, bounds=False, cost=cost, progress=lambda s: None)
+
+    with jax.default_matmul_precision("highest"):
+        base_seconds, (h_base, *_rest) = time_decode(
+            lambda: _primed(bank, host, L, E), host, routes, gates, x0, pc.FetchPolicy.full(),
+            args.rounds)
+        base = base_seconds * 1e3 / T
+        print(f"resident (S={L * E}): {base:.2f} ms/token", flush=True)
+        rows = []
+        for config, result in zip(configs, modeled):
+            seconds, (h, fetched, cpu, _) = time_decode(
+                lambda: (pc.init(L, E, config.cache_size), _pool(bank, config.cache_size)),
+                host, routes, gates, x0, parse_policy(config.policy), args.rounds)
+            if (int(fetched.sum()), int(cpu.sum())) != (result.fetched, result.cpu_experts):
+                raise SystemExit(f"{config}: the loop fetched {int(fetched.sum())} and ran "
+                                 f"{int(cpu.sum())} CPU experts, the replay "
+                                 f"{result.fetched} and {result.cpu_experts}")
+            ms = seconds * 1e3 / T
+            rows.append(dict(size=config.cache_size, policy=config.policy, measured=ms,
+                             overhead=ms - base, modeled=result.modeled_ms_per_token,
+                             modeled_copy=copy_cost.seconds(result.pair_counts) * 1e3 / T,
+                             fetched=result.fetched_per_token,
+                             cpu=result.cpu_experts_per_token,
+                             diff=float(jnp.max(jnp.abs(h - h_base)))))
+            r = rows[-1]
+            print(f"S={r['size']:3d} {r['policy']:>16}: measured {ms:8.2f} ms/token, overhead "
+                  f"{r['overhead']:8.2f}, modeled {r['modeled']:8.2f}; fetched/token "
+                  f"{r['fetched']:.2f}, cpu experts/token {r['cpu']:.2f}", flush=True)
+
+    verdicts = {}
+    for size in sizes:
+        group = [r for r in rows if r["size"] == size]
+        verdicts[size] = (orders_agree([r["overhead"] for r in group],
+                                       [r["modeled"] for r in group]),
+                          orders_agree([r["overhead"] for r in group],
+                                       [r["modeled_copy"] for r in group]))
+    elapsed = time.perf_counter() - wall
+
+    device = jax.devices()[0]
+    now = datetime.datetime.now(datetime.timezone.utc)
+    synthetic = trace.source.startswith("synthetic")
+    command = "python benchmarks/hybrid_decode.py" + (" --small" if args.small else "") + \
+        (f" --dtype {args.dtype}" if args.dtype else "") + \
+        (f" --trace {args.trace}" if args.trace else "") + f" --rounds {args.rounds}"
+    lines = [
+        f"## Hybrid decode: measured vs modeled ms per token (`benchmarks/hybrid_decode.py"
+        f"{' --small' if args.small else ''}`)",
+        "",
+        f"`{command}` on {now:%Y-%m-%d %H:%M} UTC, {elapsed:.0f} s (1-minute load average "
+        f"{os.getloadavg()[0]:.1f}). Machine: {platform.processor() or platform.machine()}, "
+        f"{os.cpu_count()} cores; Python {platform.python_version()}, JAX {jax.__version__} on "
+        f"{device.platform} ({device.device_kind}); host bank in `{placement}` memory.",
+        "",
+        f"Trace: `{trace.source}`{' (**synthetic**)' if synthetic else ''}; L={L}, E={E}, "
+        f"top-{k}, {T} tokens, one token per step. Experts: SwiGLU, hidden {hidden}, ffn {ffn}, "
+        f"{dtype}, W = {expert_bytes / 2**20:.1f} MiB. `B_link` = {format_bandwidth(link)} "
+        f"(`pallas-cache bench-bandwidth --mib {args.mib}`); `B_cpu` = "
+        f"{format_bandwidth(path_cpu)} measured on `cpu_partial` (bench-bandwidth's figure: "
+        f"{format_bandwidth(bench_cpu)}); `fraction:auto` = `{policies[1]}`. The copy path "
+        f"itself (`apply_copy_plan` in a compiled call) moves {format_bandwidth(copy_link)}: "
+        f"the last model column uses it as `B_link`. Every expert "
+        f"resident (S = {L * E}): {base:.2f} ms/token. Measured: median of {args.rounds} "
+        f"decodes after a warm-up, each from a cold cache. Fetched and CPU-expert counts equal "
+        f"the replay's in every row.",
+        "",
+        "| S | policy | fetched/token | CPU experts/token | measured ms/token | overhead ms/token "
+        "| modeled ms/token | overhead / modeled | modeled, copy-path B_link | overhead / that "
+        "| max abs diff vs resident |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        ratio = f"{r['overhead'] / r['modeled']:.2f}" if r["modeled"] > 0 else "-"
+        ratio_copy = (f"{r['overhead'] / r['modeled_copy']:.2f}" if r["modeled_copy"] > 0
+                      else "-")
+        lines.append(f"| {r['size']} | `{r['policy']}` | {r['fetched']:.2f} | {r['cpu']:.2f} | "
+                     f"{r['measured']:.2f} | {r['overhead']:.2f} | {r['modeled']:.2f} | {ratio} "
+                     f"| {r['modeled_copy']:.2f} | {ratio_copy} | {r['diff']:.1e} |")
+    lines.append("")
+    for size, checks in verdicts.items():
+        group = [r for r in rows if r["size"] == size]
+        words = []
+        for name, (agree, wrong) in zip(("bench-bandwidth B_link", "copy-path B_link"), checks):
+            detail = "" if agree else " (" + ", ".join(
+                f"`{group[i]['policy']}` vs `{group[j]['policy']}`" for i, j in wrong) + ")"
+            words.append(f"with {name} the model "
+                         f"{'orders the policies as measured' if agree else 'misorders'}{detail}")
+        lines.append(f"- S = {size}: " + "; ".join(words) + ".")
+    text = "\n".join(lines)
+    print(text)
+    if not args.no_write:
+        write_section("hybrid_decode_small" if args.small else "hybrid_decode", text)
+
+
+if __name__ == "__main__":
+    main()

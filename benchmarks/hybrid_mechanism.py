@@ -1,0 +1,218 @@
+"""Three JAX mechanisms for the CPU partial: per-layer overhead and per-expert cost, measured.
+
+For one layer-call that computes ``n`` distinct experts on the CPU (Mixtral-shaped SwiGLU
+experts, bf16, one decode token), three ways to run that work from a decode step:
+
+  (a) ``compute_on``: ``pallas_cache.cpu_partial`` inside the jitted step (a ``compute_on
+      ("device_host")`` region, a ``lax.switch`` on the count), measured per layer inside a
+      compiled ``lax.scan`` over layers, as a decode loop runs it;
+  (b) ``pure_callback``: a host callback inside the same scan that computes the ``n`` experts
+      with NumPy from the bank (bf16 rows widened to float32: NumPy has no bf16 matmul);
+  (c) ``cpu program``: a per-layer Python loop that pulls the expert ids to the host (a sync),
+      slices those experts' rows of a bank on ``jax.devices("cpu")`` and runs a jitted CPU
+      program on them, then puts the result back on the default device.
+
+Per mechanism: the median time per layer-call at ``n = 0`` (the overhead) and the slope per
+expert from ``n = 0..2``. Run from the repository root::
+
+    python benchmarks/hybrid_mechanism.py [--hidden 1024] [--ffn 3584] [--layers 4]
+                                          [--rounds 7] [--no-write]
+
+It writes (or replaces) the ``hybrid_mechanism`` section of ``benchmarks/RESULTS.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import pallas_cache as pc  # noqa: E402
+from pallas_cache.moe import put_host_bank  # noqa: E402
+from results_file import write_section  # noqa: E402
+
+NUM_EXPERTS = 8
+TOP_K = 2
+
+
+def swiglu(weights, x):
+    """A Mixtral expert on one token ``[H]``: ``(silu(x @ w1) * (x @ w3)) @ w2``, the matmuls in
+    the weights' dtype accumulated in float32, float32 out."""
+    def mm(a, w):
+        return jnp.matmul(a.astype(w.dtype), w, preferred_element_type=jnp.float32)
+
+    return mm(jax.nn.silu(mm(x, weights["w1"])) * mm(x, weights["w3"]), weights["w2"])
+
+
+def swiglu_numpy(w1, w3, w2, x):
+    gate = x @ w1
+    gate = gate / (1.0 + np.exp(-gate))
+    return (gate * (x @ w3)) @ w2
+
+
+def make_bank(layers, hidden, ffn, seed=0, dtype="bf16"):
+    rng = np.random.default_rng(seed)
+    scale = 1 / np.sqrt(hidden)
+    shapes = {"w1": (hidden, ffn), "w3": (hidden, ffn), "w2": (ffn, hidden)}
+    return {name: (rng.standard_normal((layers, NUM_EXPERTS) + shape, np.float32) * scale
+                   ).astype(jnp.bfloat16 if dtype == "bf16" else np.float32)
+            for name, shape in shapes.items()}
+
+
+def plan_for(n, tokens=1):
+    """A stand-in plan whose route 0..n-1 of token 0 are CPU routes of experts 0..n-1."""
+    cpu = jnp.zeros((tokens, TOP_K), bool).at[0, :n].set(True)
+    ids = jnp.broadcast_to(jnp.arange(TOP_K, dtype=jnp.int32), (tokens, TOP_K))
+    return SimpleNamespace(cpu=cpu, copy=SimpleNamespace(num_experts=NUM_EXPERTS)), ids
+
+
+def time_median(run, rounds):
+    run()
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def mech_compute_on(bank, x, gates, layers, n, rounds):
+    host = put_host_bank(bank)
+    plan, ids = plan_for(n)
+
+    @jax.jit
+    def loop(x, host):
+        def body(h, layer):
+            y = pc.cpu_partial(h, ids, gates, plan, host, swiglu, layer=layer)
+            return h + 1e-3 * y, None
+        return lax.scan(body, x, jnp.arange(layers, dtype=jnp.int32))[0]
+
+    return time_median(lambda: loop(x, host).block_until_ready(), rounds) / layers
+
+
+def mech_callback(bank, x, gates, layers, n, rounds):
+    host = {k: np.asarray(v) for k, v in bank.items()}
+
+    def compute(h, layer, chosen):
+        h = np.asarray(h, np.float32)
+        out = np.zeros_like(h)
+        for e in np.asarray(chosen)[:n]:
+            w = [host[k][int(layer), int(e)].astype(np.float32) for k in ("w1", "w3", "w2")]
+            out += 0.5 * swiglu_numpy(*w, h)
+        return out.astype(np.float32)
+
+    @jax.jit
+    def loop(x):
+        def body(h, layer):
+            chosen = jnp.arange(TOP_K, dtype=jnp.int32)
+            y = jax.pure_callback(compute, jax.ShapeDtypeStruct(h.shape, jnp.float32), h,
+                                  layer, chosen)
+            return h + 1e-3 * y, None
+        return lax.scan(body, x, jnp.arange(layers, dtype=jnp.int32))[0]
+
+    return time_median(lambda: loop(x).block_until_ready(), rounds) / layers
+
+
+def mech_cpu_program(bank, x, gates, layers, n, rounds):
+    cpu = jax.devices("cpu")[0]
+    device = jax.devices()[0]
+    cpu_bank = jax.device_put(bank, cpu)
+
+    @jax.jit
+    def experts(h, rows):
+        out = jnp.zeros(h.shape, jnp.float32)
+        for j in range(rows["w1"].shape[0]):
+            w = jax.tree.map(lambda r: r[j], rows)
+            out = out + 0.5 * jax.vmap(swiglu, in_axes=(None, 0))(w, h).astype(jnp.float32)
+        return out
+
+    chosen_on_device = jnp.arange(TOP_K, dtype=jnp.int32)
+
+    def loop():
+        h = x
+        for layer in range(layers):
+            chosen = np.asarray(chosen_on_device)[:n]  # the per-layer host sync
+            if n:
+                rows = {k: v[layer, chosen[0]:chosen[0] + n] for k, v in cpu_bank.items()}
+                y = jax.device_put(experts(jax.device_put(h, cpu), rows), device)
+            else:
+                y = jnp.zeros(h.shape, jnp.float32)
+            h = h + 1e-3 * y
+        return h.block_until_ready()
+
+    return time_median(loop, rounds) / layers
+
+
+MECHANISMS = {"compute_on": mech_compute_on, "pure_callback": mech_callback,
+              "cpu program": mech_cpu_program}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--ffn", type=int, default=3584)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--dtype", choices=("bf16", "f32"), default="bf16")
+    parser.add_argument("--no-write", action="store_true")
+    args = parser.parse_args(argv)
+
+    bank = make_bank(args.layers, args.hidden, args.ffn, dtype=args.dtype)
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((1, args.hidden), np.float32))
+    gates = jnp.full((1, TOP_K), 0.5, jnp.float32)
+    expert_bytes = sum(v[0, 0].nbytes for v in bank.values())
+    rows = []
+    with jax.default_matmul_precision("highest"):
+        for name, run in MECHANISMS.items():
+            per_n = [run(bank, x, gates, args.layers, n, args.rounds) for n in range(TOP_K + 1)]
+            slope = (per_n[-1] - per_n[0]) / TOP_K
+            rows.append((name, per_n, slope, expert_bytes / slope if slope > 0 else float("nan")))
+            print(f"{name:>14}: " + "  ".join(f"n={n}: {t * 1e6:9.1f} us" for n, t in
+                                               enumerate(per_n))
+                  + f"  per expert {slope * 1e6:9.1f} us ({rows[-1][3] / 1e9:.2f} GB/s)",
+                  flush=True)
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    device = jax.devices()[0]
+    lines = [
+        "## The CPU partial: mechanisms (`benchmarks/hybrid_mechanism.py`)",
+        "",
+        f"`python benchmarks/hybrid_mechanism.py --hidden {args.hidden} --ffn {args.ffn} "
+        f"--dtype {args.dtype} "
+        f"--layers {args.layers} --rounds {args.rounds}` on {now:%Y-%m-%d %H:%M} UTC "
+        f"(1-minute load average {os.getloadavg()[0]:.1f}). Machine: "
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores; JAX "
+        f"{jax.__version__} on {device.platform} ({device.device_kind})"
+        + (": host and device are one memory and one CPU here." if device.platform == "cpu"
+           else "."),
+        "",
+        f"One decode token, `n` distinct CPU experts per layer-call (SwiGLU, {args.dtype}, "
+        f"hidden {args.hidden}, ffn {args.ffn}: {expert_bytes / 2**20:.1f} MiB per expert); "
+        f"median per layer-call of {args.rounds} runs of a {args.layers}-layer loop.",
+        "",
+        "| mechanism | n=0 (overhead) | n=1 | n=2 | per expert | expert bytes / s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, per_n, slope, rate in rows:
+        lines.append(f"| {name} | " + " | ".join(f"{t * 1e6:.1f} us" for t in per_n)
+                     + f" | {slope * 1e6:.1f} us | {rate / 1e9:.2f} GB/s |")
+    if not args.no_write:
+        write_section("hybrid_mechanism", "\n".join(lines))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

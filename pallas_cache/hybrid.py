@@ -1,0 +1,252 @@
+"""The hybrid MoE layer: the plan's CPU experts run on the host CPU (docs/semantics.md §5.13)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental.compute_on import compute_on
+
+from pallas_cache.moe import _to_space, check_bank_layer, gather_rows, memory_space
+
+__all__ = [
+    "HOST_COMPUTE",
+    "CpuExperts",
+    "cpu_experts",
+    "cpu_partial",
+    "cpu_partial_reference",
+    "device_partial",
+    "moe_hybrid",
+]
+
+#: The ``compute_on`` placement of the CPU partial: ops in it carry XLA's host compute type.
+HOST_COMPUTE = "device_host"
+
+
+class CpuExperts(NamedTuple):
+    """The distinct experts a plan sends to the CPU, and each token's gate on each of them.
+
+    Attributes:
+      ids: int32 ``[K']`` layer-local expert ids, ascending, then ``-1`` (``K' = min(K, E)``).
+      count: int32 ``[]``, how many entries of ``ids`` are valid.
+      gates: ``[T, K']``: ``gates[t, j]`` sums token ``t``'s router gates on ``ids[j]`` over its
+        CPU routes (0 where the token does not route there, and for padding columns).
+    """
+
+    ids: jax.Array
+    count: jax.Array
+    gates: jax.Array
+
+
+def _token_routes(x, expert_ids, gates):
+    """``x [..., H]``, routes and gates ``[..., k]`` -> ``[T, H]``, ``[T, k]``, ``[T, k]``."""
+    expert_ids = jnp.asarray(expert_ids)
+    gates = jnp.asarray(gates)
+    if expert_ids.shape != gates.shape:
+        raise ValueError(f"expert_ids {expert_ids.shape} and gates {gates.shape} differ in shape")
+    if expert_ids.ndim < 1 or x.shape[:-1] != expert_ids.shape[:-1]:
+        raise ValueError(
+            f"x {x.shape} must be [..., H] with the leading axes of expert_ids {expert_ids.shape}")
+    k = expert_ids.shape[-1]
+    return (x.reshape(-1, x.shape[-1]), expert_ids.reshape(-1, k).astype(jnp.int32),
+            gates.reshape(-1, k))
+
+
+def _plan_routes(plan, expert_ids, field):
+    value = jnp.asarray(getattr(plan, field))
+    if value.shape != jnp.shape(expert_ids):
+        raise ValueError(f"plan.{field} {value.shape} differs from expert_ids "
+                         f"{jnp.shape(expert_ids)} in shape")
+    return value.reshape(-1, jnp.shape(expert_ids)[-1])
+
+
+def _distinct(values, take, gates, size: int, width: int) -> CpuExperts:
+    """The distinct ``values`` (in ``[0, size)``) of the routes in ``take``, ascending and
+    ``-1``-padded to ``width``, their count, and each token's summed gate on each of them.
+    Fixed-size and loop-free (a one-hot over ``size``)."""
+    onehot = take[..., None] & (values[..., None] == jnp.arange(size, dtype=jnp.int32))
+    marked = jnp.any(onehot, axis=(0, 1))  # [size]
+    (chosen,) = jnp.nonzero(marked, size=width, fill_value=-1)
+    chosen = chosen.astype(jnp.int32)
+    per_value = jnp.sum(jnp.where(onehot, gates[..., None], 0), axis=1)  # [T, size]
+    token_gates = jnp.where(chosen >= 0, per_value[:, jnp.maximum(chosen, 0)], 0)
+    return CpuExperts(chosen, jnp.sum(marked, dtype=jnp.int32), token_gates.astype(gates.dtype))
+
+
+def cpu_experts(plan, expert_ids, gates, num_experts: int) -> CpuExperts:
+    """The distinct experts ``plan`` marks ``cpu``, ascending, with the per-token gates.
+
+    Fixed-size and loop-free (a one-hot over the ``E`` experts), so it runs on the device inside
+    the step without a host sync. A route is a CPU route when ``plan.cpu`` is set and its id is
+    in ``[0, E)`` (``ensure_hybrid`` never marks another).
+
+    Args:
+      plan: an ``EnsurePlan`` of ``ensure``/``ensure_hybrid`` for ``expert_ids``.
+      expert_ids: int ``[..., k]``, the routes the plan was made for (``-1`` = padding).
+      gates: ``[..., k]`` router weights.
+      num_experts: ``E`` (static).
+    """
+    ids = jnp.asarray(expert_ids).reshape(-1, jnp.shape(expert_ids)[-1]).astype(jnp.int32)
+    gates = jnp.asarray(gates).reshape(ids.shape)
+    cpu = _plan_routes(plan, expert_ids, "cpu") & (ids >= 0)
+    return _distinct(ids, cpu, gates, num_experts, min(ids.size, num_experts))
+
+
+def _bank_row(host_bank, layer, expert):
+    """One expert's weights, sliced where the bank lives (host memory inside the host region)."""
+    def row(leaf):
+        lead = (expert,) if layer is None else (layer, expert)
+        start = lead + (jnp.int32(0),) * (leaf.ndim - len(lead))
+        piece = lax.dynamic_slice(leaf, start, (1,) * len(lead) + leaf.shape[len(lead):])
+        return piece.reshape(leaf.shape[len(lead):])
+
+    return jax.tree.map(row, host_bank)
+
+
+def _experts_on_tokens(tokens, chosen, token_gates, host_bank, expert_fn, layer, n):
+    """``sum_j token_gates[:, j] * expert_fn(W[chosen[j]], tokens)`` over the first ``n`` (static)
+    experts: each read once from the bank and applied to every token as one matrix product."""
+    out = None
+    for j in range(n):
+        weights = _bank_row(host_bank, layer, chosen[j])
+        y = jax.vmap(expert_fn, in_axes=(None, 0))(weights, tokens)  # [T, H]
+        term = token_gates[:, j:j + 1].astype(y.dtype) * y
+        out = term if out is None else out + term
+    return out
+
+
+def cpu_partial(x, expert_ids, gates, plan, host_bank,
+                expert_fn: Callable[[Any, jax.Array], jax.Array], *, layer=None):
+    """The plan's CPU partial: its distinct CPU experts, computed on the host CPU.
+
+    The distinct CPU experts (:func:`cpu_experts`) and the tokens go to the host; there a
+    ``lax.switch`` on their count runs the branch that reads exactly that many experts from the
+    bank and applies each to the tokens, so the host work is proportional to the number of
+    distinct CPU experts (none when the plan has none); the ``[..., H]`` result comes back to the
+    device. The region is placed with ``compute_on("device_host")``: its ops carry XLA's host
+    compute type in the lowered program, for every backend (on the CPU backend the host is the
+    device). Pure and jittable, with a traced layer.
+
+    Args:
+      x: ``[..., H]`` token activations.
+      expert_ids: int ``[..., k]``, the routes the plan was made for (``-1`` = padding).
+      gates: ``[..., k]`` router weights.
+      plan: the ``EnsurePlan`` of ``ensure_hybrid`` for ``expert_ids``.
+      host_bank: leaves ``[E, ...]``, or ``[L, E, ...]`` with ``layer=``; host memory
+        (``put_host_bank``) or device memory.
+      expert_fn: ``expert_fn(weights, x_row) -> y_row`` for one expert and one token ``[H]``.
+      layer: optional int (possibly traced) layer index into a whole-model bank.
+
+    Returns:
+      ``[..., H]``: the gate-weighted sum over the plan's CPU routes (zeros when there are none).
+    """
+    layer = check_bank_layer(host_bank, layer)
+    tokens, ids, _ = _token_routes(x, expert_ids, gates)
+    axis = 0 if layer is None else 1
+    num_experts = jax.tree.leaves(host_bank)[0].shape[axis]
+    _check_bank(plan, host_bank, layer)
+    chosen = cpu_experts(plan, expert_ids, gates, num_experts)
+    bank_space = memory_space(jax.tree.leaves(host_bank)[0])
+    layer_index = jnp.int32(0) if layer is None else layer
+    # The region's inputs go to where the bank lives (host memory for a host bank), so every op
+    # in it reads one memory space; its result returns to the activations' space.
+    inputs = [_to_space(v, bank_space)
+              for v in (tokens, chosen.ids, chosen.count, chosen.gates, layer_index)]
+    with compute_on(HOST_COMPUTE):
+        partial = jax.jit(functools.partial(_switch_partial, host_bank, expert_fn,
+                                            layer is not None, bank_space))(*inputs)
+    partial = _to_space(partial, memory_space(x))
+    return partial.reshape(x.shape[:-1] + partial.shape[-1:])
+
+
+def _switch_partial(bank, expert_fn, has_layer, space, tokens, chosen_ids, count, token_gates,
+                    layer_index):
+    """``[T, H]`` in memory ``space``: a ``lax.switch`` on ``count`` whose branch ``n`` reads the
+    rows of ``chosen_ids[:n]`` from ``bank`` (``[L, E, ...]`` leaves when ``has_layer``, else
+    ``[N, ...]``) and applies each to ``tokens`` (:func:`_experts_on_tokens`); branch 0 is zeros."""
+    axis = 1 if has_layer else 0
+    out = jax.eval_shape(
+        lambda w, t: jax.vmap(expert_fn, in_axes=(None, 0))(w, t),
+        jax.tree.map(lambda b: jax.ShapeDtypeStruct(b.shape[axis + 1:], b.dtype), bank),
+        jax.ShapeDtypeStruct(tokens.shape, tokens.dtype))
+
+    def branch(n):
+        def run(tokens, chosen_ids, token_gates, layer_index):
+            if n == 0:
+                return _to_space(jnp.zeros(out.shape, out.dtype), space)
+            return _experts_on_tokens(tokens, chosen_ids, token_gates, bank, expert_fn,
+                                      layer_index if has_layer else None, n)
+        return run
+
+    return lax.switch(count, [branch(n) for n in range(chosen_ids.shape[0] + 1)], tokens,
+                      chosen_ids, token_gates, layer_index)
+
+
+def _check_bank(plan, host_bank, layer):
+    """The bank's expert axis against the plan's ``num_experts`` (pool not involved here)."""
+    num_experts = getattr(plan.copy, "num_experts", None)
+    axis = 0 if layer is None else 1
+    for leaf in jax.tree.leaves(host_bank):
+        if num_experts is not None and leaf.shape[axis] != num_experts:
+            raise ValueError(f"the plan is for {num_experts} experts per layer, but a host bank "
+                             f"leaf has shape {tuple(leaf.shape)} ({leaf.shape[axis]} rows on "
+                             f"its expert axis {axis})")
+
+
+def cpu_partial_reference(x, expert_ids, gates, plan, host_bank,
+                          expert_fn: Callable[[Any, jax.Array], jax.Array], *, layer=None):
+    """What :func:`cpu_partial` computes, as a masked evaluation of every route on the device
+    (one expert evaluation per route, CPU route or not): the oracle of its tests."""
+    layer = check_bank_layer(host_bank, layer)
+    tokens, ids, gate = _token_routes(x, expert_ids, gates)
+    on_cpu = _plan_routes(plan, expert_ids, "cpu") & (ids >= 0)
+    weights = jax.tree.map(
+        lambda b: gather_rows(b, jnp.where(on_cpu, ids, 0).reshape(-1), layer, memory_space(x)),
+        host_bank)
+    routes = jnp.repeat(tokens, ids.shape[1], axis=0)
+    y = jax.vmap(expert_fn)(weights, routes).reshape(ids.shape + (-1,))
+    gated = jnp.where(on_cpu[..., None], gate[..., None].astype(y.dtype) * y, 0)
+    return gated.sum(axis=1).reshape(x.shape[:-1] + y.shape[-1:])
+
+
+def device_partial(x, expert_ids, gates, plan, pool,
+                   expert_fn: Callable[[Any, jax.Array], jax.Array]):
+    """The plan's device partial: the distinct slots of its device routes (``plan.slots >= 0``),
+    each expert read once from the pool (after :func:`~pallas_cache.moe.apply_copy_plan`) and
+    applied to the tokens, by the same switch on their count as :func:`cpu_partial`, on the
+    device; other routes add 0.
+
+    Returns:
+      ``[..., H]``, the gate-weighted sum over the device routes.
+    """
+    tokens, ids, gate = _token_routes(x, expert_ids, gates)
+    slots = _plan_routes(plan, expert_ids, "slots").astype(jnp.int32)
+    num_slots = getattr(plan.copy, "num_slots", None)
+    for leaf in jax.tree.leaves(pool):
+        if num_slots is not None and leaf.shape[0] != num_slots:
+            raise ValueError(f"the plan is for a pool of {num_slots} slots, but a pool leaf has "
+                             f"shape {tuple(leaf.shape)} ({leaf.shape[0]} slots)")
+    pool_slots = jax.tree.leaves(pool)[0].shape[0]
+    num_experts = getattr(plan.copy, "num_experts", None) or ids.size
+    # A layer-call's distinct slots never exceed its distinct experts, min(K, E).
+    chosen = _distinct(slots, slots >= 0, gate, pool_slots, min(ids.size, num_experts, pool_slots))
+    space = memory_space(jax.tree.leaves(pool)[0])
+    partial = _switch_partial(pool, expert_fn, False, space,
+                              *[_to_space(v, space) for v in (tokens, chosen.ids, chosen.count,
+                                                              chosen.gates, jnp.int32(0))])
+    partial = _to_space(partial, memory_space(x))
+    return partial.reshape(x.shape[:-1] + partial.shape[-1:])
+
+
+def moe_hybrid(x, expert_ids, gates, plan, pool, host_bank,
+               expert_fn: Callable[[Any, jax.Array], jax.Array], *, layer=None):
+    """The hybrid MoE output of a plan: :func:`device_partial` + :func:`cpu_partial`.
+
+    Call it after :func:`~pallas_cache.moe.apply_copy_plan` has applied ``plan`` to ``pool``;
+    for a correct plan it equals ``moe_dense`` up to float rounding.
+    """
+    return (device_partial(x, expert_ids, gates, plan, pool, expert_fn)
+            + cpu_partial(x, expert_ids, gates, plan, host_bank, expert_fn, layer=layer))
