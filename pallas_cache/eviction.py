@@ -87,6 +87,9 @@ class RouteKnnState:
         word ``e // 32``); all zero for a layer the token did not call.
       sim: int32[W]. Similarity of the token at each ring position to the current token (0 for
         the current token and for positions holding no past token).
+      match: int32[W]. Per ring position ``j``, ``sum_m popcount(R[j, m] & R[T, m])`` over the
+        current token's calls so far (past tokens only): at the next token start it becomes the
+        aligned part of ``sim`` (``sim_{j+1}``), so no start rescans the ring.
       head: int32[]. Ring position of the current token ``T``.
       count: int32[]. Tokens in the ring, the current one included (``min(T + 1, W)``).
       last_layer: int32[]. The layer of the last accepted call (-1 before any, ``L`` after
@@ -98,6 +101,7 @@ class RouteKnnState:
 
     masks: jax.Array
     sim: jax.Array
+    match: jax.Array
     head: jax.Array
     count: jax.Array
     last_layer: jax.Array
@@ -115,7 +119,8 @@ def cold_ranking(eviction: Eviction, num_layers: int, num_experts: int, history:
     counts = (jnp.zeros((num_layers, num_experts), jnp.int32)
               if eviction is Eviction.ROUTE_LFU else None)
     return RouteKnnState(masks=jnp.zeros((history, num_layers, words), jnp.uint32),
-                         sim=jnp.zeros((history,), jnp.int32), head=jnp.zeros((), jnp.int32),
+                         sim=jnp.zeros((history,), jnp.int32),
+                         match=jnp.zeros((history,), jnp.int32), head=jnp.zeros((), jnp.int32),
                          count=jnp.ones((), jnp.int32), last_layer=jnp.full((), -1, jnp.int32),
                          counts=counts)
 
@@ -203,9 +208,11 @@ def _observe_token(ring, layer, routed, accepted):
         counts = counts - jnp.where(start, _unpacked(ring.masks[head], counts.shape[1]), 0)
     masks = ring.masks.at[head].set(jnp.where(start, jnp.uint32(0), ring.masks[head]))
     age = (head - lax.iota(jnp.int32, history)) % history  # 0 = the current token
-    # At a token start: sim_j = sum_m popcount(R[j-1, m] & R[T-1, m]), 0 if j-1 left the ring.
-    aligned = jnp.roll(_popcount_sum(masks, masks[(head - 1) % history][None], (1, 2)), 1)
+    # At a token start: sim_j = sum_m popcount(R[j-1, m] & R[T-1, m]), 0 if j-1 left the ring;
+    # the previous token's calls accumulated exactly that as match_{j-1}.
+    aligned = jnp.roll(ring.match, 1)
     sim = jnp.where(start, jnp.where((age >= 1) & (age + 2 <= count), aligned, 0), ring.sim)
+    match = jnp.where(start, 0, ring.match)
     # Record the call's bitmask b in R[T, layer]; sim_j += 2 * popcount(R[j, layer] & b).
     padded = jnp.zeros((words * 32,), jnp.uint32).at[:routed.shape[0]].set(routed)
     bitmask = jnp.sum(padded.reshape(words, 32) << jnp.arange(32, dtype=jnp.uint32), axis=1,
@@ -217,9 +224,10 @@ def _observe_token(ring, layer, routed, accepted):
         counts = counts.at[layer].add(jnp.where(accepted, change, 0))
     masks = masks.at[head, layer].set(jnp.where(accepted, bitmask, masks[head, layer]))
     past = accepted & (age >= 1) & (age <= count - 1)
-    sim = sim + jnp.where(past, 2 * _popcount_sum(masks[:, layer], bitmask[None], 1), 0)
-    return RouteKnnState(masks=masks, sim=sim, head=head, count=count,
-                         last_layer=jnp.where(accepted, layer, ring.last_layer), counts=counts)
+    common = jnp.where(past, _popcount_sum(masks[:, layer], bitmask[None], 1), 0)
+    return RouteKnnState(masks=masks, sim=sim + 2 * common, match=match + common, head=head,
+                         count=count, last_layer=jnp.where(accepted, layer, ring.last_layer),
+                         counts=counts)
 
 
 def _first_in_lex_order(keys, candidate, num_out: int):
