@@ -203,10 +203,11 @@ def _observe_token(ring, layer, routed, accepted):
     start = accepted & (layer <= ring.last_layer)
     head = jnp.where(start, (ring.head + 1) % history, ring.head)
     count = jnp.where(start, jnp.minimum(ring.count + 1, history), ring.count)
-    counts = ring.counts
-    if counts is not None:  # ROUTE_LFU: the token leaving the ring takes its routes with it
-        counts = counts - jnp.where(start, _unpacked(ring.masks[head], counts.shape[1]), 0)
-    masks = ring.masks.at[head].set(jnp.where(start, jnp.uint32(0), ring.masks[head]))
+    # The row of T, R[T, ·]: cleared at a token start (the oldest token leaves), then R[T, l] = b.
+    # Built apart and written back with one update: each in-place update of the ring that
+    # another op of the step still reads costs XLA a copy of the whole ring.
+    old_row = ring.masks[head]  # [L, w]
+    row = jnp.where(start, jnp.uint32(0), old_row)
     age = (head - lax.iota(jnp.int32, history)) % history  # 0 = the current token
     # At a token start: sim_j = sum_m popcount(R[j-1, m] & R[T-1, m]), 0 if j-1 left the ring;
     # the previous token's calls accumulated exactly that as match_{j-1}.
@@ -219,10 +220,12 @@ def _observe_token(ring, layer, routed, accepted):
                       dtype=jnp.uint32)
     # Every write below is gated by `accepted` on its own (a refused call changes nothing),
     # rather than one select over the whole ring.
-    if counts is not None:  # ...and the call's routes replace what R[T, layer] held
-        change = routed.astype(jnp.int32) - _unpacked(masks[head, layer], counts.shape[1])
-        counts = counts.at[layer].add(jnp.where(accepted, change, 0))
-    masks = masks.at[head, layer].set(jnp.where(accepted, bitmask, masks[head, layer]))
+    row = row.at[layer].set(jnp.where(accepted, bitmask, row[layer]))
+    masks = lax.dynamic_update_slice(ring.masks, row[None], (head, jnp.int32(0), jnp.int32(0)))
+    counts = ring.counts
+    if counts is not None:  # ROUTE_LFU: F follows the ring, whose one changed row is R[T, ·]
+        experts = counts.shape[1]
+        counts = counts + _unpacked(row, experts) - _unpacked(old_row, experts)
     past = accepted & (age >= 1) & (age <= count - 1)
     common = jnp.where(past, _popcount_sum(masks[:, layer], bitmask[None], 1), 0)
     return RouteKnnState(masks=masks, sim=sim + 2 * common, match=match + common, head=head,
