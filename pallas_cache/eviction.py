@@ -312,14 +312,18 @@ def rank_victims(eviction: Eviction, ranking, id_of_slot, usage, step, n, *, num
     return jnp.where(lax.iota(jnp.int32, num_out) < n, out, -1)
 
 
-def _next_use(ring, id_of_slot, layer, num_experts, cache_size=None):
+def _next_use(ring, id_of_slot, layer, num_experts, cache_size=None, per_slot=None):
     """ROUTE_KNN's predicted next use ``NU`` of every slot's occupant (docs/semantics.md
     §5.16), int32[C]: the ``K`` past tokens with the largest ``(sim, token)`` are the neighbours;
     for each, the first of the next ``H = ceil(S / L)`` tokens (shifted by one for layers at or
     before this one) that routed the occupant, counting seen routes only. ``S`` is the usable
     size, traced: the token axis has the static length ``ceil(C / L)`` and ``k >= H`` is masked
-    (with ``S == C`` the mask is all true)."""
-    history, num_layers, _ = ring.masks.shape
+    (with ``S == C`` the mask is all true).
+
+    ``per_slot`` (static; ``None``: :func:`_reads_per_slot`) picks one of two exact
+    formulations: per (layer, expert) over the unpacked rows of the neighbours' tokens, or per
+    slot over one gathered row of words each."""
+    history, num_layers, words = ring.masks.shape
     num_slots = id_of_slot.shape[0]
     bound = -(-num_slots // num_layers)  # static: H for the whole capacity
     usable = num_slots if cache_size is None else cache_size
@@ -330,8 +334,12 @@ def _next_use(ring, id_of_slot, layer, num_experts, cache_size=None):
     # Ascending (-sim, age) = descending (sim, token): the most similar, ties to the latest token.
     neighbour = first_in_order(-by_age, past, min(NEIGHBOURS, history))  # ages, -1 = none
     found = jnp.sum(neighbour >= 0, dtype=jnp.int32)
-    # Per (layer m, expert e), not per slot: gathering whole mask rows and unpacking their bits is
-    # far cheaper than a scalar gather per (slot, neighbour, k) (measured on XLA:CPU).
+    if per_slot is None:
+        per_slot = _reads_per_slot(num_layers, words, num_slots)
+    if per_slot:
+        return _next_use_per_slot(ring, id_of_slot, layer, num_experts, neighbour, found, bound,
+                                  horizon)
+    # Per (layer m, expert e): whole mask rows of the neighbours' next tokens, unpacked.
     layers = lax.iota(jnp.int32, num_layers)
     shift = (layers <= layer).astype(jnp.int32)  # layer m was already called in this token
     k = lax.iota(jnp.int32, bound)
@@ -347,6 +355,37 @@ def _next_use(ring, id_of_slot, layer, num_experts, cache_size=None):
     distance = (layers - layer - 1 + num_layers) % num_layers + 1
     predicted = found * distance[:, None] + num_layers * steps
     return predicted.reshape(-1)[jnp.maximum(id_of_slot, 0)]
+
+
+def _reads_per_slot(num_layers: int, words: int, num_slots: int) -> bool:
+    """Whether :func:`_next_use` reads per slot: when unpacking every (layer, expert) bit of a
+    token's row costs several times the slots' gathered words (``L * 32w > 4 * C``: the
+    fine-grained geometries, E = 128 and S = 16 L gives 8x; Mixtral's E = 8 and S = 4 L
+    gives 2x, where the per-(layer, expert) form measured faster on XLA:CPU)."""
+    return num_layers * 32 * words > 4 * num_slots
+
+
+def _next_use_per_slot(ring, id_of_slot, layer, num_experts, neighbour, found, bound, horizon):
+    """:func:`_next_use` per slot: the rows of the neighbours' next ``bound + 1`` tokens laid
+    out ``[L, w, K, bound + 1]``, so each slot gathers one contiguous row of words and tests its
+    own bit (``K * (bound + 1) * C`` words instead of ``K * bound * L * 32w`` bits)."""
+    history, num_layers, _ = ring.masks.shape
+    occupant = jnp.maximum(id_of_slot, 0)
+    m, e = occupant // num_experts, occupant % num_experts  # [C]
+    shift = (m <= layer).astype(jnp.int32)  # layer m was already called in this token
+    # Token j + k' (k' = k + shift) has age a_j - k'.
+    offset = lax.iota(jnp.int32, bound + 1)
+    position = (ring.head - neighbour[:, None] + offset[None, :]) % history  # [K, B+1]
+    rows = ring.masks[position]  # [K, B+1, L, w]
+    words = jnp.transpose(rows, (2, 3, 0, 1))[m, e // 32]  # [C, K, B+1]
+    routed = ((words >> (e % 32).astype(jnp.uint32)[:, None, None]) & 1) == 1
+    k = offset[None, None, :] - shift[:, None, None]  # [C, 1, B+1]
+    # Seen iff k <= a_j - 1; only the first H tokens count (H <= bound).
+    counted = (k >= 0) & (k < horizon) & (k <= neighbour[None, :, None] - 1)
+    first = jnp.min(jnp.where(routed & counted, k, horizon), axis=2)  # [C, K]
+    steps = jnp.sum(jnp.where((neighbour >= 0)[None, :], first, 0), axis=1)  # [C]
+    distance = (m - layer - 1 + num_layers) % num_layers + 1
+    return found * distance + num_layers * steps
 
 
 def _ring_frequency_key(ring, id_of_slot, layer, num_experts, cache_size=None):
