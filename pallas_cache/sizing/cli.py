@@ -39,6 +39,8 @@ DEFAULT_POLICIES = ("full", "fraction:0.4")
 DEFAULT_TIMED_POLICIES = ("full", "fraction:auto", "fraction:0.4")
 #: File written inside a directory given to ``--plot``.
 DEFAULT_PLOT_NAME = "hit_rate.png"
+#: Calls per compiled chunk of the legend's route_knn scan (a Ctrl-C waits at most one).
+_COMPANION_CHUNK = 4096
 #: Exit status after Ctrl-C (128 + SIGINT), as shells report it.
 EXIT_INTERRUPTED = 130
 #: Set to anything but ``""`` or ``"0"`` to keep the console script off JAX's persistent
@@ -407,14 +409,17 @@ def _knn_companions(configs, args) -> list:
             for size in sizes]
 
 
-def _companion_hit_rates(trace, companions) -> list[float]:
+def _companion_hit_rates(trace, companions, cancelled=lambda: False) -> list[float]:
     """The hit rate of each companion configuration (one policy, order and admission, any sizes)
-    on ``trace``: the replay's rule (1 - missing / active over every accepted call) from one
-    plain scan of the library's step per size, all sizes through one compiled program (states
-    at the largest capacity, each with its usable size). Cheaper to compile than the replay's
-    chunk program (not unrolled, no pair counts, no lanes), which is all this one line needs."""
+    on ``trace``: the replay's rule (1 - missing / active over every accepted call) from a plain
+    scan of the library's step per size, all sizes through one compiled program (states at the
+    largest capacity, each with its usable size). Cheaper to compile than the replay's chunk
+    program (not unrolled, no pair counts, no lanes), which is all this one line needs. Runs in
+    chunks of calls (the last padded with refused calls, which change nothing) and returns
+    ``[]`` once ``cancelled()`` says so."""
     import jax
     import jax.numpy as jnp
+    import numpy as np
 
     from pallas_cache.ops import Rules, ensure_with_rules
     from pallas_cache.sizing.sweep import parse_policy
@@ -426,21 +431,41 @@ def _companion_hit_rates(trace, companions) -> list[float]:
     rules = Rules.of(True, first.order, first.admission)
 
     @jax.jit
-    def totals(state, layers, routes):
+    def advance(state, layers, routes):
         def call(state, layer_routes):
             state, _ = ensure_with_rules(state, layer_routes[0], layer_routes[1], policy, rules,
                                          backend="xla")
             return state, None
-        return jax.lax.scan(call, state, (layers, routes))[0].stats.sum(axis=0)
+        return jax.lax.scan(call, state, (layers, routes))[0]
 
-    layers, routes = (jnp.asarray(a) for a in trace.to_array())
+    layers, routes = trace.to_array()
+    chunk = min(_COMPANION_CHUNK, len(layers))
+    pad = -len(layers) % chunk
+    layers = np.concatenate([layers, np.full(pad, -1, layers.dtype)])  # layer -1: refused
+    routes = np.concatenate([routes, np.full((pad, routes.shape[1]), -1, routes.dtype)])
     rates = []
     for size in sizes:
         state = init(trace.num_layers, trace.num_experts, size, capacity=max(sizes),
                      eviction=first.eviction)
-        _, active, missing, _ = (int(v) for v in jax.device_get(totals(state, layers, routes)))
+        for start in range(0, len(layers), chunk):
+            if cancelled():
+                return []
+            state = advance(state, jnp.asarray(layers[start:start + chunk]),
+                            jnp.asarray(routes[start:start + chunk]))
+        _, active, missing, _ = (int(v) for v in jax.device_get(state.stats.sum(axis=0)))
         rates.append(1.0 - missing / active if active else 1.0)
     return rates
+
+
+def _join_companions(thread, stop) -> None:
+    """Wait for the route_knn thread; interrupted, tell it to stop and still wait (a process
+    that exits while XLA runs in a thread aborts instead of exiting 130)."""
+    try:
+        thread.join()
+    except BaseException:
+        stop.set()
+        thread.join()
+        raise
 
 
 def _knn_line(results, companions, hit_rates) -> str | None:
@@ -661,15 +686,22 @@ def _replay_with(args, progress: Progress, latch: _InterruptLatch) -> int:
     # the GIL) and apart from it, so no LRU row (nor its budget pick) depends on them.
     companions = _knn_companions(configs, args)
     knn_rates: list = []
-    knn_thread = None
+    knn_thread, knn_stop = None, threading.Event()
     if companions:
         knn_thread = threading.Thread(
-            target=lambda: knn_rates.extend(_companion_hit_rates(trace, companions)),
+            target=lambda: knn_rates.extend(
+                _companion_hit_rates(trace, companions, knn_stop.is_set)),
             daemon=True, name="pallas-cache-route-knn")
         knn_thread.start()
-    results = replay(trace, configs, cost=cost, progress=progress)
+    try:
+        results = replay(trace, configs, cost=cost, progress=progress)
+    except BaseException:
+        knn_stop.set()
+        if knn_thread is not None:
+            _join_companions(knn_thread, knn_stop)
+        raise
     if knn_thread is not None:
-        knn_thread.join()
+        _join_companions(knn_thread, knn_stop)
     latch.check()  # nothing is written after a Ctrl-C, even one a compile callback swallowed
     fmt = args.format or ("json" if args.json else "table")
     rows = records(results, trace, cost)
