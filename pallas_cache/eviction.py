@@ -87,6 +87,9 @@ class RouteKnnState:
         word ``e // 32``); all zero for a layer the token did not call.
       sim: int32[W]. Similarity of the token at each ring position to the current token (0 for
         the current token and for positions holding no past token).
+      match: int32[W]. Per ring position ``j``, ``sum_m popcount(R[j, m] & R[T, m])`` over the
+        current token's calls so far (past tokens only): at the next token start it becomes the
+        aligned part of ``sim`` (``sim_{j+1}``), so no start rescans the ring.
       head: int32[]. Ring position of the current token ``T``.
       count: int32[]. Tokens in the ring, the current one included (``min(T + 1, W)``).
       last_layer: int32[]. The layer of the last accepted call (-1 before any, ``L`` after
@@ -98,6 +101,7 @@ class RouteKnnState:
 
     masks: jax.Array
     sim: jax.Array
+    match: jax.Array
     head: jax.Array
     count: jax.Array
     last_layer: jax.Array
@@ -115,7 +119,8 @@ def cold_ranking(eviction: Eviction, num_layers: int, num_experts: int, history:
     counts = (jnp.zeros((num_layers, num_experts), jnp.int32)
               if eviction is Eviction.ROUTE_LFU else None)
     return RouteKnnState(masks=jnp.zeros((history, num_layers, words), jnp.uint32),
-                         sim=jnp.zeros((history,), jnp.int32), head=jnp.zeros((), jnp.int32),
+                         sim=jnp.zeros((history,), jnp.int32),
+                         match=jnp.zeros((history,), jnp.int32), head=jnp.zeros((), jnp.int32),
                          count=jnp.ones((), jnp.int32), last_layer=jnp.full((), -1, jnp.int32),
                          counts=counts)
 
@@ -198,28 +203,34 @@ def _observe_token(ring, layer, routed, accepted):
     start = accepted & (layer <= ring.last_layer)
     head = jnp.where(start, (ring.head + 1) % history, ring.head)
     count = jnp.where(start, jnp.minimum(ring.count + 1, history), ring.count)
-    counts = ring.counts
-    if counts is not None:  # ROUTE_LFU: the token leaving the ring takes its routes with it
-        counts = counts - jnp.where(start, _unpacked(ring.masks[head], counts.shape[1]), 0)
-    masks = ring.masks.at[head].set(jnp.where(start, jnp.uint32(0), ring.masks[head]))
+    # The row of T, R[T, ·]: cleared at a token start (the oldest token leaves), then R[T, l] = b.
+    # Built apart and written back with one update: each in-place update of the ring that
+    # another op of the step still reads costs XLA a copy of the whole ring.
+    old_row = ring.masks[head]  # [L, w]
+    row = jnp.where(start, jnp.uint32(0), old_row)
     age = (head - lax.iota(jnp.int32, history)) % history  # 0 = the current token
-    # At a token start: sim_j = sum_m popcount(R[j-1, m] & R[T-1, m]), 0 if j-1 left the ring.
-    aligned = jnp.roll(_popcount_sum(masks, masks[(head - 1) % history][None], (1, 2)), 1)
+    # At a token start: sim_j = sum_m popcount(R[j-1, m] & R[T-1, m]), 0 if j-1 left the ring;
+    # the previous token's calls accumulated exactly that as match_{j-1}.
+    aligned = jnp.roll(ring.match, 1)
     sim = jnp.where(start, jnp.where((age >= 1) & (age + 2 <= count), aligned, 0), ring.sim)
+    match = jnp.where(start, 0, ring.match)
     # Record the call's bitmask b in R[T, layer]; sim_j += 2 * popcount(R[j, layer] & b).
     padded = jnp.zeros((words * 32,), jnp.uint32).at[:routed.shape[0]].set(routed)
     bitmask = jnp.sum(padded.reshape(words, 32) << jnp.arange(32, dtype=jnp.uint32), axis=1,
                       dtype=jnp.uint32)
     # Every write below is gated by `accepted` on its own (a refused call changes nothing),
     # rather than one select over the whole ring.
-    if counts is not None:  # ...and the call's routes replace what R[T, layer] held
-        change = routed.astype(jnp.int32) - _unpacked(masks[head, layer], counts.shape[1])
-        counts = counts.at[layer].add(jnp.where(accepted, change, 0))
-    masks = masks.at[head, layer].set(jnp.where(accepted, bitmask, masks[head, layer]))
+    row = row.at[layer].set(jnp.where(accepted, bitmask, row[layer]))
+    masks = lax.dynamic_update_slice(ring.masks, row[None], (head, jnp.int32(0), jnp.int32(0)))
+    counts = ring.counts
+    if counts is not None:  # ROUTE_LFU: F follows the ring, whose one changed row is R[T, ·]
+        experts = counts.shape[1]
+        counts = counts + _unpacked(row, experts) - _unpacked(old_row, experts)
     past = accepted & (age >= 1) & (age <= count - 1)
-    sim = sim + jnp.where(past, 2 * _popcount_sum(masks[:, layer], bitmask[None], 1), 0)
-    return RouteKnnState(masks=masks, sim=sim, head=head, count=count,
-                         last_layer=jnp.where(accepted, layer, ring.last_layer), counts=counts)
+    common = jnp.where(past, _popcount_sum(masks[:, layer], bitmask[None], 1), 0)
+    return RouteKnnState(masks=masks, sim=sim + 2 * common, match=match + common, head=head,
+                         count=count, last_layer=jnp.where(accepted, layer, ring.last_layer),
+                         counts=counts)
 
 
 def _first_in_lex_order(keys, candidate, num_out: int):
@@ -301,14 +312,18 @@ def rank_victims(eviction: Eviction, ranking, id_of_slot, usage, step, n, *, num
     return jnp.where(lax.iota(jnp.int32, num_out) < n, out, -1)
 
 
-def _next_use(ring, id_of_slot, layer, num_experts, cache_size=None):
+def _next_use(ring, id_of_slot, layer, num_experts, cache_size=None, per_slot=None):
     """ROUTE_KNN's predicted next use ``NU`` of every slot's occupant (docs/semantics.md
     §5.16), int32[C]: the ``K`` past tokens with the largest ``(sim, token)`` are the neighbours;
     for each, the first of the next ``H = ceil(S / L)`` tokens (shifted by one for layers at or
     before this one) that routed the occupant, counting seen routes only. ``S`` is the usable
     size, traced: the token axis has the static length ``ceil(C / L)`` and ``k >= H`` is masked
-    (with ``S == C`` the mask is all true)."""
-    history, num_layers, _ = ring.masks.shape
+    (with ``S == C`` the mask is all true).
+
+    ``per_slot`` (static; ``None``: :func:`_reads_per_slot`) picks one of two exact
+    formulations: per (layer, expert) over the unpacked rows of the neighbours' tokens, or per
+    slot over one gathered row of words each."""
+    history, num_layers, words = ring.masks.shape
     num_slots = id_of_slot.shape[0]
     bound = -(-num_slots // num_layers)  # static: H for the whole capacity
     usable = num_slots if cache_size is None else cache_size
@@ -319,8 +334,12 @@ def _next_use(ring, id_of_slot, layer, num_experts, cache_size=None):
     # Ascending (-sim, age) = descending (sim, token): the most similar, ties to the latest token.
     neighbour = first_in_order(-by_age, past, min(NEIGHBOURS, history))  # ages, -1 = none
     found = jnp.sum(neighbour >= 0, dtype=jnp.int32)
-    # Per (layer m, expert e), not per slot: gathering whole mask rows and unpacking their bits is
-    # far cheaper than a scalar gather per (slot, neighbour, k) (measured on XLA:CPU).
+    if per_slot is None:
+        per_slot = _reads_per_slot(num_layers, words, num_slots)
+    if per_slot:
+        return _next_use_per_slot(ring, id_of_slot, layer, num_experts, neighbour, found, bound,
+                                  horizon)
+    # Per (layer m, expert e): whole mask rows of the neighbours' next tokens, unpacked.
     layers = lax.iota(jnp.int32, num_layers)
     shift = (layers <= layer).astype(jnp.int32)  # layer m was already called in this token
     k = lax.iota(jnp.int32, bound)
@@ -336,6 +355,38 @@ def _next_use(ring, id_of_slot, layer, num_experts, cache_size=None):
     distance = (layers - layer - 1 + num_layers) % num_layers + 1
     predicted = found * distance[:, None] + num_layers * steps
     return predicted.reshape(-1)[jnp.maximum(id_of_slot, 0)]
+
+
+def _reads_per_slot(num_layers: int, words: int, num_slots: int) -> bool:
+    """Whether :func:`_next_use` reads per slot: when the unpacked form's bits per call,
+    ``K * ceil(C / L) * L * 32w``, pass ``2**15`` (fine-grained, L=48 E=128 S=768: 295k bits
+    against 39k gathered words). Below, the unpacked form's few vectorised passes beat the
+    per-slot gather (measured on XLA:CPU at Mixtral's L=32 E=8 S=128: 12k bits)."""
+    bound = -(-num_slots // num_layers)
+    return NEIGHBOURS * bound * num_layers * 32 * words > 1 << 15
+
+
+def _next_use_per_slot(ring, id_of_slot, layer, num_experts, neighbour, found, bound, horizon):
+    """:func:`_next_use` per slot: the rows of the neighbours' next ``bound + 1`` tokens laid
+    out ``[L, w, K, bound + 1]``, so each slot gathers one contiguous row of words and tests its
+    own bit (``K * (bound + 1) * C`` words instead of ``K * bound * L * 32w`` bits)."""
+    history, num_layers, _ = ring.masks.shape
+    occupant = jnp.maximum(id_of_slot, 0)
+    m, e = occupant // num_experts, occupant % num_experts  # [C]
+    shift = (m <= layer).astype(jnp.int32)  # layer m was already called in this token
+    # Token j + k' (k' = k + shift) has age a_j - k'.
+    offset = lax.iota(jnp.int32, bound + 1)
+    position = (ring.head - neighbour[:, None] + offset[None, :]) % history  # [K, B+1]
+    rows = ring.masks[position]  # [K, B+1, L, w]
+    words = jnp.transpose(rows, (2, 3, 0, 1))[m, e // 32]  # [C, K, B+1]
+    routed = ((words >> (e % 32).astype(jnp.uint32)[:, None, None]) & 1) == 1
+    k = offset[None, None, :] - shift[:, None, None]  # [C, 1, B+1]
+    # Seen iff k <= a_j - 1; only the first H tokens count (H <= bound).
+    counted = (k >= 0) & (k < horizon) & (k <= neighbour[None, :, None] - 1)
+    first = jnp.min(jnp.where(routed & counted, k, horizon), axis=2)  # [C, K]
+    steps = jnp.sum(jnp.where((neighbour >= 0)[None, :], first, 0), axis=1)  # [C]
+    distance = (m - layer - 1 + num_layers) % num_layers + 1
+    return found * distance + num_layers * steps
 
 
 def _ring_frequency_key(ring, id_of_slot, layer, num_experts, cache_size=None):

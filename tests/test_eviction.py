@@ -448,6 +448,39 @@ def test_route_knn_in_a_scan_and_vmapped_equals_the_reference(eviction):
         assert ref.token > W and ref.step < 50
 
 
+@pytest.mark.parametrize("L, E, S, usable", [(6, 8, 24, 24), (3, 40, 96, 70)])
+def test_route_knn_next_use_per_slot_equals_the_per_layer_expert_form(L, E, S, usable):
+    """FAILS if ROUTE_KNN's two formulations of the predicted next use (per slot over gathered
+    words, per (layer, expert) over unpacked rows; the geometry picks one) differ for any slot
+    of any reachable ring, e.g. a shift, seen or horizon bound off by one, or a bit of the
+    second mask word read from the first (E = 40). The lockstep tests check the one their
+    geometry picks against the reference; this checks the other against it, call by call."""
+    from pallas_cache.eviction import _next_use
+
+    K, W = 3, 6
+    rng = np.random.default_rng(25)
+    layers = np.tile(np.arange(L, dtype=np.int32), 14)
+    layers[9] = 0  # a token cut short
+    routes = np.stack([rng.choice(E, K, replace=False) for _ in layers]).astype(np.int32)
+    policy = pc.FetchPolicy.full()
+
+    @jax.jit
+    def loop(state, layers, routes):
+        def body(s, xs):
+            s, _ = pc.ensure_hybrid(s, xs[0], xs[1], policy)
+            args = (s.ranking, s.id_of_slot, xs[0], E, s.cache_size)
+            return s, (_next_use(*args, per_slot=True), _next_use(*args, per_slot=False),
+                       s.id_of_slot)
+        return jax.lax.scan(body, state, (layers, routes))
+
+    state, _ = pc.resize(pc.init(L, E, S, eviction="route_knn", history=W), usable)
+    _, (per_slot, per_expert, ids) = loop(state, jnp.asarray(layers), jnp.asarray(routes))
+    occupied = np.asarray(ids) >= 0
+    assert occupied.any() and np.asarray(per_slot).max() > L  # rings with real predictions
+    np.testing.assert_array_equal(np.where(occupied, per_slot, 0),
+                                  np.where(occupied, per_expert, 0))
+
+
 @pytest.mark.traced
 def test_route_knn_without_history_is_plain_lru(adapter):
     """FAILS if the predicted next use does not vanish with no past token (``NU = K'·d(m) +

@@ -160,12 +160,12 @@ def test_plot_draws_every_series_both_bounds_and_the_traffic(rows):
     hit_axes, traffic_axes, ms_axes = figure.axes
     gids = [line.get_gid() for line in hit_axes.get_lines()]
     assert sorted(g for g in gids if g.startswith("series:")) == sorted(
-        f"series:{p} / recency / promote_one" for p in ("full", "fraction:0.4"))
+        f"series:{p} / recency / promote_one / lru" for p in ("full", "fraction:0.4"))
     assert {"belady_hit_rate", "bypass_optimum_hit_rate"} <= set(gids)
     bypass = next(l for l in hit_axes.get_lines() if l.get_gid() == "bypass_optimum_hit_rate")
     assert list(bypass.get_ydata()) == [r["bypass_optimum_hit_rate"] for r in recs[::2]]
     assert list(bypass.get_xdata()) == [r["cache_bytes"] / 2**30 for r in recs[::2]]
-    assert len(traffic_axes.get_lines()) == 2 and len(ms_axes.get_lines()) == 2
+    assert len(traffic_axes.get_lines()) == 4 and len(ms_axes.get_lines()) == 2
     assert hit_axes.get_legend() is None and traffic_axes.get_legend() is None
     assert len(figure.legends) == 1
     styles = {tuple(series_style(i).values()) for i in range(40)}
@@ -181,3 +181,40 @@ def test_plot_draws_every_series_both_bounds_and_the_traffic(rows):
     assert plot(untimed, axes=pair) is mine
     assert pair[0].get_xlabel() == "cache size (slots)" and len(mine.axes) == 2
     assert len([l for l in pair[0].get_lines() if l.get_gid().startswith("series:")]) == 2
+
+
+def test_plot_draws_one_line_per_eviction_and_the_cpu_traffic_beside_the_fetched(rows):
+    """FAILS if two evictions' rows share a line (it zig-zags between their points at each
+    size), an eviction has no line style of its own or is missing from the legend, or the
+    traffic panel lacks a row's CPU-computed experts (a hybrid row would look cheaper than
+    ``full``)."""
+    pytest.importorskip("matplotlib")
+    from pallas_cache.sizing import plot
+    from pallas_cache.sizing.plotting import EVICTION_LINESTYLES
+
+    trace, results, _ = rows
+    cost = CostModel(W, 25e9, 60e9)
+    # The same sweep as if route_knn had run too, with its own hit rates (no replay needed).
+    knn = [dataclasses.replace(r, eviction="route_knn", hit_rate=r.hit_rate / 2) for r in results]
+    recs = records(results + knn, trace, cost)
+    figure = plot(recs)
+    hit_axes, traffic_axes = figure.axes[:2]
+    series = {l.get_gid(): l for l in hit_axes.get_lines() if l.get_gid().startswith("series:")}
+    expected = {}
+    for rec in recs:
+        label = f"{rec['policy']} / {rec['order']} / {rec['admission']} / {rec['eviction']}"
+        expected.setdefault(label, []).append(rec)
+    assert sorted(series) == sorted(f"series:{label}" for label in expected)
+    legend = [text.get_text() for text in figure.legends[0].get_texts()]
+    for label, group in expected.items():
+        group = sorted(group, key=lambda r: r["cache_size"])
+        line = series[f"series:{label}"]
+        assert list(line.get_xdata()) == [r["cache_bytes"] / 2**30 for r in group]
+        assert list(line.get_ydata()) == [r["hit_rate"] for r in group]
+        assert line.get_linestyle() == EVICTION_LINESTYLES[group[0]["eviction"]]
+        assert label in legend
+        cpu = next(l for l in traffic_axes.get_lines() if l.get_gid() == f"cpu:{label}")
+        assert list(cpu.get_ydata()) == [r["cpu_bytes_per_token"] / 2**30 for r in group]
+        assert cpu.get_color() == line.get_color()
+    assert len(set(EVICTION_LINESTYLES.values())) == len(EVICTION_LINESTYLES)
+    assert any(r["cpu_bytes_per_token"] > 0 for r in recs)  # a hybrid row's CPU side is drawn

@@ -148,3 +148,55 @@ def test_bench_bandwidth_prints_flags_that_replay_accepts(capsys):
     assert parse_bandwidth(flags[2]) > 0 and parse_bandwidth(flags[4]) > 0
     assert cli.main(["bench-bandwidth", "--mib", "0"]) == 2
     assert ">= 1" in capsys.readouterr().err
+
+
+KNN_SWEEP = ["--synthetic", "mixtral-realistic", "--tokens", "24", "--cache-size", "64", "96",
+             "128", "--policy", "full", "fraction:0.4", "-q"]
+
+
+def knn_legend_lines(out):
+    return [line for line in out.splitlines() if line.startswith("route_knn (")]
+
+
+def test_an_lru_only_table_says_in_one_line_what_route_knn_changes_at_each_size(capsys):
+    """FAILS if the legend of an LRU-only table lacks the route_knn line, spreads it over
+    several lines, gives a size's change other than route_knn's hit rate (from its own rows of
+    a sweep that includes it) minus LRU's, or prints the line when another eviction is swept."""
+    code, out, _ = run(capsys, *KNN_SWEEP, "--format", "json")
+    lru = {r["cache_size"]: r["hit_rate"] for r in json.loads(out) if r["policy"] == "full"}
+    code, out, _ = run(capsys, *KNN_SWEEP, "--eviction", "lru", "route_knn", "--format", "json")
+    assert code == 0
+    knn = {r["cache_size"]: r["hit_rate"] for r in json.loads(out)
+           if r["policy"] == "full" and r["eviction"] == "route_knn"}
+    changes = [knn[size] - lru[size] for size in (64, 96, 128)]
+    assert any(abs(change) >= 0.001 for change in changes)  # the trace tells them apart
+    code, out, _ = run(capsys, *KNN_SWEEP)
+    assert code == 0
+    [line] = knn_legend_lines(out)
+    assert "policy full: hit rate " + ", ".join(
+        f"{change:+.3f} at {size}" for change, size in zip(changes, (64, 96, 128))) in line
+    assert line.endswith("(add --eviction lru route_knn to see its rows).")
+    code, out, _ = run(capsys, *KNN_SWEEP, "--eviction", "route_knn")  # compiled above
+    assert code == 0 and "hit_rate = 1 - missing/active" in out
+    assert knn_legend_lines(out) == []
+
+
+def test_json_and_csv_of_an_lru_sweep_are_the_lru_replays_records_exactly(capsys):
+    """FAILS if the route_knn legend's replay leaks into the machine-readable output (an extra
+    record, or an LRU row's value changed, e.g. its budget pick): json and csv must be the
+    records of the LRU configurations' replay, byte for byte."""
+    from pallas_cache.sizing.cost import CostModel
+    from pallas_cache.sizing.report import format_records, records
+    from pallas_cache.sizing.sweep import config_grid, replay
+    from pallas_cache.sizing.synthetic import synthetic_trace
+
+    trace = synthetic_trace("mixtral-realistic", num_tokens=24, seed=0)
+    cost = CostModel(W_MIXTRAL, 25e9, 60e9, 20 * 2**30)
+    results = replay(trace, config_grid([64, 96, 128], ["full", "fraction:0.4"]), cost=cost,
+                     progress=lambda status: None)
+    rows = records(results, trace, cost)
+    for fmt in ("json", "csv"):
+        code, out, _ = run(capsys, *KNN_SWEEP, *TIMED, "--device-budget", "20GiB",
+                           "--format", fmt)
+        assert code == 0
+        assert out == format_records(rows, fmt) + "\n"

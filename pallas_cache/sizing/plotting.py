@@ -1,5 +1,6 @@
 """One picture of a replay sweep: :func:`plot` draws hit rate against cache size next to both
-offline optima, and the per-token traffic (bytes, and modeled milliseconds when timed), on a
+offline optima, and the per-token traffic (fetched and CPU-computed experts or bytes, and
+modeled milliseconds when timed), on a
 bare :class:`matplotlib.figure.Figure` (no pyplot state, any backend). ``pallas-cache replay
 --plot`` and the example notebook both call it. Needs matplotlib (the ``plot`` extra).
 """
@@ -13,19 +14,27 @@ __all__ = ["plot", "series_style"]
 
 #: Ten colours (matplotlib's tab10), four line styles and seven markers: series ``i`` takes
 #: colour ``i % 10``, marker ``i % 7`` and line style ``(i // 10) % 4``, so the first 70 series
-#: differ in (colour, marker) and the first 40 also in (colour, line style).
+#: differ in (colour, marker) and the first 40 also in (colour, line style). Given an eviction,
+#: the line style is the eviction's instead (``i`` then counts the other options).
 _COLOURS = tuple(f"C{i}" for i in range(10))
 _LINESTYLES = ("-", "--", "-.", ":")
 _MARKERS = ("o", "s", "^", "D", "v", "P", "X")
+#: One line style per eviction policy.
+EVICTION_LINESTYLES = {"lru": "-", "pair_lfu": "--", "route_knn": "-.", "route_lfu": ":"}
+#: The marker of the CPU-computed traffic (the fetched traffic keeps the series' marker).
+CPU_MARKER = "x"
 
 #: ``gid`` of the bound and reference lines, so a caller (or a test) can find them.
 BELADY_GID, BYPASS_GID, ORACLE_GID = "belady_hit_rate", "bypass_optimum_hit_rate", "oracle_hit_rate"
 
 
-def series_style(index: int) -> dict:
-    """Line keyword arguments of series ``index`` (colour x marker x line style)."""
+def series_style(index: int, eviction: str | None = None) -> dict:
+    """Line keyword arguments of series ``index`` (colour x marker x line style); with an
+    ``eviction``, its line style from :data:`EVICTION_LINESTYLES`."""
+    linestyle = (EVICTION_LINESTYLES[eviction] if eviction is not None else
+                 _LINESTYLES[(index // len(_COLOURS)) % len(_LINESTYLES)])
     return {"color": _COLOURS[index % len(_COLOURS)], "marker": _MARKERS[index % len(_MARKERS)],
-            "linestyle": _LINESTYLES[(index // len(_COLOURS)) % len(_LINESTYLES)]}
+            "linestyle": linestyle}
 
 
 def _rows(results: Iterable) -> list[dict]:
@@ -43,12 +52,15 @@ def plot(results: Sequence, axes=None, *, title: str | None = None):
     """Draw a sweep and return the :class:`~matplotlib.figure.Figure`.
 
     Left panel: ``hit_rate`` against the cache size (GiB when every row knows ``cache_bytes``,
-    else slots), one line per (policy, order, admission), with ``bypass_optimum_hit_rate`` (a
-    bound for every row), ``belady_hit_rate`` (a bound for ``full`` rows) and the stationary
-    ``oracle_hit_rate`` (a reference). Right panel: host-to-device traffic per token
-    (``fetched_bytes_per_token`` in GiB, or ``fetched_per_token`` experts without ``W``) and,
-    when the rows are timed, ``modeled_ms_per_token`` on a second y axis (thin, hollow markers).
-    The legend sits outside the data, right of the panels.
+    else slots), one line per (policy, order, admission, eviction): a colour and marker per
+    (policy, order, admission), a line style per eviction (:data:`EVICTION_LINESTYLES`), with
+    ``bypass_optimum_hit_rate`` (a bound for every row), ``belady_hit_rate`` (a bound for
+    ``full`` rows) and the stationary ``oracle_hit_rate`` (a reference). Right panel: per token,
+    the host-to-device traffic (``fetched_bytes_per_token`` in GiB, or ``fetched_per_token``
+    experts without ``W``; the series' marker) beside the experts the CPU computes
+    (``cpu_bytes_per_token`` or ``cpu_experts_per_token``; marker :data:`CPU_MARKER`), and, when
+    the rows are timed, ``modeled_ms_per_token`` on a second y axis (thin, hollow markers). The
+    legend sits outside the data, right of the panels.
 
     Args:
       results: :class:`~pallas_cache.sizing.sweep.ReplayResult` rows or their records
@@ -77,19 +89,28 @@ def plot(results: Sequence, axes=None, *, title: str | None = None):
     def x(r):
         return _gib(r["cache_bytes"]) if weighed else r["cache_size"]
 
-    groups: dict[str, list[dict]] = {}
+    # One line per eviction too: a line through two evictions' points would zig-zag.
+    options: dict[str, int] = {}
+    groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        groups.setdefault(f"{r['policy']} / {r['order']} / {r['admission']}", []).append(r)
+        option = f"{r['policy']} / {r['order']} / {r['admission']}"
+        options.setdefault(option, len(options))
+        groups.setdefault((option, r.get("eviction", "lru")), []).append(r)
     ms_axes = traffic_axes.twinx() if timed else None
-    for index, (label, group) in enumerate(groups.items()):
+    for (option, eviction), group in groups.items():
+        label = f"{option} / {eviction}"
         group = sorted(group, key=lambda r: r["cache_size"])
-        style = series_style(index)
+        style = series_style(options[option], eviction if eviction in EVICTION_LINESTYLES
+                             else None)
         xs = [x(r) for r in group]
         hit_axes.plot(xs, [r["hit_rate"] for r in group], label=label, gid=f"series:{label}",
                       **style)
         traffic = [_gib(r["fetched_bytes_per_token"]) if weighed else r["fetched_per_token"]
                    for r in group]
         traffic_axes.plot(xs, traffic, gid=f"traffic:{label}", **style)
+        cpu = [_gib(r["cpu_bytes_per_token"]) if weighed else r["cpu_experts_per_token"]
+               for r in group]
+        traffic_axes.plot(xs, cpu, gid=f"cpu:{label}", **{**style, "marker": CPU_MARKER})
         if ms_axes is not None:
             ms_axes.plot(xs, [r["modeled_ms_per_token"] for r in group], gid=f"ms:{label}",
                          linewidth=0.8, alpha=0.7, markerfacecolor="none", **style)
@@ -115,7 +136,8 @@ def plot(results: Sequence, axes=None, *, title: str | None = None):
     hit_axes.set_ylim(0, 1.02)
     hit_axes.grid(alpha=0.3)
     traffic_axes.set_xlabel(unit)
-    traffic_axes.set_ylabel("fetched GiB per token" if weighed else "experts fetched per token")
+    traffic_axes.set_ylabel(("GiB per token" if weighed else "experts per token")
+                            + f": fetched (series marker), CPU-computed ({CPU_MARKER})")
     traffic_axes.set_ylim(bottom=0)
     traffic_axes.grid(alpha=0.3)
     if ms_axes is not None:
