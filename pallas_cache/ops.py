@@ -39,6 +39,7 @@ from jax import lax
 from pallas_cache import clock, errors, validate
 from pallas_cache import eviction as evictions
 from pallas_cache.kernels import dispatch as backends
+from pallas_cache.kernels import step as fused
 from pallas_cache.policy import Admission, FetchOrder, FetchPolicy
 from pallas_cache.state import CacheState
 from pallas_cache.tree import pytree_dataclass, static_field
@@ -272,6 +273,9 @@ def ensure_with_rules(state: CacheState, layer, routes, policy: FetchPolicy, rul
     flat_routes = routes.reshape(-1)
     num_out = min(flat_routes.shape[0], E)  # K': distinct routes of one layer never exceed E
 
+    if backend != "xla" and fused.supports(state, rules, flat_routes.shape[0]):
+        return _fused_ensure(state, layer, routes, policy, rules, backend)
+
     error = errors.layer_bits(layer, L) | errors.route_bits(flat_routes, E)
     accepted = error == 0
     state = clock.rebase_if_due(state, accepted)
@@ -394,6 +398,20 @@ def ensure_with_rules(state: CacheState, layer, routes, policy: FetchPolicy, rul
         error=error,
     )
     return new_state, plan
+
+
+def _fused_ensure(state, layer, routes, policy, rules, backend):
+    """:func:`ensure_with_rules` as the fused kernel (kernels/step.py), the plan rebuilt from its
+    outputs."""
+    E, S = state.num_experts, state.capacity
+    flat_routes = routes.reshape(-1)
+    state, slots, cpu, dst, src, count, active, missing, error = fused.fused_step(
+        state, layer, flat_routes, policy, rules, interpret=backend == "interpret")
+    plan = EnsurePlan(
+        slots=slots.reshape(routes.shape), cpu=cpu.reshape(routes.shape),
+        copy=CopyPlan(dst_slots=dst, src_rows=src, count=count, num_slots=S, num_experts=E),
+        active=active, missing=missing, fetched=count, error=error)
+    return state, plan
 
 
 @functools.partial(jax.jit, static_argnames=("rules", "backend"))
