@@ -152,3 +152,21 @@ def test_a_refused_call_writes_nothing():
     assert_trees_equal(after, state, "refused")
     assert int(plan.copy.count) == 0 and not bool(jnp.any(plan.cpu))
     assert bool(jnp.all(plan.slots == -1)) and bool(jnp.all(plan.copy.dst_slots == -1))
+
+
+def test_routes_in_several_chunks(monkeypatch):
+    """FAILS if the kernel's route chunks (many routes: the ``[routes, E]`` comparisons are cut
+    into chunks of at most ``_PAIR_BLOCK`` pairs) drop, repeat or misplace a route in the
+    histogram row, the duplicate collapse or the per-route plan. Here every chunk is 2 routes."""
+    monkeypatch.setattr(fused, "_PAIR_BLOCK", 16)
+    L, E, S = 2, 5, 7
+    state = pc.set_collect_routing(pc.init(L, E, S), True)
+    policy = pc.FetchPolicy.fraction(0.5)
+    ours, theirs = hybrid("interpret", "recency", "promote_one"), hybrid("xla", "recency",
+                                                                          "promote_one")
+    layers, routes = random_calls(np.random.default_rng(4), 12, L, E, 11)
+    a = b = state
+    for call in range(12):
+        (a, plan_a), (b, plan_b) = (ours(a, layers[call], routes[call], policy),
+                                    theirs(b, layers[call], routes[call], policy))
+        assert_trees_equal((a, plan_a), (b, plan_b), f"call {call}")
