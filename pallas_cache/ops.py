@@ -259,8 +259,10 @@ def ensure_with_rules(state: CacheState, layer, routes, policy: FetchPolicy, rul
     For sweeps that run several orders/admissions in one vmapped program (the replay); a decode
     loop calls the public ops. Not jitted itself (call it under ``jit``/``scan``); inputs are not
     coerced: ``layer`` an int32 scalar, ``routes`` int32 of any shape, ``policy`` a scalar
-    :class:`FetchPolicy`, ``backend`` a resolved name. Loop-free for every rule and backend
-    outside the Pallas kernels (docs/semantics.md §7.1).
+    :class:`FetchPolicy`, ``backend`` a resolved name. With ``"pallas"``/``"interpret"``, Python-bool
+    rules and an eviction ranked in-kernel (LRU, PAIR_LFU), the whole call is the fused kernel of
+    :mod:`~pallas_cache.kernels.step`; otherwise (traced rules, the ring evictions) the XLA step
+    below runs on every backend, loop-free (docs/semantics.md §7.1).
 
     Returns:
       ``(state, EnsurePlan)``, exactly as the public op with the same options.
@@ -271,6 +273,12 @@ def ensure_with_rules(state: CacheState, layer, routes, policy: FetchPolicy, rul
     evictions.check_admission(state.eviction, rules.reuse)
     flat_routes = routes.reshape(-1)
     num_out = min(flat_routes.shape[0], E)  # K': distinct routes of one layer never exceed E
+
+    if backend != "xla":
+        from pallas_cache.kernels import step as fused  # imports the Pallas Triton backend
+
+        if fused.supports(state, rules, flat_routes.shape[0]):
+            return _fused_ensure(fused, state, layer, routes, policy, rules, backend)
 
     error = errors.layer_bits(layer, L) | errors.route_bits(flat_routes, E)
     accepted = error == 0
@@ -306,11 +314,11 @@ def ensure_with_rules(state: CacheState, layer, routes, policy: FetchPolicy, rul
     # loop-free, and what the admission rules below read. Only the first num_fetch are installed.
     experts = _misses_in_fetch_order(flat_routes, is_route, miss, recency_row,
                                      rules.by_recency, num_out)
-    # The eviction policy ranks the victims (docs/semantics.md §5.16); LRU is the victims kernel.
+    # The eviction policy ranks the victims (docs/semantics.md §5.16); LRU is select_victims.
     # Either way only the usable slots [0, cache_size) are candidates (§5.15).
     ranking = evictions.observe_call(state.eviction, state.ranking, layer_c, routed, accepted)
     if state.eviction is evictions.Eviction.LRU:
-        victims = backends.select_victims(usage, step, num_out, num_out=num_out, backend=backend,
+        victims = backends.select_victims(usage, step, num_out, num_out=num_out,
                                           cache_size=state.cache_size)
     else:
         victims = evictions.rank_victims(state.eviction, ranking, state.id_of_slot, usage, step,
@@ -394,6 +402,20 @@ def ensure_with_rules(state: CacheState, layer, routes, policy: FetchPolicy, rul
         error=error,
     )
     return new_state, plan
+
+
+def _fused_ensure(fused, state, layer, routes, policy, rules, backend):
+    """:func:`ensure_with_rules` as the fused kernel (kernels/step.py), the plan rebuilt from its
+    outputs."""
+    E, S = state.num_experts, state.capacity
+    flat_routes = routes.reshape(-1)
+    state, slots, cpu, dst, src, count, active, missing, error = fused.fused_step(
+        state, layer, flat_routes, policy, rules, interpret=backend == "interpret")
+    plan = EnsurePlan(
+        slots=slots.reshape(routes.shape), cpu=cpu.reshape(routes.shape),
+        copy=CopyPlan(dst_slots=dst, src_rows=src, count=count, num_slots=S, num_experts=E),
+        active=active, missing=missing, fetched=count, error=error)
+    return state, plan
 
 
 @functools.partial(jax.jit, static_argnames=("rules", "backend"))

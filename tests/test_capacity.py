@@ -233,7 +233,8 @@ def test_jitted_capacity_above_the_usable_size_equals_a_pool_of_that_size(data):
 @examples(0.25, ci=0.16)
 @given(data=st.data())
 def test_interpreted_kernels_with_capacity_equal_a_pool_of_the_usable_size(data):
-    """FAILS if the victims kernel picks a slot at or past the usable size."""
+    """FAILS if the victim search (XLA, or the fused kernel) picks a slot at or past the usable
+    size."""
     run_equivalence(data, "jax-interpret")
 
 
@@ -549,19 +550,18 @@ def test_the_largest_representable_sizes_are_accepted(monkeypatch):
 # ---- kernels and the dispatch point ------------------------------------------------------------
 
 
-@pytest.mark.parametrize("backend", ["xla", "interpret"])
-def test_select_victims_and_promotion_mask_by_data(backend):
+def test_select_victims_and_promotion_mask_by_data():
     """FAILS if either decision ignores the traced usable size: the unusable tail has the
     smallest usage, so it would be picked first; one compiled function serves every size."""
     usage = jnp.asarray([5, 3, 4, 6, 0, 0, 0, 0], jnp.int32)
     ids = jnp.asarray([0, 1, 2, 3, -1, -1, -1, -1], jnp.int32)
     victims = jax.jit(lambda u, size: select_victims(u, jnp.int32(7), jnp.int32(3), num_out=3,
-                                                     backend=backend, cache_size=size))
+                                                     cache_size=size))
     assert victims(usage, jnp.int32(4)).tolist() == [1, 2, 0]
     assert victims(usage, jnp.int32(8)).tolist() == [4, 5, 6]
     decide = jax.jit(lambda size: promotion_decision(
         usage, ids, jnp.int32(7), jnp.asarray([2, -1], jnp.int32), jnp.asarray([True, False]),
-        jnp.int32(26214), jnp.int32(0), backend=backend, cache_size=size))
+        jnp.int32(26214), jnp.int32(0), cache_size=size))
     assert [int(x) for x in decide(jnp.int32(4))] == [-1, -1], "no usable empty slot"
     assert [int(x) for x in decide(jnp.int32(5))] == [0, 4]
 

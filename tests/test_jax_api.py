@@ -85,10 +85,10 @@ def brute_force_victims(usage, step, n):
     return order[:n]
 
 
-SELECT_VICTIMS = jax.jit(backends.select_victims, static_argnames=("num_out", "backend"))
+SELECT_VICTIMS = jax.jit(backends.select_victims, static_argnames=("num_out",))
 
 
-PROMOTION_DECISION = jax.jit(backends.promotion_decision, static_argnames=("backend",))
+PROMOTION_DECISION = jax.jit(backends.promotion_decision)
 
 
 stamps = st.one_of(st.integers(-3, 6), st.sampled_from([INT32_MIN, INT32_MAX]))

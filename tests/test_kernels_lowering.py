@@ -1,4 +1,5 @@
-"""Cross-lowering of both kernels to CUDA (Triton) on a machine without a GPU.
+"""Cross-lowering of the fused step kernel to CUDA (Triton) on a machine without a GPU, and the
+one-kernel-per-call count (docs/semantics.md §7).
 
 ``jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))`` runs the Pallas Triton lowering
 (the kernel jaxpr becomes a Triton MLIR module inside a ``__gpu$xla.gpu.triton`` custom call) but
@@ -19,12 +20,9 @@ import jax.numpy as jnp
 import pytest
 from jax import lax
 
-from pallas_cache.kernels.promotion import promotion
-from pallas_cache.kernels.victims import victims
 
 SIZES = [64, 2048, 16384]
 EXPERTS = [16, 128, 256]
-SHAPES = [(s, e) for s in SIZES for e in EXPERTS if e <= s] + [(1, 1), (100, 7), (5000, 100)]
 MODES = ["plain", "vmap", "scan"]
 BATCH = 3
 TRITON_TARGETS = ("__gpu$xla.gpu.triton", "triton_kernel_call")
@@ -67,66 +65,93 @@ def check_triton(text: str, modules, *, grid_x: int | None = None):
         assert {int(g) for g in grids} == {grid_x}
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("size,num_experts", SHAPES)
-def test_victims_lowers_to_triton(size, num_experts, mode, triton_modules):
-    num_out = num_experts  # K' = min(K, E) <= E
-    f = functools.partial(victims, num_out=num_out)
-    usage = jnp.zeros(size, jnp.int32)
-    step, n = jnp.int32(3), jnp.int32(num_out // 2)
-    if mode == "plain":
-        text = lower_cuda(lambda u, s, k: f(u, s, k), usage, step, n)
-        check_triton(text, triton_modules, grid_x=1)
-    elif mode == "vmap":
-        text = lower_cuda(jax.vmap(lambda u, s, k: f(u, s, k)),
-                          jnp.zeros((BATCH, size), jnp.int32), jnp.full((BATCH,), 3, jnp.int32),
-                          jnp.full((BATCH,), 2, jnp.int32))
-        check_triton(text, triton_modules, grid_x=BATCH)
-    else:
-        def decode(usage0, ns):
-            def body(u, x):
-                t, k = x
-                v = f(u, t, k)
-                return u.at[jnp.where(v >= 0, v, size)].set(t, mode="drop"), v
-            return lax.scan(body, usage0, (jnp.arange(1, 9, dtype=jnp.int32), ns))
-        text = lower_cuda(decode, usage, jnp.full((8,), 2, jnp.int32))
-        check_triton(text, triton_modules, grid_x=1)
+# The counting rule (docs/semantics.md §7): every ``stablehlo.<op>`` of the lowered text but
+# these, and not the attributes (``#stablehlo.output_operand_alias<...>`` names no operation).
+UNCOUNTED = {"constant", "reshape", "bitcast_convert", "return", "custom_call", "tuple",
+             "get_tuple_element", "optimization_barrier"}
+PALLAS_CALL = "custom_call @__gpu$xla.gpu.triton"
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("size,num_experts", SHAPES)
-def test_promotion_lowers_to_triton(size, num_experts, mode, triton_modules):
-    usage = jnp.zeros(size, jnp.int32)
-    ids = jnp.full((size,), -1, jnp.int32)
-    rec = jnp.zeros(num_experts, jnp.int32)
-    miss = jnp.zeros(num_experts, bool)
-    frac, nf = jnp.int32(26214), jnp.int32(0)
-    if mode == "plain":
-        text = lower_cuda(lambda *a: promotion(*a), usage, ids, jnp.int32(3), rec, miss, frac, nf)
-        check_triton(text, triton_modules, grid_x=1)
-    elif mode == "vmap":
-        b = lambda x: jnp.broadcast_to(x, (BATCH, *x.shape))  # noqa: E731
-        text = lower_cuda(jax.vmap(lambda *a: promotion(*a)), b(usage), b(ids),
-                          jnp.arange(BATCH, dtype=jnp.int32), b(rec), b(miss), b(frac), b(nf))
-        check_triton(text, triton_modules, grid_x=BATCH)
-    else:
-        def decode(usage0, ids0):
-            def body(carry, t):
-                u, i = carry
-                e, s = promotion(u, i, t, rec, miss, frac, nf)
-                tgt = jnp.where(s >= 0, s, size)
-                return (u.at[tgt].set(t, mode="drop"), i.at[tgt].set(e, mode="drop")), e
-            return lax.scan(body, (usage0, ids0), jnp.arange(1, 9, dtype=jnp.int32))
-        text = lower_cuda(decode, usage, ids)
-        check_triton(text, triton_modules, grid_x=1)
+def count_ops(text: str) -> tuple[int, int]:
+    """``(Pallas custom calls, other ops)`` of a lowered module by the counting rule: a private
+    function's body counts once (it is printed once), a scan's while body once plus its loop
+    bookkeeping (the condition and counter ops around it)."""
+    pallas = text.count(PALLAS_CALL)
+    ops = [op for op in re.findall(r"(?<![#\w])stablehlo\.([a-z_0-9]+)", text)
+           if op not in UNCOUNTED]
+    return pallas, len(ops)
 
 
-def test_int_miss_mask_and_explicit_knobs_lower(triton_modules):
-    text = lower_cuda(lambda *a: promotion(*a, interpret=False, debug=False),
-                      jnp.zeros(64, jnp.int32), jnp.zeros(64, jnp.int32), jnp.int32(1),
-                      jnp.zeros(16, jnp.int32), jnp.ones(16, jnp.int32), jnp.int32(1),
-                      jnp.int32(0))
-    check_triton(text, triton_modules)
+def test_count_ops_follows_the_rule():
+    """FAILS if the counter counts the uncounted ops or attributes, or misses a counted op."""
+    text = ("%0 = stablehlo.constant dense<1> : tensor<i32>\n"
+            "%1 = stablehlo.add %0, %0 : tensor<i32>\n"
+            "%2 = stablehlo.custom_call @__gpu$xla.gpu.triton(%1) "
+            "{output_operand_aliases = [#stablehlo.output_operand_alias<output_tuple_indices = [], "
+            "operand_index = 0, operand_tuple_indices = []>]}\n"
+            "%3 = stablehlo.reshape %2 : tensor<1xi32>\n"
+            "%4 = stablehlo.select %1, %0, %0 : tensor<i32>\n"
+            "stablehlo.return %4 : tensor<i32>\n")
+    assert count_ops(text) == (1, 2)
+
+
+# (L, E, S, k): the geometries the one-kernel-per-call rule is held to.
+STEP_GEOMETRIES = [(8, 16, 64, 8), (32, 8, 128, 2), (48, 128, 2048, 8), (64, 320, 16384, 8)]
+HYBRID_RULES = [(order, admission) for order in ("recency", "lowest_id")
+                for admission in ("promote_one", "none", "reuse")]
+MAX_OTHER_OPS = 16
+# A lax.scan's own bookkeeping around its body: the while's condition (compare), the counter
+# (add) and the per-iteration slicing and stacking of its xs/ys.
+SCAN_BOOKKEEPING = 16
+
+
+def _step_calls(num_layers, num_experts, size, top_k, eviction="lru"):
+    import pallas_cache as pc
+
+    state = pc.init(num_layers, num_experts, size, eviction=eviction)
+    routes = jnp.arange(top_k, dtype=jnp.int32) % num_experts
+    policy = pc.FetchPolicy.fraction(0.4)
+    calls = {"ensure": lambda s, layer: pc.ensure(s, layer, routes, backend="pallas")}
+    for order, admission in HYBRID_RULES:
+        if admission == "reuse" and eviction != "lru":
+            continue
+        calls[f"ensure_hybrid/{order}/{admission}"] = functools.partial(
+            lambda s, layer, o, a: pc.ensure_hybrid(s, layer, routes, policy, order=o,
+                                                    admission=a, backend="pallas"),
+            o=order, a=admission)
+    return state, calls
+
+
+@pytest.mark.parametrize("eviction", ["lru", "pair_lfu"])
+@pytest.mark.parametrize("geometry", STEP_GEOMETRIES)
+def test_one_kernel_and_at_most_16_other_ops_per_call(geometry, eviction, triton_modules):
+    """FAILS if a call of ``ensure`` / ``ensure_hybrid`` (any order and admission) under
+    ``backend="pallas"`` lowers to anything but exactly one Triton kernel and at most 16 other
+    ops, with a traced layer: plain, under ``vmap`` over 4 states, and in a ``lax.scan`` of
+    layer-calls (16 + the loop's own bookkeeping). The XLA step, or the old victims kernel
+    beside an XLA step, lowers to hundreds of ops."""
+    state, calls = _step_calls(*geometry, eviction=eviction)
+    batched = jax.tree.map(lambda x: jnp.broadcast_to(x, (4, *x.shape)), state)
+    layers = jnp.arange(geometry[0], dtype=jnp.int32)
+    for name, call in calls.items():
+        plain = count_ops(lower_cuda(lambda s, layer: call(s, layer), state, jnp.int32(1)))
+        assert plain[0] == 1 and plain[1] <= MAX_OTHER_OPS, (name, plain)
+        vmapped = count_ops(lower_cuda(jax.vmap(lambda s: call(s, jnp.int32(1))), batched))
+        assert vmapped[0] == 1 and vmapped[1] <= MAX_OTHER_OPS, (name, "vmap", vmapped)
+        scanned = count_ops(lower_cuda(
+            lambda s: lax.scan(lambda s, layer: (call(s, layer)[0], None), s, layers)[0], state))
+        assert scanned[0] == 1 and scanned[1] <= MAX_OTHER_OPS + SCAN_BOOKKEEPING, (
+            name, "scan", scanned)
+    check_triton(lower_cuda(lambda s: calls["ensure"](s, jnp.int32(0)), state), triton_modules)
+
+
+@pytest.mark.parametrize("eviction", ["route_knn", "route_lfu"])
+def test_ring_evictions_keep_their_step_outside_the_kernel(eviction):
+    """The ring policies rank in XLA (docs/semantics.md §5.16): FAILS if their ``backend="pallas"``
+    step launches a Pallas kernel it was not built for, or stops lowering for CUDA."""
+    state, calls = _step_calls(8, 16, 64, 8, eviction=eviction)
+    pallas, others = count_ops(lower_cuda(lambda s: calls["ensure"](s, jnp.int32(1)), state))
+    assert pallas == 0 and others > MAX_OTHER_OPS
 
 
 ENSURE_SHAPES = [(s, e) for s in SIZES for e in EXPERTS if e <= s]
@@ -163,26 +188,20 @@ def test_ensure_hybrid_with_the_pallas_backend_lowers_to_triton(size, num_expert
     check_triton(text, triton_modules)
 
 
-# A usable size below the capacity (docs/semantics.md §5.15): the size reaches the kernels as a
+# A usable size below the capacity (docs/semantics.md §5.15): the size reaches the kernel as a
 # traced scalar, so one lowering serves every size; (capacity, usable size, experts).
 USABLE_SHAPES = [(2048, 64, 16), (16384, 2048, 128), (100, 8, 7)]
 
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("capacity,cache_size,num_experts", USABLE_SHAPES)
-def test_kernels_lower_with_a_usable_size_below_the_capacity(capacity, cache_size, num_experts,
-                                                             mode, triton_modules):
-    """FAILS if the usable-size mask (a traced scalar input of both kernels) does not lower to
-    Triton, plain, under ``vmap`` (a batch of sizes) or in a decode scan, or if the whole
+def test_the_step_lowers_with_a_usable_size_below_the_capacity(capacity, cache_size, num_experts,
+                                                               mode, triton_modules):
+    """FAILS if the usable-size mask (a traced scalar input of the kernel) does not lower to
+    Triton, plain, under ``vmap`` (a batch of sizes) or in a decode scan, or if the
     ``ensure_hybrid`` step on such a state falls back to interpret mode or Mosaic GPU."""
     import pallas_cache as pc
 
-    f = functools.partial(victims, num_out=num_experts)
-    usage = jnp.zeros(capacity, jnp.int32)
-    size = jnp.int32(cache_size)
-    ids = jnp.full((capacity,), -1, jnp.int32)
-    rec, miss = jnp.zeros(num_experts, jnp.int32), jnp.zeros(num_experts, bool)
-    frac, nf = jnp.int32(26214), jnp.int32(0)
     state = pc.init(4, num_experts, cache_size, capacity=capacity)
     policy = pc.FetchPolicy.fraction(0.4)
     routes = jnp.arange(8, dtype=jnp.int32) % num_experts
@@ -191,19 +210,12 @@ def test_kernels_lower_with_a_usable_size_below_the_capacity(capacity, cache_siz
         return pc.ensure_hybrid(state, layer, routes, policy, backend="pallas")
 
     if mode == "plain":
-        text = lower_cuda(lambda u, k, c: f(u, jnp.int32(3), k, cache_size=c), usage,
-                          jnp.int32(2), size)
-        text += lower_cuda(lambda *a: promotion(*a[:-1], cache_size=a[-1]), usage, ids,
-                           jnp.int32(3), rec, miss, frac, nf, size)
-        text += lower_cuda(step, state, jnp.int32(1))
+        text = lower_cuda(step, state, jnp.int32(1))
     elif mode == "vmap":
         sizes = jnp.asarray([num_experts, cache_size, capacity], jnp.int32)
-        text = lower_cuda(jax.vmap(lambda c: f(usage, jnp.int32(3), jnp.int32(2), cache_size=c)),
-                          sizes)
-        text += lower_cuda(jax.vmap(lambda c: promotion(usage, ids, jnp.int32(3), rec, miss,
-                                                        frac, nf, cache_size=c)), sizes)
         states = jax.vmap(lambda c: pc.resize(state, c)[0])(sizes)
-        text += lower_cuda(jax.vmap(lambda s: step(s, jnp.int32(1))), states)
+        text = lower_cuda(jax.vmap(lambda s: step(s, jnp.int32(1))), states)
+        check_triton(text, triton_modules, grid_x=3)
     else:
         def decode(state):
             def body(state, layer):
@@ -219,22 +231,30 @@ def test_kernels_lower_with_a_usable_size_below_the_capacity(capacity, cache_siz
 # visible SKIP in the test summary instead.
 
 
+def _ensure_call(state):
+    import pallas_cache as pc
+
+    return pc.ensure(state, jnp.int32(1), jnp.arange(4, dtype=jnp.int32), backend="pallas")
+
+
 def test_the_mlir_verifier_is_hooked(triton_modules):
     """SKIPS (visibly) when the Triton lowering internals moved and no module is verified."""
+    import pallas_cache as pc
+
     if triton_modules is None:
         pytest.skip("jax._src.pallas.triton.lowering.lower_jaxpr_to_triton_module is gone: "
                     "Triton modules are lowered but not run through the MLIR verifier")
-    lower_cuda(functools.partial(victims, num_out=4), jnp.zeros(100, jnp.int32), jnp.int32(1),
-               jnp.int32(2))
+    lower_cuda(_ensure_call, pc.init(2, 7, 100))
     assert triton_modules and all(triton_modules)
 
 
 def test_the_grid_check_is_active():
     """SKIPS (visibly) when the custom call no longer spells ``grid_x``, so the vmapped tests
     cannot check one program per cache; FAILS if it is spelled and wrong."""
-    text = lower_cuda(jax.vmap(functools.partial(victims, num_out=4)),
-                      jnp.zeros((BATCH, 64), jnp.int32), jnp.ones(BATCH, jnp.int32),
-                      jnp.ones(BATCH, jnp.int32))
+    import pallas_cache as pc
+
+    states = jax.tree.map(lambda x: jnp.broadcast_to(x, (BATCH, *x.shape)), pc.init(2, 7, 64))
+    text = lower_cuda(jax.vmap(_ensure_call), states)
     grids = re.findall(r"grid_x = (\d+) : i32", text)
     if not grids:
         pytest.skip("the lowered custom call has no grid_x attribute in this jaxlib")

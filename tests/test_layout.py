@@ -83,17 +83,17 @@ def test_private_import_checker_catches_each_form(tmp_path):
     on any package)."""
     root = tmp_path / "pallas_cache"
     (root / "kernels").mkdir(parents=True)
-    for name in ("__init__.py", "ops.py", "kernels/__init__.py", "kernels/victims.py"):
+    for name in ("__init__.py", "ops.py", "kernels/__init__.py", "kernels/step.py"):
         (root / name).write_text("")
     source = textwrap.dedent("""
         from pallas_cache.ops import _ensure, ensure
-        from .victims import _pad_to
-        from pallas_cache.kernels import victims
+        from .step import _pad_to
+        from pallas_cache.kernels import step
         import pallas_cache.ops as core
-        x = victims._num_warps(3) + core._Rules + victims.__name__ + victims.public
+        x = step._num_warps(3) + core._Rules + step.__name__ + step.public
         from pallas_cache.ops import __all__
     """)
-    found = private_imports(source, "pallas_cache.kernels.promotion", root)
+    found = private_imports(source, "pallas_cache.kernels.dispatch", root)
     assert len(found) == 4, found
     assert private_imports("def _own(): pass\n_own()\n", "pallas_cache.ops", root) == []
 

@@ -1,7 +1,8 @@
-"""Pallas kernels of the cache: victim selection and the seed-000 promotion decision (docs/semantics.md §7).
+"""The Pallas kernel of the cache: one whole ensure / ensure_hybrid call fused (docs/semantics.md §7).
 
-:mod:`~pallas_cache.kernels.victims` and :mod:`~pallas_cache.kernels.promotion` hold the kernels
-(each beside its ``*_reference``), :mod:`~pallas_cache.kernels.common` their shared pieces, and
-:mod:`~pallas_cache.kernels.dispatch` the ``backend=`` switch with the XLA twins that the ops call.
-The package binds no names of its own, so each submodule stays reachable under its name.
+:mod:`~pallas_cache.kernels.step` holds the kernel beside its ``*_reference``,
+:mod:`~pallas_cache.kernels.common` its launch parameters, and
+:mod:`~pallas_cache.kernels.dispatch` the ``backend=`` switch and the XLA victim search that the
+XLA step uses. The package binds no names of its own, so each submodule stays reachable under its
+name.
 """

@@ -1,15 +1,14 @@
-"""The two decisions that have kernel implementations, behind one dispatch point (docs/semantics.md §7).
+"""The ``backend=`` switch of the ops and the loop-free XLA victim search (docs/semantics.md §7).
 
-Victim selection (the first ``n`` slots in ascending ``(usage, slot)`` order) and the seed-000
-promotion decision are the only parts of a cache step that scan the whole slot pool, so they are
-the parts worth a kernel. ``backend`` is static: ``"xla"`` (pure ``jnp``), ``"pallas"`` (GPU,
-Triton lowering) or ``"interpret"`` (the Pallas kernels under the Pallas interpreter, for CPU
-tests); ``None`` resolves to ``"pallas"`` on GPU and ``"xla"`` elsewhere, and all backends give
-identical results. The XLA path is loop-free (docs/semantics.md §7.1): :func:`first_in_order`
-unrolls ``num_out`` fixed "next pair after the previous one" argmin rounds, because on XLA:CPU a
-sort, ``top_k`` or an all-pairs rank over a pool costs 5-50x more than a handful of masked
-reductions, and a data-dependent ``while_loop`` would read its predicate back to the host on a
-GPU (docs/design.md, "A loop-free step").
+``backend`` is static: ``"xla"`` (the XLA step, pure ``jnp``), ``"pallas"`` (the whole step as
+one fused Pallas kernel, :mod:`~pallas_cache.kernels.step`, Triton lowering, GPU) or
+``"interpret"`` (that kernel under the Pallas interpreter, for CPU tests); ``None`` resolves to
+``"pallas"`` on a GPU whose JAX has the Pallas Triton backend and to ``"xla"`` elsewhere, and all
+backends give identical results. The XLA search is loop-free (docs/semantics.md §7.1):
+:func:`first_in_order` unrolls ``num_out`` fixed "next pair after the previous one" argmin
+rounds, because on XLA:CPU a sort, ``top_k`` or an all-pairs rank over a pool costs 5-50x more
+than a handful of masked reductions, and a data-dependent ``while_loop`` would read its predicate
+back to the host on a GPU (docs/design.md, "A loop-free step").
 """
 
 from __future__ import annotations
@@ -23,7 +22,8 @@ from jax import lax
 from pallas_cache.validate import INT32_MAX
 
 __all__ = [
-    "BACKENDS", "argmin_among", "first_in_order", "promotion_decision", "resolve_backend",
+    "BACKENDS", "argmin_among", "first_in_order", "has_pallas_triton", "promotion_decision",
+    "resolve_backend",
     "select_victims",
 ]
 
@@ -37,12 +37,27 @@ _TWO_LEVEL_ABOVE = 256
 _ROUND_WIDTH = 8
 
 
+def has_pallas_triton() -> bool:
+    """Whether the installed JAX has the Pallas Triton backend the fused kernel lowers through."""
+    try:
+        from jax.experimental.pallas import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def resolve_backend(backend) -> str:
-    """``None`` -> ``"pallas"`` on GPU, else ``"xla"``; anything unknown raises ValueError."""
+    """``None`` -> ``"pallas"`` on GPU (with the Pallas Triton backend), else ``"xla"``; anything
+    unknown raises ValueError, and so does an explicit ``"pallas"``/``"interpret"`` on a JAX
+    without the Pallas Triton backend."""
     if backend is None:
-        return "pallas" if jax.default_backend() == "gpu" else "xla"
+        return "pallas" if jax.default_backend() == "gpu" and has_pallas_triton() else "xla"
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS} or None")
+    if backend != "xla" and not has_pallas_triton():
+        raise ValueError(f"backend {backend!r} needs the Pallas Triton backend "
+                         f"(jax.experimental.pallas.triton), which this JAX {jax.__version__} "
+                         f"lacks; use backend='xla'")
     return backend
 
 
@@ -219,7 +234,7 @@ def first_in_order(values, candidate, num_out: int):
                    index.reshape(-1))
 
 
-def select_victims(usage, step, n, *, num_out, backend="xla", cache_size=None):
+def select_victims(usage, step, n, *, num_out, cache_size=None):
     """The first ``n`` slots in ascending ``(usage, slot)`` order among evictable slots.
 
     Args:
@@ -227,7 +242,6 @@ def select_victims(usage, step, n, *, num_out, backend="xla", cache_size=None):
       step: int32[], this step; a slot whose usage equals it is not evictable.
       n: int32[], traced, ``0 <= n <= num_out``: how many victims to take.
       num_out: static output length, ``<= C``.
-      backend: "xla" | "pallas" | "interpret".
       cache_size: int32[], traced, the usable size ``S``: slots at or past it are never victims
         (docs/semantics.md §5.15). ``None``: every slot is usable.
 
@@ -235,12 +249,6 @@ def select_victims(usage, step, n, *, num_out, backend="xla", cache_size=None):
       int32[num_out]: the victims in claim order; entries ``>= n`` are -1 (and so is any entry
       beyond the number of evictable slots, which callers never reach since ``S >= E``).
     """
-    backend = resolve_backend(backend)
-    if backend != "xla":
-        from pallas_cache.kernels.victims import victims
-
-        return victims(usage, step, n, num_out=num_out, interpret=backend == "interpret",
-                       cache_size=cache_size)
     # A slot touched this step (a hit) is never a victim, nor is an unusable one.
     out = first_in_order(usage, _evictable(usage, step, cache_size), num_out)
     return jnp.where(lax.iota(jnp.int32, num_out) < n, out, -1)
@@ -256,7 +264,7 @@ def _evictable(usage, step, cache_size):
 
 
 def promotion_decision(usage, id_of_slot, step, recency_row, miss_mask, fraction16, num_fetch,
-                       *, backend="xla", cache_size=None):
+                       *, cache_size=None):
     """The seed-000 PROMOTE_ONE decision (docs/semantics.md §5.5); the caller has checked ``order == RECENCY``.
 
     Fires iff ``fraction16 > 0``, ``num_fetch == 0``, some expert missed, the argmin evictable
@@ -272,7 +280,6 @@ def promotion_decision(usage, id_of_slot, step, recency_row, miss_mask, fraction
       miss_mask: bool[E], the routed experts that are not resident.
       fraction16: int32[], the policy fraction (0 = fixed cap, which never promotes).
       num_fetch: int32[], the split's ``F``.
-      backend: "xla" | "pallas" | "interpret".
       cache_size: int32[], traced, the usable size: slots at or past it are never the victim.
         ``None``: every slot is usable.
 
@@ -280,12 +287,6 @@ def promotion_decision(usage, id_of_slot, step, recency_row, miss_mask, fraction
       ``(expert, slot)`` int32 scalars: the layer-local expert to fetch and the slot it takes,
       or ``(-1, -1)`` when the rule does not fire.
     """
-    backend = resolve_backend(backend)
-    if backend != "xla":
-        from pallas_cache.kernels.promotion import promotion
-
-        return promotion(usage, id_of_slot, step, recency_row, miss_mask, fraction16, num_fetch,
-                         interpret=backend == "interpret", cache_size=cache_size)
     # The first miss in recency order: the largest recency among misses, lowest id on ties.
     expert = argmin_among(~recency_row, miss_mask)
     recurring = recency_row[jnp.maximum(expert, 0)] >= 0

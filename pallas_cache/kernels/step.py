@@ -1,0 +1,428 @@
+"""The fused cache step: one whole ``ensure`` / ``ensure_hybrid`` call as one Pallas kernel (docs/semantics.md §7)."""
+
+from __future__ import annotations
+
+import functools
+import types
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_cache import errors
+from pallas_cache.eviction import DECAY_Q16, ONE_Q16, Eviction, PairLfuState
+from pallas_cache.kernels import common
+from pallas_cache.kernels.common import INT32_MAX, INT32_MIN
+from pallas_cache.policy import FetchPolicy
+
+__all__ = ["KERNEL_EVICTIONS", "fused_step", "fused_step_reference", "supports"]
+
+#: The eviction policies whose victim ranking runs inside the fused kernel.
+KERNEL_EVICTIONS = (Eviction.LRU, Eviction.PAIR_LFU)
+# Most elements of one in-kernel [routes, experts] or [routes, picks] comparison.
+_PAIR_BLOCK = 4096
+# PAIR_LFU's (class, freq) key packing (eviction.py).
+_CLASS_SHIFT = 23
+
+
+def fused_step_reference(state, layer, routes, policy, rules):
+    """What :func:`fused_step` computes: the XLA step of ``ops.ensure_with_rules``."""
+    from pallas_cache import ops
+
+    return ops.ensure_with_rules(state, layer, routes, policy, rules, backend="xla")
+
+
+def supports(state, rules, num_routes: int) -> bool:
+    """Whether :func:`fused_step` runs this call: static rules, an in-kernel eviction, a route."""
+    static = all(isinstance(getattr(rules, f), bool)
+                 for f in ("hybrid", "by_recency", "promote_one", "reuse"))
+    return static and state.eviction in KERNEL_EVICTIONS and num_routes >= 1
+
+
+def _lane(vector, k):
+    """Entry ``k`` of an in-kernel vector (Triton has no element read of a value)."""
+    position = lax.iota(jnp.int32, vector.shape[0])
+    return jnp.min(jnp.where(position == k, vector, INT32_MAX))
+
+
+def _any(mask):
+    return jnp.max(jnp.where(mask, 1, 0)) > 0
+
+
+def _decay(freq):
+    """eviction.decay_q16, in-kernel."""
+    hi = freq >> 16
+    lo = (freq & 0xFFFF).astype(jnp.uint32)
+    return hi * DECAY_Q16 + ((lo * jnp.uint32(DECAY_Q16)) >> 16).astype(jnp.int32)
+
+
+def _store_scalar(ref, value, mask):
+    plgpu.store(ref.at[pl.ds(0, 1)], jnp.full((1,), value, ref.dtype), mask=jnp.full((1,), mask))
+
+
+def _scatter(ref, index, value, mask):
+    """A masked vector store at ``index``; masked lanes point past the ref (the interpreter's
+    scatter drops them, where a duplicate in-range index could rewrite a stored entry)."""
+    plgpu.store(ref.at[jnp.where(mask, index, ref.shape[0])], value, mask=mask)
+
+
+def _after(key, index, prev_key, prev_index):
+    """``(key..., index)`` strictly after ``(prev_key..., prev_index)`` lexicographically."""
+    out = index > prev_index
+    for k, p in zip(reversed(key), reversed(prev_key)):
+        out = (k > p) | ((k == p) & out)
+    return out
+
+
+def _lex_min(key, index, live):
+    """The smallest live ``(key..., index)`` as scalars; index ``INT32_MAX`` when none."""
+    best, ok = [], live
+    for k in key:
+        m = jnp.min(jnp.where(ok, k, INT32_MAX))
+        best.append(m)
+        ok = ok & (k == m)
+    return tuple(best), jnp.min(jnp.where(ok, index, INT32_MAX))
+
+
+def step_kernel(
+    layer_ref,  # i32[1]
+    routes_ref,  # i32[K]
+    frac_ref,  # i32[1]: FetchPolicy.fraction16
+    cap_ref,  # i32[1]: FetchPolicy.cap
+    step_ref,  # i32[1]: the clock before the call
+    size_ref,  # i32[1]: the usable size
+    threshold_ref,  # i32[1]: the clock rebase threshold
+    collect_ref,  # bool[1]
+    sfi_ref,  # i32[L * E]: slot_for_id
+    ios_ref,  # i32[C]: id_of_slot
+    usage_ref,  # i32[C]
+    rec_ref,  # i32[L * E]: recency
+    stats_ref,  # i32[L * 4]
+    hist_ref,  # i32[L * E]: routing_freq
+    *refs,  # PAIR_LFU: freq i32[L * E], prot bool[L * E]; then the outputs
+    num_layers: int, num_experts: int, num_out: int, hybrid: bool, by_recency: bool,
+    promote_one: bool, reuse: bool, pair_lfu: bool, block: int, stamp_block: int,
+):
+    if pair_lfu:
+        pfreq_ref, pprot_ref, *refs = refs
+    (sfi_out, ios_out, usage_out, rec_out, stats_out, hist_out, step_out, *refs) = refs
+    if pair_lfu:
+        pfreq_out, pprot_out, *refs = refs
+    slots_out, cpu_out, dst_out, src_out, count_out, active_out, missing_out, error_out = refs
+    L, E = num_layers, num_experts
+    K, C = routes_ref.shape[0], ios_ref.shape[0]
+    e_width, o_width = common.next_pow2(E), common.next_pow2(num_out)
+    k_width = max(1, min(common.next_pow2(K), _PAIR_BLOCK // max(e_width, o_width)))
+    num_chunks = -(-K // k_width)
+
+    # Every read of a state leaf comes before any write to it (the outputs alias the inputs).
+    layer = layer_ref[0]
+    step0 = step_ref[0]
+    limit = size_ref[0]
+    e_idx = lax.iota(jnp.int32, e_width)
+    e_ok = e_idx < E
+
+    def chunk(c):
+        start = c * k_width
+        index = start + lax.iota(jnp.int32, k_width)
+        lane = index < K
+        r = plgpu.load(routes_ref.at[pl.ds(start, k_width)], mask=lane, other=-1)
+        return r, index, lane
+
+    def observe(c, carry):  # the histogram row and the bad-route flag, one chunk of routes
+        observed, bad = carry
+        r, _, lane = chunk(c)
+        bad = bad | _any(lane & ((r < -1) | (r >= E)))
+        match = (r[:, None] == e_idx[None, :]) & lane[:, None]
+        return observed + jnp.sum(match.astype(jnp.int32), axis=0), bad
+
+    observed, bad = lax.fori_loop(0, num_chunks, observe,
+                                  (jnp.zeros((e_width,), jnp.int32), jnp.bool_(False)))
+    bad_layer = (layer < 0) | (layer >= L)
+    error = (jnp.where(bad_layer, jnp.int32(errors.ERR_LAYER), jnp.int32(0))
+             | jnp.where(bad, jnp.int32(errors.ERR_EXPERT_ID), jnp.int32(0)))
+    accepted = ~(bad_layer | bad)
+    layer_c = jnp.minimum(jnp.maximum(layer, 0), L - 1)
+    base = layer_c * E
+    step = step0 + 1
+
+    row = pl.ds(base, e_width)
+    slot_row = plgpu.load(sfi_ref.at[row], mask=e_ok, other=-1)
+    recency_row = plgpu.load(rec_ref.at[row], mask=e_ok, other=-1)
+    routed = e_ok & (observed > 0)
+    hit = routed & (slot_row >= 0)
+    miss = routed & (slot_row < 0)
+    num_active = jnp.sum(routed.astype(jnp.int32))
+    num_missing = jnp.sum(miss.astype(jnp.int32))
+    policy = types.SimpleNamespace(fraction16=frac_ref[0], cap=cap_ref[0])
+    num_fetch = FetchPolicy.split(policy, num_missing)
+    hit_slots = jnp.where(hit, slot_row, -1)
+
+    # The misses in fetch order: RECENCY = ascending ~recency, ties to the lower id; LOWEST_ID =
+    # ascending id. One argmin round per miss (in-kernel loop: no host round trip).
+    o_idx = lax.iota(jnp.int32, o_width)
+    order_key = ~recency_row if by_recency else jnp.zeros_like(recency_row)
+
+    def order_round(k, carry):
+        prev_key, prev_e, experts, recs = carry
+        live = miss & _after((order_key,), e_idx, (prev_key,), prev_e)
+        (key,), e = _lex_min((order_key,), e_idx, live)
+        return (key, e, jnp.where(o_idx == k, e, experts),
+                jnp.where(o_idx == k, ~key, recs))
+
+    minus = jnp.full((o_width,), -1, jnp.int32)
+    _, _, experts, recs = lax.fori_loop(
+        0, num_missing, order_round, (jnp.int32(INT32_MIN), jnp.int32(-1), minus, minus))
+
+    # The victims: ascending (key, slot) among the usable slots not touched this step (hits are
+    # skipped: their refreshed usage is the step). LRU's key is (usage,); PAIR_LFU's is
+    # (class/freq after this call's decay, usage). Only as many as the rules read.
+    need = num_fetch
+    if promote_one:
+        need = jnp.maximum(need, jnp.minimum(num_missing, 1))
+    if reuse:
+        need = num_missing
+    need = jnp.where(accepted, need, 0)
+
+    def pool_block(start, width):
+        index = start + lax.iota(jnp.int32, width)
+        valid = index < C
+        u = plgpu.load(usage_ref.at[pl.ds(start, width)], mask=valid, other=0)
+        ok = valid & (index < limit) & (u != step)
+        if not pair_lfu:
+            return (u,), index, ok
+        occupant = plgpu.load(ios_ref.at[pl.ds(start, width)], mask=valid, other=-1)
+        at = jnp.maximum(occupant, 0)
+        freq = plgpu.load(pfreq_ref.at[at], mask=valid, other=0)
+        prot = plgpu.load(pprot_ref.at[at], mask=valid, other=False).astype(jnp.int32)
+        # This layer's evictable residents were not routed (a routed resident is a hit): this
+        # call's bookkeeping decays their frequency and clears their protection.
+        own = (occupant >= base) & (occupant < base + E)
+        freq = jnp.where(own, _decay(freq), freq)
+        prot = jnp.where(own, 0, prot)
+        cls = jnp.where(occupant < 0, 0, ((1 + prot) << _CLASS_SHIFT) + freq)
+        return (cls, u), index, ok
+
+    num_blocks = -(-C // block)
+    preloaded = pool_block(0, block) if num_blocks == 1 else None
+
+    def next_victim(prev_key, prev_i):
+        def scan(b, best):
+            key, index, ok = preloaded if preloaded is not None else pool_block(
+                pl.multiple_of(b * block, block), block)
+            live = ok & _after(key, index, prev_key, prev_i)
+            m, i = _lex_min(key, index, live)
+            take = (i != INT32_MAX) & ((best[1] == INT32_MAX) | _after(best[0], best[1], m, i))
+            return (tuple(jnp.where(take, x, y) for x, y in zip(m, best[0])),
+                    jnp.where(take, i, best[1]))
+
+        nothing = ((jnp.int32(INT32_MAX),) * (2 if pair_lfu else 1), jnp.int32(INT32_MAX))
+        if num_blocks == 1:
+            return scan(0, nothing)
+        return lax.fori_loop(0, num_blocks, scan, nothing)
+
+    def victim_cond(carry):
+        count, _, _, done, *_ = carry
+        return (count < need) & ~done
+
+    def victim_round(carry):
+        count, prev_key, prev_i, done, victims, vusage, occupants = carry
+        key, i = next_victim(prev_key, prev_i)
+        found = i != INT32_MAX
+        take = found & ~_any(hit_slots == i)
+        occupant = ios_ref[jnp.minimum(i, C - 1)]
+        at = take & (o_idx == count)
+        return (count + take.astype(jnp.int32), key, i, ~found, jnp.where(at, i, victims),
+                jnp.where(at, key[-1], vusage), jnp.where(at, occupant, occupants))
+
+    start_key = (jnp.int32(INT32_MIN),) * (2 if pair_lfu else 1)
+    _, _, _, _, victims, vusage, occupants = lax.while_loop(
+        victim_cond, victim_round,
+        (jnp.int32(0), start_key, jnp.int32(-1), jnp.bool_(False), minus, minus, minus))
+
+    # The admissions (docs/semantics.md §5.5), in the reference's order.
+    fraction_on = frac_ref[0] > 0
+    if promote_one:
+        promoted = (fraction_on & (num_fetch == 0) & (_lane(experts, 0) >= 0)
+                    & (_lane(recs, 0) >= 0) & (_lane(victims, 0) >= 0)
+                    & (_lane(occupants, 0) == -1))
+        num_fetch = jnp.where(promoted, 1, num_fetch)
+    if reuse:
+        admitted = (o_idx < num_fetch) | ((experts >= 0) & (victims >= 0) & (recs >= 0)
+                                          & (recs >= vusage))
+        first_rejected = jnp.min(jnp.where(admitted | (o_idx >= num_out), num_out, o_idx))
+        num_fetch = jnp.where(fraction_on, first_rejected, num_fetch)
+
+    installs = (o_idx < num_fetch) & (o_idx < num_out) & accepted
+    victims = jnp.where(installs, victims, -1)
+    experts = jnp.where(installs, experts, -1)
+    occupants = jnp.where(installs, occupants, -1)
+    num_fetch = jnp.where(accepted, num_fetch, 0)
+
+    # The plan's per-route slots, from the pre-call map and this call's installs.
+    def plan_chunk(c, _):
+        r, index, lane = chunk(c)
+        is_route = lane & (r >= 0) & (r < E) & accepted
+        old = plgpu.load(sfi_ref.at[base + jnp.clip(r, 0, E - 1)], mask=is_route, other=-1)
+        match = (r[:, None] == experts[None, :]) & installs[None, :]
+        new = jnp.max(jnp.where(match, victims[None, :], -1), axis=1)
+        slot = jnp.where(is_route, jnp.where(jnp.max(match.astype(jnp.int32), axis=1) > 0,
+                                             new, old), -1)
+        plgpu.store(slots_out.at[pl.ds(c * k_width, k_width)], slot, mask=lane)
+        plgpu.store(cpu_out.at[pl.ds(c * k_width, k_width)], is_route & (slot < 0), mask=lane)
+        return 0
+
+    lax.fori_loop(0, num_chunks, plan_chunk, 0)
+    stats_idx = layer_c * 4 + lax.iota(jnp.int32, 4)
+    stats_row = plgpu.load(stats_ref.at[stats_idx])
+    hist_row = plgpu.load(hist_ref.at[row], mask=e_ok, other=0)
+    if pair_lfu:
+        freq_row = plgpu.load(pfreq_ref.at[row], mask=e_ok, other=0)
+
+    # The clock rebase (docs/semantics.md §5.12), a device-side branch. Every decision above read
+    # the pre-call stamps, which decide as their ranks would (the rebase keeps every order); the
+    # rebase then renumbers every live stamp in place and the writes below stamp the touched
+    # entries with the renumbered clock + 1.
+    due = accepted & (step0 >= threshold_ref[0])
+    step = lax.cond(due, functools.partial(_rebase, usage_ref, rec_ref, usage_out, rec_out,
+                                           block=block, stamp_block=stamp_block),
+                    lambda s: s, step0) + 1
+
+    # The writes: only the touched entries, only when accepted.
+    refreshed = hit & accepted
+    _scatter(usage_out, hit_slots, jnp.full((e_width,), step), refreshed)
+    _scatter(usage_out, victims, jnp.full((o_width,), step), installs)
+    _scatter(ios_out, victims, base + experts, installs)
+    _scatter(sfi_out, occupants, minus, installs & (occupants >= 0))
+    _scatter(sfi_out, base + experts, victims, installs)
+    if hybrid:
+        plgpu.store(rec_out.at[row], jnp.full((e_width,), step), mask=routed & accepted)
+    counters = jnp.where(lax.iota(jnp.int32, 4) == 0, 1, jnp.where(
+        lax.iota(jnp.int32, 4) == 1, num_active,
+        jnp.where(lax.iota(jnp.int32, 4) == 2, num_missing, num_fetch)))
+    plgpu.store(stats_out.at[stats_idx], stats_row + counters, mask=jnp.full((4,), accepted))
+    observe_on = accepted & collect_ref[0]
+    plgpu.store(hist_out.at[row], hist_row + observed, mask=e_ok & (observed > 0) & observe_on)
+    if pair_lfu:
+        plgpu.store(pfreq_out.at[row], _decay(freq_row) + jnp.where(routed, ONE_Q16, 0),
+                    mask=e_ok & accepted)
+        plgpu.store(pprot_out.at[row], routed, mask=e_ok & accepted)
+    _store_scalar(step_out, step, accepted)
+
+    out = o_idx < num_out
+    plgpu.store(dst_out.at[pl.ds(0, o_width)], victims, mask=out)
+    plgpu.store(src_out.at[pl.ds(0, o_width)], experts, mask=out)
+    _store_scalar(count_out, num_fetch, True)
+    _store_scalar(active_out, jnp.where(accepted, num_active, 0), True)
+    _store_scalar(missing_out, jnp.where(accepted, num_missing, 0), True)
+    _store_scalar(error_out, error, True)
+
+
+def _rebase(usage_ref, rec_ref, usage_out, rec_out, step0, *, block, stamp_block):
+    """Renumber every live stamp (usage >= 1, recency >= 0, the clock) to its dense rank, in
+    place; returns the clock's rank. One pass per distinct value, ascending: pass ``r`` writes
+    rank ``r`` over the entries holding the ``r``-th smallest value ``m_r`` and finds
+    ``m_{r+1}``, the smallest live value above ``m_r``. A rank never exceeds its value (every
+    live stamp of a reachable state is >= 1), so an entry already renumbered is never above
+    ``m_r`` and a pass reads the same candidates whether it sees the entry before or after its
+    write. O(N) per distinct value, O(N^2) in all: it runs about once per threshold calls."""
+    parts = ((usage_ref, usage_out, 1, block), (rec_ref, rec_out, 0, stamp_block))
+
+    def one_pass(carry):
+        m, r, _, rank_step = carry
+
+        def scan(src, dst, low, width):
+            def body(b, best):
+                start = pl.multiple_of(b * width, width)
+                index = start + lax.iota(jnp.int32, width)
+                valid = index < src.shape[0]
+                v = plgpu.load(src.at[pl.ds(start, width)], mask=valid, other=low - 1)
+                live = valid & (v >= low)
+                plgpu.store(dst.at[pl.ds(start, width)], jnp.full((width,), r),
+                            mask=live & (v == m) & (r >= 1))
+                above = live & (v > m)
+                return (jnp.minimum(best[0], jnp.min(jnp.where(above, v, INT32_MAX))),
+                        best[1] | _any(above))
+
+            return lax.fori_loop(0, -(-src.shape[0] // width), body,
+                                 (jnp.int32(INT32_MAX), jnp.bool_(False)))
+
+        nxt, found = jnp.where(step0 > m, step0, INT32_MAX), step0 > m
+        for src, dst, low, width in parts:
+            part_min, part_found = scan(src, dst, low, width)
+            nxt, found = jnp.minimum(nxt, part_min), found | part_found
+        rank_step = jnp.where((r >= 1) & (step0 == m), r, rank_step)
+        return nxt, r + 1, found, rank_step
+
+    _, _, _, rank_step = lax.while_loop(
+        lambda carry: carry[2], one_pass,
+        (jnp.int32(INT32_MIN), jnp.int32(0), jnp.bool_(True), jnp.int32(0)))
+    return rank_step
+
+
+def fused_step(state, layer, routes, policy, rules, *, interpret: bool, debug: bool = False,
+               block: int | None = None):
+    """One ensure / ensure_hybrid call as one ``pallas_call`` (``grid=()``; ``vmap`` adds programs).
+
+    Args:
+      state: a ``CacheState`` whose eviction is in :data:`KERNEL_EVICTIONS`.
+      layer: int32[] (traced). routes: int32[K], ``K >= 1``. policy: a scalar ``FetchPolicy``.
+      rules: an ``ops.Rules`` of Python bools. interpret: run in the Pallas interpreter.
+      block: the victim scan's width over the slots (a power of two dividing ``next_pow2(C)``).
+
+    Returns:
+      ``(state, slots, cpu, dst_slots, src_rows, count, active, missing, error)``: the new state
+      (leaves updated in place) and the plan's arrays, as ``ops.ensure_with_rules`` returns them.
+    """
+    L, E, C = state.num_layers, state.num_experts, state.capacity
+    K = routes.shape[0]
+    num_out = min(K, E)
+    block = (common.default_block(C, interpret) if block is None
+             else common.check_block(block, C))
+    pair_lfu = state.eviction is Eviction.PAIR_LFU
+    i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
+    scalar = lambda x: jnp.reshape(x, (1,))  # noqa: E731
+    flat = lambda x: jnp.reshape(x, (-1,))  # noqa: E731
+    inputs = [scalar(layer), routes, scalar(policy.fraction16), scalar(policy.cap),
+              scalar(state.step), scalar(state.cache_size), scalar(state.rebase_threshold),
+              scalar(state.collect_routing),
+              flat(state.slot_for_id), state.id_of_slot, state.usage, flat(state.recency),
+              flat(state.stats), flat(state.routing_freq)]
+    leaves = [8, 9, 10, 11, 12, 13, 4]  # inputs aliased to the state outputs, in output order
+    out_shape = [i32((L * E,)), i32((C,)), i32((C,)), i32((L * E,)), i32((L * 4,)),
+                 i32((L * E,)), i32((1,))]
+    if pair_lfu:
+        inputs += [flat(state.ranking.freq), flat(state.ranking.prot)]
+        leaves += [14, 15]
+        out_shape += [i32((L * E,)), jax.ShapeDtypeStruct((L * E,), jnp.bool_)]
+    out_shape += [i32((K,)), jax.ShapeDtypeStruct((K,), jnp.bool_), i32((num_out,)),
+                  i32((num_out,)), i32((1,)), i32((1,)), i32((1,)), i32((1,))]
+    kernel = functools.partial(
+        step_kernel, num_layers=L, num_experts=E, num_out=num_out, hybrid=rules.hybrid,
+        by_recency=rules.by_recency, promote_one=rules.promote_one, reuse=rules.reuse,
+        pair_lfu=pair_lfu, block=block,
+        stamp_block=common.default_block(L * E, interpret))
+    outs = pl.pallas_call(
+        kernel,
+        out_shape=tuple(out_shape),
+        grid=(),
+        input_output_aliases={i: o for o, i in enumerate(leaves)},
+        compiler_params=common.compiler_params(block),
+        interpret=interpret,
+        debug=debug,
+        name="pallas_cache_step",
+    )(*inputs)
+    n = len(leaves)
+    sfi, ios, usage, recency, stats, hist, step = outs[:7]
+    ranking = state.ranking
+    if pair_lfu:
+        ranking = PairLfuState(freq=outs[7].reshape(L, E), prot=outs[8].reshape(L, E))
+    new_state = state.replace(
+        slot_for_id=sfi.reshape(L, E), id_of_slot=ios, usage=usage, step=step.reshape(()),
+        recency=recency.reshape(L, E), stats=stats.reshape(L, 4),
+        routing_freq=hist.reshape(L, E), ranking=ranking)
+    slots, cpu, dst, src, count, active, missing, error = outs[n:]
+    return (new_state, slots, cpu, dst, src, count.reshape(()), active.reshape(()),
+            missing.reshape(()), error.reshape(()))
