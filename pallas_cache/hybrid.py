@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.compute_on import compute_on
 
-from pallas_cache.moe import _to_space, check_bank_layer, gather_rows, memory_space
+from pallas_cache.moe import _to_space, check_bank_layer, check_routes, gather_rows, memory_space
 
 __all__ = [
     "HOST_COMPUTE",
@@ -43,13 +43,7 @@ class CpuExperts(NamedTuple):
 
 def _token_routes(x, expert_ids, gates):
     """``x [..., H]``, routes and gates ``[..., k]`` -> ``[T, H]``, ``[T, k]``, ``[T, k]``."""
-    expert_ids = jnp.asarray(expert_ids)
-    gates = jnp.asarray(gates)
-    if expert_ids.shape != gates.shape:
-        raise ValueError(f"expert_ids {expert_ids.shape} and gates {gates.shape} differ in shape")
-    if expert_ids.ndim < 1 or x.shape[:-1] != expert_ids.shape[:-1]:
-        raise ValueError(
-            f"x {x.shape} must be [..., H] with the leading axes of expert_ids {expert_ids.shape}")
+    expert_ids, gates = check_routes(x, expert_ids, gates)
     k = expert_ids.shape[-1]
     return (x.reshape(-1, x.shape[-1]), expert_ids.reshape(-1, k).astype(jnp.int32),
             gates.reshape(-1, k))

@@ -31,6 +31,7 @@ __all__ = [
     "apply_copy_plan",
     "check_bank_layer",
     "check_plan_geometry",
+    "check_routes",
     "gather_rows",
     "host_memory_kind",
     "memory_space",
@@ -172,6 +173,18 @@ def _slice_rows(bank_leaf, indices, out_space):
 
     out = lax.fori_loop(0, flat[0].shape[0], copy_row, out)
     return out.reshape(indices[0].shape + row_shape)
+
+
+def check_routes(x, expert_ids, gates):
+    """``x [..., H]`` and routes/gates ``[..., k]`` as arrays, after checking their shapes agree."""
+    expert_ids = jnp.asarray(expert_ids)
+    gates = jnp.asarray(gates)
+    if expert_ids.shape != gates.shape:
+        raise ValueError(f"expert_ids {expert_ids.shape} and gates {gates.shape} differ in shape")
+    if expert_ids.ndim < 1 or x.shape[:-1] != expert_ids.shape[:-1]:
+        raise ValueError(
+            f"x {x.shape} must be [..., H] with the leading axes of expert_ids {expert_ids.shape}")
+    return expert_ids, gates
 
 
 def check_bank_layer(host_bank, layer):

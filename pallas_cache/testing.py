@@ -17,20 +17,15 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from pallas_cache.moe import check_bank_layer, check_plan_geometry, gather_rows, memory_space
+from pallas_cache.moe import (check_bank_layer, check_plan_geometry, check_routes, gather_rows,
+                               memory_space)
 
 __all__ = ["moe_combine", "moe_dense"]
 
 
 def _route_inputs(x, expert_ids, gates):
     """Broadcast tokens over their routes: ``x [..., H]``, routes ``[..., k]`` -> ``[R, H]``."""
-    expert_ids = jnp.asarray(expert_ids)
-    gates = jnp.asarray(gates)
-    if expert_ids.shape != gates.shape:
-        raise ValueError(f"expert_ids {expert_ids.shape} and gates {gates.shape} differ in shape")
-    if expert_ids.ndim < 1 or x.shape[:-1] != expert_ids.shape[:-1]:
-        raise ValueError(
-            f"x {x.shape} must be [..., H] with the leading axes of expert_ids {expert_ids.shape}")
+    expert_ids, gates = check_routes(x, expert_ids, gates)
     x_per_route = jnp.broadcast_to(x[..., None, :], expert_ids.shape + x.shape[-1:])
     return x_per_route.reshape(-1, x.shape[-1]), expert_ids.reshape(-1), gates.reshape(-1)
 

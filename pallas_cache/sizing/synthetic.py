@@ -704,6 +704,18 @@ def lag_repeat_probability(trace: Trace, max_lag: int = 8) -> np.ndarray:
     return out
 
 
+def _pooled_precision(trace: Trace, counts, window, block: int) -> float:
+    """``sum(matched) / sum(predicted)`` of ``counts(dense, E, window, block)`` over the trace's
+    complete sequences (NaN when none predicts anything)."""
+    if not isinstance(window, (int, np.integer)) or isinstance(window, bool) or window < 1:
+        raise ValueError(f"window must be a positive integer, got {window!r}")
+    matched = predicted = 0
+    for dense in complete_sequences(trace):
+        hits, size = counts(dense, trace.num_experts, window, block)
+        matched, predicted = matched + hits, predicted + size
+    return matched / predicted if predicted else math.nan
+
+
 def neighbour_precision(trace: Trace, window: int = 128, *, block: int = 256) -> float:
     """How well the past token whose routes best match the current token's predicts the next layer.
 
@@ -726,13 +738,7 @@ def neighbour_precision(trace: Trace, window: int = 128, *, block: int = 256) ->
     Returns:
         The pooled precision (NaN when no sequence has two complete tokens, or ``L == 1``).
     """
-    if not isinstance(window, (int, np.integer)) or isinstance(window, bool) or window < 1:
-        raise ValueError(f"window must be a positive integer, got {window!r}")
-    matched = predicted = 0
-    for dense in complete_sequences(trace):
-        hits, size = _neighbour_counts(dense, trace.num_experts, window, block)
-        matched, predicted = matched + hits, predicted + size
-    return matched / predicted if predicted else math.nan
+    return _pooled_precision(trace, _neighbour_counts, window, block)
 
 
 def _neighbour_counts(dense: np.ndarray, num_experts: int, window: int, block: int
@@ -791,13 +797,7 @@ def next_token_precision(trace: Trace, window: int = 128, *, block: int = 256) -
     Returns:
         The pooled precision (NaN when no sequence has three complete tokens).
     """
-    if not isinstance(window, (int, np.integer)) or isinstance(window, bool) or window < 1:
-        raise ValueError(f"window must be a positive integer, got {window!r}")
-    matched = predicted = 0
-    for dense in complete_sequences(trace):
-        hits, size = _next_token_counts(dense, trace.num_experts, window, block)
-        matched, predicted = matched + hits, predicted + size
-    return matched / predicted if predicted else math.nan
+    return _pooled_precision(trace, _next_token_counts, window, block)
 
 
 def _next_token_counts(dense: np.ndarray, num_experts: int, window: int, block: int
