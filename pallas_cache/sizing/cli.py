@@ -97,13 +97,24 @@ the informative ones; an absent value is null in json, empty in csv, - in a tabl
 """ + legend_text(96) + "\n"
 
 
+class _UsageError(Exception):
+    """A command line argparse refuses, as the one line the CLI prints."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a refused command line as one line (no usage block) and exit 2."""
+
+    def error(self, message):
+        raise _UsageError(f"pallas-cache: {message} (see {self.prog} --help)")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="pallas-cache",
         description="Plan and size the GPU expert slot cache of offloaded MoE inference.",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    common = argparse.ArgumentParser(add_help=False)
+    common = _Parser(add_help=False)
     common.add_argument("--no-compile-cache", action="store_true",
                         help="do not keep compiled programs in "
                              "$XDG_CACHE_HOME/pallas-cache/jax (default ~/.cache/pallas-cache/jax"
@@ -944,6 +955,9 @@ def _main(argv, *, compile_cache: bool) -> int:
         if args.command == "bench-bandwidth":
             return _bench_bandwidth(args)
         return _scenarios(args)
+    except _UsageError as error:
+        print(error, file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("pallas-cache: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
