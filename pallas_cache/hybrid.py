@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.compute_on import compute_on
 
-from pallas_cache.moe import _to_space, check_bank_layer, check_routes, gather_rows, memory_space
+from pallas_cache.moe import check_bank_layer, check_routes, gather_rows, memory_space, to_space
 
 __all__ = [
     "HOST_COMPUTE",
@@ -147,12 +147,12 @@ def cpu_partial(x, expert_ids, gates, plan, host_bank,
     layer_index = jnp.int32(0) if layer is None else layer
     # The region's inputs go to where the bank lives (host memory for a host bank), so every op
     # in it reads one memory space; its result returns to the activations' space.
-    inputs = [_to_space(v, bank_space)
+    inputs = [to_space(v, bank_space)
               for v in (tokens, chosen.ids, chosen.count, chosen.gates, layer_index)]
     with compute_on(HOST_COMPUTE):
         partial = jax.jit(functools.partial(_switch_partial, host_bank, expert_fn,
                                             layer is not None, bank_space))(*inputs)
-    partial = _to_space(partial, memory_space(x))
+    partial = to_space(partial, memory_space(x))
     return partial.reshape(x.shape[:-1] + partial.shape[-1:])
 
 
@@ -170,7 +170,7 @@ def _switch_partial(bank, expert_fn, has_layer, space, tokens, chosen_ids, count
     def branch(n):
         def run(tokens, chosen_ids, token_gates, layer_index):
             if n == 0:
-                return _to_space(jnp.zeros(out.shape, out.dtype), space)
+                return to_space(jnp.zeros(out.shape, out.dtype), space)
             return _experts_on_tokens(tokens, chosen_ids, token_gates, bank, expert_fn,
                                       layer_index if has_layer else None, n)
         return run
@@ -229,9 +229,9 @@ def device_partial(x, expert_ids, gates, plan, pool,
     chosen = _distinct(slots, slots >= 0, gate, pool_slots, min(ids.size, num_experts, pool_slots))
     space = memory_space(jax.tree.leaves(pool)[0])
     partial = _switch_partial(pool, expert_fn, False, space,
-                              *[_to_space(v, space) for v in (tokens, chosen.ids, chosen.count,
+                              *[to_space(v, space) for v in (tokens, chosen.ids, chosen.count,
                                                               chosen.gates, jnp.int32(0))])
-    partial = _to_space(partial, memory_space(x))
+    partial = to_space(partial, memory_space(x))
     return partial.reshape(x.shape[:-1] + partial.shape[-1:])
 
 

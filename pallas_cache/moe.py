@@ -36,6 +36,7 @@ __all__ = [
     "host_memory_kind",
     "memory_space",
     "put_host_bank",
+    "to_space",
 ]
 
 PINNED_HOST = "pinned_host"
@@ -90,7 +91,7 @@ def memory_space(x):
     return getattr(jax.typeof(x), "memory_space", None)
 
 
-def _to_space(x, space):
+def to_space(x, space):
     """``x`` moved to memory ``space`` (a no-op when it is already there or the space is unknown)."""
     if space is None or memory_space(x) in (None, space):
         return x
@@ -117,8 +118,8 @@ def gather_rows(bank_leaf, rows, layer, out_space):
         return _copy_host_rows(bank_leaf, rows, layer, out_space)
     index = rows if layer is None else (jnp.broadcast_to(layer, rows.shape), rows)
     # Move the small index vector to the bank, not the bank to the index.
-    index = jax.tree.map(lambda i: _to_space(i, bank_space), index)
-    return _to_space(bank_leaf[index], out_space)
+    index = jax.tree.map(lambda i: to_space(i, bank_space), index)
+    return to_space(bank_leaf[index], out_space)
 
 
 def _copy_host_rows(bank_leaf, rows, layer, out_space):
@@ -163,12 +164,12 @@ def _slice_rows(bank_leaf, indices, out_space):
     row_shape = bank_leaf.shape[lead:]
     flat = [index.reshape(-1).astype(jnp.int32) for index in indices]
     zeros = (jnp.int32(0),) * len(row_shape)
-    out = _to_space(jnp.zeros((flat[0].shape[0],) + row_shape, bank_leaf.dtype), out_space)
+    out = to_space(jnp.zeros((flat[0].shape[0],) + row_shape, bank_leaf.dtype), out_space)
 
     def copy_row(i, out):
         start = tuple(index[i] for index in flat) + zeros
         piece = lax.dynamic_slice(bank_leaf, start, (1,) * lead + row_shape)
-        piece = _to_space(piece, out_space).reshape((1,) + row_shape)
+        piece = to_space(piece, out_space).reshape((1,) + row_shape)
         return lax.dynamic_update_slice(out, piece, (i,) + zeros)
 
     out = lax.fori_loop(0, flat[0].shape[0], copy_row, out)
@@ -319,7 +320,7 @@ def apply_copy_plan(pool, host_bank, plan, *, layer=None):
                 f"pool rows {pool_leaf.shape[1:]} and host bank rows {bank_row_shape} differ")
         pool_space = memory_space(pool_leaf)
         rows = gather_rows(bank_leaf, gather_from, layer, pool_space)
-        return pool_leaf.at[_to_space(scatter_to, pool_space)].set(
+        return pool_leaf.at[to_space(scatter_to, pool_space)].set(
             rows.astype(pool_leaf.dtype), mode="drop")
 
     return jax.tree.unflatten(pool_tree, [copy_leaf(p, b) for p, b in zip(pool_leaves, bank_leaves)])
