@@ -643,17 +643,20 @@ def test_route_lfu_frequency_counts_the_current_tokens_routes(adapter):
 def test_ring_bookkeeping_is_one_branch_on_cpu(eviction):
     """FAILS if the ring's bookkeeping of a call is not one conditional of XLA:CPU's compiled
     step (the straight-line form: twice the step's time there, docs/design.md "ROUTE_KNN's
-    per-call cost"). LRU's step is the baseline: its only branch is the clock rebase."""
+    per-call cost") with one mask word per layer (E = 8), or if it is one with several (E = 40:
+    the straight-line form measured faster at the fine-grained geometry). LRU's step is the
+    baseline: its only branch is the clock rebase."""
     def step(state, layer, routes):
         return pc.ensure_hybrid(state, layer, routes, pc.FetchPolicy.full(), backend="xla")
 
-    def branches(eviction):
-        state = pc.init(4, 8, 8, eviction=eviction, history=6)
+    def branches(eviction, experts):
+        state = pc.init(4, experts, experts, eviction=eviction, history=6)
         lowered = jax.jit(step).trace(state, jnp.int32(1), jnp.asarray([2, 5], jnp.int32)).lower(
             lowering_platforms=("cpu",))
         return lowered.compile().as_text().count(" conditional(")
 
-    assert branches(eviction) == branches("lru") + 1
+    assert branches(eviction, 8) == branches("lru", 8) + 1
+    assert branches(eviction, 40) == branches("lru", 40)
 
 
 @pytest.mark.parametrize("eviction", ["route_knn", "route_lfu"])
