@@ -22,6 +22,7 @@ import enum
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.custom_batching import custom_vmap
 
 from pallas_cache.kernels.dispatch import first_in_order
 from pallas_cache import validate
@@ -188,7 +189,37 @@ def observe_call(eviction: Eviction, ranking, layer, routed, accepted):
             ranking.prot, jnp.where(accepted, routed, ranking.prot[layer])[None],
             (layer, jnp.int32(0)))
         return PairLfuState(freq=freq, prot=prot)
+    if _branches_on_cpu(ranking):
+        return _observe_ring(ranking, layer, routed, accepted)
     return _observe_token(ranking, layer, routed, accepted)
+
+
+def _branches_on_cpu(ring) -> bool:
+    """Whether XLA:CPU runs the ring's bookkeeping as one conditional (:func:`_observe_ring`):
+    with one mask word per layer (``E <= 32``; measured at Mixtral's L=32 E=8, faster loaded or
+    not). At the fine-grained L=48 E=128 the straight-line form, whose ops XLA:CPU spreads over
+    a free core, measured faster on a quiet machine and no slower on a loaded one."""
+    return ring.masks.shape[-1] == 1
+
+
+@custom_vmap
+def _observe_ring(ring, layer, routed, accepted):
+    """:func:`_observe_token`, on XLA:CPU as one ``lax.cond`` on ``accepted`` (docs/design.md,
+    "ROUTE_KNN's per-call cost"); the same integers everywhere. Under ``vmap`` (the replay's
+    lanes) and on other platforms, the straight-line form."""
+    def branching(ring, layer, routed, accepted):
+        return lax.cond(accepted, lambda r: _observe_token(r, layer, routed, accepted),
+                        lambda r: r, ring)
+    return lax.platform_dependent(ring, layer, routed, accepted, cpu=branching,
+                                  default=_observe_token)
+
+
+@_observe_ring.def_vmap
+def _observe_ring_vmap(axis_size, in_batched, ring, layer, routed, accepted):
+    in_axes = jax.tree.map(lambda batched: 0 if batched else None, tuple(in_batched))
+    out = jax.vmap(_observe_token, in_axes=in_axes, axis_size=axis_size)(
+        ring, layer, routed, accepted)
+    return out, jax.tree.map(lambda _: True, out)
 
 
 def _popcount_sum(a, b, axes):

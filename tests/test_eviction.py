@@ -637,3 +637,53 @@ def test_route_lfu_frequency_counts_the_current_tokens_routes(adapter):
                                  [(0, [0]), (1, [0]), (2, [0]), (0, [0]), (1, [1, 2])])
     assert plan.valid("dst_slots") == [1, 2]
     assert cache.state.slot_of(0, 0) == 0
+
+
+@pytest.mark.parametrize("eviction", ["route_knn", "route_lfu"])
+def test_ring_bookkeeping_is_one_branch_on_cpu(eviction):
+    """FAILS if the ring's bookkeeping of a call is not one conditional of XLA:CPU's compiled
+    step (the straight-line form: twice the step's time there, docs/design.md "ROUTE_KNN's
+    per-call cost") with one mask word per layer (E = 8), or if it is one with several (E = 40:
+    the straight-line form measured faster at the fine-grained geometry). LRU's step is the
+    baseline: its only branch is the clock rebase."""
+    def step(state, layer, routes):
+        return pc.ensure_hybrid(state, layer, routes, pc.FetchPolicy.full(), backend="xla")
+
+    def branches(eviction, experts):
+        state = pc.init(4, experts, experts, eviction=eviction, history=6)
+        lowered = jax.jit(step).trace(state, jnp.int32(1), jnp.asarray([2, 5], jnp.int32)).lower(
+            lowering_platforms=("cpu",))
+        return lowered.compile().as_text().count(" conditional(")
+
+    assert branches(eviction, 8) == branches("lru", 8) + 1
+    assert branches(eviction, 40) == branches("lru", 40)
+
+
+@pytest.mark.parametrize("eviction", ["route_knn", "route_lfu"])
+def test_ring_bookkeeping_under_vmap_equals_each_lane_alone(eviction):
+    """FAILS if the batched form of the ring's bookkeeping (the replay's lanes) differs from the
+    unbatched one lane by lane: e.g. a lane's refused call (layer out of range, so ``accepted``
+    is batched) recorded anyway, or an unbatched layer read as a batched one."""
+    L, E, S, W = 3, 8, 9, 4
+    rng = np.random.default_rng(31)
+    calls = 20
+    layers = np.tile(np.arange(L, dtype=np.int32), calls)[:calls][None].repeat(2, 0)
+    layers[1, [5, 12]] = L  # refused in lane 1 only
+    routes = np.stack([[rng.choice(E, 2, replace=False) for _ in range(calls)]
+                       for _ in range(2)]).astype(np.int32)
+    policy = pc.FetchPolicy.full()
+
+    def loop(state, layers, routes):
+        def body(s, xs):
+            return pc.ensure_hybrid(s, xs[0], xs[1], policy, backend="xla")
+        return jax.lax.scan(body, state, (layers, routes))
+
+    state = pc.init(L, E, S, eviction=eviction, history=W)
+    states = jax.tree.map(lambda *x: jnp.stack(x), state, state)
+    batched = jax.jit(jax.vmap(loop))(states, jnp.asarray(layers), jnp.asarray(routes))
+    for lane in range(2):
+        alone = jax.jit(loop)(state, jnp.asarray(layers[lane]), jnp.asarray(routes[lane]))
+        got = jax.tree.map(lambda x: x[lane], batched)
+        assert int(np.sum(np.asarray(alone[1].error) != 0)) == (2 if lane else 0)
+        for a, b in zip(jax.tree.leaves(alone), jax.tree.leaves(got)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), f"lane {lane}")
