@@ -120,19 +120,18 @@ def main(argv=None):
                     f"{below:+.4f} (target >= -0.005, {'met' if below >= -0.005 else 'NOT met'}).")
 
     lfu_share = (mean["route_lfu"] - mean["lru"]) / np.where(gap > 0, gap, 1)
+    best = [max(("lru", "pair_lfu", "route_knn", "route_lfu"), key=lambda k: mean[k][i])
+            for i in range(3)]
     reading = (
-        "Reading: `route_knn` and `pair_lfu` are kept exactly as issue 15 specifies. `route_lfu` "
-        "(docs/semantics.md §5.16) is the rule found when `route_knn` missed the targets "
-        "(`benchmarks/route_rules_explore.py`, section `route_rules`): ROUTE_KNN's ring, residents "
-        "ranked by `(prot, L*F - NU, usage, slot)`. At 2 slots per layer it equals global LRU by "
-        "construction (every resident but the called layer's leftovers is protected), so it is "
-        f"never below LRU (worst {float((mean['route_lfu'] - mean['lru']).min()):+.4f}) but "
-        "recovers none of the gap there; no rule tried beat LRU at that size, not even an oracle "
-        "knowing the rest of the current token (Belady's gain there needs the next token). At "
-        f"S=128 / 192 it recovers {lfu_share[1]:.2f} / {lfu_share[2]:.2f} of the gap; minus the "
-        "better of `pair_lfu` and `route_knn` at S=64 / 128 / 192: " + " / ".join(
-            f"{v:+.4f}" for v in mean["route_lfu"] - np.maximum(mean["pair_lfu"],
-                                                                 mean["route_knn"])) + ".")
+        "Reading (synthetic preset; the real-trace ranking is in docs/policies.md): the best "
+        "eviction at S=64 / 128 / 192 is " + " / ".join(f"`{k}`" for k in best) + ". "
+        "`route_lfu` (ROUTE_KNN's ring, residents ranked by `(prot, L*F - NU, usage, slot)`) "
+        "equals global LRU at 2 slots per layer by construction (every resident but the called "
+        f"layer's leftovers is protected; worst minus LRU "
+        f"{float((mean['route_lfu'] - mean['lru']).min()):+.4f}) and recovers "
+        f"{lfu_share[1]:.2f} / {lfu_share[2]:.2f} of the gap at S=128 / 192; minus `route_knn` "
+        "at S=64 / 128 / 192: " + " / ".join(
+            f"{v:+.4f}" for v in mean["route_lfu"] - mean["route_knn"]) + ".")
 
     cost_lines = ["| geometry | calls | `lru` us/call | `pair_lfu` us/call | `route_knn` us/call "
                   "| `route_lfu` us/call | pair_lfu / lru | route_knn / lru | route_lfu / lru |",
