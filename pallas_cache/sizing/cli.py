@@ -180,8 +180,8 @@ def _parser() -> argparse.ArgumentParser:
                              "with lru only. route_knn is what wins on real Mixtral routing: "
                              "the best hit rate at every size on Mixtral-8x7B HumanEval and "
                              "GSM8K decode traces (21-51%% of the LRU->Belady gap); its step "
-                             "costs about 5-7x LRU's per call at Mixtral's geometry and 15x at "
-                             "a fine-grained one (XLA:CPU, benchmarks/RESULTS.md), small "
+                             "costs about 4x LRU's per call at Mixtral's geometry and 8-12x at "
+                             "a fine-grained one (XLA:CPU, by load; benchmarks/RESULTS.md), small "
                              "beside an expert copy. Check it on your trace: --eviction lru "
                              "route_knn (an lru-only table's legend gives the difference)")
     output = replay.add_mutually_exclusive_group()
