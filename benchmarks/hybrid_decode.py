@@ -151,10 +151,21 @@ def copy_path_bandwidth(bank, host, rounds):
         plan = pc.CopyPlan(dst_slots=jnp.array([0, 1][:n] + [-1] * (2 - n), jnp.int32),
                            src_rows=jnp.array([0, 1][:n] + [-1] * (2 - n), jnp.int32),
                            count=jnp.int32(n))
-        seconds.append(median_seconds(lambda: jax.block_until_ready(run(pool, host, plan, layer=0)),
-                                   rounds))
+        seconds.append(median_seconds(
+            lambda: jax.block_until_ready(run(pool, host, plan, layer=0)), rounds))
     expert_bytes = sum(leaf[0, 0].nbytes for leaf in bank.values())
-    return expert_bytes / ((seconds[2] - seconds[0]) / 2)
+    return per_expert_rate("the copy path (apply_copy_plan)", expert_bytes, seconds)
+
+
+def per_expert_rate(what, expert_bytes, seconds):
+    """Bytes per second from the median seconds of 0, 1 and 2 experts (the slope); exits with one
+    line when the slope is not positive (the machine's load swamped the measurement)."""
+    slope = (seconds[2] - seconds[0]) / 2
+    if slope <= 0:
+        raise SystemExit(f"{what}: 2 experts took no longer than 0 ({seconds[2] * 1e3:.1f} vs "
+                         f"{seconds[0] * 1e3:.1f} ms), so no bandwidth can be measured; the "
+                         "machine is too loaded, rerun with more --rounds")
+    return expert_bytes / slope
 
 
 def relation(a, b):
@@ -210,7 +221,7 @@ def main(argv=None):
     per_expert = [mech_compute_on({n: v[:1] for n, v in bank.items()}, x0,
                                   jnp.full((1, 2), 0.5), 1, n, 2 * args.rounds + 1)
                   for n in (0, 1, 2)]
-    path_cpu = expert_bytes / ((per_expert[2] - per_expert[0]) / 2)
+    path_cpu = per_expert_rate("cpu_partial", expert_bytes, per_expert)
     copy_link = copy_path_bandwidth(bank, host, 2 * args.rounds + 1)
     cost = CostModel(expert_bytes=expert_bytes, link_bandwidth=link, cpu_bandwidth=path_cpu)
     copy_cost = CostModel(expert_bytes=expert_bytes, link_bandwidth=copy_link,
