@@ -1,26 +1,11 @@
-"""Reading JSONL whose content is blank: gzips of N MiB of newlines, and a records file as a check.
-
-Each input is read by ``load_trace`` in a fresh subprocess (the time is the load's, not the
-imports'), ``--repeats`` times, median reported. A blank file ends "the trace is empty"; the
-records file (``fine-grained`` synthetic, top-8, one record per call) is the loader's usual
-work, to show that reading in blocks costs normal traces nothing. ``--baseline DIR`` times the
-same files with the ``pallas_cache`` of another checkout (e.g. an export of main), on the sizes
-given by ``--baseline-mib`` (the old reader takes minutes per GiB).
-
-    python benchmarks/blank_lines.py [--mib 1024] [--baseline DIR --baseline-mib 100] [--write]
-
-``--write`` replaces the blank_lines section of benchmarks/RESULTS.md.
-"""
+"""Load time of JSONL whose content is blank (gzips of N MiB of newlines) and of a records file,
+each read by ``load_trace`` in a fresh subprocess; ``--baseline DIR`` times another checkout."""
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import zlib
@@ -29,12 +14,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from results_file import write_section  # noqa: E402
+from timing import markdown_table, publish, python_child, run_header, section  # noqa: E402
 
 CHILD = r"""
 import json, sys, time
 sys.path.insert(0, sys.argv[1])
-from pallas_cache.sizing.traces import TraceError, load_trace
+from pallas_cache.sizing import TraceError, load_trace
 start = time.perf_counter()
 try:
     calls = load_trace(sys.argv[2]).num_calls
@@ -56,16 +41,12 @@ def blank_gzip(path: str, mib: int) -> int:
 
 
 def load_seconds(root: str, path: str, repeats: int) -> tuple[float, str]:
-    runs = []
-    for _ in range(repeats):
-        done = subprocess.run([sys.executable, "-c", CHILD, root, path], capture_output=True,
-                              text=True, check=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
-        runs.append(json.loads(done.stdout))
+    runs = [python_child(CHILD, root, path) for _ in range(repeats)]
     return statistics.median(r["seconds"] for r in runs), str(runs[0]["result"])
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--mib", type=int, nargs="+", default=[100, 1024])
     parser.add_argument("--records", type=int, default=200_000, help="calls of the records file")
     parser.add_argument("--repeats", type=int, default=3)
@@ -74,7 +55,7 @@ def main() -> None:
     parser.add_argument("--write", action="store_true")
     args = parser.parse_args()
 
-    from pallas_cache.sizing.synthetic import synthetic_trace
+    from pallas_cache.sizing import synthetic_trace
     from pallas_cache.sizing.traces import save_trace
 
     rows = []
@@ -105,25 +86,18 @@ def main() -> None:
             rows.append(row)
             print(" | ".join(row), flush=True)
 
-    load = os.getloadavg()[0]
     header = ["input", f"load s (median of {args.repeats})", "result"]
     if args.baseline:
         header.append("baseline load s (1 run)")
-    text = "\n".join([
-        "## Blank JSONL content (`benchmarks/blank_lines.py`)",
-        "",
-        f"{datetime.date.today()}, {platform.machine()}, {os.cpu_count()} cores (1-minute load "
-        f"average {load:.1f}), Python {platform.python_version()}; `load_trace` in a fresh "
-        f"subprocess, load time only. The baseline is the line-at-a-time reader (main before "
-        f"the block reader).",
-        "",
-        "| " + " | ".join(header) + " |",
-        "|" + "---|" * len(header),
-        *("| " + " | ".join(row) + " |" for row in rows),
-    ])
-    print(text)
-    if args.write:
-        write_section("blank_lines", text)
+    command = ("python benchmarks/blank_lines.py --mib " + " ".join(map(str, args.mib))
+               + f" --records {args.records} --repeats {args.repeats}"
+               + (" --baseline DIR --baseline-mib " + " ".join(map(str, args.baseline_mib))
+                  if args.baseline else "") + " --write")
+    text = section("Blank JSONL content (`benchmarks/blank_lines.py`)", run_header(command),
+                   "`load_trace` in a fresh subprocess, load time only."
+                   + (" The baseline is the checkout given as DIR." if args.baseline else ""),
+                   markdown_table(header, rows))
+    publish("blank_lines", text, args.write)
 
 
 if __name__ == "__main__":

@@ -1,37 +1,20 @@
-"""Wall time of one ``pallas-cache replay`` from a cold and from a warm compile cache.
-
-Runs the console script's function (pyproject's ``pallas-cache``, in a fresh subprocess each
-time, as a user runs the command) with ``XDG_CACHE_HOME`` in a temporary directory: ``cold``
-starts from an empty cache directory each round, ``warm`` reruns on the cache the cold run left,
-``off`` passes ``--no-compile-cache`` (compiles every time, writes nothing). Rounds interleave
-the three, and each figure is a median over rounds; the whole process's wall time is measured
-(imports, trace, compile or cache read, replay, offline optima, printing).
-
-    python benchmarks/compile_cache.py [--rounds 3] [--write] [-- REPLAY ARGS...]
-
-The default command is issue #12's target, ``pallas-cache replay --synthetic mixtral-like
---cache-size 64 128 --policy full fraction:0.4``. ``--write`` replaces the compile_cache
-section of benchmarks/RESULTS.md.
-"""
+"""Wall and CPU time of one ``pallas-cache replay`` process from a cold, a warm and no persistent
+compile cache, the three interleaved per round (``-- REPLAY ARGS`` replaces the default command)."""
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import platform
-import resource
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from results_file import write_section  # noqa: E402
+from timing import load_average, markdown_table, publish, run_header, timed_subprocess  # noqa: E402
 
 DEFAULT = ["replay", "--synthetic", "mixtral-like", "--cache-size", "64", "128", "--policy",
            "full", "fraction:0.4"]
@@ -45,17 +28,14 @@ def run_once(argv, xdg: str) -> tuple[float, float]:
     env = {k: v for k, v in os.environ.items()
            if k not in ("PALLAS_CACHE_NO_COMPILE_CACHE", "JAX_COMPILATION_CACHE_DIR")}
     env.update(XDG_CACHE_HOME=xdg, PYTHONPATH=REPO)
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    start = time.perf_counter()
-    subprocess.run([sys.executable, "-c", CHILD, *argv], check=True, cwd=REPO, env=env,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wall = time.perf_counter() - start
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return wall, (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+    _, wall, cpu = timed_subprocess([sys.executable, "-c", CHILD, *argv], check=True, cwd=REPO,
+                                    env=env, stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.DEVNULL)
+    return wall, cpu
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--write", action="store_true")
     parser.add_argument("replay_args", nargs="*", default=None)
@@ -63,7 +43,7 @@ def main() -> None:
     argv = args.replay_args or DEFAULT
     times = {"cold": [], "warm": [], "off": []}
     cpu = {"cold": [], "warm": [], "off": []}
-    load = os.getloadavg()[0]
+    load = load_average()
     with tempfile.TemporaryDirectory() as root:
         xdg = os.path.join(root, "xdg")
         for _ in range(args.rounds):
@@ -75,7 +55,7 @@ def main() -> None:
             print({k: f"{v[-1]:.1f} s" for k, v in times.items()}, flush=True)
         size = sum(os.path.getsize(os.path.join(d, f))
                    for d, _, files in os.walk(xdg) for f in files)
-    load = max(load, os.getloadavg()[0])
+    load = max(load, load_average())
     med = {k: statistics.median(v) for k, v in times.items()}
     med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
     command = "pallas-cache " + " ".join(argv)
@@ -84,29 +64,23 @@ def main() -> None:
     text = "\n".join([
         "## Compile cache: cold vs warm `pallas-cache replay` (`benchmarks/compile_cache.py`)",
         "",
-        f"`python benchmarks/compile_cache.py --rounds {args.rounds}` on "
-        f"{datetime.datetime.now():%Y-%m-%d %H:%M} (1-minute load average up to {load:.1f}). "
-        f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-        f"{platform.system()} {platform.machine()}; Python {platform.python_version()}, CPU "
-        f"backend.",
+        run_header(f"python benchmarks/compile_cache.py --rounds {args.rounds} --write",
+                   load=load) + " Load average: the highest at the start or the end.",
         "",
         f"`{command}`, the whole process in a fresh subprocess (imports, trace, compile or cache "
         f"read, replay, offline optima, output), median of {args.rounds} interleaved rounds. "
         f"cold: empty `$XDG_CACHE_HOME/pallas-cache/jax`; warm: the cache the cold run left "
         f"({size / 2**20:.1f} MiB); off: `--no-compile-cache`.",
         "",
-        "| | cold | warm | off | cold / warm |",
-        "|---|---|---|---|---|",
-        f"| wall | {med['cold']:.1f} s | {med['warm']:.1f} s | {med['off']:.1f} s | "
-        f"{med['cold'] / med['warm']:.1f}x |",
-        f"| CPU (user + sys) | {med_cpu['cold']:.1f} s | {med_cpu['warm']:.1f} s | "
-        f"{med_cpu['off']:.1f} s | {med_cpu['cold'] / med_cpu['warm']:.1f}x |",
+        markdown_table(["", "cold", "warm", "off", "cold / warm"], [
+            ["wall", f"{med['cold']:.1f} s", f"{med['warm']:.1f} s", f"{med['off']:.1f} s",
+             f"{med['cold'] / med['warm']:.1f}x"],
+            ["CPU (user + sys)", f"{med_cpu['cold']:.1f} s", f"{med_cpu['warm']:.1f} s",
+             f"{med_cpu['off']:.1f} s", f"{med_cpu['cold'] / med_cpu['warm']:.1f}x"]]),
         "",
         f"Wall time per round (cold, warm, off): {rounds}.",
     ])
-    print(text)
-    if args.write:
-        write_section("compile_cache", text)
+    publish("compile_cache", text, args.write)
 
 
 if __name__ == "__main__":

@@ -1,23 +1,12 @@
-"""Per-call cost of each eviction policy inside a compiled decode loop, on whatever JAX runs on.
-
-For ``mixtral-realistic`` (L=32, E=8, top-2, S=128) and ``fine-grained-realistic`` (L=48,
-E=128, top-8, S=768), ``--tokens`` tokens each: one jitted ``lax.scan`` of ``ensure_hybrid``
-(policy full, RECENCY + PROMOTE_ONE) over every layer-call, per eviction (``lru`` with the
-``xla`` and ``pallas`` backends where a GPU is present, ``pair_lfu``, ``route_knn`` and
-``route_lfu`` with ``xla``: they rank in XLA on every backend), median of ``--repeats`` interleaved runs. Besides
-the timing it writes the counts and the final pool of every run to ``--json``, so a CPU run of
-the same script (``--cpu``) checks the accelerator's decisions bit for bit::
-
-    PYTHONUNBUFFERED=1 python benchmarks/eviction_gpu.py --json $OUT/eviction_gpu.json
-    python benchmarks/eviction_gpu.py --cpu --json /tmp/cpu.json --compare $OUT/eviction_gpu.json
-"""
+"""Per-call cost of each eviction inside a compiled decode loop on whatever JAX runs on, with the
+counts and final pools written to ``--json`` so that a ``--cpu`` run can check an accelerator's
+decisions bit for bit (``--compare``)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -28,7 +17,11 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import pallas_cache as pc  # noqa: E402
-from pallas_cache.sizing.synthetic import synthetic_trace  # noqa: E402
+from pallas_cache.sizing import synthetic_trace  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from timing import interleaved, run_header, summarize  # noqa: E402
 
 GEOMETRIES = (("mixtral-realistic", 4), ("fine-grained-realistic", 16))
 
@@ -39,7 +32,7 @@ def runs(gpu: bool):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--json", required=True)
@@ -67,26 +60,24 @@ def main(argv=None):
                 start = time.perf_counter()
                 final, missing = jax.block_until_ready(run(state))
                 compile_s = time.perf_counter() - start
-                programs[(eviction, backend)] = (run, state)
+                programs[(eviction, backend)] = lambda run=run, state=state: (
+                    jax.block_until_ready(run(state)))
                 results[f"{preset}/{eviction}/{backend}"] = {
                     "missing": int(missing.sum()),
                     "id_of_slot": np.asarray(final.id_of_slot).tolist(),
                     "compile_s": compile_s}
-            times = {key: [] for key in programs}
-            for _ in range(args.repeats):
-                for key, (run, state) in programs.items():
-                    start = time.perf_counter()
-                    jax.block_until_ready(run(state))
-                    times[key].append((time.perf_counter() - start) / layers.shape[0])
-            base = statistics.median(times[("lru", "xla")])
+            times = interleaved(programs, args.repeats, warmup=0)  # compiled above
+            base = summarize(times[("lru", "xla")]).median / layers.shape[0]
             for (eviction, backend), values in times.items():
-                us = statistics.median(values) * 1e6
+                us = summarize(values).median / layers.shape[0] * 1e6
                 results[f"{preset}/{eviction}/{backend}"]["us_per_call"] = us
                 lines.append(f"| {preset} L={trace.num_layers} E={trace.num_experts} S={size} "
                              f"top-{trace.top_k} | {eviction} | {backend} | {us:.2f} | "
                              f"{us / (base * 1e6):.2f}x |")
-    header = (f"device: {device.device_kind} ({device.platform}), jax {jax.__version__}; "
-              f"{args.tokens} tokens, median of {args.repeats}\n\n"
+    command = (f"python benchmarks/eviction_gpu.py --tokens {args.tokens} --repeats "
+               f"{args.repeats}" + (" --cpu" if args.cpu else ""))
+    header = (f"{run_header(command)} Device: {device.device_kind} ({device.platform}); "
+              f"{args.tokens} tokens, median of {args.repeats} interleaved runs.\n\n"
               "| geometry | eviction | backend | us/call | / lru xla |\n|---|---|---|---|---|")
     print(header, *lines, sep="\n")
     with open(args.json, "w") as handle:

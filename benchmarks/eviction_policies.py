@@ -1,32 +1,11 @@
-"""Eviction policies on the realistic preset: hit rates next to the baselines, and the per-call cost.
-
-On ``mixtral-realistic`` (``--seeds`` seeds of ``--tokens`` tokens, averaged) at S = 64 / 128 /
-192 slots (2 / 4 / 6 per layer), every miss fetched (policy ``full``):
-
-* hit rates of the library's global LRU, ``Eviction.PAIR_LFU``, ``Eviction.ROUTE_KNN`` and
-  ``Eviction.ROUTE_LFU`` (ring of 128 tokens; one replay, every eviction),
-  per-layer LRU (``benchmarks/baselines.py``: each layer owns S / L slots) and Belady's optimum
-  (:func:`pallas_cache.sizing.bounds.belady`); ``gap`` = the share of the LRU -> Belady gap a
-  policy recovers; the issue's targets: PAIR_LFU never below per-layer LRU by more than 0.005,
-  ROUTE_KNN at least 30% of the gap and never below LRU by more than 0.005 (the verdict gives
-  the same two numbers for ROUTE_LFU, the rule found when ROUTE_KNN missed them);
-* the per-call cost of each option inside one compiled ``lax.scan`` over the trace's calls
-  (``ensure_hybrid``, policy full, RECENCY + PROMOTE_ONE, backend xla), median over interleaved
-  rounds, at the Mixtral geometry (L=32, E=8, S=128, top-2) and at the fine-grained one (L=48,
-  E=128, S=768, top-8, ``fine-grained-realistic``).
-
-    python benchmarks/eviction_policies.py [--tokens 1000] [--seeds 2] [--rounds 5] [--write]
-
-``--write`` replaces this benchmark's section of benchmarks/RESULTS.md.
-"""
+"""Eviction policies on ``mixtral-realistic``: hit rates at 2 / 4 / 6 slots per layer next to
+per-layer LRU and Belady, with the targets' verdicts, and each policy's per-call cost inside a
+compiled ``lax.scan`` (variants interleaved)."""
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import platform
-import statistics
 import sys
 import time
 
@@ -37,11 +16,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import pallas_cache as pc  # noqa: E402
-from baselines import per_layer_lru_hit_rate  # noqa: E402
-from pallas_cache.sizing.bounds import belady  # noqa: E402
-from pallas_cache.sizing.sweep import ReplayConfig, replay  # noqa: E402
-from pallas_cache.sizing.synthetic import synthetic_trace  # noqa: E402
-from results_file import write_section  # noqa: E402
+from pallas_cache.sizing import ReplayConfig, belady, replay, synthetic_trace  # noqa: E402
+from pallas_cache.sizing.synthetic import per_layer_lru_hit_rate  # noqa: E402
+from timing import interleaved, publish, run_header, section, summarize  # noqa: E402
 
 EVICTIONS = ("lru", "pair_lfu", "route_knn", "route_lfu")
 SLOTS_PER_LAYER = (2, 4, 6)
@@ -59,7 +36,8 @@ def hit_rates(trace):
 
 
 def per_call_seconds(preset, slots_per_layer, tokens, rounds):
-    """``{eviction: median seconds per call}`` of ensure_hybrid inside one compiled scan."""
+    """``{eviction: median seconds per call}`` of ensure_hybrid inside one compiled scan, and the
+    largest run-to-run spread over the evictions."""
     trace = synthetic_trace(preset, num_tokens=tokens, seed=0)
     layers, routes = trace.to_array()
     layers, routes = jnp.asarray(layers, jnp.int32), jnp.asarray(routes, jnp.int32)
@@ -74,21 +52,17 @@ def per_call_seconds(preset, slots_per_layer, tokens, rounds):
                 return s, plan.fetched
             return jax.lax.scan(body, state, (layers, routes))
         state = pc.init(trace.num_layers, trace.num_experts, size, eviction=eviction)
-        jax.block_until_ready(run(state))  # compile
-        return run, state
+        return lambda: jax.block_until_ready(run(state))
 
-    programs = {e: program(e) for e in EVICTIONS}
-    times = {e: [] for e in EVICTIONS}
-    for _ in range(rounds):
-        for e, (run, state) in programs.items():
-            start = time.perf_counter()
-            jax.block_until_ready(run(state))
-            times[e].append((time.perf_counter() - start) / layers.shape[0])
-    return {e: statistics.median(t) for e, t in times.items()}, size, trace
+    times = interleaved({e: program(e) for e in EVICTIONS}, rounds)  # the warm-up compiles
+    calls = layers.shape[0]
+    stats = {e: summarize(t) for e, t in times.items()}
+    spread = max(stat.spread() for stat in stats.values())
+    return {e: stat.median / calls for e, stat in stats.items()}, spread, size, trace
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--tokens", type=int, default=1000)
     parser.add_argument("--seeds", type=int, default=2)
     parser.add_argument("--cost-tokens", type=int, default=256)
@@ -136,8 +110,11 @@ def main(argv=None):
     cost_lines = ["| geometry | calls | `lru` us/call | `pair_lfu` us/call | `route_knn` us/call "
                   "| `route_lfu` us/call | pair_lfu / lru | route_knn / lru | route_lfu / lru |",
                   "|---|---|---|---|---|---|---|---|---|"]
+    spreads = []
     for preset, per_layer in (("mixtral-realistic", 4), ("fine-grained-realistic", 16)):
-        seconds, size, trace = per_call_seconds(preset, per_layer, args.cost_tokens, args.rounds)
+        seconds, spread, size, trace = per_call_seconds(preset, per_layer, args.cost_tokens,
+                                                        args.rounds)
+        spreads.append(f"{preset} {spread:.2f}")
         cost_lines.append(
             f"| {preset} L={trace.num_layers} E={trace.num_experts} S={size} top-{trace.top_k} "
             f"| {trace.num_calls} | {seconds['lru'] * 1e6:.2f} | {seconds['pair_lfu'] * 1e6:.2f} "
@@ -147,25 +124,19 @@ def main(argv=None):
             f"| {seconds['route_lfu'] / seconds['lru']:.2f}x |")
     elapsed = time.perf_counter() - start
     table, costs = "\n".join(lines), "\n".join(cost_lines)
-    print(table, verdict, reading, costs, f"({elapsed:.0f} s)", sep="\n\n")
-
-    if args.write:
-        machine = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-                   f"{platform.system()} {platform.machine()}; jax {jax.__version__} on "
-                   f"{jax.default_backend()}")
-        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-        section = (
-            "## Eviction policies on the realistic preset (`benchmarks/eviction_policies.py`)\n\n"
-            f"`python benchmarks/eviction_policies.py --tokens {args.tokens} --seeds {args.seeds} "
-            f"--cost-tokens {args.cost_tokens} --rounds {args.rounds}` on "
-            f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC (1-minute load "
-            f"average {load:.1f}). Machine: {machine}.\n\n"
-            f"Hit rates on `mixtral-realistic` ({args.tokens} tokens x {args.seeds} seeds, mean), "
-            f"policy `full` (every miss fetched):\n\n{table}\n\n{verdict}\n\n{reading}\n\n"
-            "Per-call cost inside one compiled `lax.scan` over the trace's calls "
-            f"(`ensure_hybrid`, policy full, backend xla, median of {args.rounds} interleaved "
-            f"rounds; ratios from the same run):\n\n{costs}\n")
-        write_section("eviction_policies", section)
+    command = (f"python benchmarks/eviction_policies.py --tokens {args.tokens} --seeds "
+               f"{args.seeds} --cost-tokens {args.cost_tokens} --rounds {args.rounds} --write")
+    text = section(
+        "Eviction policies on the realistic preset (`benchmarks/eviction_policies.py`)",
+        run_header(command, note=f", {elapsed:.0f} s"),
+        f"Hit rates on `mixtral-realistic` ({args.tokens} tokens x {args.seeds} seeds, mean), "
+        "policy `full` (every miss fetched):", table, verdict, reading,
+        "Per-call cost inside one compiled `lax.scan` over the trace's calls (`ensure_hybrid`, "
+        f"policy full, backend xla, median of {args.rounds} interleaved rounds; ratios from the "
+        "same run):", costs,
+        "Largest run-to-run spread ((max - min) / median over the rounds): "
+        + ", ".join(spreads) + ".")
+    publish("eviction_policies", text, args.write)
 
 
 if __name__ == "__main__":

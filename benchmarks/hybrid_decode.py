@@ -1,43 +1,13 @@
-"""A hybrid decode loop with host-resident experts: measured ms per token beside the modeled.
-
-A routing trace (the synthetic ``mixtral-realistic`` preset cut to ``--layers`` x ``--tokens``,
-or a recorded dense trace with ``--trace``) is decoded one token per step through MoE layers
-whose expert weights (Mixtral-shaped SwiGLU experts, bf16; ``--small``: float32) sit in host memory
-(``put_host_bank``): per layer-call ``ensure_hybrid`` plans, ``apply_copy_plan`` copies the
-fetched experts into the pool, and ``moe_hybrid`` runs the resident ones on the device and the
-plan's CPU experts on the host CPU (``cpu_partial``). The whole decode is one compiled
-``lax.scan``. Per configuration (cache size ``S`` x policy) it reports:
-
-* ``measured``: ms per token, the median of ``--rounds`` timed decodes after a warm-up, each
-  from a cold cache (as the replay starts);
-* ``overhead``: measured minus the same loop with every expert resident (``S = L*E``, the pool
-  filled before the timed decode, so no copy and no CPU expert);
-* ``modeled``: ``modeled_ms_per_token`` of ``pallas_cache.sizing.replay`` on the same trace
-  (docs/semantics.md §11), with ``B_link`` from ``pallas-cache bench-bandwidth`` and ``B_cpu``
-  measured on ``cpu_partial`` itself (bench-bandwidth's ``B_cpu`` is printed beside it);
-* ``overhead / modeled`` and, per cache size, whether the model orders the policies as the
-  measured overheads do (two overheads within 5% of each other count as equal).
-
-The decode loop's fetched and CPU-expert counts are checked equal to the replay's. Geometry:
-hidden 4096, ffn 14336 (``--small``: 1024, 3584), 8 experts, top-2, 4 layers, 32 tokens,
-``S`` in {8, 16, 24}, policies ``full``, ``fraction:auto``, ``cap:1``. Run from the repository
-root::
-
-    python benchmarks/hybrid_decode.py [--small] [--trace FILE] [--rounds 3] [--no-write]
-
-It writes (or replaces) the ``hybrid_decode`` section of ``benchmarks/RESULTS.md`` (the
-``--small`` run as ``hybrid_decode_small``).
-"""
+"""A decode loop with host-resident experts (``ensure_hybrid``, ``apply_copy_plan``,
+``moe_hybrid``, one compiled ``lax.scan``): measured ms per token per cache size and policy,
+beside the replay's modeled cost, with the loop's counts checked against the replay's."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
 import dataclasses
-import datetime
 import io
-import os
-import platform
 import statistics
 import sys
 import time
@@ -53,19 +23,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import pallas_cache as pc  # noqa: E402
 from hybrid_mechanism import mech_compute_on, swiglu  # noqa: E402
-from hybrid_mechanism import time_median as mech_median  # noqa: E402
 from pallas_cache.moe import apply_copy_plan, put_host_bank  # noqa: E402
 from pallas_cache.sizing import (  # noqa: E402
     PRESETS, ReplayConfig, Trace, load_trace, parse_policy, replay, synthetic_trace)
 from pallas_cache.sizing import cli  # noqa: E402
 from pallas_cache.sizing.cost import CostModel  # noqa: E402
 from pallas_cache.sizing.units import format_bandwidth, parse_bandwidth  # noqa: E402
-from results_file import write_section  # noqa: E402
+from timing import markdown_table, median_seconds, publish, repeat_seconds, run_header  # noqa: E402
 
 POLICIES = ("full", "fraction:auto", "cap:1")
 TIE = 0.05
-
-
 
 
 def make_bank(layers, experts, hidden, ffn, seed=0, dtype="bf16"):
@@ -147,17 +114,17 @@ def _primed(bank, host, num_layers, num_experts):
 
 
 def time_decode(make_start, host, routes, gates, x0, policy, rounds):
-    """Median seconds of one decode (warm-up first), and its outputs."""
-    times, out = [], None
-    for i in range(rounds + 1):
-        state, pool = make_start()
-        jax.block_until_ready((state, pool))
-        start = time.perf_counter()
-        out = _decode(state, pool, host, routes, gates, x0, policy)
-        jax.block_until_ready(out)
-        if i:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times), out
+    """Median seconds of one decode from ``make_start()`` (built untimed; a warm-up first), and
+    the last decode's outputs."""
+    out = []
+
+    def setup():
+        return jax.block_until_ready(make_start())
+
+    def run(start):
+        out[:] = [jax.block_until_ready(_decode(*start, host, routes, gates, x0, policy))]
+
+    return statistics.median(repeat_seconds(run, rounds, setup=setup)), out[0]
 
 
 def bench_bandwidth(hidden, ffn, mib):
@@ -184,10 +151,21 @@ def copy_path_bandwidth(bank, host, rounds):
         plan = pc.CopyPlan(dst_slots=jnp.array([0, 1][:n] + [-1] * (2 - n), jnp.int32),
                            src_rows=jnp.array([0, 1][:n] + [-1] * (2 - n), jnp.int32),
                            count=jnp.int32(n))
-        seconds.append(mech_median(lambda: jax.block_until_ready(run(pool, host, plan, layer=0)),
-                                   rounds))
+        seconds.append(median_seconds(
+            lambda: jax.block_until_ready(run(pool, host, plan, layer=0)), rounds))
     expert_bytes = sum(leaf[0, 0].nbytes for leaf in bank.values())
-    return expert_bytes / ((seconds[2] - seconds[0]) / 2)
+    return per_expert_rate("the copy path (apply_copy_plan)", expert_bytes, seconds)
+
+
+def per_expert_rate(what, expert_bytes, seconds):
+    """Bytes per second from the median seconds of 0, 1 and 2 experts (the slope); exits with one
+    line when the slope is not positive (the machine's load swamped the measurement)."""
+    slope = (seconds[2] - seconds[0]) / 2
+    if slope <= 0:
+        raise SystemExit(f"{what}: 2 experts took no longer than 0 ({seconds[2] * 1e3:.1f} vs "
+                         f"{seconds[0] * 1e3:.1f} ms), so no bandwidth can be measured; the "
+                         "machine is too loaded, rerun with more --rounds")
+    return expert_bytes / slope
 
 
 def relation(a, b):
@@ -206,7 +184,7 @@ def orders_agree(measured, modeled):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--small", action="store_true",
                         help="hidden 1024, ffn 3584 (for a small CPU-only machine)")
     parser.add_argument("--trace", help="a recorded dense trace (default: mixtral-realistic)")
@@ -243,7 +221,7 @@ def main(argv=None):
     per_expert = [mech_compute_on({n: v[:1] for n, v in bank.items()}, x0,
                                   jnp.full((1, 2), 0.5), 1, n, 2 * args.rounds + 1)
                   for n in (0, 1, 2)]
-    path_cpu = expert_bytes / ((per_expert[2] - per_expert[0]) / 2)
+    path_cpu = per_expert_rate("cpu_partial", expert_bytes, per_expert)
     copy_link = copy_path_bandwidth(bank, host, 2 * args.rounds + 1)
     cost = CostModel(expert_bytes=expert_bytes, link_bandwidth=link, cpu_bandwidth=path_cpu)
     copy_cost = CostModel(expert_bytes=expert_bytes, link_bandwidth=copy_link,
@@ -292,8 +270,6 @@ def main(argv=None):
                                        [r["modeled_copy"] for r in group]))
     elapsed = time.perf_counter() - wall
 
-    device = jax.devices()[0]
-    now = datetime.datetime.now(datetime.timezone.utc)
     synthetic = trace.source.startswith("synthetic")
     command = "python benchmarks/hybrid_decode.py" + (" --small" if args.small else "") + \
         (f" --dtype {args.dtype}" if args.dtype else "") + \
@@ -302,10 +278,7 @@ def main(argv=None):
         f"## Hybrid decode: measured vs modeled ms per token (`benchmarks/hybrid_decode.py"
         f"{' --small' if args.small else ''}`)",
         "",
-        f"`{command}` on {now:%Y-%m-%d %H:%M} UTC, {elapsed:.0f} s (1-minute load average "
-        f"{os.getloadavg()[0]:.1f}). Machine: {platform.processor() or platform.machine()}, "
-        f"{os.cpu_count()} cores; Python {platform.python_version()}, JAX {jax.__version__} on "
-        f"{device.platform} ({device.device_kind}); host bank in `{placement}` memory.",
+        run_header(command, note=f", {elapsed:.0f} s") + f" Host bank in `{placement}` memory.",
         "",
         f"Trace: `{trace.source}`{' (**synthetic**)' if synthetic else ''}; L={L}, E={E}, "
         f"top-{k}, {T} tokens, one token per step. Experts: SwiGLU, hidden {hidden}, ffn {ffn}, "
@@ -319,18 +292,17 @@ def main(argv=None):
         f"decodes after a warm-up, each from a cold cache. Fetched and CPU-expert counts equal "
         f"the replay's in every row.",
         "",
-        "| S | policy | fetched/token | CPU experts/token | measured ms/token | overhead ms/token "
-        "| modeled ms/token | overhead / modeled | modeled, copy-path B_link | overhead / that "
-        "| max abs diff vs resident |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        markdown_table(
+            ["S", "policy", "fetched/token", "CPU experts/token", "measured ms/token",
+             "overhead ms/token", "modeled ms/token", "overhead / modeled",
+             "modeled, copy-path B_link", "overhead / that", "max abs diff vs resident"],
+            [[r["size"], f"`{r['policy']}`", f"{r['fetched']:.2f}", f"{r['cpu']:.2f}",
+              f"{r['measured']:.2f}", f"{r['overhead']:.2f}", f"{r['modeled']:.2f}",
+              f"{r['overhead'] / r['modeled']:.2f}" if r["modeled"] > 0 else "-",
+              f"{r['modeled_copy']:.2f}",
+              f"{r['overhead'] / r['modeled_copy']:.2f}" if r["modeled_copy"] > 0 else "-",
+              f"{r['diff']:.1e}"] for r in rows]),
     ]
-    for r in rows:
-        ratio = f"{r['overhead'] / r['modeled']:.2f}" if r["modeled"] > 0 else "-"
-        ratio_copy = (f"{r['overhead'] / r['modeled_copy']:.2f}" if r["modeled_copy"] > 0
-                      else "-")
-        lines.append(f"| {r['size']} | `{r['policy']}` | {r['fetched']:.2f} | {r['cpu']:.2f} | "
-                     f"{r['measured']:.2f} | {r['overhead']:.2f} | {r['modeled']:.2f} | {ratio} "
-                     f"| {r['modeled_copy']:.2f} | {ratio_copy} | {r['diff']:.1e} |")
     lines.append("")
     for size, checks in verdicts.items():
         group = [r for r in rows if r["size"] == size]
@@ -342,9 +314,7 @@ def main(argv=None):
                          f"{'orders the policies as measured' if agree else 'misorders'}{detail}")
         lines.append(f"- S = {size}: " + "; ".join(words) + ".")
     text = "\n".join(lines)
-    print(text)
-    if not args.no_write:
-        write_section("hybrid_decode_small" if args.small else "hybrid_decode", text)
+    publish("hybrid_decode_small" if args.small else "hybrid_decode", text, not args.no_write)
 
 
 if __name__ == "__main__":

@@ -1,35 +1,10 @@
-"""Three JAX mechanisms for the CPU partial: per-layer overhead and per-expert cost, measured.
-
-For one layer-call that computes ``n`` distinct experts on the CPU (Mixtral-shaped SwiGLU
-experts, bf16, one decode token), three ways to run that work from a decode step:
-
-  (a) ``compute_on``: ``pallas_cache.cpu_partial`` inside the jitted step (a ``compute_on
-      ("device_host")`` region, a ``lax.switch`` on the count), measured per layer inside a
-      compiled ``lax.scan`` over layers, as a decode loop runs it;
-  (b) ``pure_callback``: a host callback inside the same scan that computes the ``n`` experts
-      with NumPy from the bank (bf16 rows widened to float32: NumPy has no bf16 matmul);
-  (c) ``cpu program``: a per-layer Python loop that pulls the expert ids to the host (a sync),
-      slices those experts' rows of a bank on ``jax.devices("cpu")`` and runs a jitted CPU
-      program on them, then puts the result back on the default device.
-
-Per mechanism: the median time per layer-call at ``n = 0`` (the overhead) and the slope per
-expert from ``n = 0..2``. Run from the repository root::
-
-    python benchmarks/hybrid_mechanism.py [--hidden 1024] [--ffn 3584] [--layers 4]
-                                          [--rounds 7] [--no-write]
-
-It writes (or replaces) the ``hybrid_mechanism`` section of ``benchmarks/RESULTS.md``.
-"""
+"""Three JAX mechanisms for the CPU partial (``compute_on``, ``pure_callback``, a separate CPU
+program): the per-layer overhead and the per-expert cost of one decode token's CPU experts."""
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
-import platform
-import statistics
 import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -42,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import pallas_cache as pc  # noqa: E402
 from pallas_cache.moe import put_host_bank  # noqa: E402
-from results_file import write_section  # noqa: E402
+from timing import markdown_table, median_seconds, publish, run_header  # noqa: E402
 
 NUM_EXPERTS = 8
 TOP_K = 2
@@ -79,16 +54,6 @@ def plan_for(n, tokens=1):
     return SimpleNamespace(cpu=cpu, copy=SimpleNamespace(num_experts=NUM_EXPERTS)), ids
 
 
-def time_median(run, rounds):
-    run()
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def mech_compute_on(bank, x, gates, layers, n, rounds):
     host = put_host_bank(bank)
     plan, ids = plan_for(n)
@@ -100,7 +65,7 @@ def mech_compute_on(bank, x, gates, layers, n, rounds):
             return h + 1e-3 * y, None
         return lax.scan(body, x, jnp.arange(layers, dtype=jnp.int32))[0]
 
-    return time_median(lambda: loop(x, host).block_until_ready(), rounds) / layers
+    return median_seconds(lambda: loop(x, host).block_until_ready(), rounds) / layers
 
 
 def mech_callback(bank, x, gates, layers, n, rounds):
@@ -123,7 +88,7 @@ def mech_callback(bank, x, gates, layers, n, rounds):
             return h + 1e-3 * y, None
         return lax.scan(body, x, jnp.arange(layers, dtype=jnp.int32))[0]
 
-    return time_median(lambda: loop(x).block_until_ready(), rounds) / layers
+    return median_seconds(lambda: loop(x).block_until_ready(), rounds) / layers
 
 
 def mech_cpu_program(bank, x, gates, layers, n, rounds):
@@ -153,7 +118,7 @@ def mech_cpu_program(bank, x, gates, layers, n, rounds):
             h = h + 1e-3 * y
         return h.block_until_ready()
 
-    return time_median(loop, rounds) / layers
+    return median_seconds(loop, rounds) / layers
 
 
 MECHANISMS = {"compute_on": mech_compute_on, "pure_callback": mech_callback,
@@ -161,7 +126,7 @@ MECHANISMS = {"compute_on": mech_compute_on, "pure_callback": mech_callback,
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--ffn", type=int, default=3584)
     parser.add_argument("--layers", type=int, default=4)
@@ -185,33 +150,25 @@ def main(argv=None):
                   + f"  per expert {slope * 1e6:9.1f} us ({rows[-1][3] / 1e9:.2f} GB/s)",
                   flush=True)
 
-    now = datetime.datetime.now(datetime.timezone.utc)
     device = jax.devices()[0]
+    command = (f"python benchmarks/hybrid_mechanism.py --hidden {args.hidden} --ffn {args.ffn} "
+               f"--dtype {args.dtype} --layers {args.layers} --rounds {args.rounds}")
     lines = [
         "## The CPU partial: mechanisms (`benchmarks/hybrid_mechanism.py`)",
         "",
-        f"`python benchmarks/hybrid_mechanism.py --hidden {args.hidden} --ffn {args.ffn} "
-        f"--dtype {args.dtype} "
-        f"--layers {args.layers} --rounds {args.rounds}` on {now:%Y-%m-%d %H:%M} UTC "
-        f"(1-minute load average {os.getloadavg()[0]:.1f}). Machine: "
-        f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores; JAX "
-        f"{jax.__version__} on {device.platform} ({device.device_kind})"
-        + (": host and device are one memory and one CPU here." if device.platform == "cpu"
-           else "."),
+        run_header(command) + (" Host and device are one memory and one CPU here."
+                               if device.platform == "cpu" else ""),
         "",
         f"One decode token, `n` distinct CPU experts per layer-call (SwiGLU, {args.dtype}, "
         f"hidden {args.hidden}, ffn {args.ffn}: {expert_bytes / 2**20:.1f} MiB per expert); "
         f"median per layer-call of {args.rounds} runs of a {args.layers}-layer loop.",
         "",
-        "| mechanism | n=0 (overhead) | n=1 | n=2 | per expert | expert bytes / s |",
-        "|---|---|---|---|---|---|",
+        markdown_table(["mechanism", "n=0 (overhead)", "n=1", "n=2", "per expert",
+                        "expert bytes / s"],
+                       [[name, *(f"{t * 1e6:.1f} us" for t in per_n), f"{slope * 1e6:.1f} us",
+                         f"{rate / 1e9:.2f} GB/s"] for name, per_n, slope, rate in rows]),
     ]
-    for name, per_n, slope, rate in rows:
-        lines.append(f"| {name} | " + " | ".join(f"{t * 1e6:.1f} us" for t in per_n)
-                     + f" | {slope * 1e6:.1f} us | {rate / 1e9:.2f} GB/s |")
-    if not args.no_write:
-        write_section("hybrid_mechanism", "\n".join(lines))
-    print("\n".join(lines))
+    publish("hybrid_mechanism", "\n".join(lines), not args.no_write)
 
 
 if __name__ == "__main__":

@@ -1,29 +1,11 @@
-"""Peak memory of loading a JSONL trace and replaying it, at 0.5M / 1M / 2M top-8 layer-calls.
-
-For each size, a seeded ``fine-grained`` synthetic trace (L=48, E=128, top-8) is written as JSONL
-(one record per call, the realistic worst case for a loader), then a fresh subprocess imports
-JAX, loads the file with ``load_trace`` and replays it through one configuration (S=1024,
-fraction:0.4, bounds off: Belady is measured separately by its own benchmark). The subprocess
-reports its peak resident set size after the imports, after the load and after the
-replay (``VmHWM``, the high-water mark of this process's own memory; ``ru_maxrss`` would also
-count the parent's pages it was forked from), so each figure is what one ``pallas-cache replay``
-without bounds would need.
-``--baseline DIR`` also measures the load alone (imports and load, no replay) with the
-``pallas_cache`` of another checkout (e.g. an export of main), for a before/after.
-
-    python benchmarks/load_memory.py [--calls 500000 1000000 2000000] [--baseline DIR] [--write]
-
-``--write`` replaces the load_memory section of benchmarks/RESULTS.md.
-"""
+"""Peak resident memory (``VmHWM``) and time of loading a top-8 JSONL trace with ``load_trace`` and
+replaying it through one configuration, in a fresh subprocess, at 0.5M / 1M / 2M layer-calls;
+``--baseline DIR`` measures another checkout's loader beside it."""
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
-import subprocess
 import sys
 import tempfile
 
@@ -31,7 +13,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from results_file import write_section  # noqa: E402
+from timing import markdown_table, publish, python_child, run_header, section  # noqa: E402
 
 CHILD = r"""
 import json, resource, sys, time
@@ -48,8 +30,8 @@ def peak_mb():  # VmHWM: ru_maxrss survives exec, so it would count the parent's
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 if replay_too:
     import jax  # noqa: F401
-    from pallas_cache.sizing.sweep import ReplayConfig, replay
-from pallas_cache.sizing.traces import load_trace
+    from pallas_cache.sizing import ReplayConfig, replay
+from pallas_cache.sizing import load_trace
 out = {"imports_mb": peak_mb()}
 start = time.perf_counter()
 trace = load_trace(path)
@@ -63,7 +45,7 @@ print(json.dumps(out))
 
 
 def write_jsonl(calls: int, folder: str) -> str:
-    from pallas_cache.sizing.synthetic import PRESETS, synthetic_trace
+    from pallas_cache.sizing import PRESETS, synthetic_trace
 
     layers = PRESETS["fine-grained"].num_layers
     trace = synthetic_trace("fine-grained", num_tokens=-(-calls // layers), seed=0)
@@ -78,14 +60,11 @@ def write_jsonl(calls: int, folder: str) -> str:
 
 
 def measure(repo: str, path: str, replay_too: bool) -> dict:
-    done = subprocess.run([sys.executable, "-c", CHILD, repo, path, "1" if replay_too else "0"],
-                          capture_output=True, text=True, check=True,
-                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return python_child(CHILD, repo, path, "1" if replay_too else "0")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--calls", type=int, nargs="+", default=[500_000, 1_000_000, 2_000_000])
     parser.add_argument("--baseline", metavar="DIR", help="another checkout: its loader, load only")
     parser.add_argument("--write", action="store_true")
@@ -102,32 +81,26 @@ def main() -> None:
             print(calls, f"{size_mb:.0f} MB", now, before, flush=True)
             os.remove(path)
 
-    load_avg = os.getloadavg()[0]
-    lines = [
-        "## Load + replay peak memory (`benchmarks/load_memory.py`)",
-        "",
-        f"{datetime.date.today()}, {platform.machine()}, {os.cpu_count()} cores (1-minute load "
-        f"average {load_avg:.1f}), Python {platform.python_version()}; fine-grained synthetic "
-        f"trace (L=48, E=128, top-8) written as JSONL, loaded with `load_trace` and replayed "
-        f"through one configuration (S=1024, fraction:0.4, bounds off -- Belady is measured by "
-        f"its own benchmark) in a fresh subprocess; peak RSS (`VmHWM`), cumulative.",
-        "",
-        "| calls | JSONL | peak after imports (jax) | peak after load | peak after replay | load s "
-        "| replay s |" + (" main's loader: peak after load | main load s |"
-                           if args.baseline else ""),
-        "|---|---|---|---|---|---|---|" + ("---|---|" if args.baseline else ""),
-    ]
+    header = ["calls", "JSONL", "peak after imports (jax)", "peak after load",
+              "peak after replay", "load s", "replay s"]
+    if args.baseline:
+        header += ["baseline loader: peak after load", "baseline load s"]
+    table = []
     for calls, size_mb, now, before in rows:
-        line = (f"| {calls:,} | {size_mb:.0f} MB | {now['imports_mb']:.0f} MB | "
-                f"{now['load_mb']:.0f} MB | {now['replay_mb']:.0f} MB | {now['load_s']:.1f} | "
-                f"{now['replay_s']:.1f} |")
+        table.append([f"{calls:,}", f"{size_mb:.0f} MB", f"{now['imports_mb']:.0f} MB",
+                      f"{now['load_mb']:.0f} MB", f"{now['replay_mb']:.0f} MB",
+                      f"{now['load_s']:.1f}", f"{now['replay_s']:.1f}"])
         if before:
-            line += f" {before['load_mb']:.0f} MB | {before['load_s']:.1f} |"
-        lines.append(line)
-    text = "\n".join(lines)
-    print(text)
-    if args.write:
-        write_section("load_memory", text)
+            table[-1] += [f"{before['load_mb']:.0f} MB", f"{before['load_s']:.1f}"]
+    command = ("python benchmarks/load_memory.py --calls " + " ".join(map(str, args.calls))
+               + (" --baseline DIR" if args.baseline else "") + " --write")
+    text = section("Load + replay peak memory (`benchmarks/load_memory.py`)", run_header(command),
+                   "Fine-grained synthetic trace (L=48, E=128, top-8) written as JSONL, loaded "
+                   "with `load_trace` and replayed through one configuration (S=1024, "
+                   "fraction:0.4, bounds off) in a fresh subprocess; peak RSS (`VmHWM`), "
+                   "cumulative.",
+                   markdown_table(header, table))
+    publish("load_memory", text, args.write)
 
 
 if __name__ == "__main__":

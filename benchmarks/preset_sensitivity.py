@@ -1,53 +1,24 @@
-"""How ROUTE_KNN / ROUTE_LFU's share of the LRU -> Belady gap depends on how much the tokens repeat.
-
-``mixtral-realistic`` is calibrated to two measured Mixtral-8x7B decode traces (lag 1-8 repeats,
-neighbour and next-token precision, normalised entropy, global LRU / per-layer LRU / Belady at
-S = 64 / 128 / 192; ``benchmarks/realistic_preset.py``). How often its *token sequence* repeats
-comes from copied spans (``copy_prob``, ``copy_span``, ``copy_window``) over i.i.d. Zipf draws.
-This benchmark varies that degree of freedom (and the vocabulary's Zipf exponent) with ``dataclasses.replace(PRESETS["mixtral-realistic"], ...)``; a
-few hand-tuned variants (``TUNED``) combine long copied passages with a larger ``layer_noise``
-and lag-1 context tap, and are also reported on held-out seeds. Per variant, mean over the seeds of ``tokens`` tokens each:
-
-* the calibration statistics, computed by ``realistic_preset.measure`` (global LRU = the
-  library's replay with policy ``full``; Belady = ``pallas_cache.sizing.bounds.belady``), and
-  ``realistic_preset.misfit``'s largest distance to the real traces over them;
-* **next-token neighbour precision** (window ``W = 128``), a statistic one can measure on a real
-  trace: :func:`pallas_cache.sizing.synthetic.next_token_precision` (its docstring defines it;
-  ``benchmarks/realistic_preset.py --trace PATH`` prints it for a recorded trace);
-* hit rates of ``lru``, ``route_knn`` and ``route_lfu`` (the library's replay, policy ``full``,
-  ``ReplayConfig(..., eviction=...)``) and Belady at S = 64 / 128 / 192, the share of the
-  LRU -> Belady gap ``(policy - LRU) / (Belady - LRU)`` of the seed means, and ROUTE_LFU's worst
-  difference to LRU.
-
-``--check`` replays one variant's seed 0 with the exact NumPy simulator of
-``benchmarks/route_rules_explore.py`` as well and asserts equal hit rates.
-
-    python benchmarks/preset_sensitivity.py [--tokens 1000] [--seeds 0 1] [--held-out 2 3] \\
-        [--check] [--save rows.json | --load rows.json] [--write]
-
-``--write`` replaces this benchmark's section of benchmarks/RESULTS.md.
-"""
+"""How ROUTE_KNN's and ROUTE_LFU's share of the LRU -> Belady gap moves with how much
+``mixtral-realistic``'s token sequence repeats: variants of its copy and vocabulary knobs, each
+with the calibration statistics, next-token precision and the policies' hit rates."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import os
-import platform
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from pallas_cache.sizing.sweep import ReplayConfig, replay  # noqa: E402
 from pallas_cache.sizing.synthetic import PRESETS, synthetic_trace  # noqa: E402
 from realistic_preset import POLICIES, REAL, measure, misfit, policy_hit_rates  # noqa: E402
 from results_file import write_section  # noqa: E402
+from timing import run_header  # noqa: E402
 
 SLOTS_PER_LAYER = (2, 4, 6)
 
@@ -72,15 +43,12 @@ def _context(tap1):
 
 
 #: Long copied passages inside the ring, with ``layer_noise`` and the lag-1 context tap raised
-#: (chosen by hand on seeds 0-1 from about 20 tries, for an earlier calibration of the preset;
-#: also reported on the held-out seeds).
+#: (chosen by hand on seeds 0-1; also reported on the held-out seeds).
 TUNED = [(f"copy_prob 0.02, span {s}, window 128, layer_noise {n}, context[1] {c}",
           {"copy_prob": 0.02, "copy_span": float(s), "copy_window": 128, "layer_noise": n,
            "context": _context(c)})
          for s, n, c in ((64, 0.35, 0.3), (96, 0.4, 0.45), (128, 0.4, 0.45), (128, 0.45, 0.5))]
 
-#: The variant ``--check`` replays with the simulator as well.
-CHECKED = "copy_prob 0.1, span 32, window 128"
 
 
 def evaluate(params, tokens, seeds):
@@ -102,23 +70,6 @@ def evaluate(params, tokens, seeds):
     row["route_lfu - LRU"] = min(float(np.min(np.subtract(run["route_lfu"], run["global LRU"])))
                                  for run in runs)
     return row
-
-
-def check(params, tokens):
-    """Assert the route_rules_explore simulator equals the library's replay on seed 0."""
-    from route_rules_explore import lru, ring_lfu, route_knn, simulate
-    trace = synthetic_trace(params, num_tokens=tokens, seed=0)
-    sizes = [params.num_layers * s for s in SLOTS_PER_LAYER]
-    library = policy_hit_rates(trace, sizes)
-    quiet = lambda status: None  # noqa: E731
-    library["lru"] = tuple(r.hit_rate for r in replay(
-        trace, [ReplayConfig(size, "full") for size in sizes], bounds=False, progress=quiet))
-    rules = {"lru": lru, "route_knn": route_knn, "route_lfu": ring_lfu(None)}
-    dense = trace.to_dense()
-    for name, rule in rules.items():
-        mine = [simulate(dense, size, rule) for size in sizes]
-        assert np.allclose(mine, library[name], rtol=0, atol=1e-12), (name, mine, library[name])
-    return library
 
 
 def fmt3(values, digits=2):
@@ -182,13 +133,12 @@ def facts(rows, default_label):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--tokens", type=int, default=1000)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--held-out", type=int, nargs="*", default=[2, 3, 4, 5, 6, 7],
                         help="seeds on which the default and the hand-tuned variants are also "
                              "reported")
-    parser.add_argument("--check", action="store_true")
     parser.add_argument("--save", help="write the rows as JSON to this path")
     parser.add_argument("--load", help="render the rows saved by --save instead of computing")
     parser.add_argument("--write", action="store_true")
@@ -211,7 +161,7 @@ def main(argv=None):
         rows = [(label, shown, {k: np.asarray(v) if isinstance(v, list) else v
                                     for k, v in row.items()})
                 for label, shown, row in saved["rows"]]
-        elapsed, checked = saved["elapsed"], saved["checked"]
+        elapsed = saved["elapsed"]
     else:
         rows = []
         for label, knobs, seed_list, shown in jobs:
@@ -222,15 +172,10 @@ def main(argv=None):
                   f"{row['next-token precision']:.3f}, knn share {fmt3(row['route_knn share'])}, "
                   f"lfu share {fmt3(row['route_lfu share'])} ({time.perf_counter() - t0:.0f} s)",
                   flush=True)
-        checked = None
-        if args.check:
-            check(dataclasses.replace(base, **dict(VARIANTS)[CHECKED]), args.tokens)
-            checked = CHECKED
-            print(f"check: simulator == library replay on '{checked}', seed 0", flush=True)
         elapsed = time.perf_counter() - start
         if args.save:
             with open(args.save, "w") as f:
-                json.dump({"elapsed": elapsed, "checked": checked, "tokens": args.tokens,
+                json.dump({"elapsed": elapsed, "tokens": args.tokens,
                            "seeds": args.seeds, "held_out": args.held_out,
                            "rows": [(label, shown, {k: np.asarray(v).tolist()
                                                         for k, v in row.items()})
@@ -254,34 +199,27 @@ def main(argv=None):
     print(table, reading, f"({elapsed:.0f} s)", sep="\n\n")
 
     if args.write:
-        machine = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores "
-                   f"(shared), {platform.system()}; numpy {np.__version__}, jax "
-                   f"{jax.__version__} on {jax.default_backend()}")
         command = (f"python benchmarks/preset_sensitivity.py --tokens {args.tokens} --seeds "
                    f"{' '.join(map(str, args.seeds))} --held-out "
-                   f"{' '.join(map(str, args.held_out))}" + (" --check" if checked else ""))
-        check_line = (f" `--check`: on '{checked}', seed 0, the exact simulator of "
-                      f"`route_rules_explore.py` gives the library replay's `lru`, `route_knn` "
-                      f"and `route_lfu` hit rates at all three sizes." if checked else "")
+                   f"{' '.join(map(str, args.held_out))} --write")
         section = (
             f"## Sensitivity of the eviction results to the preset's token repetition "
-            f"(`benchmarks/preset_sensitivity.py`)\n\n`{command}` on "
-            f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC ({elapsed:.0f} s,"
-            f" niced). Machine: {machine}.\n\n"
+            f"(`benchmarks/preset_sensitivity.py`)\n\n"
+            f"{run_header(command, note=f', {elapsed:.0f} s')} numpy {np.__version__}.\n\n"
             f"Variants of `mixtral-realistic` (`dataclasses.replace`), mean over the seeds named"
             f" of {args.tokens} tokens each. The calibration statistics as in "
             f"`realistic_preset.measure` (triples at S = 64 / 128 / 192); misfit = "
-            f"`realistic_preset.misfit`'s largest distance to the real traces. Next-token prec. = next-token neighbour "
-            f"precision (window 128; the past token whose routes over all layers best match "
-            f"token T's, ties to the most recent, predicts T + 1's routes by its own successor's;"
-            f" chance 0.25; definition in the script's docstring). route_knn / route_lfu = the "
-            f"library's replay (policy `full`); share = (policy - LRU) / (Belady - LRU) of the "
-            f"seed means; route_lfu - LRU = the worst over seeds and sizes. The last rows (long "
-            f"copied passages with a larger `layer_noise` and lag-1 tap, hand-tuned on seeds "
-            f"{seeds} for an earlier calibration) and the default are repeated on the held-out "
+            f"`realistic_preset.misfit`'s largest distance to the real traces. Next-token prec. "
+            f"= next-token neighbour precision (window 128; the past token whose routes over all "
+            f"layers best match token T's, ties to the most recent, predicts T + 1's routes by "
+            f"its own successor's; chance 0.25; definition: `next_token_precision`'s docstring). "
+            f"route_knn / route_lfu = the library's replay (policy `full`); share = (policy - "
+            f"LRU) / (Belady - LRU) of the seed means; route_lfu - LRU = the worst over seeds and "
+            f"sizes. The last rows (long copied passages with a larger `layer_noise` and lag-1 "
+            f"tap, hand-tuned on seeds {seeds}) and the default are repeated on the held-out "
             f"seeds {held}. At {args.tokens} tokens per seed the statistics are noisier than "
             f"in `realistic_preset`'s 2000-token fit, so the default's misfit here is larger."
-            f"{check_line}\n\n{table}\n\n"
+            f"\n\n{table}\n\n"
             f"Numbers: {reading}\n\n{READING}\n")
         write_section("preset_sensitivity", section)
 

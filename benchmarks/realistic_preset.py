@@ -1,47 +1,16 @@
-"""The realistic synthetic preset's statistics and policy ranking next to two real Mixtral-8x7B traces.
-
-For ``mixtral-realistic`` (and, for comparison, the token-free ``mixtral-like``), averaged over
-the held-out seeds ``--seeds`` (the preset was tuned on seeds 0-1, which are not among them) of
-``--tokens`` tokens each:
-
-* lag-``k`` repeat probability (:func:`~pallas_cache.sizing.synthetic.lag_repeat_probability`;
-  chance is 0.25 on 2-of-8), neighbour precision
-  (:func:`~pallas_cache.sizing.synthetic.neighbour_precision`, window 128) and next-token
-  neighbour precision (:func:`~pallas_cache.sizing.synthetic.next_token_precision`, window 128);
-* hit rates at S = 64 / 128 / 192 slots (2 / 4 / 6 per layer) of global LRU (the library's own
-  cache replayed with policy ``full``: every miss fetched, LRU victims), per-layer LRU
-  (:func:`~pallas_cache.sizing.synthetic.per_layer_lru_hit_rate`: each layer owns S / L slots)
-  and Belady's optimum (:func:`pallas_cache.sizing.bounds.belady`);
-* the policy ranking: hit rates of ``pair_lfu``, ``route_knn`` and ``route_lfu`` (the library's
-  replay, policy ``full``) and their share of the LRU -> Belady gap.
-
-The real columns (``REAL``) hold the two measured Mixtral-8x7B decode traces (HumanEval and
-GSM8K prompts, docs/policies.md); the fit criterion: every statistic within 0.03 of the range
-the two span, every hit rate within 0.02 of their mean. ``fine-grained-realistic`` has no
-measured counterpart; its statistics are printed at 8 / 16 / 32 slots per layer (top-8 needs at
-least 8) for reference.
-
-    python benchmarks/realistic_preset.py [--tokens 2000] [--seeds 10 11 12] [--write]
-    python benchmarks/realistic_preset.py --trace routes.jsonl [--slots-per-layer 2 4 6]
-
-``--write`` replaces this benchmark's section of benchmarks/RESULTS.md. ``--trace`` measures a
-recorded decode trace instead (any format ``load_trace`` reads; many sequences, and tokens that
-miss layers, as :func:`~pallas_cache.sizing.synthetic.complete_sequences` says), next to the two
-real columns, and adds every policy's hit rate and share of the LRU -> Belady gap.
-"""
+"""The realistic synthetic presets' statistics (repeat profile, neighbour and next-token
+precision, entropy, LRU / per-layer LRU / Belady hit rates) and policy ranking next to two real
+Mixtral-8x7B traces, on held-out seeds; ``--trace PATH`` measures a recorded trace instead."""
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import platform
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from pallas_cache.sizing.bounds import belady  # noqa: E402
@@ -51,6 +20,7 @@ from pallas_cache.sizing.synthetic import (  # noqa: E402
     per_layer_lru_hit_rate, synthetic_trace, trace_statistics)
 from pallas_cache.sizing.traces import load_trace  # noqa: E402
 from results_file import write_section  # noqa: E402
+from timing import run_header  # noqa: E402
 
 #: Measured on two real Mixtral-8x7B decode traces (docs/policies.md): HumanEval prompts (338
 #: tokens in 2 requests) and GSM8K prompts (247 tokens in 2 requests). The statistics per request
@@ -216,7 +186,7 @@ def measure_trace(path, slots_per_layer):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--tokens", type=int, default=2000)
     parser.add_argument("--seeds", type=int, nargs="+", default=[10, 11, 12],
                         help="held-out seeds (the preset was tuned on 0 and 1)")
@@ -282,15 +252,12 @@ def main(argv=None):
     print(table, closeness, rank_table, ranking, fine_table, f"({elapsed:.0f} s)", sep="\n\n")
 
     if args.write:
-        machine = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores "
-                   f"(shared), {platform.system()} {platform.machine()}; numpy "
-                   f"{np.__version__}, jax {jax.__version__} on {jax.default_backend()}")
         seeds = " ".join(map(str, args.seeds))
+        command = (f"python benchmarks/realistic_preset.py --tokens {args.tokens} --seeds {seeds}"
+                   f" --fine-tokens {args.fine_tokens} --write")
         section = (
             f"## Realistic synthetic preset vs real Mixtral-8x7B (`benchmarks/realistic_preset.py`)"
-            f"\n\n`python benchmarks/realistic_preset.py --tokens {args.tokens} --seeds {seeds}"
-            f"` on {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC "
-            f"({elapsed:.0f} s, niced). Machine: {machine}.\n\n"
+            f"\n\n{run_header(command, note=f', {elapsed:.0f} s')} numpy {np.__version__}.\n\n"
             f"Real columns: two Mixtral-8x7B decode traces (HumanEval and GSM8K prompts; "
             f"docs/policies.md). Synthetic columns: mean over the held-out seeds {seeds} (the "
             f"preset was tuned on seeds 0-1) of {args.tokens} tokens each (± half the range "

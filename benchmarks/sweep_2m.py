@@ -1,35 +1,18 @@
-"""The capacity issue's scale target: a 2M-call fine-grained sweep, wall time and peak memory.
-
-A fresh subprocess runs what a user would type::
-
-    pallas-cache replay --synthetic fine-grained --tokens 41667 \\
-        --cache-size 256 1024 2048 --policy full fraction:0.4 --format json --no-compile-cache
-
-(48 layers x 128 experts, top-8: 41,667 tokens = 2,000,016 layer-calls, the trace generated in
-the process, both offline optima included, no persistent compile cache so compiling counts) and
-reports its wall time, CPU time (the 2 cores are shared: the fairer figure) and peak resident
-set size (``VmHWM`` of the subprocess itself, read by a wrapper at exit). Targets (docs: issue
-#12): <= 60 s and <= 1.5 GB on the 2-core machine; before the capacity work the same sweep took
-470.8 s and 3.0 GB.
-
-    python benchmarks/sweep_2m.py [--tokens 41667] [--write]
-"""
+"""Wall time, CPU time and peak memory of a 2M-call fine-grained ``pallas-cache replay`` sweep
+(trace generation, compiling and both offline optima included) in a fresh process; ``--baseline
+DIR`` runs the same command with another checkout, interleaved, for a ratio from one series."""
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
-import resource
-import subprocess
+import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from results_file import write_section  # noqa: E402
+from timing import load_average, markdown_table, publish, run_header, timed_subprocess  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -46,18 +29,14 @@ sys.exit(rc)
 """
 
 
-def run(tokens: int):
+def run(tokens: int, repo: str = REPO):
+    """``(wall s, CPU s, peak GB, result rows)`` of one run of the sweep with ``repo``'s code."""
     argv = ["replay", "--synthetic", "fine-grained", "--tokens", str(tokens),
             "--cache-size", "256", "1024", "2048", "--policy", "full", "fraction:0.4",
             "--format", "json", "--quiet", "--no-compile-cache"]
-    env = dict(os.environ, PYTHONPATH=REPO)
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", _WRAPPER, *argv], env=env, cwd=REPO,
-                          capture_output=True, text=True)
-    seconds = time.perf_counter() - start
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    env = dict(os.environ, PYTHONPATH=repo)
+    proc, seconds, cpu = timed_subprocess([sys.executable, "-c", _WRAPPER, *argv], env=env,
+                                          cwd=repo, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"replay failed ({proc.returncode}): {proc.stderr[-2000:]}")
     kb = int(proc.stderr.strip().splitlines()[-1].split()[1])
@@ -67,37 +46,44 @@ def run(tokens: int):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--tokens", type=int, default=41_667)
+    parser.add_argument("--runs", type=int, default=1, help="runs of each build (median shown)")
+    parser.add_argument("--baseline", metavar="DIR", help="another checkout to run as well")
     parser.add_argument("--write", action="store_true")
     args = parser.parse_args(argv)
-    load = os.getloadavg()[0]
-    seconds, cpu, gb, rows = run(args.tokens)
-    calls = args.tokens * 48
-    lines = [
+    load = load_average()
+    builds = {"this checkout": REPO} | ({"baseline": args.baseline} if args.baseline else {})
+    runs = {name: [] for name in builds}
+    for _ in range(args.runs):
+        for name, repo in builds.items():
+            runs[name].append(run(args.tokens, repo))
+            print(name, runs[name][-1][:3], flush=True)
+    same = all(r[3] == runs["this checkout"][0][3] for rs in runs.values() for r in rs)
+    table = [[name, " / ".join(f"{r[0]:.1f}" for r in rs), " / ".join(f"{r[1]:.1f}" for r in rs),
+              f"{max(r[2] for r in rs):.2f}"] for name, rs in runs.items()]
+    if args.baseline:
+        wall = {name: statistics.median(r[0] for r in rs) for name, rs in runs.items()}
+        table.append(["this checkout / baseline (median wall)",
+                      f"{wall['this checkout'] / wall['baseline']:.2f}x", "", ""])
+    table.append(["target", "<= 60", "", "<= 1.5"])
+    command = (f"python benchmarks/sweep_2m.py --tokens {args.tokens} --runs {args.runs}"
+               + (" --baseline DIR" if args.baseline else "") + " --write")
+    text = "\n".join([
         "## 2M-call fine-grained sweep (`benchmarks/sweep_2m.py`)",
         "",
-        f"{datetime.datetime.now():%Y-%m-%d %H:%M}, {platform.machine()}, {os.cpu_count()} cores "
-        f"(1-minute load average {load:.1f} at the start), Python {platform.python_version()}. "
+        run_header(command, load=load) + " Load average at the start.",
+        "",
         f"`pallas-cache replay --synthetic fine-grained --tokens {args.tokens} --cache-size 256 "
         "1024 2048 --policy full fraction:0.4 --format json --no-compile-cache` in a fresh "
-        f"process ({calls:,} layer-calls; trace generation, compiling and both offline optima "
-        "included).",
+        f"process ({args.tokens * 48:,} layer-calls); runs interleaved.",
         "",
-        "| | wall s | CPU s (user + sys) | peak RSS GB |",
-        "|---|---:|---:|---:|",
-        "| before the capacity work (issue #12's measurement) | 470.8 | | 3.0 |",
-        "| after the capacity work (2026-11-30 19:31, load 1.8) | 436.8 | 326.5 | 1.29 |",
-        "| after the replay speed work (2026-11-30 22:35, load 0.4) | 105.5 | 163.0 | 1.23 |",
-        f"| now | {seconds:.1f} | {cpu:.1f} | {gb:.2f} |",
-        "| target | <= 60 | | <= 1.5 |",
+        markdown_table(["build", "wall s (each run)", "CPU s (user + sys)", "peak RSS GB"], table),
         "",
-        f"{len(rows)} result rows.",
-    ]
-    text = "\n".join(lines)
-    print(text)
-    if args.write:
-        write_section("sweep_2m", text)
+        f"{len(runs['this checkout'][0][3])} result rows, "
+        + ("identical in every run." if same else "NOT identical between runs."),
+    ])
+    publish("sweep_2m", text, args.write)
 
 
 if __name__ == "__main__":
