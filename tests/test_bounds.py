@@ -295,8 +295,9 @@ def test_without_numba_the_core_imports_and_gives_the_same_results():
         "rng = np.random.default_rng(5)\n"
         "trace = Trace(routes=rng.integers(-1, 6, size=(300, 3)),\n"
         "              layers=rng.integers(0, 3, size=300), num_layers=3, num_experts=6)\n"
-        "print(json.dumps([int(f(trace, 8).missing) for f in (belady, bypass_optimum)]\n"
-        "                 + [f(trace, 8).layer_missing.tolist() for f in (belady, bypass_optimum)]))\n"
+        "results = [f(trace, 8) for f in (belady, bypass_optimum)]\n"
+        "print(json.dumps([int(r.missing) for r in results]\n"
+        "                 + [r.layer_missing.tolist() for r in results]))\n"
     )
     env = dict(os.environ, **{bounds_module.COMPILED_BOUNDS_ENV: "1"})
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
