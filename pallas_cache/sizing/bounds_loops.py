@@ -1,7 +1,8 @@
 """The offline optima's eviction loops, written once: run by the interpreter or compiled by Numba.
 
-:func:`loops` returns them as a :class:`Loops` record, compiled (:func:`numba.njit`, cached on
-disk) when ``compiled=True`` and Numba can be imported, else the plain Python functions.
+:func:`loops` returns them as a :class:`Loops` record: ``loops(False)`` the plain functions,
+``loops(True)`` the same code compiled by :func:`numba.njit` (cached on disk; ``None`` without
+Numba). The rationale is docs/design.md's "Offline bounds".
 """
 
 from __future__ import annotations
