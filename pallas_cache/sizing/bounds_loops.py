@@ -21,7 +21,7 @@ class Loops(NamedTuple):
 
     Attributes:
         compiled: whether these are the Numba-compiled functions.
-        new_state: ``new_state(id_space, num_layers, slots, most_per_call, unit)`` -> the
+        new_state: ``new_state(id_space, num_layers, slots, most_per_call)`` -> the
             mutable state ``(resident, layer_missing, heap, scalars, own, tied)``.
         belady_chunk: Belady over one chunk of whole calls, in place on the state.
         bypass_chunk: the bypass optimum over one chunk, in place on the state.
@@ -41,8 +41,8 @@ def heap_capacity(slots: int, most_per_call: int) -> int:
 
 # ---- the heap --------------------------------------------------------------------------------
 # A min-heap of distinct int keys with four operations; the loops see only these. Interpreted:
-# :mod:`heapq` on a list. Compiled: the same binary heap on an int64 array whose last entry holds
-# the size (so both take the heap alone, and the interpreter calls heapq's C functions directly).
+# :mod:`heapq` on a list. Compiled: a binary heap on an int64 array whose last entry holds the
+# size (so both take the heap alone, and the interpreter calls heapq's C functions directly).
 
 _push = heapq.heappush  # _push(heap, key)
 _pop = heapq.heappop    # _pop(heap) -> the smallest key
