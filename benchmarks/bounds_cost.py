@@ -1,19 +1,12 @@
 """Cost of the offline bounds: time and peak memory of Belady and the bypass optimum at scale.
 
-A ``fine-grained`` synthetic trace (48 layers x 128 experts, top-8) of the largest requested
-length is generated once and saved; each (calls, cache size) point then runs in a fresh
-subprocess, which maps the first ``calls`` layer-calls, records its resident memory, runs
-``belady`` and ``bypass_optimum`` (they share the trace's access arrays, as a replay sweep
-does) and reports the CPU seconds of each and the peak RSS they added. Each figure is the median
-of ``--repeats`` subprocesses. ``--baseline REV`` also times ``belady`` of the
-``pallas_cache/sizing/bounds.py`` of git revision ``REV`` at the largest length, for a ratio
-from the same run.
+A ``fine-grained`` synthetic trace (48 x 128, top-8) is generated once; each (calls, cache size)
+point runs both optima in fresh subprocesses, this tree's and, with ``--baseline REV``, revision
+``REV``'s whole ``pallas_cache`` interleaved with them, reporting CPU seconds and peak RSS added
+(medians of ``--repeats``). ``--python`` also times the Python loops at the smallest length.
 
-    python benchmarks/bounds_cost.py [--calls 500000 1000000 2000000] [--sizes 384 1536 4096]
-                                     [--repeats 3] [--baseline REV [--baseline-sizes S ...]]
-                                     [--write]
-
-``--write`` replaces the bounds section of benchmarks/RESULTS.md.
+    python benchmarks/bounds_cost.py [--calls N ...] [--sizes S ...] [--repeats 3]
+                                     [--baseline REV] [--python] [--write]
 """
 
 from __future__ import annotations
@@ -37,17 +30,14 @@ from results_file import write_section  # noqa: E402
 
 LAYERS, EXPERTS = 48, 128
 
-# Runs in the subprocess: argv = trace path prefix, calls, cache size, module directory or "" (library).
+# Runs in the subprocess (PYTHONPATH = the package root to time): argv = trace path prefix,
+# calls, cache size.
 CHILD = r"""
 import json, resource, sys, time
 import numpy as np
-trace_path, calls, size, module_dir = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+trace_path, calls, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 from pallas_cache.sizing.traces import Trace
-if module_dir:
-    sys.path.insert(0, module_dir)
-    import baseline_bounds as bounds
-else:
-    from pallas_cache.sizing import bounds
+from pallas_cache.sizing import bounds
 routes = np.load(trace_path + ".routes.npy", mmap_mode="r")[:calls]
 layers = np.load(trace_path + ".layers.npy", mmap_mode="r")[:calls]
 trace = Trace(routes=routes, layers=layers, num_layers=%d, num_experts=%d)
@@ -67,10 +57,12 @@ print(json.dumps(out))
 """ % (LAYERS, EXPERTS)
 
 
-def run_child(trace_path: str, calls: int, size: int, module_dir: str = "") -> dict:
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    done = subprocess.run([sys.executable, "-c", CHILD, trace_path, str(calls), str(size),
-                           module_dir], capture_output=True, text=True, env=env, check=True)
+def run_child(trace_path: str, calls: int, size: int, root: str = ROOT,
+              python: bool = False) -> dict:
+    env = dict(os.environ, PYTHONPATH=root)
+    env["PALLAS_CACHE_COMPILED_BOUNDS"] = "0" if python else "1"
+    done = subprocess.run([sys.executable, "-c", CHILD, trace_path, str(calls), str(size)],
+                          capture_output=True, text=True, env=env, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -83,9 +75,9 @@ def main() -> None:
     parser.add_argument("--calls", type=int, nargs="+", default=[500_000, 1_000_000, 2_000_000])
     parser.add_argument("--sizes", type=int, nargs="+", default=[384, 1536, 4096])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--baseline", default=None, help="git revision to compare belady with")
-    parser.add_argument("--baseline-sizes", type=int, nargs="+", default=None,
-                        help="cache sizes for the baseline (default: --sizes)")
+    parser.add_argument("--baseline", default=None, help="git revision to compare with")
+    parser.add_argument("--python", action="store_true",
+                        help="also time the Python loops at the smallest --calls")
     parser.add_argument("--write", action="store_true")
     args = parser.parse_args()
 
@@ -102,64 +94,95 @@ def main() -> None:
         np.save(trace_path + ".routes.npy", trace.routes)
         del trace
         print(f"trace: {tokens} tokens in {time.perf_counter() - start:.1f} s", flush=True)
+        builds = {"now": ROOT}
+        if args.baseline:
+            builds[args.baseline] = os.path.join(scratch, "baseline")
+            os.mkdir(builds[args.baseline])
+            archive = subprocess.run(["git", "archive", args.baseline, "pallas_cache"], cwd=ROOT,
+                                     capture_output=True, check=True).stdout
+            subprocess.run(["tar", "-x", "-C", builds[args.baseline]], input=archive, check=True)
+        loops = [("compiled", False)] + ([("python", True)] if args.python else [])
+        for root in builds.values():  # compile (and cache) each build's loops before timing
+            run_child(trace_path, min(args.calls), min(args.sizes), root)
 
         rows = []
-        for calls in args.calls:
-            for size in args.sizes:
-                runs = [run_child(trace_path, calls, size) for _ in range(args.repeats)]
-                row = {"calls": calls, "size": size,
-                       **{key: median_of(runs, key) for key in runs[0]}}
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-
-        baseline = []
-        if args.baseline:
-            source = subprocess.run(["git", "show", f"{args.baseline}:pallas_cache/sizing/bounds.py"],
-                                    cwd=ROOT, capture_output=True, text=True, check=True).stdout
-            with open(os.path.join(scratch, "baseline_bounds.py"), "w") as handle:
-                handle.write(source)
-            for size in args.baseline_sizes or args.sizes:
-                runs = [run_child(trace_path, max(args.calls), size, scratch)
-                        for _ in range(args.repeats)]
-                row = {"size": size, **{key: median_of(runs, key) for key in runs[0]}}
-                baseline.append(row)
-                print("baseline", json.dumps(row), flush=True)
+        for loop, python in loops:
+            for calls in args.calls[:1] if python else args.calls:
+                for size in args.sizes:
+                    runs: dict[str, list[dict]] = {name: [] for name in builds}
+                    for _ in range(args.repeats):  # interleaved: the load hits both alike
+                        for name, root in builds.items():
+                            runs[name].append(run_child(trace_path, calls, size, root, python))
+                    row = {"loop": loop, "calls": calls, "size": size}
+                    for name, done in runs.items():
+                        row[name] = {key: median_of(done, key) for key in done[0]}
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
     load_after = os.getloadavg()
-
-    lines = [
-        "## Offline bounds at scale (`benchmarks/bounds_cost.py`)",
-        "",
-        f"{datetime.date.today()}, {platform.machine()}, {os.cpu_count()} cores, Python "
-        f"{platform.python_version()}; load average {load_before[0]:.1f} before and "
-        f"{load_after[0]:.1f} after: other jobs shared the cores, so the CPU seconds of the "
-        f"process (not wall time) are reported, still inflated by the contention -- compare "
-        f"ratios within this run. `fine-grained` preset (48 x 128, top-8, seed 0), first "
-        f"`calls` layer-calls; medians of {args.repeats} fresh processes. Peak RSS added = the "
-        f"process's peak RSS minus its resident memory once the trace is loaded (Python, NumPy, "
-        f"JAX imported), for both bounds together (they share the access arrays).",
-        "",
-        "| calls | S | belady CPU s | bypass CPU s | peak RSS added MB | trace loaded MB "
-        "| belady hit | bypass hit |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for row in rows:
-        lines.append(f"| {row['calls']:,} | {row['size']} | {row['belady_s']:.1f} | "
-                     f"{row['bypass_optimum_s']:.1f} | {row['added_mb']:.0f} | "
-                     f"{row['base_mb']:.0f} | {row['belady_hit_rate']:.4f} | "
-                     f"{row['bypass_optimum_hit_rate']:.4f} |")
-    if baseline:
-        lines += ["", f"Belady of revision `{args.baseline}` (the previous implementation) at "
-                      f"{max(args.calls):,} calls, same run:", "",
-                  "| S | belady CPU s | peak RSS added MB | same hit rate |", "|---|---|---|---|"]
-        new = {row["size"]: row for row in rows if row["calls"] == max(args.calls)}
-        for row in baseline:
-            same = row["belady_hit_rate"] == new[row["size"]]["belady_hit_rate"]
-            lines.append(f"| {row['size']} | {row['belady_s']:.1f} | {row['added_mb']:.0f} | "
-                         f"{'yes' if same else 'NO'} |")
-    text = "\n".join(lines)
+    text = render(rows, args.baseline, args.repeats, load_before[0], load_after[0],
+                  " ".join(sys.argv[1:]).replace(" --write", ""))
     print(text)
     if args.write:
         write_section("bounds_cost", text)
+
+
+def render(rows: list[dict], base: str | None, repeats: int, load_before: float,
+           load_after: float, command: str) -> str:
+    """The RESULTS.md section for the measured ``rows``."""
+    lines = [
+        "## Offline bounds at scale (`benchmarks/bounds_cost.py`)",
+        "",
+        f"{datetime.date.today()}, {platform.machine()} ({_cpu_name()}), {os.cpu_count()} cores, "
+        f"Python {platform.python_version()}; load average {load_before:.1f} before and "
+        f"{load_after:.1f} after: other jobs shared the cores, so the CPU seconds of the "
+        f"process (not wall time) are reported, still inflated by the contention -- compare "
+        f"ratios within this run. `fine-grained` preset (48 x 128, top-8, seed 0), first "
+        f"`calls` layer-calls; medians of {repeats} fresh processes"
+        + (f", this tree's and revision `{base}`'s interleaved" if base else "")
+        + ". CPU s = `belady` + `bypass_optimum` (`compiled`: Numba's loops, importing Numba "
+        "and loading them from its cache included; `python`: `PALLAS_CACHE_COMPILED_BOUNDS=0`); "
+        "`belady` builds the access arrays, which `bypass_optimum` reuses, so the bypass column "
+        "is mostly the loop itself. Peak RSS added = the process's peak RSS minus its resident "
+        "memory once the trace is loaded.",
+        "",
+        "| loop | calls | S | CPU s | " + (f"`{base}` CPU s | ratio | " if base else "")
+        + "bypass CPU s | " + (f"`{base}` bypass CPU s | ratio | " if base else "")
+        + "peak RSS added MB | belady hit | bypass hit |" + (" same hits |" if base else ""),
+        "|---|---|---|---|" + ("---|---|" if base else "") + "---|" + ("---|---|" if base else "")
+        + "---|---|---|" + ("---|" if base else ""),
+    ]
+    for row in rows:
+        now = row["now"]
+        cpu = now["belady_s"] + now["bypass_optimum_s"]
+        cells = [row["loop"], f"{row['calls']:,}", str(row["size"]), f"{cpu:.2f}"]
+        if base:
+            old = row[base]
+            old_cpu = old["belady_s"] + old["bypass_optimum_s"]
+            cells += [f"{old_cpu:.2f}", f"{cpu / old_cpu:.2f}"]
+        cells.append(f"{now['bypass_optimum_s']:.2f}")
+        if base:
+            cells += [f"{old['bypass_optimum_s']:.2f}",
+                      f"{now['bypass_optimum_s'] / old['bypass_optimum_s']:.2f}"]
+        cells += [f"{now['added_mb']:.0f}", f"{now['belady_hit_rate']:.4f}",
+                  f"{now['bypass_optimum_hit_rate']:.4f}"]
+        if base:
+            same = all(now[key] == old[key] for key in ("belady_hit_rate",
+                                                        "bypass_optimum_hit_rate"))
+            cells.append("yes" if same else "NO")
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", f"Rerun: `python benchmarks/bounds_cost.py {command}`"]
+    return "\n".join(lines)
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
 
 
 if __name__ == "__main__":

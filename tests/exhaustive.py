@@ -1,8 +1,7 @@
-"""Offline optima computed the slow, obvious way, shared by the bound tests (test-only).
+"""Offline optima computed the slow, obvious way, for tests/test_bounds.py (test-only).
 
-Independent of ``pallas_cache.sizing.bounds``: a search over every schedule of the model, so
-Belady's optimum (every miss admitted) and the bypass optimum (a miss may be served without
-being admitted) can be checked against the true minimum.
+Independent of ``pallas_cache.sizing.bounds``: a search over every schedule of the model, and
+set-based transcriptions of docs/semantics.md §5.14's two rules.
 """
 
 import bisect
@@ -69,4 +68,26 @@ def textbook_belady(trace: Trace, cache_size: int) -> tuple[int, list[int]]:
                 victim = max(sorted(resident - need), key=lambda f: next_use(f, index))
                 resident.remove(victim)
             resident.add(flat)
+    return sum(layer_missing), layer_missing
+
+
+def textbook_bypass(trace: Trace, cache_size: int) -> tuple[int, list[int]]:
+    """docs/semantics.md §5.14's bypass rule, set by set: ``(missing, missing per layer)``."""
+    calls = distinct_calls(trace)
+    uses: dict[int, list[int]] = {}
+    for index, need in enumerate(calls):
+        for flat in need:
+            uses.setdefault(flat, []).append(index)
+
+    resident: set[int] = set()
+    layer_missing = [0] * trace.num_layers
+    for index, (need, layer) in enumerate(zip(calls, trace.layers.tolist())):
+        hits, misses = need & resident, need - resident
+        layer_missing[layer] += len(misses)
+        # Rank by the whole sequence of later uses (never again = infinitely far), then flat id.
+        ranked = sorted((tuple(later) + (math.inf,), flat)
+                        for flat in (resident - need) | misses
+                        for later in [uses[flat][bisect.bisect_right(uses[flat], index):]]
+                        if later)
+        resident = set(hits) | {flat for _, flat in ranked[:cache_size - len(hits)]}
     return sum(layer_missing), layer_missing

@@ -1,65 +1,20 @@
-"""Offline bounds for a routing trace: Belady's optimum, the bypass optimum and the stationary oracle.
+"""Offline bounds for a routing trace: Belady's optimum, the bypass optimum, the stationary oracle.
 
-A replay says what hit rate a policy *gets* at a cache size; these say what is *possible*, so a
-user can tell "the policy loses residency it could keep" from "the trace leaves nothing to keep"
-(docs/semantics.md §5.14). All share the cache's model (docs/semantics.md §2, 5.2): one pool of
-``S`` slots shared by all layers (flat id ``layer * E + expert``), and a call never evicts an
-expert it routes.
-
-* :func:`belady` -- the fewest misses of any *pure-offload* schedule (every miss fetched and
-  admitted, as ``ensure`` and a ``full`` policy do): on a miss with a full pool it evicts the
-  resident whose next use (the next call routing it) is furthest away, never used again counting
-  as infinitely far, ties to the higher flat id. With requests grouped per call this greedy rule
-  stays optimal (the exchange argument); it bounds the ``full`` rows of a replay.
-* :func:`bypass_optimum` -- the fewest misses of any schedule in which a miss may be served
-  *without* being admitted (the CPU path of ``ensure_hybrid``): after each call the pool holds
-  that call's hits plus the best ``S - |hits|`` of (residents not routed in the call and the
-  call's misses), ranked by their sequence of later uses compared from the front (the next use,
-  then on a tie the use after it, and so on; never again counts as infinitely far), then flat id,
-  never keeping an item that is not used again. It bounds every row (any policy, order,
-  admission).
-* :func:`stationary_oracle` -- docs/semantics.md §5.10's ``oracle_hit_at_slots``: with a fair
-  share of ``S / L`` slots per layer (at least one) and a fixed set of residents, the best hit
-  share is the routing mass of each layer's hottest experts. It ignores time (no warm-up, no
-  phases), so it is a different quantity from the two optima, quoted the same way as the cache's
-  skew report.
-
-``tests/test_bounds.py`` checks both optima against exhaustive searches on small traces (where a
-tie-break on the next use and the one after it alone is not enough for the bypass optimum).
-Counting matches the cache's stats exactly (docs/semantics.md §5.2 step 8): per layer-call over
-*distinct* experts, ``-1`` padding ignored; ``active`` = distinct experts of the call,
-``missing`` = those not resident when the call starts.
-
-Cost: the accesses (distinct routes) live in a few int32 arrays; next uses come from one stable
-radix sort by flat id. The simulation is a Python loop over a heap of int keys, visiting only the
-accesses whose outcome is not settled in advance: an access whose reuse window (the calls up to
-its next use) holds fewer than ``S`` other accesses can never lose its slot (an eviction needs
-``S`` other residents used sooner), so it is a hit and needs no heap entry. Lazy deletion needs no
-per-id bookkeeping: an entry whose next use has passed is stale, and it is never popped because
-enough live ones rank above it; stale entries are dropped when they outnumber the live ones.
-Memory is linear in the accesses (about 30 bytes each at peak); the access arrays of the last
-:class:`Trace` seen are kept (its arrays are read-only), so both optima at several sizes build
-them once. With Numba installed (the ``fast`` extra) the loop runs compiled on traces of
-500k accesses or more (:mod:`pallas_cache.sizing.compiled_bounds`, the same keys and the same
-schedule; ``PALLAS_CACHE_COMPILED_BOUNDS=0`` or ``=1`` picks one loop whatever the size).
-Times are in ``benchmarks/RESULTS.md`` (``benchmarks/bounds_cost.py``).
-
-(Why one module of ~600 lines: Belady and the bypass optimum share the access arrays, the
-next-use pass and the eviction loop, which differ only in whether a miss may bypass; the
-stationary oracle is the third bound users read next to them.)
+The rules are docs/semantics.md §5.14; their eviction loops are
+:mod:`pallas_cache.sizing.bounds_loops`.
 """
 
 from __future__ import annotations
 
-import heapq
 import os
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
 
 from pallas_cache.host.metrics import histogram_metrics, oracle_slots_for
+from pallas_cache.sizing import bounds_loops
 from pallas_cache.sizing.traces import Trace
 from pallas_cache.validate import is_int
 
@@ -297,7 +252,7 @@ def _simulate(accesses: _Accesses, slots: int, *, bypass: bool,
     Heap entries are negative ints ``-(n * unit + tag)``, a max-heap on the next use ``n``. For
     Belady ``tag`` is the flat id (ties to the higher one; any tie-break gives the same counts,
     per layer too: tied ids are routed by the same call). For the bypass optimum ``tag`` is the
-    access index, and :func:`_evict_bypass` ranks ids tied on ``n`` by walking their later uses.
+    access index, and the bypass loop ranks ids tied on ``n`` by walking their later uses.
     An entry is live iff its next use lies beyond the current call; only a resident's latest
     access can have one, so a live entry names a resident.
 
@@ -309,8 +264,11 @@ def _simulate(accesses: _Accesses, slots: int, *, bypass: bool,
     An access that is a certain hit and needs no entry is skipped entirely; the schedule is the
     same as with every entry present, because a settled id is never the one popped.
 
-    A call pushes its entries as it goes, then evicts: a popped entry of an id the call routes
-    (its stamp, see :class:`_LoopState`) is set aside and pushed back afterwards, so victims are
+    ``resident[f]`` is 0 for an id not resident, else a stamp: ``c + 1`` for the latest call
+    ``c`` that routed it while resident (a hit there, or a Belady miss, which is always
+    admitted), ``-(c + 1)`` for a bypass miss admitted at ``c`` (still a candidate to drop in
+    that call). A call pushes its entries as it goes, then evicts: a popped entry of an id the
+    call routes (its positive stamp) is set aside and pushed back afterwards, so victims are
     the best-to-drop live entries among the other residents (and, for the bypass optimum, the
     call's own misses). They always number enough: the exact rule drops only ids that rank
     below ``S`` others, none of them settled, so no stale entry is ever popped.
@@ -343,16 +301,14 @@ def _simulate(accesses: _Accesses, slots: int, *, bypass: bool,
     skip &= settled                   # ... that need no entry either
 
     compiled = compiled_loops(flat.size) if exact else None
-    if compiled is not None:
-        most_per_call = int(np.diff(before).max()) if calls else 0
-        resident, layer_missing, heap, scalars, own, tied = compiled.new_state(
-            id_space, accesses.num_layers, slots, most_per_call)
+    run = compiled if compiled is not None else bounds_loops.loops(compiled=False)
+    most_per_call = int(np.diff(before).max()) if calls else 0
+    state = run.new_state(id_space, accesses.num_layers, slots, most_per_call)
+    if compiled is None:  # the interpreter reads the access arrays by index without copies
+        flat_of, next_index_of, next_call_of = (memoryview(flat), memoryview(next_index),
+                                                memoryview(next_call))
     else:
-        state = _LoopState(slots=slots, id_space=id_space, calls=calls, unit=unit,
-                           resident=[0] * id_space, layer_missing=[0] * accesses.num_layers,
-                           flat=memoryview(flat), next_index=memoryview(next_index),
-                           next_call=memoryview(next_call))
-        loop = _bypass_loop if bypass else _belady_loop
+        flat_of, next_index_of, next_call_of = flat, next_index, next_call
     start = 0
     while start < flat.size:  # chunks of whole calls
         stop = min(start + _CHUNK, flat.size)
@@ -375,22 +331,22 @@ def _simulate(accesses: _Accesses, slots: int, *, bypass: bool,
             ends = np.where(last, accesses.layers[chunk_calls].astype(np.int64) + 1, 0)
             stamps = chunk_calls[last].astype(np.int64) + 1
             if compiled is None:
-                loop(state, v_flat.tolist(), keys.tolist(), stamps.tolist(), ends.tolist())
-            elif bypass:
-                compiled.bypass_chunk(resident, layer_missing, heap, scalars, slots, unit, calls,
-                                      v_flat, keys, stamps, ends, own, tied, flat, next_index,
-                                      next_call)
+                v_flat, keys, stamps, ends = (v_flat.tolist(), keys.tolist(), stamps.tolist(),
+                                              ends.tolist())
+            resident, layer_missing, heap, scalars, own, tied = state
+            if bypass:
+                run.bypass_chunk(resident, layer_missing, heap, scalars, slots, unit, calls,
+                                 v_flat, keys, stamps, ends, own, tied, flat_of, next_index_of,
+                                 next_call_of)
             else:
-                compiled.belady_chunk(resident, layer_missing, heap, scalars, slots, id_space,
-                                      v_flat, keys, stamps, ends, own)
+                run.belady_chunk(resident, layer_missing, heap, scalars, slots, id_space,
+                                 v_flat, keys, stamps, ends, own)
         start = stop
         if progress is not None:
             progress(stop, flat.size)
     if progress is not None and flat.size == 0:
         progress(0, 0)
-    if compiled is not None:
-        return layer_missing
-    return np.asarray(state.layer_missing, dtype=np.int64)
+    return np.asarray(state[1], dtype=np.int64)
 
 
 #: ``"0"``: simulate the optima with the Python loop even where Numba is installed; ``"1"``: with
@@ -401,189 +357,17 @@ COMPILED_BOUNDS_ENV = "PALLAS_CACHE_COMPILED_BOUNDS"
 _COMPILED_FROM = 500_000
 
 
-def compiled_loops(accesses: int | None = None):
-    """:mod:`pallas_cache.sizing.compiled_bounds` when Numba can be imported (the ``fast``
-    extra) and the loop is worth compiling (``accesses`` at least ``_COMPILED_FROM``, or
-    ``PALLAS_CACHE_COMPILED_BOUNDS=1``; never with ``=0``); else ``None`` (the Python loop)."""
+def compiled_loops(accesses: int | None = None) -> bounds_loops.Loops | None:
+    """The Numba-compiled loops (:func:`pallas_cache.sizing.bounds_loops.loops`) when Numba can
+    be imported (the ``fast`` extra) and the loop is worth compiling (``accesses`` at least
+    ``_COMPILED_FROM``, or ``PALLAS_CACHE_COMPILED_BOUNDS=1``; never with ``=0``); else ``None``
+    (the Python loop)."""
     choice = os.environ.get(COMPILED_BOUNDS_ENV, "")
     if choice == "0":
         return None
     if choice != "1" and accesses is not None and accesses < _COMPILED_FROM:
         return None
-    try:
-        from pallas_cache.sizing import compiled_bounds
-    except ImportError:
-        return None
-    return compiled_bounds
-
-
-@dataclass
-class _LoopState:
-    """What the simulation carries from one chunk to the next.
-
-    ``resident[f]`` is 0 for an id not resident, else a stamp: ``c + 1`` for the latest call
-    ``c`` that routed it while resident (a hit there, or a Belady miss, which is always
-    admitted), ``-(c + 1)`` for a bypass miss admitted at ``c`` (still a candidate to drop in
-    that call). A popped entry whose id carries the current call's positive stamp belongs to
-    that call and is pushed back after the evictions.
-    """
-
-    slots: int
-    id_space: int
-    calls: int
-    unit: int             # key = -(next use * unit + tag); live at call c iff next use > c
-    resident: list
-    layer_missing: list
-    flat: memoryview        # the access arrays, read by index without copies
-    next_index: memoryview
-    next_call: memoryview
-    heap: list = field(default_factory=list)
-    count: int = 0        # residents
-
-
-def _evict(state: _LoopState, over: int, stamp: int) -> None:
-    """Belady: pop the ``over`` furthest live entries not protected by ``stamp``; drop their ids."""
-    heap, resident, id_space, pop = state.heap, state.resident, state.id_space, heapq.heappop
-    own = []
-    for _ in range(over):
-        while True:
-            key = pop(heap)
-            victim = -key % id_space
-            if resident[victim] != stamp:
-                break
-            own.append(key)  # an id the call routes: protected, back in after the evictions
-        resident[victim] = 0
-    for key in own:
-        heapq.heappush(heap, key)
-
-
-def _evict_bypass(state: _LoopState, over: int, stamp: int) -> None:
-    """The bypass optimum's drops: the ``over`` worst candidates, ties on next use broken deeper.
-
-    Candidates with the same next use ``n`` (ids routed together at ``n``) are ranked by their
-    whole sequence of later uses, compared from the front (never again = infinitely far), the
-    higher flat id first when the sequences are equal. Ids never used again are dropped first,
-    in any order (dropping one or the other changes no later miss).
-    """
-    heap, resident, unit, pop = state.heap, state.resident, state.unit, heapq.heappop
-    flat_of, never = state.flat, state.calls
-    own = []
-    for _ in range(over):
-        while True:
-            key = pop(heap)
-            if resident[flat_of[-key % unit]] != stamp:
-                break
-            own.append(key)
-        use = -key // unit
-        if use < never and heap and -heap[0] // unit == use:
-            tied = [key]
-            while heap and -heap[0] // unit == use:
-                other = pop(heap)
-                (own if resident[flat_of[-other % unit]] == stamp else tied).append(other)
-            key = tied[0]
-            for other in tied[1:]:
-                if _ranks_later(state, -other % unit, -key % unit):
-                    key = other
-            for other in tied:
-                if other != key:
-                    heapq.heappush(heap, other)
-        resident[flat_of[-key % unit]] = 0
-    for key in own:
-        heapq.heappush(heap, key)
-
-
-def _ranks_later(state: _LoopState, first: int, second: int) -> bool:
-    """Whether access ``first``'s id is worse to keep than ``second``'s (same next use)."""
-    next_index, next_call, never = state.next_index, state.next_call, state.calls
-    a, b = next_index[first], next_index[second]
-    while True:  # a, b: the two ids' accesses at the same call
-        use_a, use_b = next_call[a], next_call[b]
-        if use_a != use_b:
-            return use_a > use_b
-        if use_a == never:
-            return state.flat[a] > state.flat[b]
-        a, b = next_index[a], next_index[b]
-
-
-def _compact(state: _LoopState, stamp: int) -> None:
-    """Drop stale entries (next use at or before the current call ``stamp - 1``)."""
-    live = -stamp * state.unit
-    state.heap = [key for key in state.heap if key <= live]
-    heapq.heapify(state.heap)
-
-
-def _belady_loop(state: _LoopState, flats: list, keys: list, stamps: list, ends: list) -> None:
-    """Belady over one chunk: every miss admitted.
-
-    Per access: its flat id, key (0: no entry) and ``end`` (layer + 1 on the call's last access,
-    else 0); per call: its stamp ``c + 1``.
-    """
-    resident, layer_missing, slots = state.resident, state.layer_missing, state.slots
-    heap, push, count = state.heap, heapq.heappush, state.count
-    compact_above = 2 * slots + 1024
-    misses = 0
-    stamp_of_call = iter(stamps)
-    stamp = next(stamp_of_call)
-    for flat, key, end in zip(flats, keys, ends):
-        if not resident[flat]:
-            misses += 1
-        resident[flat] = stamp
-        if key:
-            push(heap, key)
-        if end:  # the call's last access: count, evict
-            if misses:
-                layer_missing[end - 1] += misses
-                count += misses
-                misses = 0
-                if count > slots:
-                    state.heap = heap
-                    _evict(state, count - slots, stamp)
-                    count = slots
-            if len(heap) > compact_above:
-                _compact(state, stamp)
-                heap = state.heap
-            stamp = next(stamp_of_call, 0)
-    state.heap, state.count = heap, count
-
-
-def _bypass_loop(state: _LoopState, flats: list, keys: list, stamps: list, ends: list) -> None:
-    """The bypass optimum over one chunk (arguments as :func:`_belady_loop`).
-
-    Deliberately a twin of :func:`_belady_loop` rather than one loop with a ``bypass`` flag: this
-    is the per-access Python hot loop of both bounds, and a branch per access costs more than the
-    ten shared lines."""
-    resident, layer_missing, slots = state.resident, state.layer_missing, state.slots
-    heap, push, count = state.heap, heapq.heappush, state.count
-    dead = -state.calls * state.unit  # keys <= dead: never used again
-    compact_above = 2 * slots + 1024
-    misses = 0
-    stamp_of_call = iter(stamps)
-    stamp = next(stamp_of_call)
-    for flat, key, end in zip(flats, keys, ends):
-        if resident[flat]:  # a hit: kept through the call (protected by its stamp)
-            resident[flat] = stamp
-            if key:
-                push(heap, key)
-        else:
-            misses += 1
-            if key > dead:  # used again: admitted unless ranked out below
-                resident[flat] = -stamp
-                count += 1
-                if key:
-                    push(heap, key)
-        if end:
-            if misses:
-                layer_missing[end - 1] += misses
-                misses = 0
-                if count > slots:
-                    state.heap = heap
-                    _evict_bypass(state, count - slots, stamp)
-                    count = slots
-            if len(heap) > compact_above:
-                _compact(state, stamp)
-                heap = state.heap
-            stamp = next(stamp_of_call, 0)
-    state.heap, state.count = heap, count
+    return bounds_loops.loops(compiled=True)
 
 
 # ---- the stationary oracle ------------------------------------------------------------------
