@@ -80,7 +80,7 @@ def step_scan(policy, rules):
 
 def warmed(L, E, S, policy):
     layers, routes = uniform_routes(L, E, -(-WARM_CALLS // L), seed=1)
-    state, _ = step_scan(policy, ops.Rules.of(True))(pc.init(L, E, S), layers, routes)
+    state, _ = step_scan(policy, ops.Rules.of(hybrid=True))(pc.init(L, E, S), layers, routes)
     return state
 
 
@@ -150,7 +150,7 @@ def measure_steps(repeats):
                           ("no fetch order", (real[0], no_order, real[2])),
                           ("no rebase check", real[:2] + (no_rebase,))):
             patch(*fns)
-            variants[name] = step_scan(policy, ops.Rules.of(True))
+            variants[name] = step_scan(policy, ops.Rules.of(hybrid=True))
             if name == "step":
                 kernels = loop_kernels(
                     variants[name].lower(state, layers, routes).compile().as_text())
@@ -179,9 +179,11 @@ def sweep_programs():
             return lax.scan(body, state, (layers, routes))[0]
         return jax.jit(jax.vmap(one, in_axes=(0, 0, in_axes_rules, None, None)))
 
-    data_rules = stack([ops.Rules.of(True, o, a) for o, a in RULE_SETS for _ in fractions])
+    data_rules = stack([ops.Rules.of(hybrid=True, order=o, admission=a)
+                        for o, a in RULE_SETS for _ in fractions])
     data = (program(None, 0), stack(policies * len(RULE_SETS)), data_rules)
-    grouped = [(program(None, None), stack(policies), ops.Rules.of(True, o, a))
+    grouped = [(program(None, None), stack(policies),
+                ops.Rules.of(hybrid=True, order=o, admission=a))
                for o, a in RULE_SETS]
     return data, grouped
 

@@ -11,7 +11,7 @@ The split balances the two sides of a hybrid step: fetching ``F`` of ``M`` misse
 the integer near ``q * M`` that minimises the larger of the two.
 
 :class:`FetchOrder` says which misses win the scarce fetches; :class:`Admission` says whether a
-step may fetch more than the split (the seed-000 promotion and its alternative). Both are static
+step may fetch more than the split (the promotion rule and its alternative). Both are static
 arguments of the ops (Python values fixed at trace time; ``static_argnames`` under ``jit``), and
 both accept their string values (``"recency"``, ``"reuse"``).
 """
@@ -48,7 +48,7 @@ class FetchOrder(enum.Enum):
 class Admission(enum.Enum):
     """Whether a hybrid step may fetch beyond the split (docs/semantics.md §5.5)."""
 
-    PROMOTE_ONE = "promote_one"  # the seed-000 rule: one recurring miss into an empty slot
+    PROMOTE_ONE = "promote_one"  # one recurring miss into an empty slot
     NONE = "none"  # the plain split
     REUSE = "reuse"  # admit further misses while they are more recent than their victims
 
