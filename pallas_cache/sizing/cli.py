@@ -72,7 +72,7 @@ From vLLM (--enable-return-routed-experts): a directory with one .npy per reques
 (or an .npz of them with --trace-format vllm); each request is one sequence.
 From transformers router logits: np.save("routes.npy",
   pallas_cache.sizing.routes_from_router_logits(out.router_logits, top_k)).
-From a JAX decode loop: pallas_cache.sizing.trace_from_routes or RouteRecorder (README).
+From a JAX decode loop: pallas_cache.sizing.trace_from_routes or RouteRecorder (docs/replay.md).
 
 hit_rate = 1 - missing/active, counted per layer-call over distinct experts. The bounds:
   belady_hit_rate          the offline optimum when every miss is admitted (evict the resident
