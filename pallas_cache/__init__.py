@@ -1,23 +1,8 @@
 """pallas_cache: the GPU expert slot cache of offloaded MoE inference, as pure JAX functions.
 
-Expert weights live in host RAM; a pool of ``S`` device slots holds the experts in use, shared by
-all layers (global LRU). Each MoE layer call asks the cache which routed experts are resident,
-which must be copied in (and where, evicting whom), and -- in the hybrid mode -- which misses the
-CPU computes instead. The cache computes that metadata only; the helpers that apply a plan to
-weights (``apply_copy_plan``, and ``moe_hybrid``, whose ``cpu_partial`` runs the plan's CPU
-experts on the host CPU) are in :mod:`pallas_cache.moe` and :mod:`pallas_cache.hybrid`.
-
-The state is an immutable pytree and every operation a pure function, so a whole decode step is
-one compiled program::
-
-    import pallas_cache as pc
-    state = pc.init(num_layers=8, num_experts=16, cache_size=64)
-    state, plan = pc.ensure_hybrid(state, layer, expert_ids, pc.FetchPolicy.fraction(0.4))
-
-This namespace is the cache API. The report and view types live in :mod:`pallas_cache.host`, the
-kernel entry points in :mod:`pallas_cache.kernels.dispatch`, the dense MoE references in
-:mod:`pallas_cache.testing`, and the offline sizing tool in :mod:`pallas_cache.sizing`. See
-docs/semantics.md for the contract and docs/design.md for the reasons behind it.
+This namespace is the cache API (``init``, ``ensure``, ``ensure_hybrid``, ...); the report and
+view types are in :mod:`pallas_cache.host`, the dense MoE references in :mod:`pallas_cache.testing`
+and the offline sizing tool in :mod:`pallas_cache.sizing` (docs/semantics.md is the contract).
 """
 
 from pallas_cache.errors import (

@@ -1,24 +1,7 @@
-"""Keeping the int32 LRU clock from wrapping (docs/semantics.md §5.12, docs/design.md).
+"""Keeping the int32 clock from wrapping: the dense-rank rebase (docs/semantics.md §5.12).
 
-JAX computes in int32 unless ``jax_enable_x64`` is on, and a library must not require that flag.
-A decode loop of 48 layers at 100 tokens/s advances the clock by 2**31 in about five days, after
-which ``usage`` comparisons would silently invert and the LRU would evict the newest slots.
-
-Only the *order* of stamps matters to every decision (victims by ascending usage, misses by
-descending recency, REUSE comparing a miss's recency against its victim's usage), so when the
-clock reaches ``state.rebase_threshold`` every live stamp is replaced by its dense rank (1-based)
-among all live stamps, ``usage``, ``recency`` and ``step`` ranked together:
-
-* live = ``usage >= 1``, ``recency >= 0``, and ``step``; dead values keep their sentinel
-  (usage 0 for never-filled or prefill-emptied slots, the smallest int32 for forgotten slots,
-  recency -1 for never-routed experts);
-* equal stamps stay equal and every pairwise order (usage/usage, recency/recency, recency/usage)
-  is unchanged, so the next call decides exactly as it would have without the rebase;
-* every occupied slot keeps ``usage >= 1`` and ``step`` becomes the largest rank.
-
-The check runs at the start of each clock-advancing call, before ``step += 1``, and only when the
-call is accepted (a refused call leaves the state unchanged). The NumPy reference implements the
-same renumbering at the same threshold.
+Every live stamp (``usage``, ``recency``, ``step``) is renumbered by its rank once the clock
+reaches ``state.rebase_threshold``; the XLA step's rebase carries its own batching rule.
 """
 
 from __future__ import annotations

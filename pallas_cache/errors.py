@@ -1,17 +1,7 @@
-"""Every error rule of the library, in one place (docs/semantics.md §6, docs/design.md).
+"""The error bits of traced misuse, and the checks that turn them into exceptions.
 
-Two kinds of misuse, handled two ways:
-
-* **Static misuse** -- a float array of expert ids, a policy of the wrong rank, an unknown enum,
-  bank sizes that are not positive ints -- is known from Python values, dtypes and shapes, so it
-  raises ``TypeError``/``ValueError`` at call or trace time, naming the offending value. The
-  coercers of :mod:`pallas_cache.validate` implement it.
-* **Value errors** -- an expert id outside ``[-1, E)``, a layer outside ``[0, L)``, a slot outside
-  ``[0, S)``, prefill misuse, a cache size outside ``[E, capacity]`` -- depend on traced values, which a jitted decode loop cannot
-  inspect without a host sync. The op then returns the **input state unchanged** and a plan whose
-  ``error`` field carries the bits below (an empty plan otherwise: -1 slots, zero counts). Nothing
-  is ever half-applied. :func:`check` turns the bits into a readable exception eagerly;
-  :func:`checked` is the ``jax.experimental.checkify`` form that raises under ``jit``.
+A refused call returns its input state and a plan whose ``error`` carries the bits below
+(docs/semantics.md §6); :func:`check` raises eagerly, :func:`checked` under ``jit`` (checkify).
 """
 
 from __future__ import annotations

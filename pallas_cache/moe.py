@@ -1,22 +1,8 @@
-"""Applying plans to real weights: the masked copy of a plan's fetches (docs/semantics.md §5.13).
+"""Applying a plan to real weights: the masked copy of its fetches (docs/semantics.md §5.13).
 
-The cache itself only computes metadata; a decode loop still has to **copy** the fetched experts
-from the host bank into their device slots (:func:`apply_copy_plan`):
-``pool[dst_slots[i]] = host_bank[src_rows[i]]`` for ``i < count``. It is a masked scatter: the plan
-is fixed-size and ``-1``-padded, and a padding entry must write *nothing*. JAX normalises a
-negative scatter index (``-1`` would silently overwrite the last slot), so padding entries are
-pointed at the out-of-range index ``S`` and the scatter uses ``mode="drop"``. Only the ``count``
-fetched rows are gathered from the host bank, so only they cross the host-device link. The
-function is pure (eager, under ``jax.jit``, inside ``lax.scan`` with a traced layer); jit it with
-the pool donated, ``jax.jit(apply_copy_plan, donate_argnums=0)``, to update in place (donation is
-ignored, with a warning, on CPU). Weights may be one array or any pytree of arrays: pool leaves
-are ``[S, ...]``, host-bank leaves ``[E, ...]`` (one layer) or ``[L, E, ...]`` with ``layer=``.
-:func:`put_host_bank` places a bank in the device's ``pinned_host`` memory where the backend has
-it; a host-resident bank is read one row-sized slice per fetched row, each copied to where it
-is wanted (:func:`gather_rows`; XLA:GPU does not compile a gather from host memory), so only the
-fetched rows cross the link; elsewhere the bank stays in device memory with identical results.
-The dense MoE references that check a plan end to end (``moe_dense``, ``moe_combine``) live in
-:mod:`pallas_cache.testing`.
+:func:`apply_copy_plan` writes ``pool[dst_slots[i]] = host_bank[src_rows[i]]`` for ``i < count``
+(padding writes nothing); :func:`put_host_bank` places a bank in ``pinned_host`` memory where the
+backend has it, and :func:`gather_rows` reads only the fetched rows from it.
 """
 
 from __future__ import annotations

@@ -242,7 +242,8 @@ class Rules:
     reuse: bool | jax.Array
 
     @classmethod
-    def of(cls, hybrid: bool, order=FetchOrder.RECENCY, admission=Admission.PROMOTE_ONE) -> "Rules":
+    def of(cls, *, hybrid: bool, order=FetchOrder.RECENCY,
+           admission=Admission.PROMOTE_ONE) -> "Rules":
         """The rules of ``ensure`` (``hybrid=False``, LOWEST_ID, NONE) or of ``ensure_hybrid``
         with ``order``/``admission`` (enums or their string values), as Python bools."""
         order, admission = FetchOrder.coerce(order), Admission.coerce(admission)
@@ -442,7 +443,8 @@ def ensure(state: CacheState, layer, expert_ids, *, backend=None):
       TypeError: ``expert_ids`` or ``layer`` is not an integer type.
     """
     return _ensure(state, validate.as_index("layer", layer), validate.as_routes(expert_ids),
-                   FetchPolicy.full(), Rules.of(False, FetchOrder.LOWEST_ID, Admission.NONE),
+                   FetchPolicy.full(),
+                   Rules.of(hybrid=False, order=FetchOrder.LOWEST_ID, admission=Admission.NONE),
                    backend=backends.resolve_backend(backend))
 
 
@@ -465,7 +467,7 @@ def ensure_hybrid(state: CacheState, layer, expert_ids, policy: FetchPolicy, *,
     Raises:
       TypeError/ValueError: bad input types, a policy that is not scalar, an unknown enum.
     """
-    rules = Rules.of(True, order, admission)
+    rules = Rules.of(hybrid=True, order=order, admission=admission)
     evictions.check_admission(state.eviction, Admission.coerce(admission) is Admission.REUSE)
     if not isinstance(policy, FetchPolicy):
         raise TypeError(f"policy must be a FetchPolicy, got {policy!r}")

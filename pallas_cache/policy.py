@@ -1,19 +1,8 @@
 """How many misses a hybrid step fetches, and which ones (docs/semantics.md §5.3-§5.5).
 
-A :class:`FetchPolicy` is a pytree of two traced int32 scalars, so changing the fraction never
-recompiles and a ``vmap`` can sweep it. The float a user passes to :meth:`FetchPolicy.fraction` is
-turned into a 16-bit fixed-point fraction ``f / 65536`` on the host, once: no float ever enters
-the on-device decision, so the JAX code, the Pallas kernels and the NumPy reference cannot
-disagree by a rounding.
-
-The split balances the two sides of a hybrid step: fetching ``F`` of ``M`` misses costs about
-``F * (1 - q)`` (link time, while the CPU idles) against ``(M - F) * q`` (CPU time), and ``F`` is
-the integer near ``q * M`` that minimises the larger of the two.
-
-:class:`FetchOrder` says which misses win the scarce fetches; :class:`Admission` says whether a
-step may fetch more than the split (the seed-000 promotion and its alternative). Both are static
-arguments of the ops (Python values fixed at trace time; ``static_argnames`` under ``jit``), and
-both accept their string values (``"recency"``, ``"reuse"``).
+:class:`FetchPolicy` (the split, a 16-bit fixed-point fraction as traced int32 scalars),
+:class:`FetchOrder` (which misses win the fetches) and :class:`Admission` (whether a step may
+fetch beyond the split); the last two are static and accept their string values.
 """
 
 from __future__ import annotations
@@ -48,7 +37,7 @@ class FetchOrder(enum.Enum):
 class Admission(enum.Enum):
     """Whether a hybrid step may fetch beyond the split (docs/semantics.md §5.5)."""
 
-    PROMOTE_ONE = "promote_one"  # the seed-000 rule: one recurring miss into an empty slot
+    PROMOTE_ONE = "promote_one"  # one recurring miss into an empty slot
     NONE = "none"  # the plain split
     REUSE = "reuse"  # admit further misses while they are more recent than their victims
 

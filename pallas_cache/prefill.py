@@ -1,26 +1,8 @@
 """Prefill double buffers: staging layer ``l + 1`` while layer ``l`` computes (docs/semantics.md §5.11).
 
-The two staging buffers **borrow** slots ``[0, 2E)`` of the decode pool: buffer ``b = layer % 2``
-is slots ``[b*E, (b+1)*E)``, and position ``e`` of a buffer holds expert ``e``. Borrowed is not
-owned: those slots are rewritten every other layer within a chunk, so
-
-* an expert counts as already on the device (a *hit*, gathered device-side) only if its slot in
-  the chunk's snapshot is ``>= 2E``; anything below, ``-1`` included, is a miss by definition;
-* staging a layer invalidates its buffer: occupants lose residency, the slots become empty with
-  usage 0 (the next decode miss takes them first instead of evicting a live resident);
-* nothing staged is ever registered as resident.
-
-The plan is fixed-size (docs/design.md): its ``gather``, ``runs`` and ``transfers`` parts are
-``-1``-padded arrays with counts. ``bank_feat_bytes`` (per-expert row size of each weight bank) is
-static, so which banks are small (< 256 KiB: one whole-layer entry, never gathered) is decided at
-trace time. Byte counts can exceed int32, so they are computed on the host by
-:meth:`PrefillPlan.entry_bytes`.
-
-Refusals set error bits and leave the state unchanged: ERR_LAYER, ERR_PREFILL_NOT_BEGUN (no
-``begin_prefill``), ERR_PREFILL_BUSY (the buffer holds another layer that was not released;
-reusing it would overwrite bytes a running multiply reads), ERR_CACHE_SIZE (the usable size, a
-traced value, is below ``2E``: docs/semantics.md §5.15). A pool whose *capacity* is below ``2E``
-can never lend the buffers; that is static and raises :class:`PrefillDoesNotFit`.
+The two buffers borrow slots ``[0, 2E)`` of the decode pool; the plans are fixed-size and
+``-1``-padded, refusals set error bits, and a pool too small to lend the buffers raises
+:class:`PrefillDoesNotFit`.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """Dense MoE references for tests and examples: the oracle a plan is checked against end to end.
 
-:func:`moe_dense` reads every routed expert from the host bank; :func:`moe_combine` computes the
-hybrid output of a plan -- routes with ``slots >= 0`` read their expert from the device pool
-(after :func:`~pallas_cache.moe.apply_copy_plan`), routes with ``cpu`` from the host bank, the
-router's gates weighting both, padding contributing nothing. Equal outputs are *the* end-to-end
-check that a plan is right: a route pointing at the wrong slot, a dropped copy, or a CPU route that
-also got a slot all change the result. These are references, not an engine: the CPU partial is
-computed on the device from gathered host rows, and both partials are evaluated for every route
-and masked (two expert evaluations per route). Pure and jittable, like :mod:`pallas_cache.moe`.
+:func:`moe_dense` reads every routed expert from the host bank; :func:`moe_combine` computes a
+plan's hybrid output (slots from the pool, CPU routes from the bank), evaluating both partials
+for every route and masking. Pure and jittable.
 """
 
 from __future__ import annotations

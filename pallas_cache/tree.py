@@ -1,11 +1,7 @@
 """The one pytree idiom of the library: a frozen dataclass registered with JAX.
 
-Every state, plan and policy of ``pallas_cache`` is declared with :func:`pytree_dataclass`: a
-frozen :func:`dataclasses.dataclass` passed to :func:`jax.tree_util.register_dataclass`, which
-infers the fields. Every field is a traced leaf (an array, or a nested pytree dataclass) unless it
-is declared with :func:`static_field`, which makes it part of the tree structure (hashable, fixed
-at trace time). The instances gain ``replace(**changes)`` (``dataclasses.replace``), as optax and
-flax structs have.
+:func:`pytree_dataclass` makes every field a traced leaf unless :func:`static_field` declares it
+part of the tree structure; instances gain ``replace(**changes)``.
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
-"""Static input checks of the library, in one place, and the int32 range everything lives in.
+"""Static input checks (types, dtypes, shapes, enums) that raise at call or trace time.
 
-Static misuse -- a float array of expert ids, a bool where a count belongs, bank sizes that are not
-positive ints -- is known from Python values, dtypes and shapes, so it raises ``TypeError`` /
-``ValueError`` at call or trace time, naming the offending value (docs/semantics.md §6). Value
-errors that depend on traced numbers are not checked here: they become error bits
-(``pallas_cache.errors``). The cache computes in int32 only; :data:`INT32_MIN` and
-:data:`INT32_MAX` are that range (the smallest value is also the usage of a forgotten slot).
+They name the offending value (docs/semantics.md §6); :data:`INT32_MIN` and :data:`INT32_MAX`
+are the int32 range the cache computes in.
 """
 
 from __future__ import annotations

@@ -109,7 +109,7 @@ def test_the_blocked_pool_scan_equals_one_block(eviction):
     the pool is scanned in blocks of 4 slots."""
     L, E, S, C = 3, 4, 13, 16
     state = pc.init(L, E, S, capacity=C, eviction=eviction)
-    rules = Rules.of(True, "recency", "promote_one")
+    rules = Rules.of(hybrid=True, order="recency", admission="promote_one")
     policy = pc.FetchPolicy.full()
     blocked = jax.jit(lambda s, l, r: fused.fused_step(s, l, r, policy, rules, interpret=True,
                                                        block=4))

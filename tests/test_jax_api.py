@@ -117,7 +117,7 @@ def brute_force_promotion(usage, id_of_slot, step, recency, miss, fraction16, nu
 
 
 @given(data=st.data())
-def test_promotion_decision_is_the_seed_000_rule(data):
+def test_promotion_decision_is_the_promote_one_rule(data):
     S = data.draw(st.sampled_from([1, 8]))
     E = data.draw(st.sampled_from([1, 6]))
     usage = data.draw(st.lists(st.integers(0, 5), min_size=S, max_size=S))

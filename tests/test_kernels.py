@@ -42,7 +42,7 @@ def np_victims(usage, step, n, num_out):
 # --------------------------------------------------------------------------------------------
 
 L, E, C = 2, 4, 8
-_RULES = Rules.of(False, "lowest_id", "none")
+_RULES = Rules.of(hybrid=False, order="lowest_id", admission="none")
 
 
 @functools.cache

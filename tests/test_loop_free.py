@@ -78,7 +78,8 @@ def ops_under_test(backend):
                lambda s, l, r, o=order, a=admission: pc.ensure_hybrid(
                    s, l, r, POLICY, order=o, admission=a, backend=backend))
     yield "ensure_with_rules[traced rules]", lambda s, l, r: ensure_with_rules(
-        s, l, r, POLICY, jax.tree.map(jnp.asarray, Rules.of(True, "recency", "reuse")),
+        s, l, r, POLICY,
+        jax.tree.map(jnp.asarray, Rules.of(hybrid=True, order="recency", admission="reuse")),
         backend=backend)
 
 
@@ -145,7 +146,8 @@ def test_static_rules_compile_away():
     hybrid = lambda order, admission: (lambda s, l, r: pc.ensure_hybrid(
         s, l, r, POLICY, order=order, admission=admission, backend="xla"))
     traced = _size(lambda s, l, r: ensure_with_rules(
-        s, l, r, POLICY, jax.tree.map(jnp.asarray, Rules.of(True, "recency", "reuse"))))
+        s, l, r, POLICY,
+        jax.tree.map(jnp.asarray, Rules.of(hybrid=True, order="recency", admission="reuse"))))
     plain = _size(lambda s, l, r: pc.ensure(s, l, r, backend="xla"))
     none = _size(hybrid("recency", "none"))
     promote = _size(hybrid("recency", "promote_one"))

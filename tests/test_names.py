@@ -41,3 +41,17 @@ def test_the_top_level_namespace_is_exactly_all():
     for gone in ("raise_on_error", "moe_dense", "moe_combine", "select_victims",
                  "promotion_decision"):
         assert not hasattr(pc, gone), gone
+
+
+def test_names_that_say_what_they_hold():
+    """FAILS if ``Rules.of`` takes its hybrid flag as a bare positional bool again, or the
+    promotion scenarios' table is still named after the seed document it came from."""
+    import pytest
+
+    from pallas_cache.ops import Rules
+    from pallas_cache.sizing import scenarios
+
+    with pytest.raises(TypeError):
+        Rules.of(True, "recency", "promote_one")
+    assert Rules.of(hybrid=False, order="lowest_id", admission="none").hybrid is False
+    assert hasattr(scenarios, "promotion_table") and not hasattr(scenarios, "seed000_table")

@@ -3,7 +3,7 @@
 ``examples/explore_cache.ipynb`` is executed once per test session with nbclient, in a kernel
 running *this* interpreter (so it sees the same pallas_cache and jax as the tests), with the
 repository root as working directory. The tests then read the outputs of named cells (cell ids):
-the describe/diff tables of the hand-stepped cache, the promotion diff of the seed-000 rule and
+the describe/diff tables of the hand-stepped cache, the promotion diff of the PROMOTE_ONE rule and
 the PNG of the replay plot. A separate, fast test checks that the committed notebook carries no
 outputs, so executed outputs are never committed.
 
@@ -158,8 +158,8 @@ def test_section_2_promotion_installs_the_recurring_expert(executed):
     table = _text(executed["b-run"])
     assert re.search(r"promote_one\s+2\s+1\s+0\s+4", table)  # step 2: one copy, no CPU route
     assert re.search(r"none\s+4\s+0\s+1\s+5", table)  # step 4: still on the CPU, 5 empty slots
-    seed000 = _text(executed["b-table"])
-    assert re.search(r"CPU-assigned routes\s+2104\s+88", seed000)
+    promotion = _text(executed["b-table"])
+    assert re.search(r"CPU-assigned routes\s+2104\s+88", promotion)
 
 
 def test_section_3_replay_table_and_plot(executed):

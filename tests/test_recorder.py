@@ -117,18 +117,18 @@ def test_recorder_misuse_and_several_sequences():
 
 
 def test_the_readme_recorder_snippet_runs_and_replays_to_its_counts(tmp_path, monkeypatch):
-    """FAILS if the README's recorder snippet no longer runs, or its claim (the trace it writes
-    replays to the counts of the loop's own cache) is false."""
+    """FAILS if docs/replay.md's recorder snippet no longer runs, or its claim (the trace it
+    writes replays to the counts of the loop's own cache) is false."""
     import re
     from pathlib import Path
 
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    text = (Path(__file__).resolve().parents[1] / "docs" / "replay.md").read_text()
     blocks = [b for b in re.findall(r"^```python[ \t]*\n(.*?)^```", text, re.M | re.S)
               if "init_recorder(" in b]
-    assert len(blocks) == 1, "the README has one python block using init_recorder"
+    assert len(blocks) == 1, "docs/replay.md has one python block using init_recorder"
     monkeypatch.chdir(tmp_path)
     scope = {"__name__": "readme_recorder"}
-    exec(compile(blocks[0], "README.md:recorder", "exec"), scope)
+    exec(compile(blocks[0], "docs/replay.md:recorder", "exec"), scope)
     (result,) = replay(load_trace(tmp_path / "routes.jsonl"),
                        [ReplayConfig(scope["S"], "fraction:0.4")], bounds=False,
                        progress=lambda line: None)

@@ -138,7 +138,7 @@ def test_the_cli_refuses_a_cache_that_cannot_hold_a_layer(capsys):
     assert code == 2 and "cannot hold one layer" in capsys.readouterr().err
 
 
-def test_the_scenarios_command_prints_the_seed_000_table(capsys):
+def test_the_scenarios_command_prints_the_promotion_table(capsys):
     assert cli.main(["scenarios"]) == 0
     out = capsys.readouterr().out
     rows = [line.split()[-2:] for line in out.splitlines()[2:]]

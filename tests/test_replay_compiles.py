@@ -175,11 +175,12 @@ def test_rules_every_lane_shares_are_compiled_in():
     from pallas_cache.policy import FetchPolicy
     from pallas_cache.state import init
 
-    lanes = [Rules.of(True, "recency", "promote_one"), Rules.of(True, "recency", "none")]
+    lanes = [Rules.of(hybrid=True, order="recency", admission="promote_one"),
+             Rules.of(hybrid=True, order="recency", admission="none")]
     fixed = sweep._fixed_rules(lanes)
     assert dict(fixed) == {"hybrid": True, "by_recency": True, "reuse": False}
-    assert sweep._fixed_rules(lanes + [Rules.of(True, "recency", "reuse")]) == (
-        ("hybrid", True), ("by_recency", True))
+    reuse = Rules.of(hybrid=True, order="recency", admission="reuse")
+    assert sweep._fixed_rules(lanes + [reuse]) == (("hybrid", True), ("by_recency", True))
     batch = (sweep._stack([init(3, 4, 6)] * 2), np.zeros(2, np.int32),
              np.zeros((2, 3, 3), np.int32),
              sweep._stack([FetchPolicy(np.int32(0), np.int32(1))] * 2), sweep._stack(lanes))

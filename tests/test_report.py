@@ -135,11 +135,11 @@ def test_cli_formats_and_the_json_alias(capsys):
 
 
 def test_readme_column_legend_is_the_schema():
-    """FAILS if the README's column table misses a record key or says something else than
+    """FAILS if docs/replay.md's column table misses a record key or says something else than
     ``--help`` (both come from COLUMN_LEGEND)."""
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    readme = (Path(__file__).resolve().parents[1] / "docs" / "replay.md").read_text(encoding="utf-8")
     rows = [line for line in readme.splitlines() if line.startswith("| `")]
     legend = {line.split("`")[1]: line.split(" | ", 1)[1].rstrip(" |").replace("\\|", "|")
               for line in rows}

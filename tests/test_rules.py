@@ -1,7 +1,7 @@
 """The decode rules, one test per rule, each run on every adapter (conftest.py).
 
 The rules of the Rust seed's test module, per-layer stats and the routing histogram, the skew
-report, and the seed-000 admission rules (docs/semantics.md §3-§5, §8, §10), restated once against
+report, and the admission rules of the promotion scenarios (docs/semantics.md §3-§5, §8, §10), restated once against
 the adapter fixture: the NumPy reference and the JAX functions eagerly; under an outer ``jit`` for
 ``@pytest.mark.traced`` tests, and with the Pallas kernels in the interpreter for
 ``@pytest.mark.kernels`` tests (conftest.py says why; the deep profile runs all four). Where the naive implementation is a real temptation the docstring says how the
@@ -479,19 +479,19 @@ def test_routing_skew_is_absent_until_routing_is_observed(adapter):
     assert c.routing_skew() is None
 
 
-# ---- the seed-000 admission rules (docs/semantics.md §5.5) -----------------------------------
+# ---- the promotion scenarios (docs/semantics.md §5.5) ------------------------------------------
 # The table itself runs through pallas_cache.sizing.scenarios (one compiled lax.scan per
 # scenario); the reference agrees with it step by step through the lockstep suite.
 
 
-def test_the_seed_000_table_without_promotion():
+def test_the_promotion_table_without_promotion():
     one = scenarios.one_active_layer("none")
     assert (one.fetches, one.cpu_routes) == (0, 256), "expert 7 stays on the CPU forever"
     cold = scenarios.all_layers_cold("none")
     assert (cold.fetches, cold.cpu_routes, cold.empty_slots) == (56, 2104, 8)
 
 
-def test_the_seed_000_table_with_promote_one():
+def test_the_promotion_table_with_promote_one():
     """FAILS without the rule: a single miss at 0.4 rounds to zero fetches forever."""
     one = scenarios.one_active_layer("promote_one")
     assert (one.fetches, one.cpu_routes) == (1, 1)

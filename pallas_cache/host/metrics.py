@@ -1,12 +1,8 @@
-"""The metrics of a routing histogram, in one place: the cache's skew report, the stationary oracle
-and a trace's statistics all read them from :func:`histogram_metrics` (docs/semantics.md §5.10).
+"""The metrics of a routing histogram row (docs/semantics.md §5.10): routes, working set,
+experts covering 90%, normalised entropy and the share of the ``k`` hottest experts.
 
-A histogram row counts how often each expert of one layer was routed to (duplicates counted,
-padding ignored). From it: the routes, the working set (experts routed at least once), the
-number of hottest experts covering 90% of the routes, the normalised entropy
-``-sum p ln p / ln E`` (0.0 when ``E == 1``) and the share of the ``k`` hottest experts (the
-stationary oracle's hit rate at ``k`` slots, with ``k`` from :func:`oracle_slots_for`). Host-side
-NumPy, float64, vectorised over rows.
+:func:`histogram_metrics` serves the skew report, the stationary oracle and a trace's statistics
+(host-side NumPy, float64, vectorised over rows).
 """
 
 from __future__ import annotations

@@ -1,16 +1,6 @@
 """The offline sizing tool: routing traces in, replays of many cache configurations out.
 
-Layers: :mod:`~pallas_cache.sizing.traces` (the trace type and its readers),
-:mod:`~pallas_cache.sizing.synthetic` (seeded synthetic traces), :mod:`~pallas_cache.sizing.bounds`
-(Belady's optimum, the bypass optimum and the stationary oracle), :mod:`~pallas_cache.sizing.sweep` (the compiled
-sweep; :mod:`~pallas_cache.sizing.progress` draws its progress),
-:mod:`~pallas_cache.sizing.cli` (``pallas-cache replay``) and
-:mod:`~pallas_cache.sizing.scenarios` (the seed-000 table); :func:`records`/:func:`format_records`
-(:mod:`~pallas_cache.sizing.report`: one record schema, five formats) and :func:`plot`
-(:mod:`~pallas_cache.sizing.plotting`: the sweep as a figure) are what the CLI and the notebook
-print and draw. Routing from elsewhere: :mod:`~pallas_cache.sizing.engines` (router logits),
-:mod:`~pallas_cache.sizing.recorder` (a JAX decode loop's routes) and the vLLM and Parquet
-readers behind :func:`load_trace`.
+``pallas-cache replay`` is its command line; docs/replay.md describes its output and inputs.
 """
 
 from pallas_cache.sizing.bounds import belady, bypass_optimum, stationary_oracle

@@ -1,11 +1,7 @@
 """Rough measurements of the two bandwidths of the cost model (docs/semantics.md §11.1).
 
-``B_link``: a host-to-device ``jax.device_put`` of a block of host memory (pageable NumPy memory,
-so a lower bound of what pinned buffers reach). ``B_cpu``: the expert bytes per second a
-one-token matrix-vector product streams through on the CPU (float32 NumPy; a serving engine's own
-kernels, quantized or not, stream at their own rate). Both are medians of a few timed runs after
-a warm-up; they are a starting point for ``--link-bandwidth`` / ``--cpu-bandwidth``, to be
-replaced by the serving engine's own numbers when those are known.
+``B_link`` from a ``jax.device_put`` of host memory, ``B_cpu`` from a one-token matrix-vector
+product in NumPy; medians after a warm-up, printed as ``pallas-cache replay`` flags.
 """
 
 from __future__ import annotations

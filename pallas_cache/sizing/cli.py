@@ -4,7 +4,7 @@
 trace through a grid of cache sizes and policies and prints, for each configuration, the hit rate
 next to the offline bounds; given an expert size (``--model`` or ``--expert-bytes``) and the two
 bandwidths it also prints bytes and modeled milliseconds per token and the best configuration
-(docs/semantics.md §11). ``pallas-cache scenarios`` prints the seed-000 promotion table computed
+(docs/semantics.md §11). ``pallas-cache scenarios`` prints the promotion scenarios' table computed
 by the library. The console script (:func:`console_main`) keeps JAX's compiled programs in the
 user's cache directory, so a rerun skips compiling; :func:`main`, called in-process, never does.
 
@@ -72,7 +72,7 @@ From vLLM (--enable-return-routed-experts): a directory with one .npy per reques
 (or an .npz of them with --trace-format vllm); each request is one sequence.
 From transformers router logits: np.save("routes.npy",
   pallas_cache.sizing.routes_from_router_logits(out.router_logits, top_k)).
-From a JAX decode loop: pallas_cache.sizing.trace_from_routes or RouteRecorder (README).
+From a JAX decode loop: pallas_cache.sizing.trace_from_routes or RouteRecorder (docs/replay.md).
 
 hit_rate = 1 - missing/active, counted per layer-call over distinct experts. The bounds:
   belady_hit_rate          the offline optimum when every miss is admitted (evict the resident
@@ -200,7 +200,7 @@ def _parser() -> argparse.ArgumentParser:
     replay.add_argument("-q", "--quiet", action="store_true",
                         help="no progress on stderr (warnings and errors still go there)")
 
-    commands.add_parser("scenarios", help="print the seed-000 promotion table", parents=[common])
+    commands.add_parser("scenarios", help="print the promotion scenarios' table", parents=[common])
 
     bench = commands.add_parser(
         "bench-bandwidth", help="measure B_link and B_cpu roughly, for replay's cost model",
@@ -528,7 +528,7 @@ def _companion_hit_rates(trace, companions, cancelled=lambda: False) -> list[flo
     first = companions[0]
     sizes = [c.cache_size for c in companions]
     policy = parse_policy(first.policy)
-    rules = Rules.of(True, first.order, first.admission)
+    rules = Rules.of(hybrid=True, order=first.order, admission=first.admission)
 
     @jax.jit
     def advance(state, layers, routes):
@@ -867,11 +867,11 @@ def _replay_with(args, progress: Progress, latch: _InterruptLatch) -> int:
 
 
 def _scenarios(_args) -> int:
-    from pallas_cache.sizing.scenarios import seed000_table
+    from pallas_cache.sizing.scenarios import promotion_table
 
-    rows = seed000_table()
+    rows = promotion_table()
     width = max(len(name) for name, _, _ in rows)
-    print("Seed-000 scenarios: fraction 0.4, L=8, E=16, S=64, top-8, 256 steps per active layer")
+    print("Promotion scenarios: fraction 0.4, L=8, E=16, S=64, top-8, 256 steps per active layer")
     print(f"{'scenario'.ljust(width)}  {'NONE':>6}  {'PROMOTE_ONE':>11}")
     for name, none, promote in rows:
         print(f"{name.ljust(width)}  {none:>6}  {promote:>11}")

@@ -1,13 +1,8 @@
 """The decode-time cost model of a replay: bytes and milliseconds per token (docs/semantics.md §11).
 
-Nobody sizes an expert cache by hit rate: they size it by what it does to decode time. With ``W``
-the bytes of one expert, ``B_link`` the host-to-device bandwidth and ``B_cpu`` the rate at which
-the CPU MoE path streams expert weights, one layer-call that copies ``fetched`` experts while the
-CPU computes ``cpu_experts`` distinct ones costs ``t = max(fetched * W / B_link, cpu_experts * W /
-B_cpu)`` (the copy and the CPU work overlap), and a token costs the sum over its layer-calls.
-Because ``t`` is a max per call, totals cannot give it: the replay counts, inside its compiled
-loop, how many calls had each ``(fetched, cpu_experts)`` pair (exact integers), and this module
-turns those counts into seconds for any bandwidths without replaying again.
+A layer-call costs ``max(fetched * W / B_link, cpu_experts * W / B_cpu)`` and a token the sum
+over its layer-calls; :func:`modeled_seconds` computes it from the replay's exact counts of
+``(fetched, cpu_experts)`` pairs, for any bandwidths.
 """
 
 from __future__ import annotations

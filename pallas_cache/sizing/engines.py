@@ -1,8 +1,7 @@
-"""Routing from the engines people run, as trace arrays: :func:`routes_from_router_logits` turns
-Hugging Face ``transformers`` router logits (``output_router_logits=True``: one ``[tokens,
-num_experts]`` array per MoE layer) into the int32 ``[tokens, layers, top_k]`` array that
-:meth:`~pallas_cache.sizing.traces.Trace.from_dense` and ``np.save`` (then ``pallas-cache replay
---trace routes.npy``) take. NumPy only; the selection equals ``jax.lax.top_k``'s, ties included.
+"""Routing from the engines people run, as trace arrays (docs/replay.md).
+
+:func:`routes_from_router_logits` turns Hugging Face ``transformers`` router logits into the int32
+``[tokens, layers, top_k]`` array a trace is built from, selecting as ``jax.lax.top_k`` does.
 """
 
 from __future__ import annotations

@@ -1,13 +1,7 @@
 """A small table of real MoE models, to turn a slot count into bytes (docs/semantics.md §11.1).
 
-An expert of a SwiGLU MoE layer is three matrices (gate, up: ``d_model x d_expert``; down:
-``d_expert x d_model``), so one expert weighs ``W = 3 * d_model * d_expert * bytes_per_weight``.
-``d_expert`` is the *routed* expert's FFN width (a config's ``moe_intermediate_size`` where it has
-one, not the dense ``intermediate_size``). Each entry also records what the cache sees of the
-model: its MoE layer count (``L``), routed experts per layer (``E``) and top-k, so a trace that
-does not match can be flagged. Shared experts (DeepSeek) run for every token, stay resident and
-are not cached: they are recorded but never counted. Values are from each model's published
-Hugging Face ``config.json``. ``--model NAME[:dtype]`` picks one; ``--expert-bytes`` overrides.
+Each entry holds one SwiGLU expert's geometry (``W = 3 * d_model * d_expert * bytes``) and what
+the cache sees of the model (``L``, ``E``, top-k), from its published Hugging Face config.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
-"""One picture of a replay sweep: :func:`plot` draws hit rate against cache size next to both
-offline optima, and the per-token traffic (fetched and CPU-computed experts or bytes, and
-modeled milliseconds when timed), on a
-bare :class:`matplotlib.figure.Figure` (no pyplot state, any backend). ``pallas-cache replay
---plot`` and the example notebook both call it. Needs matplotlib (the ``plot`` extra).
+"""One picture of a replay sweep: hit rate against cache size next to both offline optima, and
+the per-token traffic and modeled milliseconds.
+
+:func:`plot` draws on a bare :class:`matplotlib.figure.Figure` (no pyplot state); ``pallas-cache
+replay --plot`` and the example notebook call it. Needs matplotlib (the ``plot`` extra).
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
-"""Record the routes of a JAX decode loop into a routing trace, so a JAX MoE user can replay
-their own model: either stack each layer's expert ids as a ``lax.scan`` output (``[tokens,
-layers, ...]``) or carry a :class:`RouteRecorder` through the loop (:func:`init_recorder`, then
-:func:`record_routes` inside ``jax.jit`` with a traced token and layer index); on the host,
-:func:`trace_from_routes` turns either into the :class:`~pallas_cache.sizing.traces.Trace` that
-:func:`~pallas_cache.sizing.replay` reads and :func:`~pallas_cache.sizing.traces.save_trace`
-writes. (The cache's own ``routing_freq`` histogram counts routes; it has no order, so it is not
-a trace.)
+"""Record the routes of a JAX decode loop into a routing trace (docs/replay.md).
+
+:class:`RouteRecorder` (:func:`init_recorder`, then :func:`record_routes` under ``jax.jit`` with
+a traced token and layer) or a ``lax.scan``'s stacked routes; :func:`trace_from_routes` turns
+either into a :class:`~pallas_cache.sizing.traces.Trace` on the host.
 """
 
 from __future__ import annotations

@@ -236,7 +236,7 @@ def format_records(rows: Sequence[dict], fmt: str = "table", header_lines: Seque
 
 
 def legend_text(width: int = 100) -> str:
-    """:data:`COLUMN_LEGEND` as an aligned, wrapped block (``--help``, the README)."""
+    """:data:`COLUMN_LEGEND` as an aligned, wrapped block (``--help``, docs/replay.md)."""
     pad = max(len(key) for key in COLUMN_LEGEND) + 2
     return "\n".join(textwrap.fill(text, width=width, initial_indent=f"  {key.ljust(pad)}",
                                    subsequent_indent=" " * (pad + 2))

@@ -1,14 +1,6 @@
-"""The seed-000 scenario table, computed by the library (docs/semantics.md §5.5).
+"""The promotion scenarios of docs/semantics.md §5.5, run by the library.
 
-The PR that introduced the PROMOTE_ONE admission rule justified it with two scenarios at fetch
-fraction 0.4, ``L=8, E=16, S=64``, top-8 routing and 256 decode steps per active layer:
-
-- *one active layer*: experts 0..6 pre-resident (one fixed-cap-7 call), then routes 0..7 every
-  step. Without the rule expert 7 is a single miss that the split rounds to zero fetches, forever.
-- *all layers, cold cache*: every layer routes 0..7 every step. Without the rule each layer
-  settles one expert short, computing it on the CPU while 8 slots stay empty.
-
-Both run here as one compiled ``lax.scan`` per scenario and admission rule.
+Each scenario runs as one compiled ``lax.scan`` per admission rule (``pallas-cache scenarios``).
 """
 
 from __future__ import annotations
@@ -73,8 +65,8 @@ def all_layers_cold(admission) -> ScenarioCounts:
     return ScenarioCounts(int(fetches), int(cpu), int(jnp.sum(state.id_of_slot < 0)))
 
 
-def seed000_table() -> list[tuple[str, int, int]]:
-    """The five rows of the seed-000 table: ``(scenario, NONE value, PROMOTE_ONE value)``."""
+def promotion_table() -> list[tuple[str, int, int]]:
+    """The five rows of the promotion scenarios' table: ``(scenario, NONE value, PROMOTE_ONE value)``."""
     one = {a: one_active_layer(a) for a in (Admission.NONE, Admission.PROMOTE_ONE)}
     cold = {a: all_layers_cold(a) for a in (Admission.NONE, Admission.PROMOTE_ONE)}
     n, p = Admission.NONE, Admission.PROMOTE_ONE

@@ -557,7 +557,7 @@ def _group(num_layers, num_experts, pair_side, bucket, eviction, keys, width, th
     # Pad to equal parts, each a multiple of the devices (one program for all the parts).
     count = -(-len(unique) // (width * parts)) * width * parts
     lanes = unique + [unique[-1]] * (count - len(unique))
-    rules = [Rules.of(True, key.order, key.admission) for key in lanes]
+    rules = [Rules.of(hybrid=True, order=key.order, admission=key.admission) for key in lanes]
     per_part = count // parts
     batches = [_shard((
         _stack([init(num_layers, num_experts, key.cache_size, capacity=capacity,

@@ -1,9 +1,8 @@
 """Byte sizes and bandwidths as people write them: ``336MiB``, ``24GiB``, ``25GB/s``, ``60 GB/s``.
 
-Decimal prefixes are powers of 1000 (``GB = 10**9`` bytes, as link and memory bandwidths are
-quoted) and binary ones powers of 1024 (``GiB = 2**30``, as memory sizes are quoted); a bare
-number is bytes (or bytes per second). The unit must end in a capital ``B``: a lower-case ``b``
-would mean bits and is refused rather than guessed. Parsers raise ``ValueError`` naming the text.
+Decimal prefixes are powers of 1000, binary ones powers of 1024, a bare number is bytes, and a
+lower-case ``b`` (bits) is refused (docs/semantics.md §11.1); parsers raise ``ValueError``
+naming the text.
 """
 
 from __future__ import annotations
