@@ -6,6 +6,6 @@ statistics (so tests reach it without importing a benchmark).
 
 from __future__ import annotations
 
-from pallas_cache.sizing.synthetic import per_layer_lru_hit_rate
+from pallas_cache.sizing.trace_stats import per_layer_lru_hit_rate
 
 __all__ = ["per_layer_lru_hit_rate"]
