@@ -17,23 +17,21 @@ __all__ = ["PRESETS", "checked_params", "synthetic_trace"]
 #: Named parameter sets. ``mixtral-like``: Mixtral-8x7B geometry, near-flat routers (measured
 #: mean normalised entropy about 0.97) and previous-token reuse about 0.37. ``fine-grained``:
 #: many small experts (DeepSeek/Qwen-MoE style geometry) with clearly skewed, layer-varying
-#: popularity and weaker reuse.
+#: popularity and weaker reuse. The token-structured presets (``benchmarks/realistic_preset.py``
+#: prints their statistics next to the measured Mixtral-8x7B ones): ``mixtral-realistic``,
+#: Mixtral-8x7B geometry calibrated against two real decode traces (HumanEval and GSM8K prompts:
+#: lag 1-8 repeats, neighbour and next-token precision, normalised entropy, LRU / per-layer LRU /
+#: Belady hit rates at 2-6 slots per layer; docs/policies.md); ``fine-grained-realistic``, the
+#: same token model on the fine-grained geometry, with a skewed router bias.
 PRESETS: dict[str, SyntheticParams | RealisticParams] = {
     "mixtral-like": SyntheticParams(num_layers=32, num_experts=8, top_k=2, skew=0.85,
                                     skew_spread=0.3, reuse=0.37),
     "fine-grained": SyntheticParams(num_layers=48, num_experts=128, top_k=8, skew=1.2,
                                     skew_spread=0.4, reuse=0.25),
+    "mixtral-realistic": RealisticParams(num_layers=32, num_experts=8, top_k=2),
+    "fine-grained-realistic": RealisticParams(num_layers=48, num_experts=128, top_k=8, skew=0.4,
+                                              skew_spread=0.4),
 }
-
-#: The token-structured presets (``benchmarks/realistic_preset.py`` prints their statistics next
-#: to the measured Mixtral-8x7B ones). ``mixtral-realistic``: Mixtral-8x7B geometry calibrated
-#: against two real decode traces (HumanEval and GSM8K prompts: lag 1-8 repeats, neighbour and
-#: next-token precision, normalised entropy, LRU / per-layer LRU / Belady hit rates at 2-6 slots
-#: per layer; docs/policies.md). ``fine-grained-realistic``: the same token model on the
-#: fine-grained geometry, with a skewed router bias.
-PRESETS["mixtral-realistic"] = RealisticParams(num_layers=32, num_experts=8, top_k=2)
-PRESETS["fine-grained-realistic"] = RealisticParams(num_layers=48, num_experts=128, top_k=8,
-                                                    skew=0.4, skew_spread=0.4)
 
 
 def checked_params(preset_or_params, num_tokens: int | None = None, seed: int = 0, *,
