@@ -15,9 +15,10 @@ import numpy as np  # noqa: E402
 
 from pallas_cache.sizing.bounds import belady  # noqa: E402
 from pallas_cache.sizing.sweep import ReplayConfig, replay  # noqa: E402
-from pallas_cache.sizing.synthetic import (  # noqa: E402
+from pallas_cache.sizing.synthetic import synthetic_trace  # noqa: E402
+from pallas_cache.sizing.trace_stats import (  # noqa: E402
     complete_sequences, lag_repeat_probability, neighbour_precision, next_token_precision,
-    per_layer_lru_hit_rate, synthetic_trace, trace_statistics)
+    per_layer_lru_hit_rate, trace_statistics)
 from pallas_cache.sizing.traces import load_trace  # noqa: E402
 from results_file import write_section  # noqa: E402
 from timing import run_header  # noqa: E402

@@ -10,7 +10,8 @@ import pytest
 import pallas_cache as pc
 from pallas_cache.host.metrics import histogram_metrics, oracle_slots_for
 from pallas_cache.sizing.bounds import stationary_oracle
-from pallas_cache.sizing.synthetic import synthetic_trace, trace_statistics
+from pallas_cache.sizing.synthetic import synthetic_trace
+from pallas_cache.sizing.trace_stats import trace_statistics
 
 
 def test_the_three_reports_agree_exactly_on_one_trace():

@@ -316,7 +316,7 @@ def test_a_long_read_shows_its_progress_as_a_phase_and_a_short_one_does_not(tmp_
     several blocks."""
     import gzip
 
-    from pallas_cache.sizing import traces
+    from pallas_cache.sizing.traces import jsonl as traces
 
     path = tmp_path / "blank.jsonl.gz"
     path.write_bytes(gzip.compress(b"\n" * (1 << 20)))

@@ -1,10 +1,9 @@
-"""The synthetic generator delivers the statistics its knobs promise, and the statistics are right.
+"""The synthetic generators deliver what their knobs promise, seeded and exactly reproducible.
 
-The statistics tests use hand-counted traces, so a naive statistic (counting padding, counting
-duplicates twice in the reuse rate, averaging unrouted layers as zeros, NaN entropy for E == 1)
-fails. The generator tests measure what its knobs promise, so a naive generator (fresh draws that
-may repeat the previous token's experts, duplicate experts within a call, an unseeded RNG, a skew
-that ignores the layer) fails.
+The tests measure what each family promises, so a naive generator fails: fresh draws that may
+repeat the previous token's experts, duplicate experts within a call, an unseeded RNG, a skew
+that ignores the layer, vectorised Gumbel draws that change a route, or (token-structured
+family) routes without token identity or context, or copies that do not repeat.
 """
 
 from __future__ import annotations
@@ -15,10 +14,12 @@ import math
 import numpy as np
 import pytest
 
-from pallas_cache.sizing import synthetic
-from pallas_cache.sizing.synthetic import (DEFAULT_PRESET_TOKENS, PRESETS, SyntheticParams,
-                                    layer_exponents, synthetic_trace, trace_statistics)
-from pallas_cache.sizing.traces import Trace
+from pallas_cache.sizing.synthetic import (DEFAULT_PRESET_TOKENS, PRESETS, RealisticParams,
+                                           SyntheticParams, layer_exponents, realistic_token_ids,
+                                           synthetic_trace, zipf_reuse)
+from pallas_cache.sizing.trace_stats import (lag_repeat_probability, neighbour_precision,
+                                             trace_statistics)
+
 
 TOKENS = 2000
 
@@ -33,51 +34,15 @@ def fine_grained():
     return synthetic_trace("fine-grained", num_tokens=600, seed=0)
 
 
-# ---- statistics on hand-counted traces --------------------------------------------------------
+REALISTIC = ("mixtral-realistic", "fine-grained-realistic")
 
 
-def test_entropy_and_working_set_hand_counted():
-    # Layer 0: experts 0 and 1 twice each -> p = (1/2, 1/2, 0, 0) -> H = ln 2, / ln 4 = 0.5.
-    # Layer 1: never routed (padding only) -> absent. Layer 2: all on expert 3 -> 0.0.
-    trace = Trace(routes=[[0, 1], [1, 0], [-1, -1], [3, 3], [3, -1]], layers=[0, 0, 1, 2, 2],
-                  num_layers=3, num_experts=4)
-    stats = trace_statistics(trace)
-    assert stats.routed_layers.tolist() == [0, 2]
-    assert stats.routes.tolist() == [4, 3]
-    assert np.allclose(stats.norm_entropy, [0.5, 0.0])
-    assert stats.mean_norm_entropy == pytest.approx(0.25)   # not 1/6: layer 1 is not a zero
-    assert stats.working_set.tolist() == [2, 1]
-    assert stats.working_set_mean == 1.5 and stats.working_set_max == 2
+@pytest.fixture(scope="module")
+def mixtral_realistic():
+    return synthetic_trace("mixtral-realistic", num_tokens=1200, seed=0)
 
 
-def test_entropy_of_a_flat_router_is_one_and_of_a_single_expert_layer_zero():
-    flat = Trace(routes=[[0, 1], [2, 3]], layers=[0, 0], num_layers=1, num_experts=4)
-    assert trace_statistics(flat).norm_entropy.tolist() == [pytest.approx(1.0)]
-    single = Trace(routes=[[0], [0]], layers=[0, 0], num_layers=1, num_experts=1)
-    assert trace_statistics(single).norm_entropy.tolist() == [0.0]  # not NaN (docs/semantics.md §10)
-
-
-def test_reuse_rate_hand_counted_with_duplicates_padding_and_sequences():
-    # Layer 0, sequence a: {0,1} -> {1,2} (1 of 2 reused) -> {1,1,-1} = {1} (1 of 1) -> {3} (0/1)
-    # Layer 1, sequence a: {0} -> {0, 2} (1 of 2).
-    # Sequence b, layer 0: its first call has no predecessor (a's calls are another sequence).
-    trace = Trace(
-        routes=[[0, 1, -1], [0, -1, -1], [1, 2, -1], [0, 2, -1], [1, 1, -1], [3, -1, -1],
-                [0, 1, -1]],
-        layers=[0, 1, 0, 1, 0, 0, 0], sequence=[0, 0, 0, 0, 0, 0, 1], sequence_names=("a", "b"),
-        token_idx=[0, 0, 1, 1, 2, 3, 0], num_layers=2, num_experts=4)
-    stats = trace_statistics(trace)
-    # Pooled: (1 + 1 + 0 + 1) reused of (2 + 1 + 1 + 2) distinct experts.
-    assert stats.mean_reuse_rate == pytest.approx(3 / 6)
-    assert stats.reuse_rate.tolist() == [pytest.approx(2 / 4), pytest.approx(1 / 2)]
-
-
-def test_statistics_of_an_all_padding_trace_is_an_error():
-    with pytest.raises(ValueError, match="no non-padding route"):
-        trace_statistics(Trace(routes=[[-1]], layers=[0], num_layers=1, num_experts=2))
-
-
-# ---- generator: shape and determinism ---------------------------------------------------------
+# ---- the Zipf-popularity and reuse family ---------------------------------------------------
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
@@ -107,9 +72,6 @@ def test_same_seed_same_trace_different_seed_different_trace():
     # More tokens from the same seed extend the trace rather than redraw it.
     longer = synthetic_trace("mixtral-like", num_tokens=300, seed=11)
     assert np.array_equal(longer.routes[: a.num_calls], a.routes)
-
-
-# ---- generator: the statistics the knobs promise ----------------------------------------------
 
 
 def test_mixtral_like_is_near_flat_with_mixtral_reuse(mixtral):
@@ -172,9 +134,6 @@ def test_per_layer_skew_is_applied_to_its_layer():
     assert layer_exponents(params).tolist() == [0.0, 3.0, 0.0]
 
 
-# ---- generator: validation --------------------------------------------------------------------
-
-
 @pytest.mark.parametrize("changes,message", [
     (dict(top_k=9), "top_k=9 exceeds num_experts=8"),
     (dict(num_layers=0), "num_layers must be a positive integer"),
@@ -196,13 +155,14 @@ def test_bad_preset_and_seed_are_refused():
         synthetic_trace("mixtral-like", seed=-1)
 
 
-# ---- the vectorised Gumbel draws decide exactly what rng.gumbel decides -------------------------
+# ---- the vectorised Gumbel draws decide exactly what rng.gumbel decides ---------------------
+
 
 def _routes_drawn_by_gumbel(params, seed):
     """The generator as first written: ``rng.gumbel`` draws and a full argsort per token. The
     vectorised draws must reproduce it route for route."""
     rng = np.random.default_rng(seed)
-    _, log_popularity = synthetic._layer_popularity(params, rng)
+    _, log_popularity = zipf_reuse.layer_popularity(params, rng)
     layers, experts, top_k = params.num_layers, params.num_experts, params.top_k
     rows, columns = np.arange(layers)[:, None], np.arange(top_k)[None, :]
     penalty = 1e9 + 4.0 * float(np.abs(log_popularity).max())
@@ -234,16 +194,16 @@ def test_vectorised_draws_give_the_routes_gumbel_gives(monkeypatch, params, seed
     partial sort ranking the top experts otherwise. With a huge margin every token takes the
     exact path, which must agree too."""
     if margin != "default":
-        monkeypatch.setattr(synthetic, "_GUMBEL_MARGIN", 1e30)
+        monkeypatch.setattr(zipf_reuse, "GUMBEL_MARGIN", 1e30)
     trace = synthetic_trace(params, seed=seed)
     np.testing.assert_array_equal(trace.routes, _routes_drawn_by_gumbel(params, seed))
 
 
 def test_exact_draws_are_gumbel_bit_for_bit_and_fast_ones_within_a_few_ulp():
-    """FAILS if ``_Gumbel.exact`` is not ``rng.gumbel``'s value bit for bit (NumPy's ``log``
+    """FAILS if ``GumbelDraws.exact`` is not ``rng.gumbel``'s value bit for bit (NumPy's ``log``
     differs in the last bits for some draws), or if the generator's stream is left elsewhere."""
     a, b = np.random.default_rng(9), np.random.default_rng(9)
-    noise = synthetic._Gumbel(a, (64, 128))
+    noise = zipf_reuse.GumbelDraws(a, (64, 128))
     want = b.gumbel(size=(64, 128))
     assert np.array_equal(noise.exact(), want)
     assert np.abs(noise.fast - want).max() < 1e-14
@@ -265,7 +225,7 @@ def test_a_zero_uniform_is_skipped_as_gumbel_skips_it():
     """FAILS if a ``random() == 0`` draw is used (``gumbel`` rejects it: ``log(-log(1))`` is
     infinite) or if the draws after it are not shifted up by one, as ``gumbel``'s are."""
     script = [0.5, 0.0, 0.25, 0.0, 0.0, 0.75, 0.125, 0.9]
-    noise = synthetic._Gumbel(_ScriptedUniforms(script), (2, 2))
+    noise = zipf_reuse.GumbelDraws(_ScriptedUniforms(script), (2, 2))
     used = [0.5, 0.25, 0.75, 0.125]
     want = np.array([-math.log(-math.log(1.0 - u)) for u in used]).reshape(2, 2)
     assert np.array_equal(noise.exact(), want)
@@ -273,19 +233,101 @@ def test_a_zero_uniform_is_skipped_as_gumbel_skips_it():
 
 
 def test_near_ties_are_left_to_the_exact_draws():
-    """FAILS if ``_clear_top_ranks`` decides a ranking whose top ``K + 1`` keys are closer than
+    """FAILS if ``clear_top_ranks`` decides a ranking whose top ``K + 1`` keys are closer than
     the margin (absolute near 0, relative to the key near the dropped-expert penalty's 1e9), or
     one with an ``-inf`` neighbour, or ranks clear keys otherwise than a full argsort."""
     rows = np.arange(2)[:, None]
     keys = np.array([[3.0, 1.0, 2.0, -1.0, 0.5], [0.1, 0.4, 0.3, 0.2, -2.0]])
-    np.testing.assert_array_equal(synthetic._clear_top_ranks(keys, 2, rows),
+    np.testing.assert_array_equal(zipf_reuse.clear_top_ranks(keys, 2, rows),
                                   np.argsort(-keys, axis=1)[:, :2])
     tie = keys.copy()
     tie[0, 1] = 1.0 + 1e-14 + 1.0  # 2.0 + 1e-14 against 2.0: ranks 2 and 3 nearly tied
-    assert synthetic._clear_top_ranks(tie, 2, rows) is None
+    assert zipf_reuse.clear_top_ranks(tie, 2, rows) is None
     big = keys.copy()
     big[1] = [-1e9, -1e9 - 1e-6, -1e9 - 2e-6, -1e9 - 1.0, -2e9]  # 1e-6 apart: < 1e-12 * 1e9
-    assert synthetic._clear_top_ranks(big, 2, rows) is None
+    assert zipf_reuse.clear_top_ranks(big, 2, rows) is None
     inf = keys.copy()
     inf[0, [0, 2, 1, 3]] = -np.inf  # the top three include -inf neighbours
-    assert synthetic._clear_top_ranks(inf, 2, rows) is None
+    assert zipf_reuse.clear_top_ranks(inf, 2, rows) is None
+
+
+# ---- the token-structured family ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", REALISTIC)
+def test_realistic_presets_are_valid_dense_top_k_traces(name):
+    """FAILS if a call routes repeated or out-of-range experts or the geometry is not the
+    preset's."""
+    params = PRESETS[name]
+    trace = synthetic_trace(name, num_tokens=30, seed=5)
+    assert (trace.num_layers, trace.num_experts, trace.top_k) == \
+        (params.num_layers, params.num_experts, params.top_k)
+    assert trace.is_dense() and trace.num_calls == 30 * params.num_layers
+    assert trace.routes.dtype == np.int32 and trace.routes.min() >= 0
+    assert trace.routes.max() < params.num_experts
+    assert (np.diff(trace.routes, axis=1) > 0).all()   # sorted, distinct
+    assert f"synthetic:{name}(tokens=30, seed=5)" == trace.source
+    ids = realistic_token_ids(dataclasses.replace(params, num_tokens=30), seed=5)
+    assert ids.dtype == np.int32 and ids.shape == (30,)
+    assert ids.min() >= 0 and ids.max() < params.vocab_size
+
+
+def test_realistic_is_seeded_and_a_longer_trace_extends_a_shorter_one():
+    """FAILS if the generator is unseeded, or draws a quantity from a stream whose position
+    depends on the token count (then the first tokens change with num_tokens)."""
+    a = synthetic_trace("mixtral-realistic", num_tokens=1100, seed=3)
+    assert a == synthetic_trace("mixtral-realistic", num_tokens=1100, seed=3)
+    assert not np.array_equal(a.routes, synthetic_trace("mixtral-realistic", num_tokens=1100,
+                                                        seed=4).routes)
+    longer = synthetic_trace("mixtral-realistic", num_tokens=1500, seed=3)  # past one block
+    assert np.array_equal(longer.routes[: a.num_calls], a.routes)
+
+
+def test_repeats_fade_with_lag_and_stay_above_chance(mixtral_realistic):
+    """FAILS if routes carry no context from recent tokens (lag 1 would be no higher than the
+    longer lags), or the repeat profile dips below chance (the measured Mixtral-8x7B profile
+    falls monotonically to about 0.27, above chance 0.25)."""
+    lags = lag_repeat_probability(mixtral_realistic, 8)
+    chance = 2 / 8
+    assert lags[0] > lags[1] > lags[2]
+    assert lags[0] > lags[3:].max() + 0.03
+    assert lags.min() > chance
+
+
+def test_past_tokens_predict_the_next_layers_only_with_token_identity(mixtral_realistic):
+    """FAILS if the realistic routes lost their token identity across layers (then a matching
+    past token predicts no better than the token-free preset)."""
+    realistic = neighbour_precision(mixtral_realistic, 64)
+    token_free = neighbour_precision(synthetic_trace("mixtral-like", num_tokens=600), 64)
+    assert token_free < 0.35 and realistic > 0.5
+
+
+def test_copied_spans_repeat_earlier_token_sequences():
+    """FAILS if copy_prob is ignored: copied spans make bigrams recur far more than Zipf draws."""
+    base = RealisticParams(num_layers=1, num_experts=4, top_k=1, num_tokens=3000,
+                           vocab_size=5000, vocab_zipf=0.5, copy_prob=0.0)
+
+    def recurring_bigrams(params):
+        ids = realistic_token_ids(params, seed=0)
+        seen, again = set(), 0
+        for pair in zip(ids[:-1].tolist(), ids[1:].tolist()):
+            again += pair in seen
+            seen.add(pair)
+        return again / (len(ids) - 1)
+
+    assert recurring_bigrams(base) < 0.02
+    assert recurring_bigrams(dataclasses.replace(base, copy_prob=0.1, copy_span=8.0)) > 0.4
+
+
+@pytest.mark.parametrize("changes,message", [
+    (dict(top_k=9), "top_k=9 exceeds num_experts=8"),
+    (dict(vocab_size=0), "vocab_size must be a positive integer"),
+    (dict(copy_prob=1.5), r"copy_prob must be a probability in \[0, 1\], got 1.5"),
+    (dict(copy_span=0.5), "copy_span must be a finite number >= 1, got 0.5"),
+    (dict(context=()), "context must be a non-empty sequence of finite taps"),
+    (dict(context=3.0), "context must be a sequence of filter taps, got 3.0"),
+    (dict(layer_noise=-1.0), "layer_noise must be a finite number >= 0"),
+])
+def test_bad_realistic_knobs_are_refused_with_the_value(changes, message):
+    with pytest.raises(ValueError, match=message):
+        dataclasses.replace(PRESETS["mixtral-realistic"], **changes)

@@ -1,22 +1,6 @@
-"""Parquet routing traces, for traces too large for JSONL: the JSONL records as columns, read with
-``pyarrow`` (optional: ``pip install 'pallas-cache[parquet]'``; imported only when a Parquet file
-is read or written). One row per (token, layer) call:
-
-==========================  ====================================  ========
-column                      type                                  required
-==========================  ====================================  ========
-``layer``                   integer                               yes
-``token_idx``               integer                               yes
-``experts``                 list of integer (``-1`` = padding)    yes
-``sequence``/``problem_id`` string or integer (null: no label)    no
-==========================  ====================================  ========
-
-Other columns are ignored; ``fields`` (``--field``) names columns that are called otherwise, as
-for JSONL. Rows are ordered, checked and padded exactly as JSONL records
-(:func:`~pallas_cache.sizing.traces.trace_from_records`); messages name the file, the 0-based row
-(``df.iloc[row]`` in pandas) and the column. The schema and the row count are checked, and the
-memory the records need is estimated from the file's metadata, before any data is read.
-"""
+"""Parquet routing traces: the JSONL records as columns, read and written with the optional
+``pyarrow`` (``pip install 'pallas-cache[parquet]'``), imported only when a Parquet file is
+touched."""
 
 from __future__ import annotations
 
@@ -25,8 +9,9 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from pallas_cache.sizing.traces import (FIELD_KEYS, SEQUENCE_KEYS, Trace, TraceError,
-                                        check_memory, resolve_memory_limit, trace_from_records)
+from pallas_cache.sizing.traces.memory import check_memory, resolve_memory_limit
+from pallas_cache.sizing.traces.records import FIELD_KEYS, SEQUENCE_KEYS, trace_from_records
+from pallas_cache.sizing.traces.trace import Trace, TraceError
 
 __all__ = ["load_parquet_trace", "save_parquet_trace", "PARQUET_EXTRA"]
 
@@ -49,7 +34,23 @@ def _pyarrow():
 def load_parquet_trace(path: str | os.PathLike, *, num_layers: int | None = None,
                        num_experts: int | None = None, max_memory: int | None = None,
                        fields: Mapping[str, str] | None = None) -> Trace:
-    """Read a Parquet trace (the module docstring gives the columns).
+    """Read a Parquet trace: one row per (token, layer) call.
+
+    ==========================  ====================================  ========
+    column                      type                                  required
+    ==========================  ====================================  ========
+    ``layer``                   integer                               yes
+    ``token_idx``               integer                               yes
+    ``experts``                 list of integer (``-1`` = padding)    yes
+    ``sequence``/``problem_id`` string or integer (null: no label)    no
+    ==========================  ====================================  ========
+
+    Other columns are ignored; ``fields`` (``--field``) names columns that are called otherwise,
+    as for JSONL. Rows are ordered, checked and padded exactly as JSONL records
+    (:func:`~pallas_cache.sizing.traces.records.trace_from_records`); messages name the file, the
+    0-based row (``df.iloc[row]`` in pandas) and the column. The schema and the row count are
+    checked, and the memory the records need is estimated from the file's metadata, before any
+    data is read.
 
     Args and Returns: as :func:`~pallas_cache.sizing.traces.load_trace`.
 
@@ -58,7 +59,7 @@ def load_parquet_trace(path: str | os.PathLike, *, num_layers: int | None = None
             unknown key.
         TraceError: an unreadable file, a missing column or one of the wrong type (naming the
             file, the column and its type), a null value (naming the row), no rows, or as
-            :func:`~pallas_cache.sizing.traces.trace_from_records`.
+            :func:`~pallas_cache.sizing.traces.records.trace_from_records`.
     """
     pa, pq = _pyarrow()
     path_str = os.fspath(path)

@@ -1,27 +1,44 @@
-"""Trace readers: replay order, padding, geometry, and errors that say where and what.
+"""Reading routing traces, format by format: replay order, padding, sequences, geometry, round
+trips, and errors that say where and what.
 
 Each test is written to fail on the naive implementation of its rule: reading records in file
 order instead of replay order, sorting sequences by label instead of first appearance, dropping
-padding or all-padding calls, trusting inferred geometry, or letting json/numpy errors escape.
+padding or all-padding calls, reading an .npz as its first array only, parsing a gzip file as
+text, trusting inferred geometry, letting json/numpy errors escape, or a Parquet reader that
+orders, pads or names its errors otherwise than the JSONL one.
 """
 
 from __future__ import annotations
 
+import gzip
+import importlib
 import json
+import re
+import sys
 
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from pallas_cache.sizing import cli
+from pallas_cache.sizing.synthetic import synthetic_trace
 from pallas_cache.sizing.traces import Trace, TraceError, load_trace, save_trace
 
+try:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+except ImportError:  # the reader is optional: pip install 'pallas-cache[parquet]'
+    pa = pq = None
 
-def write_jsonl(path, records):
-    """Write records (dicts, or raw strings written verbatim) one per line."""
-    with open(path, "w", encoding="utf-8") as handle:
-        for record in records:
-            handle.write((record if isinstance(record, str) else json.dumps(record)) + "\n")
+needs_pyarrow = pytest.mark.skipif(
+    pa is None, reason="pyarrow is not installed (pip install 'pallas-cache[parquet]')")
+
+
+def write_jsonl(path, records, compress=False):
+    """Write records (dicts, or raw strings written verbatim) one per line, gzipped or not."""
+    text = "".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records)
+    path.write_bytes(gzip.compress(text.encode()) if compress else text.encode())
     return path
 
 
@@ -29,7 +46,7 @@ def rec(layer, token, experts, **extra):
     return {"layer": layer, "token_idx": token, "experts": experts, **extra}
 
 
-# ---- JSONL: order, padding, geometry ---------------------------------------------------------
+# ---- JSONL: order, padding, geometry --------------------------------------------------------
 
 
 def test_jsonl_calls_are_in_replay_order_not_file_order(tmp_path):
@@ -102,7 +119,18 @@ def test_blank_lines_are_skipped_and_do_not_shift_line_numbers(tmp_path):
         load_trace(path)
 
 
-# ---- JSONL: errors ---------------------------------------------------------------------------
+def test_gzip_jsonl_loads_by_suffix_and_by_magic_bytes(tmp_path):
+    """FAILS if .jsonl.gz is an unknown format, or a gzip file named .jsonl is parsed as text."""
+    records = [rec(1, 0, [3, 0], sequence="a"), rec(0, 0, [2, -1], sequence="a"),
+               rec(0, 1, [1, 2], sequence="b")]
+    plain = load_trace(write_jsonl(tmp_path / "t.jsonl", records))
+    assert load_trace(write_jsonl(tmp_path / "t.jsonl.gz", records, compress=True)) == plain
+    assert load_trace(write_jsonl(tmp_path / "m.jsonl", records, compress=True)) == plain
+    assert load_trace(write_jsonl(tmp_path / "n.ndjson.gz", records, compress=True)) == plain
+
+
+# ---- JSONL: errors name file, line and field ------------------------------------------------
+
 
 BAD_LINES = [
     ("not json", {"layer": 0, "token_idx": 0, "experts": [0]}, "{oops", r"not valid JSON"),
@@ -199,7 +227,7 @@ def test_bad_declared_geometry_is_a_value_error(tmp_path):
         load_trace(path, num_experts=0)
 
 
-# ---- NumPy arrays ----------------------------------------------------------------------------
+# ---- NumPy arrays ---------------------------------------------------------------------------
 
 
 def test_npy_is_token_major_then_layer_and_keeps_all_padding_cells(tmp_path):
@@ -225,6 +253,36 @@ def test_npz_every_array_is_one_sequence_in_archive_order(tmp_path):
     assert trace.layers.tolist() == [0, 0, 0, 1]
     assert trace.routes.tolist() == [[0, -1], [0, -1], [1, 2], [3, -1]]
     assert (trace.num_layers, trace.num_experts, trace.top_k) == (2, 4, 2)
+
+
+def test_npz_sequences_replay_like_the_same_jsonl(tmp_path):
+    """FAILS if the arrays of an .npz are not each one sequence, in archive order, exactly as
+    the equivalent JSONL with a sequence label per array."""
+    rng = np.random.default_rng(3)
+    arrays = {"p0": rng.integers(-1, 6, (3, 2, 2)), "p1": rng.integers(-1, 6, (2, 2, 2))}
+    arrays["p1"][0, 0, 0] = 5
+    np.savez(tmp_path / "s.npz", **arrays)
+    records = [rec(layer, token, arrays[name][token, layer].tolist(), sequence=name)
+               for name in arrays for token in reversed(range(arrays[name].shape[0]))
+               for layer in (1, 0)]  # file order differs from replay order within a sequence
+    via_jsonl = load_trace(write_jsonl(tmp_path / "s.jsonl", records))
+    via_npz = load_trace(tmp_path / "s.npz")
+    assert via_npz.sequence_names == ("p0", "p1")
+    for name in ("routes", "layers", "token_idx", "sequence"):
+        np.testing.assert_array_equal(getattr(via_npz, name), getattr(via_jsonl, name))
+    assert via_npz.num_experts == via_jsonl.num_experts == 6
+
+
+def test_npz_arrays_of_another_dtype_or_rank_are_errors_naming_them(tmp_path):
+    """FAILS if an .npz's extra arrays are ignored instead of checked (silent drop)."""
+    good = np.zeros((2, 2, 1), np.int32)
+    np.savez(tmp_path / "f.npz", routes=good, scores=np.zeros((2, 2, 1), np.float32))
+    with pytest.raises(TraceError, match=r"f\.npz: array 'scores': expected an integer array"):
+        load_trace(tmp_path / "f.npz")
+    np.savez(tmp_path / "r.npz", routes=good, meta=np.int32(3))
+    with pytest.raises(TraceError, match=r"r\.npz: array 'meta': expected shape \[tokens, "
+                                         r"layers, top_k\], got 0-D"):
+        load_trace(tmp_path / "r.npz")
 
 
 @pytest.mark.parametrize("array,message", [
@@ -262,7 +320,7 @@ def test_corrupt_and_pickled_arrays_are_trace_errors(tmp_path):
         load_trace(tmp_path / "none.npz")
 
 
-# ---- the Trace type --------------------------------------------------------------------------
+# ---- the Trace type -------------------------------------------------------------------------
 
 
 def test_trace_views_for_a_replay():
@@ -298,6 +356,9 @@ def test_dense_views_and_num_tokens():
     assert not sparse.is_dense() and sparse.num_tokens == 2
     with pytest.raises(TraceError, match="not a full"):
         sparse.to_dense()
+
+
+# ---- round trips ----------------------------------------------------------------------------
 
 
 @st.composite
@@ -336,3 +397,133 @@ def test_dense_round_trip(tmp_path, suffix):
     trace = Trace.from_dense(np.array([[[0, -1], [2, 1]], [[1, 0], [-1, -1]]]), num_experts=3)
     save_trace(trace, tmp_path / f"t{suffix}")
     assert load_trace(tmp_path / f"t{suffix}", num_experts=3) == trace
+
+
+def test_saved_traces_still_round_trip(tmp_path):
+    """FAILS if the new readers change what save_trace wrote (one unnamed sequence)."""
+    trace = synthetic_trace("mixtral-like", num_tokens=5)
+    for suffix in (".npy", ".npz", ".jsonl"):
+        save_trace(trace, tmp_path / f"t{suffix}")
+        back = load_trace(tmp_path / f"t{suffix}", num_experts=trace.num_experts)
+        assert back == trace, suffix
+
+
+# ---- Parquet: the JSONL records as columns, read with the optional pyarrow ------------------
+
+
+# Two sequences, written out of replay order, ragged expert lists, an int16 list column.
+RECORDS = [{"sequence": "b", "token_idx": 0, "layer": 1, "experts": [2, 0]},
+           {"sequence": "a", "token_idx": 1, "layer": 0, "experts": [3]},
+           {"sequence": "a", "token_idx": 0, "layer": 1, "experts": [1, -1]},
+           {"sequence": "a", "token_idx": 0, "layer": 0, "experts": [0, 2]},
+           {"sequence": "b", "token_idx": 0, "layer": 0, "experts": [4, 1]},
+           {"sequence": None, "token_idx": 0, "layer": 0, "experts": [1, 3]}]
+
+
+def _write_parquet(path, records, names=None, experts_type=None, row_group_size=2):
+    names = names or {}
+    columns = {names.get(key, key): [r[key] for r in records] for key in records[0]}
+    types = {names.get("experts", "experts"): experts_type or pa.list_(pa.int16())}
+    table = pa.table({name: pa.array(values, type=types.get(name))
+                      for name, values in columns.items()})
+    pq.write_table(table, path, row_group_size=row_group_size)
+    return path
+
+
+@needs_pyarrow
+def test_parquet_reads_what_jsonl_reads_and_round_trips(tmp_path, capsys):
+    """FAILS if the Parquet reader orders, pads, labels or splits across row groups the records
+    otherwise than the JSONL reader does, --field does not rename its columns, or save_trace's
+    .parquet does not read back equal."""
+    expected = load_trace(write_jsonl(tmp_path / "t.jsonl", RECORDS))
+    got = load_trace(_write_parquet(tmp_path / "t.parquet", RECORDS))
+    assert got == expected and got.sequence_names == ("b", "a", None)
+    assert got.routes.tolist() == expected.routes.tolist() and got.top_k == 2
+    names = {"layer": "layer_idx", "token_idx": "pos", "experts": "topk_ids", "sequence": "req"}
+    renamed = _write_parquet(tmp_path / "r.parquet", RECORDS, names,
+                             experts_type=pa.large_list(pa.int64()), row_group_size=4)
+    assert load_trace(renamed, fields=names) == expected
+    save_trace(expected, tmp_path / "back.parquet")
+    assert load_trace(tmp_path / "back.parquet") == expected
+    args = ["replay", "--cache-size", "5", "--policy", "full", "--format", "jsonl"]
+    assert cli.main(args + ["--trace", str(renamed), "--field",
+                            "layer=layer_idx,token_idx=pos,experts=topk_ids,sequence=req"]) == 0
+    ours = json.loads(capsys.readouterr().out)
+    assert cli.main(args + ["--trace", str(tmp_path / "t.jsonl")]) == 0
+    theirs = json.loads(capsys.readouterr().out)
+    assert ours["sequences"] == 3
+    assert {k: v for k, v in ours.items() if k != "source"} == {
+        k: v for k, v in theirs.items() if k != "source"}
+
+
+@needs_pyarrow
+@pytest.mark.parametrize("change,message", [
+    (lambda: ([{k: v for k, v in r.items() if k != "layer"} for r in RECORDS], {}),
+     r"column 'layer': missing \(required columns: 'layer', 'token_idx', 'experts'; the file "
+     r"has sequence, token_idx, experts\)"),
+    (lambda: (RECORDS, {"experts_type": pa.list_(pa.float32())}),
+     r"column 'experts': expected a list of integers, got list<\w+: float>"),
+    (lambda: ([{**r, "layer": str(r["layer"])} for r in RECORDS], {}),
+     r"column 'layer': expected integers, got string"),
+    (lambda: (RECORDS[:3] + [{**RECORDS[3], "token_idx": None}] + RECORDS[4:], {}),
+     r": row 3: column 'token_idx': null"),
+    (lambda: (RECORDS[:4] + [{**RECORDS[4], "experts": [1, -2]}] + RECORDS[5:], {}),
+     r": row 4: field 'experts': expert -2 is below -1"),
+    (lambda: (RECORDS + [RECORDS[2]], {}),
+     r": row 6: field 'layer': duplicate record for token_idx 0, layer 1 \(first seen on row "
+     r"2\)"),
+], ids=["missing-column", "float-experts", "string-layer", "null", "below-padding", "duplicate"])
+def test_bad_parquet_fails_before_the_replay_naming_file_row_and_column(
+        tmp_path, capsys, monkeypatch, change, message):
+    """FAILS if a Parquet file with a missing or mistyped column, a null, an id below -1 or a
+    repeated call reaches the replay, or the one line does not name the file, row and column."""
+    def replay(*args, **kwargs):
+        raise AssertionError("the replay ran before the error was reported")
+
+    monkeypatch.setattr(importlib.import_module("pallas_cache.sizing.sweep"), "replay", replay)
+    records, options = change()
+    path = _write_parquet(tmp_path / "bad.parquet", records, **options)
+    assert cli.main(["replay", "--trace", str(path), "--cache-size", "5"]) == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith(f"pallas-cache: {path}"), lines[0]
+    assert re.search(message, lines[0]), lines[0]
+
+
+def test_without_pyarrow_a_parquet_trace_names_the_extra(tmp_path, capsys, monkeypatch):
+    """FAILS if a missing pyarrow escapes as an ImportError traceback, or the line does not say
+    which extra to install (runs with or without pyarrow: the import is made to fail)."""
+    for name in [m for m in sys.modules if m == "pyarrow" or m.startswith("pyarrow.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # import pyarrow -> ImportError
+    (tmp_path / "t.parquet").write_bytes(b"PAR1")
+    assert cli.main(["replay", "--trace", str(tmp_path / "t.parquet")]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == ["pallas-cache: reading or writing a Parquet trace needs pyarrow: "
+                     "pip install 'pallas-cache[parquet]'"]
+    with pytest.raises(ValueError, match=r"pallas-cache\[parquet\]"):
+        save_trace(load_trace(write_jsonl(tmp_path / "t.jsonl", RECORDS)), tmp_path / "o.pq")
+    with pytest.raises(TraceError, match="not a readable Parquet file") if pa else \
+            pytest.raises(ValueError):
+        monkeypatch.undo()
+        load_trace(tmp_path / "t.parquet")
+
+
+@needs_pyarrow
+def test_parquet_size_is_refused_from_the_metadata(tmp_path, monkeypatch):
+    """FAILS if a Parquet trace above the memory limit is read before it is refused (the
+    estimate must come from the row count and the list values in the file's metadata)."""
+    many = [{**r, "token_idx": r["token_idx"] + 2 * copy} for copy in range(50) for r in RECORDS]
+    path = _write_parquet(tmp_path / "t.parquet", many)
+    read = pq.ParquetFile.read
+
+    def no_read(self, *args, **kwargs):
+        raise AssertionError("the data was read before the size was checked")
+
+    monkeypatch.setattr(pq.ParquetFile, "read", no_read)
+    with pytest.raises(TraceError, match=r"t\.parquet: reading 300 rows with \d+ expert entries "
+                                         r"would need about .* above the memory limit of 1\.0 KiB"):
+        load_trace(path, max_memory=1024)
+    monkeypatch.setattr(pq.ParquetFile, "read", read)
+    assert load_trace(path, max_memory=1024 * 1024).num_calls == 300

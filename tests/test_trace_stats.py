@@ -1,36 +1,70 @@
-"""The token-structured synthetic presets, their statistics, and the per-layer LRU baseline.
+"""Trace statistics on hand-counted traces and against brute-force counts.
 
-The statistics tests use hand-counted traces, so a naive statistic (pairing calls across
-sequences or layers, counting duplicates or padding, choosing the neighbour by the current layer
-itself or breaking ties towards older tokens) fails. The generator tests measure the structure
-the family promises (seeded, extendable, valid top-k routes, repeats that fade with lag, past
-tokens that predict the next layers), so a generator without token identity or context fails.
+A naive statistic fails: counting padding, counting duplicates twice in the reuse rate,
+averaging unrouted layers as zeros, NaN entropy for E == 1, pairing calls across sequences or
+layers, choosing the neighbour by the current layer itself or breaking ties towards older
+tokens, or a per-layer LRU that shares slots across layers.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import random
 
 import numpy as np
 import pytest
 
-from pallas_cache.sizing.synthetic import (PRESETS, RealisticParams, complete_sequences,
-                                           lag_repeat_probability, neighbour_precision,
-                                           next_token_precision, per_layer_lru_hit_rate,
-                                           realistic_token_ids, synthetic_trace,
-                                           trace_statistics)
+from pallas_cache.sizing.synthetic import synthetic_trace
+from pallas_cache.sizing.trace_stats import (complete_sequences, lag_repeat_probability,
+                                             neighbour_precision, next_token_precision,
+                                             per_layer_lru_hit_rate, trace_statistics)
 from pallas_cache.sizing.traces import Trace, load_trace, save_trace
 
-REALISTIC = ("mixtral-realistic", "fine-grained-realistic")
+
+# ---- skew, reuse and working set ------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def mixtral_realistic():
-    return synthetic_trace("mixtral-realistic", num_tokens=1200, seed=0)
+def test_entropy_and_working_set_hand_counted():
+    # Layer 0: experts 0 and 1 twice each -> p = (1/2, 1/2, 0, 0) -> H = ln 2, / ln 4 = 0.5.
+    # Layer 1: never routed (padding only) -> absent. Layer 2: all on expert 3 -> 0.0.
+    trace = Trace(routes=[[0, 1], [1, 0], [-1, -1], [3, 3], [3, -1]], layers=[0, 0, 1, 2, 2],
+                  num_layers=3, num_experts=4)
+    stats = trace_statistics(trace)
+    assert stats.routed_layers.tolist() == [0, 2]
+    assert stats.routes.tolist() == [4, 3]
+    assert np.allclose(stats.norm_entropy, [0.5, 0.0])
+    assert stats.mean_norm_entropy == pytest.approx(0.25)   # not 1/6: layer 1 is not a zero
+    assert stats.working_set.tolist() == [2, 1]
+    assert stats.working_set_mean == 1.5 and stats.working_set_max == 2
 
 
-# ---- statistics on hand-counted traces --------------------------------------------------------
+def test_entropy_of_a_flat_router_is_one_and_of_a_single_expert_layer_zero():
+    flat = Trace(routes=[[0, 1], [2, 3]], layers=[0, 0], num_layers=1, num_experts=4)
+    assert trace_statistics(flat).norm_entropy.tolist() == [pytest.approx(1.0)]
+    single = Trace(routes=[[0], [0]], layers=[0, 0], num_layers=1, num_experts=1)
+    assert trace_statistics(single).norm_entropy.tolist() == [0.0]  # not NaN (docs/semantics.md §10)
+
+
+def test_reuse_rate_hand_counted_with_duplicates_padding_and_sequences():
+    # Layer 0, sequence a: {0,1} -> {1,2} (1 of 2 reused) -> {1,1,-1} = {1} (1 of 1) -> {3} (0/1)
+    # Layer 1, sequence a: {0} -> {0, 2} (1 of 2).
+    # Sequence b, layer 0: its first call has no predecessor (a's calls are another sequence).
+    trace = Trace(
+        routes=[[0, 1, -1], [0, -1, -1], [1, 2, -1], [0, 2, -1], [1, 1, -1], [3, -1, -1],
+                [0, 1, -1]],
+        layers=[0, 1, 0, 1, 0, 0, 0], sequence=[0, 0, 0, 0, 0, 0, 1], sequence_names=("a", "b"),
+        token_idx=[0, 0, 1, 1, 2, 3, 0], num_layers=2, num_experts=4)
+    stats = trace_statistics(trace)
+    # Pooled: (1 + 1 + 0 + 1) reused of (2 + 1 + 1 + 2) distinct experts.
+    assert stats.mean_reuse_rate == pytest.approx(3 / 6)
+    assert stats.reuse_rate.tolist() == [pytest.approx(2 / 4), pytest.approx(1 / 2)]
+
+
+def test_statistics_of_an_all_padding_trace_is_an_error():
+    with pytest.raises(ValueError, match="no non-padding route"):
+        trace_statistics(Trace(routes=[[-1]], layers=[0], num_layers=1, num_experts=2))
+
+
+# ---- lag repeats, neighbour and next-token precision ----------------------------------------
 
 
 def _lag_trace():
@@ -133,7 +167,7 @@ def test_next_token_precision_needs_a_window_and_three_tokens():
     assert np.isnan(next_token_precision(Trace.from_dense([[[0]], [[1]]], num_experts=2)))
 
 
-# ---- many sequences, ragged tails --------------------------------------------------------------
+# ---- traces with several requests and ragged tokens -----------------------------------------
 
 
 def _ragged_trace(rng, *, sequences, layers, experts, top_k, tokens=(2, 30)):
@@ -268,7 +302,7 @@ def _next_token_pair(dense, window):
     return matched, predicted
 
 
-# ---- the per-layer LRU baseline ---------------------------------------------------------------
+# ---- per-layer LRU --------------------------------------------------------------------------
 
 
 def _per_layer_lru_brute(trace, cache_size):
@@ -318,95 +352,13 @@ def test_per_layer_lru_fast_equals_brute_force(case):
     assert per_layer_lru_hit_rate(ragged, size) == _per_layer_lru_brute(ragged, size)
 
 
-def test_per_layer_lru_with_top_k_slots_is_the_previous_token_repeat(mixtral_realistic):
+def test_per_layer_lru_with_top_k_slots_is_the_previous_token_repeat():
     """FAILS if per-layer LRU shared slots across layers (2 slots per layer of top-2 hit exactly
     the previous token's experts)."""
-    trace = mixtral_realistic
+    trace = synthetic_trace("mixtral-realistic", num_tokens=1200, seed=0)
     tokens = trace.num_tokens
     lag1 = lag_repeat_probability(trace, 1)[0]
     assert per_layer_lru_hit_rate(trace, 2 * trace.num_layers) == \
         pytest.approx(lag1 * (tokens - 1) / tokens)
     with pytest.raises(ValueError, match="gives 1 slots per layer for 32 layers"):
         per_layer_lru_hit_rate(trace, 32)
-
-
-# ---- the generator ----------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("name", REALISTIC)
-def test_realistic_presets_are_valid_dense_top_k_traces(name):
-    """FAILS if a call routes repeated or out-of-range experts or the geometry is not the
-    preset's."""
-    params = PRESETS[name]
-    trace = synthetic_trace(name, num_tokens=30, seed=5)
-    assert (trace.num_layers, trace.num_experts, trace.top_k) == \
-        (params.num_layers, params.num_experts, params.top_k)
-    assert trace.is_dense() and trace.num_calls == 30 * params.num_layers
-    assert trace.routes.dtype == np.int32 and trace.routes.min() >= 0
-    assert trace.routes.max() < params.num_experts
-    assert (np.diff(trace.routes, axis=1) > 0).all()   # sorted, distinct
-    assert f"synthetic:{name}(tokens=30, seed=5)" == trace.source
-    ids = realistic_token_ids(dataclasses.replace(params, num_tokens=30), seed=5)
-    assert ids.dtype == np.int32 and ids.shape == (30,)
-    assert ids.min() >= 0 and ids.max() < params.vocab_size
-
-
-def test_realistic_is_seeded_and_a_longer_trace_extends_a_shorter_one():
-    """FAILS if the generator is unseeded, or draws a quantity from a stream whose position
-    depends on the token count (then the first tokens change with num_tokens)."""
-    a = synthetic_trace("mixtral-realistic", num_tokens=1100, seed=3)
-    assert a == synthetic_trace("mixtral-realistic", num_tokens=1100, seed=3)
-    assert not np.array_equal(a.routes, synthetic_trace("mixtral-realistic", num_tokens=1100,
-                                                        seed=4).routes)
-    longer = synthetic_trace("mixtral-realistic", num_tokens=1500, seed=3)  # past one block
-    assert np.array_equal(longer.routes[: a.num_calls], a.routes)
-
-
-def test_repeats_fade_with_lag_and_stay_above_chance(mixtral_realistic):
-    """FAILS if routes carry no context from recent tokens (lag 1 would be no higher than the
-    longer lags), or the repeat profile dips below chance (the measured Mixtral-8x7B profile
-    falls monotonically to about 0.27, above chance 0.25)."""
-    lags = lag_repeat_probability(mixtral_realistic, 8)
-    chance = 2 / 8
-    assert lags[0] > lags[1] > lags[2]
-    assert lags[0] > lags[3:].max() + 0.03
-    assert lags.min() > chance
-
-
-def test_past_tokens_predict_the_next_layers_only_with_token_identity(mixtral_realistic):
-    """FAILS if the realistic routes lost their token identity across layers (then a matching
-    past token predicts no better than the token-free preset)."""
-    realistic = neighbour_precision(mixtral_realistic, 64)
-    token_free = neighbour_precision(synthetic_trace("mixtral-like", num_tokens=600), 64)
-    assert token_free < 0.35 and realistic > 0.5
-
-
-def test_copied_spans_repeat_earlier_token_sequences():
-    """FAILS if copy_prob is ignored: copied spans make bigrams recur far more than Zipf draws."""
-    base = RealisticParams(num_layers=1, num_experts=4, top_k=1, num_tokens=3000,
-                           vocab_size=5000, vocab_zipf=0.5, copy_prob=0.0)
-
-    def recurring_bigrams(params):
-        ids = realistic_token_ids(params, seed=0)
-        seen, again = set(), 0
-        for pair in zip(ids[:-1].tolist(), ids[1:].tolist()):
-            again += pair in seen
-            seen.add(pair)
-        return again / (len(ids) - 1)
-
-    assert recurring_bigrams(base) < 0.02
-    assert recurring_bigrams(dataclasses.replace(base, copy_prob=0.1, copy_span=8.0)) > 0.4
-
-
-@pytest.mark.parametrize("changes,message", [
-    (dict(top_k=9), "top_k=9 exceeds num_experts=8"),
-    (dict(vocab_size=0), "vocab_size must be a positive integer"),
-    (dict(copy_prob=1.5), r"copy_prob must be a probability in \[0, 1\], got 1.5"),
-    (dict(copy_span=0.5), "copy_span must be a finite number >= 1, got 0.5"),
-    (dict(context=()), "context must be a non-empty sequence of finite taps"),
-    (dict(context=3.0), "context must be a sequence of filter taps, got 3.0"),
-    (dict(layer_noise=-1.0), "layer_noise must be a finite number >= 0"),
-])
-def test_bad_realistic_knobs_are_refused_with_the_value(changes, message):
-    with pytest.raises(ValueError, match=message):
-        dataclasses.replace(PRESETS["mixtral-realistic"], **changes)

@@ -1,0 +1,318 @@
+"""NumPy routing traces: ``.npy``/``.npz`` arrays ``[tokens, layers, top_k]`` and vLLM's routed
+experts (one such array per request)."""
+
+from __future__ import annotations
+
+import os
+import zipfile
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from pallas_cache.sizing.traces.geometry import (OUTLIER_FLOOR, check_geometry, check_outlier,
+                                                 id_past_int32, next_largest,
+                                                 optional_positive_int)
+from pallas_cache.sizing.traces.memory import (check_memory, format_bytes, resolve_memory_limit,
+                                               trace_bytes)
+from pallas_cache.sizing.traces.trace import READ_ERRORS, Trace, TraceError
+from pallas_cache.validate import INT32_MAX
+
+__all__ = ["load_array_trace", "load_vllm_trace", "trace_from_dense"]
+
+_ZIP_MAGIC = b"PK"
+
+
+@dataclass(frozen=True)
+class _Member:
+    """One ``[tokens, layers, top_k]`` array of a NumPy trace file, known from its header."""
+
+    name: str            # the array's name ('routes' for a .npy)
+    label: str           # "file: array 'name'", for messages
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    fortran: bool
+    read: Any            # () -> np.ndarray, reading the data (or returning the array)
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=object)) * self.dtype.itemsize
+
+
+def _read_npy_header(stream: Any, label: str) -> tuple[tuple[int, ...], bool, np.dtype]:
+    try:
+        version = np.lib.format.read_magic(stream)
+        if version == (1, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_1_0(stream)
+        elif version == (2, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_2_0(stream)
+        else:
+            raise ValueError(f"unsupported .npy format version {version[0]}.{version[1]}")
+    except READ_ERRORS as exc:
+        raise TraceError(f"{label}: not a readable NumPy .npy/.npz file: {exc}") from None
+    if dtype.hasobject:
+        raise TraceError(f"{label}: not a readable NumPy .npy/.npz file: object (pickled) "
+                         f"arrays are refused")
+    if any(int(d) < 0 for d in shape):
+        raise TraceError(f"{label}: not a readable NumPy .npy/.npz file: negative shape {shape}")
+    return tuple(int(d) for d in shape), bool(fortran), dtype
+
+
+def _read_npy_data(stream: Any, label: str, shape: tuple[int, ...], dtype: np.dtype,
+                   fortran: bool) -> np.ndarray:
+    nbytes = int(np.prod(shape, dtype=object)) * dtype.itemsize
+    try:
+        data = stream.read(nbytes)
+    except READ_ERRORS as exc:
+        raise TraceError(f"{label}: cannot read the array data: {exc}") from None
+    if len(data) != nbytes:
+        raise TraceError(f"{label}: the header claims shape {shape} ({format_bytes(nbytes)}) but "
+                         f"only {len(data)} bytes of data follow (truncated or corrupt file)")
+    return np.frombuffer(data, dtype=dtype).reshape(shape, order="F" if fortran else "C")
+
+
+def _npy_members(path_str: str, name: str = "routes", label: str | None = None) -> list[_Member]:
+    label = label or f"{path_str}: array {name!r}"
+    try:
+        with open(path_str, "rb") as handle:
+            shape, fortran, dtype = _read_npy_header(handle, path_str)
+            offset, size = handle.tell(), os.fstat(handle.fileno()).st_size
+    except OSError as exc:
+        raise TraceError(f"{path_str}: cannot open trace file: {exc.strerror or exc}") from exc
+
+    def read() -> np.ndarray:
+        try:
+            with open(path_str, "rb") as handle:
+                handle.seek(offset)
+                return _read_npy_data(handle, label, shape, dtype, fortran)
+        except OSError as exc:
+            raise TraceError(f"{path_str}: cannot read trace file: {exc}") from None
+
+    member = _Member(name, label, shape, dtype, fortran, read)
+    if member.nbytes > size - offset:
+        raise TraceError(f"{label}: the header claims shape {shape} "
+                         f"({format_bytes(member.nbytes)}) but the file holds only "
+                         f"{size - offset} bytes of data (truncated or corrupt file)")
+    return [member]
+
+
+def _npz_members(path_str: str) -> list[_Member]:
+    try:
+        with zipfile.ZipFile(path_str) as archive:
+            infos = archive.infolist()
+            headers = []
+            for info in infos:
+                name = info.filename[:-4] if info.filename.endswith(".npy") else info.filename
+                label = f"{path_str}: array {name!r}"
+                with archive.open(info) as stream:
+                    headers.append((info, name, label, *_read_npy_header(stream, label)))
+    except TraceError:
+        raise
+    except READ_ERRORS as exc:
+        raise TraceError(f"{path_str}: not a readable NumPy .npy/.npz file: {exc}") from None
+    if not headers:
+        raise TraceError(f"{path_str}: the .npz archive holds no arrays")
+
+    def reader(info: zipfile.ZipInfo, label: str, shape, dtype, fortran):
+        def read() -> np.ndarray:
+            try:
+                with zipfile.ZipFile(path_str) as archive, archive.open(info) as stream:
+                    _read_npy_header(stream, label)
+                    return _read_npy_data(stream, label, shape, dtype, fortran)
+            except TraceError:
+                raise
+            except READ_ERRORS as exc:
+                raise TraceError(f"{label}: cannot read the array data: {exc}") from None
+        return read
+
+    return [_Member(name, label, shape, dtype, fortran, reader(info, label, shape, dtype, fortran))
+            for info, name, label, shape, fortran, dtype in headers]
+
+
+def _check_member(member: _Member, tokens: str = "tokens", empty_tokens: bool = False) -> None:
+    """Dtype, rank and emptiness, from the header alone (``empty_tokens``: a first dimension of
+    0 is allowed)."""
+    if member.dtype.kind not in "iu":
+        raise TraceError(f"{member.label}: expected an integer array of expert ids, got dtype "
+                         f"{member.dtype} (shape {member.shape})")
+    if len(member.shape) != 3:
+        raise TraceError(f"{member.label}: expected shape [{tokens}, layers, top_k], got "
+                         f"{len(member.shape)}-D shape {member.shape}")
+    if 0 in member.shape[empty_tokens:]:
+        raise TraceError(f"{member.label}: the trace is empty (shape {member.shape})")
+
+
+def load_array_trace(path: str | os.PathLike, *, num_layers: int | None = None,
+                     num_experts: int | None = None, max_memory: int | None = None) -> Trace:
+    """Read a ``.npy``/``.npz`` trace: integer arrays ``[tokens, layers, top_k]``.
+
+    A ``.npy`` holds one sequence. In an ``.npz`` *every* array is one sequence, named after the
+    array, in archive order (an archive of one array gives one unnamed sequence, as a ``.npy``);
+    arrays may differ in token count, layer count (``num_layers`` is the largest) and ``top_k``
+    (narrower ones are ``-1`` padded). Every array must be an integer array of rank 3. Sizes come
+    from the headers and are checked against the memory limit (and the file size) before any
+    data is read. Pickled (object) arrays are refused.
+
+    Args and Returns: as :func:`load_trace`.
+
+    Raises:
+        TraceError: unreadable or truncated file, empty archive, an array of non-integer dtype,
+            a rank other than 3, or empty (naming the array), a layer dimension above a declared
+            ``num_layers``, an expert outside ``[-1, num_experts)`` or an outlier expert (the
+            message gives its ``[token, layer, k]`` index), or (:class:`MemoryLimitError`) a
+            size above ``max_memory``.
+    """
+    path_str = os.fspath(path)
+    declared_layers = optional_positive_int(num_layers, "num_layers")
+    declared_experts = optional_positive_int(num_experts, "num_experts")
+    limit = resolve_memory_limit(max_memory)
+    members = _array_file_members(path_str)
+    for member in members:
+        _check_member(member)
+    return _assemble_dense(members, path_str, declared_layers, declared_experts, limit,
+                           names=len(members) > 1)
+
+
+def _array_file_members(path_str: str):
+    """The arrays of one ``.npz`` (by its zip magic) or ``.npy`` file, headers only."""
+    try:
+        with open(path_str, "rb") as handle:
+            magic = handle.read(2)
+    except OSError as exc:
+        raise TraceError(f"{path_str}: cannot open trace file: {exc.strerror or exc}") from exc
+    return _npz_members(path_str) if magic == _ZIP_MAGIC else _npy_members(path_str)
+
+
+def load_vllm_trace(path: str | os.PathLike, *, num_layers: int | None = None,
+                    num_experts: int | None = None, max_memory: int | None = None) -> Trace:
+    """Read vLLM's routed experts: one ``[gen_len, layers, top_k]`` array per request, each
+    request one sequence.
+
+    vLLM (``--enable-return-routed-experts``) returns each completion's ``routed_experts`` as an
+    int16 array ``[gen_len, num_moe_layers, top_k]``. Saved as a directory of ``.npy`` files (one
+    per request, named after the file without ``.npy``, in name order; other files are ignored),
+    an ``.npz`` (one array per request, in archive order) or one ``.npy``. Unlike
+    :func:`load_array_trace`, every request must have the same layers and ``top_k`` (one model's
+    routing), and a request with ``gen_len`` 0 is skipped. Headers (dtype, rank, shapes) are
+    checked for every request before any data is read.
+
+    Args and Returns: as :func:`load_trace`.
+
+    Raises:
+        TraceError: no ``.npy`` in the directory, a non-integer dtype or a rank other than 3
+            (naming the file and shape), requests whose layers or ``top_k`` differ (naming both
+            files and shapes), every request empty, an id below ``-1`` (naming the file and
+            ``[token, layer, k]``), or as :func:`load_array_trace`.
+    """
+    path_str = os.fspath(path)
+    declared_layers = optional_positive_int(num_layers, "num_layers")
+    declared_experts = optional_positive_int(num_experts, "num_experts")
+    limit = resolve_memory_limit(max_memory)
+    if os.path.isdir(path_str):
+        try:
+            files = sorted(f for f in os.listdir(path_str) if f.lower().endswith(".npy"))
+        except OSError as exc:
+            raise TraceError(f"{path_str}: cannot list the directory: {exc.strerror or exc}") from exc
+        if not files:
+            raise TraceError(f"{path_str}: no .npy files in the directory (vLLM routed experts: "
+                             f"one [gen_len, layers, top_k] .npy per request)")
+        members = [member for name in files
+                   for member in _npy_members(os.path.join(path_str, name), name[:-4],
+                                              os.path.join(path_str, name))]
+    else:
+        members = _array_file_members(path_str)
+    for member in members:
+        _check_member(member, tokens="gen_len", empty_tokens=True)
+        if member.shape[1:] != members[0].shape[1:]:
+            raise TraceError(f"{member.label}: shape {member.shape} but {members[0].label} has "
+                             f"shape {members[0].shape}: every request of one model routes the "
+                             f"same [layers, top_k]")
+    kept = [member for member in members if member.shape[0] > 0]
+    if not kept:
+        raise TraceError(f"{path_str}: every request has gen_len 0 (no routes)")
+    return _assemble_dense(kept, path_str, declared_layers, declared_experts, limit,
+                           names=len(members) > 1 or os.path.isdir(path_str))
+
+
+def trace_from_dense(dense: np.ndarray, *, num_layers: int | None, num_experts: int | None,
+                     where: str, field_name: str, max_memory: int | None = None) -> Trace:
+    """Validate an in-memory ``[tokens, layers, top_k]`` array into a token-major trace."""
+    label = f"{where}: array {field_name!r}"
+    member = _Member(field_name, label, tuple(dense.shape), dense.dtype, False, lambda: dense)
+    if dense.dtype.hasobject or member.dtype.kind not in "iu":
+        raise TraceError(f"{label}: expected an integer array of expert ids, got dtype "
+                         f"{dense.dtype}")
+    _check_member(member)
+    return _assemble_dense([member], where, optional_positive_int(num_layers, "num_layers"),
+                           optional_positive_int(num_experts, "num_experts"),
+                           resolve_memory_limit(max_memory), names=False, held=dense.nbytes)
+
+
+def _assemble_dense(members: list[_Member], where: str, declared_layers: int | None,
+                    declared_experts: int | None, limit: int, *, names: bool,
+                    held: int = 0) -> Trace:
+    """Validate the members' values and concatenate them, one sequence each, token-major."""
+    for member in members:
+        if declared_layers is not None and member.shape[1] > declared_layers:
+            raise TraceError(f"{member.label}: {member.shape[1]} layers in the array but "
+                             f"num_layers={declared_layers} was declared")
+    calls = sum(m.shape[0] * m.shape[1] for m in members)
+    top_k = max(m.shape[2] for m in members)
+    biggest = max(members, key=lambda m: m.nbytes)
+    check_memory(held + biggest.nbytes + 2 * trace_bytes(calls, top_k), limit, biggest.label,
+                 f"the shape {biggest.shape} ({biggest.dtype}) in its header makes the trace "
+                 f"[{calls} calls, top_k {top_k}], which")
+    num_layers = declared_layers or max(m.shape[1] for m in members)
+    if declared_experts is not None:
+        check_geometry(num_layers, declared_experts, limit, where, " (declared)")
+
+    routes = np.full((calls, top_k), -1, dtype=np.int32)
+    bound = declared_experts if declared_experts is not None else INT32_MAX
+    offsets, row = [], 0
+    for member in members:
+        values = member.read()
+        lo, hi = int(values.min()), int(values.max())
+        if lo < -1 or hi >= bound:
+            bad = (values < -1) | (values >= bound)
+            index = tuple(int(i) for i in np.argwhere(bad)[0])
+            text = (f"[-1, {declared_experts}) (num_experts={declared_experts})"
+                    if declared_experts is not None else "[-1, 2**31 - 1)")
+            note = " (-1 is the only padding value)" if int(values[index]) < -1 else ""
+            reason = f"expert {int(values[index])} is outside {text}{note}"
+            if declared_experts is None and int(values[index]) >= INT32_MAX:
+                reason = id_past_int32("expert", int(values[index]))
+            raise TraceError(f"{member.label}[token={index[0]}, layer={index[1]}, "
+                             f"k={index[2]}]: {reason}")
+        tokens, layers, width = member.shape
+        routes[row:row + tokens * layers, :width] = values.reshape(tokens * layers, width)
+        offsets.append(row)
+        row += tokens * layers
+        del values
+
+    def locate(flat_index: int) -> str:
+        call, k = divmod(flat_index, top_k)
+        number = int(np.searchsorted(offsets, call, side="right")) - 1
+        member = members[number]
+        token, layer = divmod(call - offsets[number], member.shape[1])
+        return f"{member.label}[token={token}, layer={layer}, k={k}]"
+
+    max_expert = int(routes.max())
+    if declared_experts is None:
+        if max_expert < 0:
+            raise TraceError(f"{members[0].label}: every route is padding (-1), so num_experts "
+                             f"cannot be inferred; pass num_experts=")
+        max_where = locate(int(np.argmax(routes == max_expert)))
+        if max_expert >= OUTLIER_FLOOR:
+            check_outlier("expert", max_expert, next_largest(routes, max_expert), max_where)
+        check_geometry(num_layers, max_expert + 1, limit, max_where, "")
+    sequence = np.repeat(np.arange(len(members), dtype=np.int32),
+                         [m.shape[0] * m.shape[1] for m in members])
+    layer_column = np.concatenate([np.tile(np.arange(m.shape[1], dtype=np.int32), m.shape[0])
+                                   for m in members])
+    token_column = np.concatenate([np.repeat(np.arange(m.shape[0], dtype=np.int64), m.shape[1])
+                                   for m in members])
+    return Trace(routes=routes, layers=layer_column, num_layers=num_layers,
+                 num_experts=declared_experts if declared_experts is not None else max_expert + 1,
+                 token_idx=token_column, sequence=sequence,
+                 sequence_names=tuple(m.name for m in members) if names else (None,),
+                 source=where)
