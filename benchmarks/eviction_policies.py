@@ -17,7 +17,7 @@ import numpy as np  # noqa: E402
 
 import pallas_cache as pc  # noqa: E402
 from pallas_cache.sizing import ReplayConfig, belady, replay, synthetic_trace  # noqa: E402
-from pallas_cache.sizing.synthetic import per_layer_lru_hit_rate  # noqa: E402
+from pallas_cache.sizing.trace_stats import per_layer_lru_hit_rate  # noqa: E402
 from timing import interleaved, publish, run_header, section, summarize  # noqa: E402
 
 EVICTIONS = ("lru", "pair_lfu", "route_knn", "route_lfu")
