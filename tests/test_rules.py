@@ -480,19 +480,20 @@ def test_routing_skew_is_absent_until_routing_is_observed(adapter):
     assert c.routing_skew() is None
 
 
-# ---- the seed-000 admission rules (docs/semantics.md §5.5) -----------------------------------
-# The table itself runs through pallas_cache.sizing.scenarios (one compiled lax.scan per
-# scenario); the reference agrees with it step by step through the lockstep suite.
+# ---- the admission rules in the promotion scenarios (docs/semantics.md §5.5) -----------------
+# The scenarios (8 layers of 16 experts, a 64-slot pool, fraction 0.4) run through
+# pallas_cache.sizing.scenarios (one compiled lax.scan each); the reference agrees with it step
+# by step through the lockstep suite.
 
 
-def test_the_seed_000_table_without_promotion():
+def test_the_promotion_scenarios_without_promotion():
     one = scenarios.one_active_layer("none")
     assert (one.fetches, one.cpu_routes) == (0, 256), "expert 7 stays on the CPU forever"
     cold = scenarios.all_layers_cold("none")
     assert (cold.fetches, cold.cpu_routes, cold.empty_slots) == (56, 2104, 8)
 
 
-def test_the_seed_000_table_with_promote_one():
+def test_the_promotion_scenarios_with_promote_one():
     """FAILS without the rule: a single miss at 0.4 rounds to zero fetches forever."""
     one = scenarios.one_active_layer("promote_one")
     assert (one.fetches, one.cpu_routes) == (1, 1)
