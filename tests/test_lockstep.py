@@ -289,30 +289,36 @@ def note_events(kind, plan, previous_step, step):
         event("prefill already loaded")
 
 
-# The ci profile runs 15 sequences of each plain lockstep (the capacity and resize runs below
-# repeat every rule under one more option, on the same compiled programs); deep runs 1000.
-@examples(1.0, ci=0.6)
-@given(data=st.data())
-def test_eager_matches_the_reference_after_every_step(data):
+#: The JAX adapters every drawn sequence runs on (conftest.py).
+JAX_ADAPTERS = ("jax-eager", "jax-jit", "jax-interpret")
+
+
+def drawn(run, adapter_name, budget, **options):
+    """``run(data, adapter_name, **options)`` as a hypothesis test with the adapter's number of
+    examples, ``budget[adapter_name]`` (the interpreter's compiles cost the most)."""
+
+    @budget[adapter_name]
+    @given(data=st.data())
+    def sequence(data):
+        run(data, adapter_name, **options)
+
+    sequence()
+
+
+# The ci profile runs 15 plain sequences per adapter, 6 interpreted (the capacity and resize runs
+# below repeat every rule under one more option, on the same compiled programs); deep: 1000, 333.
+PLAIN_BUDGET = {"jax-eager": examples(1.0, ci=0.6), "jax-jit": examples(1.0, ci=0.6),
+                "jax-interpret": examples(1 / 3, ci=0.24)}
+
+
+@pytest.mark.parametrize("adapter_name", JAX_ADAPTERS)
+def test_matches_the_reference_after_every_step(adapter_name):
     """FAILS if any op (ensure, ensure_hybrid with every policy, order and admission,
     materialize, forget, prefill, reset, rebuild, stats, routing, the clock rebase) disagrees
-    with the reference in any state or plan field, or breaks a docs/semantics.md §3 invariant."""
-    run_lockstep(data, "jax-eager")
-
-
-@examples(1.0, ci=0.6)
-@given(data=st.data())
-def test_jitted_matches_the_reference_after_every_step(data):
-    """FAILS as the eager test does, where a traced layer, slot or flag changes an answer."""
-    run_lockstep(data, "jax-jit")
-
-
-# The same sequences, fewer of them (each geometry compiles the interpreted kernels once).
-@examples(1 / 3, ci=0.24)
-@given(data=st.data())
-def test_the_interpret_backend_matches_the_reference_after_every_step(data):
-    """FAILS as the eager test does, where the Pallas kernels (in the interpreter) decide."""
-    run_lockstep(data, "jax-interpret")
+    with the reference in any state or plan field, or breaks a docs/semantics.md §3 invariant:
+    eagerly, under an outer jit with a traced layer, slot or flag, or with the Pallas kernels
+    in the interpreter."""
+    drawn(run_lockstep, adapter_name, PLAIN_BUDGET)
 
 
 def test_a_long_run_across_the_clock_rebase_matches_the_reference():
@@ -430,28 +436,17 @@ def run_equivalence(data, adapter_name, eviction=None):
         assert_same_reports(big, truth, f"the sequence on {name}")
 
 
-@examples(0.5, ci=0.32)
-@given(data=st.data())
-def test_eager_capacity_above_the_usable_size_equals_a_pool_of_that_size(data):
+CAPACITY_BUDGET = {"jax-eager": examples(0.5, ci=0.32), "jax-jit": examples(0.5, ci=0.32),
+                   "jax-interpret": examples(0.25, ci=0.16)}
+
+
+@pytest.mark.parametrize("adapter_name", JAX_ADAPTERS)
+def test_capacity_above_the_usable_size_equals_a_pool_of_that_size(adapter_name):
     """FAILS if any rule reads slots past the usable size: an unusable slot taken as a victim
-    (usage 0 makes it the first), counted as empty by the promotion rule, accepted by
-    forget_slot, or prefill refused by a raise instead of a bit."""
-    run_equivalence(data, "jax-eager")
-
-
-@examples(0.5, ci=0.32)
-@given(data=st.data())
-def test_jitted_capacity_above_the_usable_size_equals_a_pool_of_that_size(data):
-    """FAILS as the eager test does, where the usable size is traced."""
-    run_equivalence(data, "jax-jit")
-
-
-@examples(0.25, ci=0.16)
-@given(data=st.data())
-def test_interpreted_kernels_with_capacity_equal_a_pool_of_the_usable_size(data):
-    """FAILS if the victim search (XLA, or the fused kernel) picks a slot at or past the usable
-    size."""
-    run_equivalence(data, "jax-interpret")
+    (usage 0 makes it the first; by the XLA search or the fused kernel), counted as empty by the
+    promotion rule, accepted by forget_slot, or prefill refused by a raise instead of a bit;
+    eagerly, with the usable size traced, or in the interpreted kernels."""
+    drawn(run_equivalence, adapter_name, CAPACITY_BUDGET)
 
 
 @examples(0.25, ci=0.16)
@@ -517,26 +512,13 @@ def run_resize_lockstep(data, adapter_name, eviction=None):
     assert_same_reports(cache, ref, "the sequence")
 
 
-@examples(0.5, ci=0.32)
-@given(data=st.data())
-def test_eager_resize_interleaved_with_every_op_matches_the_reference(data):
+@pytest.mark.parametrize("adapter_name", JAX_ADAPTERS)
+def test_resize_interleaved_with_every_op_matches_the_reference(adapter_name):
     """FAILS if a shrink, a grow or a refused resize differs from the reference in any plan or
-    state field, with every other op (prefill chunks open across shrinks included) around it."""
-    run_resize_lockstep(data, "jax-eager")
-
-
-@examples(0.5, ci=0.32)
-@given(data=st.data())
-def test_jitted_resize_interleaved_with_every_op_matches_the_reference(data):
-    """FAILS as the eager test does, with the target size traced."""
-    run_resize_lockstep(data, "jax-jit")
-
-
-@examples(0.25, ci=0.16)
-@given(data=st.data())
-def test_interpreted_resize_interleaved_with_every_op_matches_the_reference(data):
-    """FAILS if the fused kernel's victim search or promotion rule ignores a resized pool."""
-    run_resize_lockstep(data, "jax-interpret")
+    state field, with every other op (prefill chunks open across shrinks included) around it:
+    eagerly, with the target size traced, or where the fused kernel's victim search or
+    promotion rule ignores a resized pool."""
+    drawn(run_resize_lockstep, adapter_name, CAPACITY_BUDGET)
 
 
 @examples(0.25, ci=0.16)
