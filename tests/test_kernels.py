@@ -260,14 +260,14 @@ def test_a_refused_call_writes_nothing():
 def test_routes_in_several_chunks():
     """FAILS if the kernel's route chunks (the ``[routes, E]`` comparisons are cut into chunks of
     at most 4096 pairs) drop, repeat or misplace a route in the histogram row, the duplicate
-    collapse or the per-route plan. Here E = 512, so a chunk holds 8 routes and the 11 routes of
-    a call (drawn from 16 hot experts: duplicates across chunks) take two."""
-    L, E, S = 2, 512, 520
+    collapse or the per-route plan. Here E = 256, so a chunk holds 16 routes and the 20 routes of
+    a call (drawn from 24 hot experts: duplicates across chunks) take two."""
+    L, E, S = 2, 256, 264
     state = pc.set_collect_routing(pc.init(L, E, S), True)
     policy = pc.FetchPolicy.fraction(0.5)
     ours, theirs = hybrid("interpret", "recency", "promote_one"), hybrid("xla", "recency",
                                                                           "promote_one")
-    layers, routes = random_calls(np.random.default_rng(4), 12, L, 16, 11)
+    layers, routes = random_calls(np.random.default_rng(4), 12, L, 24, 20)
     a = b = state
     for call in range(12):
         (a, plan_a), (b, plan_b) = (ours(a, layers[call], routes[call], policy),
