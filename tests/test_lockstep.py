@@ -50,6 +50,9 @@ GEOMETRIES = {
     ],
 }
 GEOMETRIES["jax-interpret"] = GEOMETRIES["jax-jit"]
+#: The capacity and resize runs under another eviction policy repeat every rule under one more
+#: option: the two larger jit geometries (each ring size compiles the programs again).
+EVICTION_GEOMETRIES = GEOMETRIES["jax-jit"][1:]
 REBASE_THRESHOLDS = (2**30, 4, 11)
 QUICK_FRACTIONS = (0.0, 0.25, 0.4, 0.415, 0.5, 0.75, 1.0)
 ERR_CACHE_SIZE = pc.ERR_CACHE_SIZE
@@ -223,10 +226,11 @@ def draw_ops(data, kinds, L, E, C, route_shape, admissions, rebuild_sizes, *, ca
     return ops
 
 
-def draw_start(data, adapter_name, eviction):
-    """The geometry, the rebase threshold and the eviction's options of one sequence."""
+def draw_start(data, adapter_name, eviction, geometries=None):
+    """The geometry (from ``geometries``, default all of the adapter's), the rebase threshold and
+    the eviction's options of one sequence."""
     L, E, C, route_shape, rebuild_targets = data.draw(
-        st.sampled_from(GEOMETRIES[adapter_name]), label="geometry")
+        st.sampled_from(geometries or GEOMETRIES[adapter_name]), label="geometry")
     threshold = data.draw(st.sampled_from(REBASE_THRESHOLDS), label="rebase threshold")
     options, admissions, extra_ops = eviction_options(data, eviction)
     return (L, E, C, route_shape, rebuild_targets), {"rebase_threshold": threshold, **options}, \
@@ -305,9 +309,9 @@ def drawn(run, adapter_name, budget, **options):
     sequence()
 
 
-# The ci profile runs 15 plain sequences per adapter, 6 interpreted (the capacity and resize runs
+# The ci profile runs 12 plain sequences per adapter, 6 interpreted (the capacity and resize runs
 # below repeat every rule under one more option, on the same compiled programs); deep: 1000, 333.
-PLAIN_BUDGET = {"jax-eager": examples(1.0, ci=0.6), "jax-jit": examples(1.0, ci=0.6),
+PLAIN_BUDGET = {"jax-eager": examples(1.0, ci=0.48), "jax-jit": examples(1.0, ci=0.48),
                 "jax-interpret": examples(1 / 3, ci=0.24)}
 
 
@@ -424,7 +428,7 @@ def run_equivalence(data, adapter_name, eviction=None):
     S < 2E <= C (prefill is a value error there, where the plain pool raises) and C < 2E (both
     raise)."""
     (L, E, C, route_shape, _), options, admissions, extra_ops = draw_start(
-        data, adapter_name, eviction)
+        data, adapter_name, eviction, eviction and EVICTION_GEOMETRIES)
     S = data.draw(st.integers(E, C), label="usable size")
     ops = draw_ops(data, BASE_OPS + extra_ops, L, E, C, route_shape, admissions, [])
     truth = ADAPTER["reference"].init(L, E, S, **options)
@@ -491,7 +495,7 @@ def run_resize_lockstep(data, adapter_name, eviction=None):
     included) interleaved with every other operation, prefill chunks open across shrinks and
     grows, and ``rebuild`` with an explicit capacity."""
     (L, E, C, route_shape, _), options, admissions, extra_ops = draw_start(
-        data, adapter_name, eviction)
+        data, adapter_name, eviction, eviction and EVICTION_GEOMETRIES)
     size = data.draw(st.integers(E, C), label="initial usable size")
     ops = draw_ops(data, BASE_OPS + ["resize"] * 6 + ["rebuild"] + extra_ops, L, E, C,
                    route_shape, admissions, list(range(E - 1, C + 1)), capacity=C,
