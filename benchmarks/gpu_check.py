@@ -1,80 +1,8 @@
-"""GPU check: the Pallas backend against the XLA one, equality and per-call cost (docs/semantics.md §7).
-
-A prepared script for the one lent GPU machine (an NVIDIA H200, stock image: Python 3.12,
-jax 0.11.x, numpy; no network, no installs, no chex/hypothesis). It needs no install: it puts
-the repository root on ``sys.path`` itself. Run it from the repository root, in one command with
-a time limit::
-
-    PYTHONUNBUFFERED=1 timeout 470 python benchmarks/gpu_check.py --out $OUT/gpu_check.md
-
-It must finish in under 8 minutes, compiles included; ``--budget-seconds`` (default 420) makes
-it skip the cost rows that would not fit (they are reported as skipped), and the report file is
-rewritten after every phase, so a run cut off by its limit still leaves a report. Exit status: 0
-when everything matched and every row's miss count held, 1 on any pallas/xla difference (or a
-backend that failed to compile or run), 2 when a cost row did not have exactly ``m`` misses on
-every call, 3 when there is no GPU (use ``--smoke`` there).
-
-What it checks
---------------
-(a) **Equality.** For two geometries -- the seed-000 toy (L=8, E=16, S=64) and a large MoE
-    (L=48, E=128, S=2048), top-8 routes -- a seeded random operation sequence runs as **one
-    compiled ``lax.scan``** per backend, with a traced layer and a ``lax.switch`` over every op:
-    ``ensure``; ``ensure_hybrid`` with fraction / fixed-cap / full policies (traced), both fetch
-    orders and all three admission rules (static, one switch branch each); ``materialize_layer``;
-    ``forget_slot`` (mostly an occupied slot, sometimes a bad one). Routes are sticky per layer
-    (so one or two misses per call, where the split rounds to zero and PROMOTE_ONE decides), with
-    duplicates, padding, and the odd bad expert id or layer (error paths). Each geometry runs
-    twice: from a cold cache, and from a pool filled to all but 4 slots (evictions of occupied
-    slots, promotion into the last empty ones) with routing collection on. The scan emits the
-    whole state and the whole plan after every step; every leaf must be equal, bit for bit,
-    between "pallas" and "xla". The first difference is reported with its geometry, sequence,
-    step, op and field, and the exit status is 1. A coverage line says how often each path ran
-    (fetches, promotions, evictions, CPU routes, errors).
-
-(b) **Per-call cost** of ``ensure`` (``--op``; ``ensure_hybrid`` with the full policy is the
-    other choice) at (L, E, S, k) = (48, 64, 512, 8), (48, 128, 4096, 8) and (64, 512, 16384, 8),
-    with exactly m in {0, 1, 4, 8} misses per call on a full pool (every miss evicts the LRU
-    entry). The routes come from a schedule (``MissSchedule``): each layer has ``k - m`` hot
-    experts, routed on every visit, and cycles its other ``E - k + m`` experts ``m`` at a time; an
-    expert comes round again only long after the LRU order has evicted it. The script does not
-    assume this works: every timed call's plan comes back (stacked per dispatch, so nothing of it
-    is dead code), and a row with any call whose ``missing``, ``fetched`` or ``error`` is not
-    ``m``, ``m``, 0 fails (exit status 2). ``--calls`` (128) layer-calls per dispatch, layer =
-    call index mod L, ``--replays`` (20) dispatches per trial, ``block_until_ready``, median of
-    ``--repeats`` (9) trials after a warm-up dispatch, pallas and xla alternating, in two forms:
-
-    * **unrolled**: one ``jax.jit`` of the 128 calls written out one after another (how JAX LLM
-      code runs its layers), each call's layer and routes a separate argument (no slicing
-      kernel). A backend whose call lowers to more than ``--light-ops`` (64) ops -- the XLA step
-      -- gets ``--heavy-unroll`` (8) calls per jit instead: a 128-call jit of it compiles for
-      minutes. The table marks such cells.
-    * **scan**: a ``lax.scan`` of 128 calls, per iteration, minus the same scan with a trivial
-      body and plan-shaped outputs (the floor: what one iteration costs with no call in it).
-
-    The unrolled program's own dispatch (its 2 x 128 arguments and outputs, with a trivial body)
-    is timed too and printed per geometry: an unrolled figure near it is host-bound.
-
-    Kernels per call are counted in the compiled programs (``kernel_count``: the launches of the
-    while body and condition, with the floor's subtracted; the unrolled program's launches per
-    call), and Pallas calls separately. Next to each row: upstream's published figures (flashlib
-    ``lru_ensure``, one Triton program, an H100 in a CUDA graph: 1.33 us per call with no miss;
-    base + slope * m = 1.6 + 0.56m us at 512 slots, 2.9 + 0.89m at 4096, 3.6 + 2.11m at 16384)
-    and the target: at or below base + slope * m, one kernel per call. Both backends replay the
-    same calls from the same pool, so every row is also an equality check (final states and all
-    plans identical, else exit status 1).
-
-(c) ``--smoke``: the same on the CPU with backend "interpret" standing in for "pallas", one
-    equality geometry, a tiny cost geometry (L=4, E=32, S=64, k=8), 4 calls per dispatch, few
-    repeats -- to test this script without a GPU (about 25 s of CPU time, mostly compiles). The
-    CUDA lowering itself is checked without a GPU by tests/test_kernels_lowering.py.
-
-Output: the jax version, the device kind, whether every comparison matched, and the tables;
-``--out FILE`` also writes them as the ``gpu_check`` section of FILE (``results_file``: pass
-benchmarks/RESULTS.md, or a file under ``$OUT`` on a lent machine).
-
-``loop_rows`` (a 1,000-step scanned ``ensure_hybrid`` decode loop, with and without misses) is
-kept for ``benchmarks/gpu_loop_flags.py``, which imports it; this script does not run it.
-"""
+"""GPU check: the Pallas backend against the XLA one on a GPU (docs/semantics.md §7): every state
+and plan leaf after every step of compiled random sequences, and the per-call cost at exactly m
+misses per call. Run from the repository root, e.g. ``PYTHONUNBUFFERED=1 timeout 470 python
+benchmarks/gpu_check.py --out $OUT/gpu_check.md``; ``--smoke`` runs it on a CPU. Exit status: 0
+matched, 1 a difference or a failed backend, 2 a row without m misses per call, 3 no GPU."""
 
 from __future__ import annotations
 
@@ -106,6 +34,7 @@ from jax import lax  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(REPO / "tests"))  # the lockstep driver (NumPy only)
 
 try:
     import pallas_cache as pc  # noqa: E402
@@ -116,6 +45,7 @@ except Exception:  # e.g. a jax without the Pallas Triton backend the kernels im
     sys.exit(1)
 from pallas_cache.sizing.synthetic import SyntheticParams, synthetic_trace  # noqa: E402
 from results_file import write_section  # noqa: E402
+import lockstep  # noqa: E402
 
 TOP_K = 8
 FRACTION = 0.4
@@ -347,25 +277,37 @@ def nearly_full_state(rng, L, E, S, empty: int = 4):
     return pc.set_collect_routing(full_state(rng, L, E, S, empty), True)
 
 
-def first_difference(ys_ref, ys_cand):
-    """``None`` if equal, else ``(step, [(field, index, xla value, candidate value), ...])``."""
-    ref, cand = named_leaves(ys_ref), named_leaves(ys_cand)
-    if [n for n, _ in ref] != [n for n, _ in cand]:
-        return 0, [("<tree structure>", (), [n for n, _ in ref], [n for n, _ in cand])]
-    first_step, fields = None, []
-    for (name, a), (_, b) in zip(ref, cand):
+def scan_steps(ys):
+    """One scanned run's outputs step by step: ``[(dotted name, host array)]`` per step."""
+    leaves = named_leaves(ys)
+    for step in range(leaves[0][1].shape[0]):
+        yield [(name, leaf[step]) for name, leaf in leaves]
+
+
+def compare_leaves(context, op, expected, got):
+    """Every leaf bit for bit; raises naming each field that differs (its first index, both
+    values)."""
+    if [n for n, _ in expected] != [n for n, _ in got]:
+        raise AssertionError(f"{context}: tree structure {[n for n, _ in expected]} vs "
+                             f"{[n for n, _ in got]}")
+    fields = []
+    for (name, a), (_, b) in zip(expected, got):
         if a.shape != b.shape or a.dtype != b.dtype:
-            return 0, [(name, (), f"{a.dtype}{a.shape}", f"{b.dtype}{b.shape}")]
-        bad = (a != b).reshape(a.shape[0], -1).any(axis=1)
-        if not bad.any():
-            continue
-        step = int(np.argmax(bad))
-        if first_step is None or step < first_step:
-            first_step, fields = step, []
-        if step == first_step:
-            idx = tuple(int(i) for i in np.argwhere(a[step] != b[step])[0]) if a.ndim > 1 else ()
-            fields.append((name, idx, a[step][idx].tolist(), b[step][idx].tolist()))
-    return None if first_step is None else (first_step, fields)
+            fields.append(f"field {name}: xla={a.dtype}{a.shape} candidate={b.dtype}{b.shape}")
+        elif not np.array_equal(a, b):
+            idx = tuple(int(i) for i in np.argwhere(a != b)[0]) if a.ndim else ()
+            fields.append(f"field {name}{list(idx) if idx else ''}: xla={a[idx].tolist()} "
+                          f"candidate={b[idx].tolist()}")
+    if fields:
+        raise AssertionError("\n    ".join([context] + fields))
+
+
+def sequence_ops(xs):
+    """The ops of a :func:`random_sequence` as the lockstep driver names them."""
+    return [(OP_NAMES[op], {"layer": int(layer), "routes": routes, "fraction16": int(f16),
+                            "cap": int(cap)})
+            for op, layer, routes, f16, cap in zip(xs["op"], xs["layer"], xs["routes"],
+                                                   xs["f16"], xs["cap"])]
 
 
 def coverage(xs, ys, init_state) -> str:
@@ -416,26 +358,21 @@ def check_equality(L, E, S, steps, candidate, seed, results) -> bool:
                 results["failures"].append(msg)
                 return False
         secs = time.perf_counter() - t0
-        diff = first_difference(out[0], out[1])
-        if diff is None:
-            cov = coverage(xs, out[0], state0)
-            log(f"equality [{geometry}, {label} start, {steps} steps]: MATCH ({secs:.1f} s incl. "
-                f"compile) -- {cov}")
-            results["equality"].append((geometry, label, steps, "match", cov))
-        else:
+        try:
+            lockstep.run(sequence_ops(xs), scan_steps(out[0]), {candidate: scan_steps(out[1])},
+                         compare_leaves)
+        except AssertionError as mismatch:
             ok = False
-            step, fields = diff
-            where = (f"op {OP_NAMES[xs['op'][step]]}, layer {xs['layer'][step]}, routes "
-                     f"{xs['routes'][step].tolist()}, fraction16 {xs['f16'][step]}, cap "
-                     f"{xs['cap'][step]}")
-            lines = [f"MISMATCH [{geometry}, {label} start] at step {step} ({where}):"]
-            for name, idx, a, b in fields:
-                lines.append(f"    field {name}{list(idx) if idx else ''}: xla={a} {candidate}={b}")
-            msg = "\n".join(lines)
+            msg = f"MISMATCH [{geometry}, {label} start] at {mismatch}"
             print("!" * 100 + "\n" + msg + "\n" + "!" * 100, flush=True)
             results["failures"].append(msg)
-            results["equality"].append((geometry, label, steps, f"MISMATCH at step {step}",
-                                        ", ".join(f[0] for f in fields)))
+            results["equality"].append((geometry, label, steps, "MISMATCH",
+                                        str(mismatch).split(":")[0]))
+            continue
+        cov = coverage(xs, out[0], state0)
+        log(f"equality [{geometry}, {label} start, {steps} steps]: MATCH ({secs:.1f} s incl. "
+            f"compile) -- {cov}")
+        results["equality"].append((geometry, label, steps, "match", cov))
     return ok
 
 
@@ -716,7 +653,7 @@ def floor_row(L, E, S, k, args, base) -> dict:
 
 
 def ops_per_call(op, backend, state, layer, routes) -> tuple[int, float]:
-    """StableHLO ops of one lowered call, by the rule of tests/test_kernels_lowering.py (every
+    """StableHLO ops of one lowered call, by the rule of tests/test_kernels.py (every
     ``stablehlo.<op>`` but the free ones; a Pallas call counts once), and the seconds the
     lowering took."""
     start = time.perf_counter()
@@ -1123,7 +1060,7 @@ def cost_markdown(args, cost) -> list[str]:
             f"arguments and outputs) {floor['unrolled_us']:.2f} us per call, so an unrolled "
             "figure near it is host-bound; one call lowers to "
             + ", ".join(f"{b} {n}" for b, n in ops.items())
-            + " StableHLO ops (the rule of tests/test_kernels_lowering.py, this platform); "
+            + " StableHLO ops (the rule of tests/test_kernels.py, this platform); "
             "compile s: " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(compiles.items())))
     for msg in cost["notes"]:
         lines.append(f"- {msg}")
@@ -1161,7 +1098,7 @@ def main(argv=None) -> int:
         f"against 'xla'")
     if args.candidate == "pallas" and jax.default_backend() != "gpu":
         print("No GPU here: backend 'pallas' needs one. Use --smoke (interpret) on a CPU; "
-              "tests/test_kernels_lowering.py checks the CUDA lowering without a GPU.",
+              "tests/test_kernels.py checks the CUDA lowering without a GPU.",
               file=sys.stderr)
         return 3
 

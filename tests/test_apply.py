@@ -1,18 +1,7 @@
-"""Applying plans to weights (pallas_cache.moe) and the compiled decode loop of the example.
-
-Two levels:
-
-* ``apply_copy_plan`` / ``moe_combine`` unit tests on hand-made plans: exactly the counted rows
-  are written, padding never wraps to the last slot, NaN in an unread slot cannot leak, and the
-  functions behave the same eagerly, under ``jit`` (with the pool donated) and inside ``scan``.
-* End to end: ``examples/decode_loop.py`` decodes a token stream with the whole loop compiled, and
-  every step of the cached hybrid path must equal the dense MoE, for the policies full,
-  fraction 0.4 and cap 1, with a tight (``S == E``) and a roomy (``S == 3E``) cache. The same
-  comparison must *fail* when a plan is deliberately corrupted, which shows the check has teeth.
-
-Compiles are the cost here (a few seconds each on CPU): the policy is traced, so the three
-policies share one compile per cache size, and the corrupted runs add one compile each.
-"""
+"""Applying plans to weights (pallas_cache.moe): ``apply_copy_plan`` and ``moe_combine`` on
+hand-made plans (exactly the counted rows, padding, NaN isolation, jit/scan/vmap, host banks, the
+geometry and range checks), and examples/decode_loop.py end to end: every step of the cached
+hybrid path equals the dense MoE, and the comparison fails when a plan is corrupted."""
 
 import dataclasses
 import importlib.util
@@ -384,6 +373,83 @@ def test_bad_layers_and_entries_match_the_reference_eager_and_traced(data):
 _DONATED_LAYERED = jax.jit(lambda pool, bank, copy, layer: apply_copy_plan(pool, bank, copy,
                                                                            layer=layer),
                            donate_argnums=0)
+
+
+# --- a plan refuses a pool or bank of another geometry (docs/semantics.md §5.13) ----------------
+# The plan knows (statically) the pool size and experts per layer it was made for; a mismatch is
+# a shape error, raised at trace time naming both shapes.
+
+PLAN_L, PLAN_E, PLAN_S, PLAN_H = 2, 8, 16, 4
+
+
+def _geometry_plan():
+    state = pc.init(PLAN_L, PLAN_E, PLAN_S)
+    state, plan = pc.ensure(state, 0, jnp.array([6, 7]))
+    return plan
+
+
+def _expert(weights, x):
+    return weights * x
+
+
+def test_a_pool_with_fewer_slots_than_the_plan_is_refused():
+    """FAILS if a 4-row pool for an S=16 plan is accepted: it wrote 0 of 2 copies, no error."""
+    plan = _geometry_plan()
+    bank = jnp.arange(PLAN_E * PLAN_H, dtype=jnp.float32).reshape(PLAN_E, PLAN_H)
+    with pytest.raises(ValueError, match=r"pool of 16 slots.*\(4, 4\)"):
+        pc.apply_copy_plan(jnp.zeros((4, PLAN_H)), bank, plan)
+    with pytest.raises(ValueError, match="pool of 16 slots"):
+        jax.jit(pc.apply_copy_plan).trace(jnp.zeros((4, PLAN_H)), bank, plan)
+
+
+def test_a_bank_with_fewer_experts_than_the_plan_is_refused():
+    """FAILS if a 4-row bank for E=8 is accepted: experts 6 and 7 were both read from row 3."""
+    plan = _geometry_plan()
+    with pytest.raises(ValueError, match=r"8 experts per layer.*\(4, 4\)"):
+        pc.apply_copy_plan(jnp.zeros((PLAN_S, PLAN_H)), jnp.ones((4, PLAN_H)), plan)
+    with pytest.raises(ValueError, match=r"8 experts per layer.*\(2, 4, 4\)"):
+        pc.apply_copy_plan(jnp.zeros((PLAN_S, PLAN_H)), jnp.ones((PLAN_L, 4, PLAN_H)), plan,
+                           layer=0)
+
+
+def test_moe_combine_refuses_mismatched_geometry_and_matches_dense_when_right():
+    """FAILS if moe_combine accepts a short pool (it returned 0.0 where the dense MoE gives the
+    real output), or if the check rejects a matching geometry."""
+    plan = _geometry_plan()
+    bank = jnp.arange(PLAN_E * PLAN_H, dtype=jnp.float32).reshape(PLAN_E, PLAN_H) + 1
+    pool = pc.apply_copy_plan(jnp.zeros((PLAN_S, PLAN_H)), bank, plan)
+    x = jnp.ones((1, PLAN_H))
+    ids, gates = jnp.array([[6, 7]]), jnp.array([[0.5, 0.5]])
+    np.testing.assert_allclose(moe_combine(x, ids, gates, plan, pool, bank, _expert),
+                               moe_dense(x, ids, gates, bank, _expert))
+    with pytest.raises(ValueError, match="pool of 16 slots"):
+        moe_combine(x, ids, gates, plan, pool[:4], bank, _expert)
+    with pytest.raises(ValueError, match="8 experts per layer"):
+        moe_combine(x, ids, gates, plan, pool, bank[:4], _expert)
+
+
+def test_a_hand_built_copy_plan_carries_no_geometry_and_is_not_checked():
+    """FAILS if a CopyPlan built by hand (no geometry) is refused."""
+    copy = pc.CopyPlan(dst_slots=jnp.array([1, -1]), src_rows=jnp.array([2, -1]),
+                       count=jnp.int32(1))
+    pool = pc.apply_copy_plan(jnp.zeros((4, PLAN_H)), jnp.ones((3, PLAN_H)), copy)
+    assert float(pool[1].sum()) == PLAN_H
+
+
+def test_a_hand_built_copy_plan_is_checked_entry_by_entry_against_the_shapes():
+    """FAILS if a hand-built plan (no geometry) with src_rows = 9 on an E = 8 bank copies row 7
+    (a clamped gather), or one with dst_slots = 20 on a 16-slot pool is dropped without a word."""
+    bank = jnp.arange(PLAN_E * PLAN_H, dtype=jnp.float32).reshape(PLAN_E, PLAN_H)
+    rows = pc.CopyPlan(dst_slots=jnp.array([3, -1]), src_rows=jnp.array([9, -1]),
+                       count=jnp.int32(1))
+    with pytest.raises(ValueError, match=r"src_rows\[0\] = 9 is outside \[0, 8\)"):
+        pc.apply_copy_plan(jnp.zeros((PLAN_S, PLAN_H)), bank, rows)
+    slots = pc.CopyPlan(dst_slots=jnp.array([20, -1]), src_rows=jnp.array([2, -1]),
+                        count=jnp.int32(1))
+    with pytest.raises(ValueError, match=r"dst_slots\[0\] = 20 is outside \[0, 16\)"):
+        pc.apply_copy_plan(jnp.zeros((PLAN_S, PLAN_H)), bank, slots)
+    traced = jax.jit(pc.apply_copy_plan)(jnp.zeros((PLAN_S, PLAN_H)), bank, rows)
+    np.testing.assert_array_equal(traced, jnp.zeros((PLAN_S, PLAN_H)))  # traced: nothing, not row 7
 
 
 # --- moe_combine / moe_dense ---------------------------------------------------------------------

@@ -1,9 +1,6 @@
-"""Composition (docs/semantics.md §9): the ops inside ``lax.scan`` / ``fori_loop`` decode loops and under ``vmap``.
-
-A compiled decode loop over (tokens x layers) with a traced layer must produce exactly the final
-state and the stacked plans of the step-by-step Python loop, and a ``vmap`` over a batch of caches
-(different fractions, different histories, different layers) must equal a Python loop over them.
-"""
+"""Composition (docs/semantics.md §9): a compiled ``lax.scan`` / ``fori_loop`` decode loop with a
+traced layer equals the step-by-step Python loop (final state and stacked plans), and a ``vmap``
+over a batch of caches equals a Python loop over them."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
-"""Bad input (docs/semantics.md §6, docs/design.md): clear errors, and nothing lost.
-
-Value errors (known only on device) must return the input state **unchanged** -- not even the
-clock moves, and no rebase happens -- with the matching error bit in an otherwise empty plan; that
-rule runs on every adapter in test_rules_state.py, and here inside a ``scan``. Static misuse must raise at call/trace time naming the offending
-value. ``check`` turns error bits into a readable exception; ``checked`` does it under ``jit``
-through ``checkify``.
-"""
+"""Bad input (docs/semantics.md §6): a value error inside a ``scan`` returns the state unchanged
+(test_rules.py holds that rule on every adapter), static misuse raises at call or trace time
+naming the value, and ``check`` / ``checked`` turn error bits into a readable exception."""
 
 from __future__ import annotations
 

@@ -1,13 +1,6 @@
-"""The hybrid MoE layer (pallas_cache.hybrid, docs/semantics.md §5.13).
-
-* End to end: decode random calls (padding, duplicate routes, every policy, a bank in host or
-  device memory) through ``ensure_hybrid`` + ``apply_copy_plan`` + ``moe_hybrid``; every output
-  equals ``moe_dense``, and the CPU partial equals its masked reference.
-* The CPU work: the expert function runs once per distinct CPU expert, reading exactly those
-  experts' rows, and never for a resident, fetched or padding route.
-* Placement: in the program lowered for CUDA, the CPU partial's matmuls (and only they) carry
-  XLA's host compute type.
-"""
+"""The hybrid MoE layer (pallas_cache.hybrid, docs/semantics.md §5.13): random decode calls end to
+end equal ``moe_dense``; the CPU partial runs the expert function once per distinct CPU expert
+and for nothing else; lowered for CUDA, only its matmuls carry XLA's host compute type."""
 
 from __future__ import annotations
 

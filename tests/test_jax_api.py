@@ -1,11 +1,7 @@
-"""The JAX API surface: what only the JAX functions have.
-
-Every cache rule is written once in test_rules.py / test_rules_state.py / test_policy.py and runs
-there on the reference and on the JAX functions (eager, jit, interpret). What stays here is the
-API itself: route shapes and dtypes, traced layers and policies (no recompiles), the static enums,
-the two backend functions against brute force, the split without int32 overflow against the
-reference's definition, the dense-rank renumbering of the clock, and host-side byte counts.
-"""
+"""The JAX API surface, what only the JAX functions have: route shapes and dtypes, traced layers
+and policies (no recompiles), the static enums, the two backend functions against brute force,
+the split without int32 overflow, the clock's dense-rank renumbering, host-side byte counts.
+The cache's rules themselves are in test_rules.py and test_policy.py, on every adapter."""
 
 from __future__ import annotations
 

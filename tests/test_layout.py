@@ -1,5 +1,5 @@
-"""The package layout keeps its rules: no module reaches into another's private names, and no
-module is named like a standard-library module (docs/design.md, "Layout")."""
+"""The package layout keeps its rules: no module reaches into another's private names (a private
+name may change with its module alone), and no module is named like a standard-library one."""
 
 from __future__ import annotations
 
@@ -71,7 +71,7 @@ def package_modules(root: Path = PACKAGE):
 
 def test_no_cross_module_private_import():
     """FAILS if a package module imports another module's ``_private`` name (``from m import _x``)
-    or reads one as an attribute (``m._x``), as the replay once did with ``ops._ensure``."""
+    or reads one as an attribute (``m._x``)."""
     found = []
     for path, module in package_modules():
         found += private_imports(path.read_text(), module, PACKAGE, path.name == "__init__.py")

@@ -1,11 +1,6 @@
-"""The per-call ops are loop-free and their static rules compile away (docs/semantics.md §7.1).
-
-A ``while`` primitive outside a Pallas kernel has a data-dependent trip count: on a GPU, XLA reads
-its predicate back to the host on every iteration, so a decode step would sync with the host once
-per miss. These tests trace every per-call op with a *traced* layer, for every backend, and walk
-all sub-jaxprs (pjit, scan, cond, custom_vmap, ...) except the bodies of ``pallas_call`` (a loop
-inside a kernel runs on the device). Tracing only: no Pallas lowering is needed.
-"""
+"""The per-call ops are loop-free outside their kernels and their static rules compile away
+(docs/semantics.md §7.1, docs/design.md "A loop-free step"): every op traced with a traced layer,
+for every backend, every sub-jaxpr walked except the bodies of ``pallas_call``."""
 
 from __future__ import annotations
 

@@ -1,15 +1,7 @@
-"""The example notebook must run top to bottom and show what it says it shows.
-
-``examples/explore_cache.ipynb`` is executed once per test session with nbclient, in a kernel
-running *this* interpreter (so it sees the same pallas_cache and jax as the tests), with the
-repository root as working directory. The tests then read the outputs of named cells (cell ids):
-the describe/diff tables of the hand-stepped cache, the promotion diff of the PROMOTE_ONE rule and
-the PNG of the replay plot. A separate, fast test checks that the committed notebook carries no
-outputs, so executed outputs are never committed.
-
-Needs ``nbclient``, ``nbformat``, ``ipykernel`` and ``matplotlib`` (the ``test`` extra); the
-execution tests are skipped when one is missing, the no-outputs test always runs.
-"""
+"""The example notebook (examples/explore_cache.ipynb) runs top to bottom, once per session
+in a kernel on this interpreter, and shows what it says: the describe/diff tables, the promotion
+scenarios and the replay plot; the committed file carries no outputs. The execution tests need
+the ``test`` extra (nbclient, nbformat, ipykernel, matplotlib) and skip without it."""
 
 from __future__ import annotations
 
@@ -158,8 +150,8 @@ def test_section_2_promotion_installs_the_recurring_expert(executed):
     table = _text(executed["b-run"])
     assert re.search(r"promote_one\s+2\s+1\s+0\s+4", table)  # step 2: one copy, no CPU route
     assert re.search(r"none\s+4\s+0\s+1\s+5", table)  # step 4: still on the CPU, 5 empty slots
-    promotion = _text(executed["b-table"])
-    assert re.search(r"CPU-assigned routes\s+2104\s+88", promotion)
+    scenarios = _text(executed["b-table"])
+    assert re.search(r"CPU-assigned routes\s+2104\s+88", scenarios)
 
 
 def test_section_3_replay_table_and_plot(executed):

@@ -1,9 +1,5 @@
-"""The fetch policy and its balanced split (docs/semantics.md §5.3), on every adapter.
-
-``adapter.Policy`` is ``ReferencePolicy`` or ``pallas_cache.FetchPolicy``; ``adapter.split``
-evaluates the split for a whole array of miss counts (one vectorised call on the JAX side,
-eagerly or jitted).
-"""
+"""The fetch policy and its balanced split (docs/semantics.md §5.3), on every adapter
+(``adapter.split`` evaluates the split for a whole array of miss counts)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
-"""Wide integer inputs are range-checked before they are narrowed (docs/semantics.md §6).
-
-Ids, layers and slots of every integer dtype (int8..int64, uint8..uint64, Python ints and lists)
-must give the reference's error bits with the state unchanged: a cast to int32 first would wrap
-``2**32 + 3`` into expert 3, a uint32 ``0xFFFFFFFF`` into padding, ``2**32 + 1`` into layer 1.
-Both implementations are checked; the traced int64 case needs x64, which is process-wide, so it
-runs in a subprocess.
-"""
+"""Wide integer inputs are range-checked before they are narrowed (docs/semantics.md §6): ids,
+layers and slots of every integer dtype give the reference's error bits with the state unchanged
+(a cast to int32 first would wrap ``2**32 + 3`` into expert 3). The adapters narrow routes to
+int32, so the two implementations are called directly; traced int64 runs in an x64 subprocess."""
 
 import subprocess
 import sys
