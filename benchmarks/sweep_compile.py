@@ -27,8 +27,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 
-from pallas_cache.sizing import sweep  # noqa: E402
 from pallas_cache.sizing.sweep import auto_cache_sizes, config_grid, replay  # noqa: E402
+from pallas_cache.sizing.sweep_program import clear_compiled, lane_key  # noqa: E402
+from pallas_cache.sizing.sweep_records import DEFAULT_BUCKET_RATIO  # noqa: E402
 from pallas_cache.sizing.synthetic import synthetic_trace  # noqa: E402
 from results_file import write_section  # noqa: E402
 
@@ -44,8 +45,7 @@ class _Count(logging.Handler):
 
 def cold_run(trace, configs, bounds, ratio):
     """Seconds of one replay from a cold program cache, and its compilations."""
-    sweep._program.cache_clear()
-    sweep._EXECUTABLES.clear()
+    clear_compiled()
     counter = _Count()
     logger = logging.getLogger("jax")
     logger.addHandler(counter)
@@ -79,8 +79,8 @@ def main(argv=None):
     ]
     rows = []
     for name, configs, bounds in sweeps:
-        lanes = len({sweep._lane_key(c) for c in configs})
-        times = {1.0: [], sweep.DEFAULT_BUCKET_RATIO: []}
+        lanes = len({lane_key(c) for c in configs})
+        times = {1.0: [], DEFAULT_BUCKET_RATIO: []}
         compiles = {}
         for _ in range(args.repeats):
             for ratio in times:
@@ -88,7 +88,7 @@ def main(argv=None):
                 times[ratio].append(seconds)
         per_size, bucketed = (statistics.median(times[r]) for r in times)
         rows.append(f"| {name} | {len(configs)} | {lanes} | {compiles[1.0]} | {per_size:.1f} s | "
-                    f"{compiles[sweep.DEFAULT_BUCKET_RATIO]} | {bucketed:.1f} s | "
+                    f"{compiles[DEFAULT_BUCKET_RATIO]} | {bucketed:.1f} s | "
                     f"{per_size / bucketed:.2f}x |")
         print(rows[-1], flush=True)
 
