@@ -163,8 +163,8 @@ def test_hostile_trace_through_the_cli_is_one_line(tmp_path, capsys, no_replay):
 
 def test_a_ctrl_c_swallowed_inside_the_replay_still_interrupts(tmp_path, capsys, monkeypatch):
     """FAILS if a SIGINT whose KeyboardInterrupt is swallowed inside the replay (a callback of
-    XLA's compiler can swallow it) lets the run go on to print its table and write its plot:
-    under load the real-SIGINT test below once saw exit status 0 and a plot written."""
+    XLA's compiler can swallow it) lets the run go on to print its table and write its plot
+    (under load, the real-SIGINT test below can then see exit status 0 and a plot written)."""
     import signal
     import time
 
@@ -245,8 +245,8 @@ def test_a_refused_synthetic_trace_exits_2_with_one_line_not_an_abort():
 
 def test_ctrl_c_while_the_precompile_thread_compiles_exits_130_not_an_abort():
     """FAILS if a SIGINT that arrives while the background precompile is inside XLA (a cold
-    compile, ``--no-compile-cache``) prints "interrupted" and then aborts (exit 134 or -6, in
-    every run here before): the interpreter's exit stopped the thread mid-compile. The marker
+    compile, ``--no-compile-cache``) prints "interrupted" and then aborts (exit 134 or -6): the
+    interpreter's exit stopped the thread mid-compile. The marker
     is written by the precompile thread as it enters XLA's compile, so the signal lands there."""
     import signal
 

@@ -99,8 +99,8 @@ def test_the_first_line_tells_the_number_of_programs_actually_compiled(caplog):
 
 
 def test_a_redirected_log_has_whole_lines_and_no_frames(trace):
-    """FAILS if a bar writes ``\\r`` frames to a stream that is not a terminal (the replay bar
-    once did after two seconds), or drops the phase lines a log should keep."""
+    """FAILS if a bar writes ``\\r`` frames to a stream that is not a terminal (a bar redrawn
+    on a timer would, after two seconds), or drops the phase lines a log should keep."""
     log = io.StringIO()
     replay(trace, config_grid([8], ["full"]), chunk_calls=16,
            progress=Bar(log, prefix="pallas-cache: ", use_tqdm=False, min_interval=0))

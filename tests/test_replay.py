@@ -255,7 +255,7 @@ def test_an_error_of_the_optima_thread_reaches_the_caller(monkeypatch):
 
 def test_rules_every_lane_shares_are_compiled_in():
     """FAILS if the chunk program still traces the paths no lane takes (a sweep without a REUSE
-    lane compiling the REUSE code, as when every rule was a traced lane value), or if a rule the
+    lane compiling the REUSE code, as when every rule is a traced lane value), or if a rule the
     lanes do not share is fixed (the exact test above catches its wrong counts)."""
     from pallas_cache.ops import Rules
 
