@@ -63,7 +63,7 @@ OPS = (
 )
 OP_NAMES = [name if order is None else f"{name}({order.value},{admission.value})"
             for name, order, admission in OPS]
-# ensure; hybrid (recency, promote_one) -- the seed-000 path -- weighted up; the other five
+# ensure; hybrid (recency, promote_one) -- the promotion scenarios' path -- weighted up; the other five
 # hybrids; materialize_layer; forget_slot.
 OP_P = np.array([0.10, 0.26] + [0.09] * 5 + [0.04, 0.10])
 OP_P = OP_P / OP_P.sum()

@@ -16,17 +16,14 @@ from pallas_cache.errors import (
     check,
     checked,
 )
-from pallas_cache.eviction import Eviction
-from pallas_cache.host.reports import (
-    layer_stats,
-    per_layer_stats,
+from pallas_cache.counters import (
     reset_routing,
     reset_stats,
     routing_histogram,
-    routing_skew,
     set_collect_routing,
-    stats,
 )
+from pallas_cache.eviction import Eviction
+from pallas_cache.host.reports import layer_stats, per_layer_stats, routing_skew, stats
 from pallas_cache.host.views import describe, diff
 from pallas_cache.kernels.dispatch import BACKENDS
 from pallas_cache.hybrid import cpu_partial, moe_hybrid

@@ -54,7 +54,7 @@ PROFILE = os.environ.get("PALLAS_CACHE_PROFILE", "ci")
 
 # The console script keeps compiled programs in the user's cache directory; no test may (the
 # tests call cli.main in-process, which never does, and this keeps the subprocesses that run
-# ``python -m pallas_cache.sizing.cli`` off it too). tests/test_progress_cli.py clears it where
+# ``python -m pallas_cache.sizing.cli`` off it too). tests/test_cli_progress.py clears it where
 # it tests the cache itself, in a temporary home.
 os.environ["PALLAS_CACHE_NO_COMPILE_CACHE"] = "1"
 settings.load_profile(PROFILE)

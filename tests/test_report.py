@@ -100,7 +100,7 @@ def test_machine_formats_round_trip_through_pandas(rows):
 def test_table_and_markdown_headers_are_record_keys(rows):
     """FAILS if a table or markdown header is not a record key (``belady`` for
     ``belady_hit_rate``), or markdown loses a row."""
-    from test_sizing_cli import table_keys
+    from test_cli import table_keys
 
     _, _, recs = rows
     columns = table_columns(recs)

@@ -1,29 +1,15 @@
-"""Reading the cache back: counters per window, per layer, and the routing histogram.
-
-Two questions, two tools (docs/semantics.md §5.9, 5.10):
-
-* "Is the cache big enough?" -- :func:`stats`, and per layer :func:`layer_stats` /
-  :func:`per_layer_stats`. The per-layer form exists because one thrashing layer and a uniformly
-  tight cache show the same global miss rate and want opposite fixes (rebalance vs grow). The
-  per-layer counters are the state (``CacheState.stats``); the global ones are their sums, so the
-  two always agree exactly.
-* "What could any cache do on this traffic?" -- :func:`routing_skew`, computed from the opt-in
-  routing histogram. It describes the router, not the policy.
-
-The reports are host-side (float64 NumPy over ``device_get``'d arrays): they are read by people and
-dashboards, not by the decode loop. The state transitions (:func:`reset_stats`,
-:func:`set_collect_routing`, :func:`reset_routing`) are pure and jittable.
-"""
+"""Reading the cache's counters back on the host: the window's stats globally and per layer
+(:func:`stats`, :func:`layer_stats`, :func:`per_layer_stats`), and the routing-skew report of
+the opt-in histogram (:func:`routing_skew`; docs/semantics.md §5.9, 5.10)."""
 
 from __future__ import annotations
 
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from pallas_cache import validate
+from pallas_cache.counters import checked_layer
 from pallas_cache.host.metrics import COVERAGE_FRACTION, histogram_metrics, oracle_slots_for
 from pallas_cache.state import CacheState
 
@@ -34,13 +20,10 @@ __all__ = [
     "RoutingSkewReport",
     "layer_stats",
     "per_layer_stats",
-    "reset_routing",
-    "reset_stats",
-    "routing_histogram",
     "routing_skew",
-    "set_collect_routing",
     "stats",
 ]
+
 
 def _ratio(numerator: int, denominator: int) -> float:
     return numerator / denominator if denominator else 0.0
@@ -108,56 +91,14 @@ def stats(state: CacheState) -> CacheStats:
     return _from_row(_counters(state).sum(axis=0))
 
 
-def _host_layer(state: CacheState, layer) -> int:
-    layer = validate.as_host_int("layer", layer)
-    if not 0 <= layer < state.num_layers:
-        raise ValueError(f"layer {layer} is outside a model of {state.num_layers} layers")
-    return layer
-
-
 def layer_stats(state: CacheState, layer: int) -> CacheStats:
     """One layer's counters over the current window. Host-side; ``layer`` a Python int."""
-    return _from_row(_counters(state)[_host_layer(state, layer)])
+    return _from_row(_counters(state)[checked_layer(state, layer)])
 
 
 def per_layer_stats(state: CacheState) -> list[CacheStats]:
     """Every layer's counters, indexed by layer; they sum exactly to :func:`stats`."""
     return [_from_row(row) for row in _counters(state)]
-
-
-def reset_stats(state: CacheState) -> CacheState:
-    """Open a new window: counters and prefill row counters zeroed; residency and the routing
-    histogram kept (the histogram estimates a distribution; a scrape must not destroy it)."""
-    return state.replace(
-        stats=jnp.zeros_like(state.stats),
-        prefill_hit_rows=jnp.zeros_like(state.prefill_hit_rows),
-        prefill_rows=jnp.zeros_like(state.prefill_rows),
-    )
-
-
-def set_collect_routing(state: CacheState, on) -> CacheState:
-    """Turn routing-histogram collection on or off (``on`` may be traced). Off by default: a
-    histogram is only meaningful over a long stationary window."""
-    if not isinstance(on, (bool, np.bool_)) and not (
-        hasattr(on, "dtype") and np.shape(on) == () and jnp.issubdtype(on.dtype, jnp.bool_)
-    ):
-        raise TypeError(f"set_collect_routing takes a bool, got {on!r}")
-    return state.replace(collect_routing=jnp.asarray(on, jnp.bool_))
-
-
-def routing_histogram(state: CacheState, layer) -> jax.Array:
-    """int32[E]: how often each expert of ``layer`` was routed to, duplicates counted.
-
-    Jittable. A Python int layer is range-checked (ValueError); a traced one is clamped into
-    range, since a report cannot carry an error bit."""
-    if validate.is_int(layer):
-        layer = _host_layer(state, layer)
-    return state.routing_freq[jnp.clip(layer, 0, state.num_layers - 1)]
-
-
-def reset_routing(state: CacheState) -> CacheState:
-    """Throw the observed routing distribution away (collection setting unchanged)."""
-    return state.replace(routing_freq=jnp.zeros_like(state.routing_freq))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,9 +8,10 @@ over its layer-calls; :func:`modeled_seconds` computes it from the replay's exac
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Iterable
 
-__all__ = ["CostModel", "modeled_seconds"]
+__all__ = ["CostModel", "modeled_seconds", "with_costs"]
 
 
 def modeled_seconds(pair_counts: Iterable[tuple[int, int, int]], expert_bytes: int,
@@ -72,3 +73,34 @@ class CostModel:
             raise ValueError("modeled time needs the expert size and both bandwidths")
         return modeled_seconds(pair_counts, self.expert_bytes, self.link_bandwidth,
                                self.cpu_bandwidth)
+
+
+def with_costs(results: list, cost: CostModel | None) -> list:
+    """The replay's results with the cost model's fields filled (docs/semantics.md §11): bytes,
+    modeled ms per token, ``best`` and ``budget_best``; unchanged without an expert size."""
+    if cost is None or cost.expert_bytes is None:
+        return results
+    width = cost.expert_bytes
+    out = []
+    for r in results:
+        tokens = max(r.tokens, 1)
+        ms = 1e3 * cost.seconds(r.pair_counts) / tokens if cost.timed else None
+        out.append(dataclasses.replace(
+            r, cache_bytes=r.cache_size * width,
+            fetched_bytes_per_token=r.fetched * width / tokens,
+            cpu_bytes_per_token=r.cpu_experts * width / tokens,
+            modeled_ms_per_token=ms))
+    if not cost.timed:
+        return out
+    fastest = {}
+    for r in out:
+        fastest[r.cache_size] = min(fastest.get(r.cache_size, math.inf), r.modeled_ms_per_token)
+    out = [dataclasses.replace(r, best=r.modeled_ms_per_token == fastest[r.cache_size])
+           for r in out]
+    if cost.device_budget is not None:
+        fits = [r.modeled_ms_per_token for r in out if r.cache_bytes <= cost.device_budget]
+        floor = min(fits, default=None)
+        out = [dataclasses.replace(r, budget_best=(r.cache_bytes <= cost.device_budget
+                                                   and r.modeled_ms_per_token == floor))
+               for r in out]
+    return out

@@ -1,15 +1,8 @@
-"""Progress of a sweep's long passes (the replay, the offline optima), as a person reads it.
-
-A pass reports to a :class:`Progress`: :meth:`~Progress.phase` once when it starts (its line is
-written at once, terminal or not, so a user sees what is being compiled before the compiler
-runs), :meth:`~Progress.update` as units of work complete and :meth:`~Progress.close` at the end
-(:meth:`~Progress.note`: a passing status before the first phase, on a terminal only).
-:class:`Bar` draws that on a stream: on a terminal a bar with percentage and ETA redrawn in place
-(with ``tqdm`` when it is importable, else a plain ``\\r`` frame), and when the stream is
-redirected only whole lines (each phase's line and its ``done in`` line), never a ``\\r`` frame.
-The optima only call a ``progress(done, total)`` callback; ``replay`` draws a :class:`Bar` on
-stderr unless given another :class:`Progress` (the CLI's, or a silent one).
-"""
+"""Progress of a sweep's long passes (the replay, the offline optima), as a person reads it: a
+pass reports to a :class:`Progress` (:meth:`~Progress.phase`, :meth:`~Progress.update`,
+:meth:`~Progress.note`, :meth:`~Progress.close`), and :class:`Bar` draws that on a stream: a
+bar with percentage and ETA on a terminal (``tqdm``'s when importable), whole lines only when
+redirected. :func:`as_progress` adapts a callback."""
 
 from __future__ import annotations
 

@@ -1,14 +1,8 @@
-"""Replay results as records and as text: one flat record schema for every output format.
-
-:func:`records` turns :class:`~pallas_cache.sizing.sweep.ReplayResult` rows, the trace they came
-from and the cost model into flat dicts whose keys are :data:`RECORD_KEYS` (trace metadata, then
-the configuration, then every counter, rate and cost field); :func:`format_records` prints them
-as ``table``, ``json``, ``jsonl``, ``csv`` or ``markdown``. ``json``, ``jsonl`` and ``csv`` carry
-every key; ``table`` and ``markdown`` carry the informative subset (:func:`table_columns`), each
-column headed by its record key. In ``csv`` the one nested value, ``pair_counts``, is one cell
-holding its JSON text; an absent value (``None``) is an empty cell. :data:`COLUMN_LEGEND` says
-what each key means (printed by ``pallas-cache replay --help``).
-"""
+"""Replay results as records and as text: :func:`records` turns
+:class:`~pallas_cache.sizing.sweep.ReplayResult` rows, their trace and the cost model into flat
+dicts keyed by :data:`RECORD_KEYS`; :func:`format_records` prints them as ``table``, ``json``,
+``jsonl``, ``csv`` (``pair_counts`` as one JSON cell, ``None`` as an empty cell) or
+``markdown``; :data:`COLUMN_LEGEND` says what each key means."""
 
 from __future__ import annotations
 

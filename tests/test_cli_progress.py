@@ -22,7 +22,7 @@ import jax
 import numpy as np
 import pytest
 
-from pallas_cache.sizing import bounds, cli, sweep, synthetic
+from pallas_cache.sizing import bounds, cli, cli_replay, sweep_program, synthetic
 from pallas_cache.sizing.progress import Bar, Progress
 from pallas_cache.sizing.sweep import config_grid, replay
 
@@ -75,7 +75,7 @@ def test_the_first_line_counts_the_programs_and_comes_before_any_work(trace):
 
 
 #: The sweep's compiled chunk program, as jax logs its compiles.
-REPLAY_PROGRAM = f"jit({sweep._program().__name__})"
+REPLAY_PROGRAM = f"jit({sweep_program.chunk_program().__name__})"
 
 
 def test_the_first_line_tells_the_number_of_programs_actually_compiled(caplog):
@@ -99,8 +99,8 @@ def test_the_first_line_tells_the_number_of_programs_actually_compiled(caplog):
 
 
 def test_a_redirected_log_has_whole_lines_and_no_frames(trace):
-    """FAILS if a bar writes ``\\r`` frames to a stream that is not a terminal (the replay bar
-    once did after two seconds), or drops the phase lines a log should keep."""
+    """FAILS if a bar writes ``\\r`` frames to a stream that is not a terminal (a bar redrawn
+    on a timer would, after two seconds), or drops the phase lines a log should keep."""
     log = io.StringIO()
     replay(trace, config_grid([8], ["full"]), chunk_calls=16,
            progress=Bar(log, prefix="pallas-cache: ", use_tqdm=False, min_interval=0))
@@ -220,7 +220,7 @@ def test_the_console_script_caches_compiled_programs_in_the_user_cache_dir(tmp_p
     cache = xdg / "pallas-cache" / "jax"
     assert f"CACHE_DIR {cache}" in done.stdout
     entries = os.listdir(cache)
-    program = f"jit_{sweep._program().__name__}-"  # the replay program
+    program = f"jit_{sweep_program.chunk_program().__name__}-"  # the replay program
     assert any(name.startswith(program) for name in entries), entries
     assert any(not name.startswith(program) for name in entries), entries  # small ones too
     assert not os.listdir(home)
@@ -323,7 +323,7 @@ def test_a_long_read_shows_its_progress_as_a_phase_and_a_short_one_does_not(tmp_
     assert cli.main(["replay", "--trace", str(path)]) == 2
     assert capsys.readouterr().err.splitlines() == [
         f"pallas-cache: {path}: the trace is empty (no records)"]  # quick: one line
-    monkeypatch.setattr(cli, "READ_PROGRESS_AFTER", 0.0)
+    monkeypatch.setattr(cli_replay, "READ_PROGRESS_AFTER", 0.0)
     monkeypatch.setattr(traces, "_BLOCK_BYTES", 1 << 16)
     updates = []
     real_update = Bar.update
@@ -336,3 +336,24 @@ def test_a_long_read_shows_its_progress_as_a_phase_and_a_short_one_does_not(tmp_
     assert re.fullmatch(r"pallas-cache: done in \d+\.\d s", lines[1]), lines
     assert lines[2:] == [f"pallas-cache: {path}: the trace is empty (no records)"], lines
     assert len(updates) >= 2 and updates[-1][0] == size, updates  # block by block, to the end
+
+
+def test_the_cli_compiles_a_synthetic_sweep_while_it_generates_the_trace(caplog):
+    """FAILS if the CLI compiles the replay's program only once the synthetic trace exists (on
+    the main thread, after generating it), or if the program it compiles ahead is not the one
+    the replay runs (the replay would compile a second one)."""
+    import logging
+
+    sweep_program.clear_compiled()
+    caplog.clear()
+    # Logged from every thread (the context manager would switch the log on for this one only).
+    jax.config.update("jax_log_compiles", True)
+    try:
+        with caplog.at_level(logging.WARNING):
+            assert cli.main(["replay", "--synthetic", "mixtral-like", "--tokens", "3",
+                             "--cache-size", "8", "16", "--policy", "full", "fraction:0.4",
+                             "--quiet"]) == 0
+    finally:
+        jax.config.update("jax_log_compiles", False)
+    compiles = [r for r in caplog.records if "Compiling jit(_replay_chunk)" in r.getMessage()]
+    assert [r.threadName for r in compiles] == ["pallas-cache-precompile"]

@@ -1,0 +1,452 @@
+"""``pallas-cache replay``: read or generate the trace, run the sweep and print it (a table
+with its legend, or records), draw the plot; Ctrl-C exits 130 with no partial output."""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+
+from pallas_cache.sizing import synthetic
+from pallas_cache.sizing.cli_args import (DEFAULT_PRESET, cache_sizes, check_plot_path,
+                                          check_state_memory, clamped, cost_options,
+                                          model_mismatch, policy_warnings, resolve_policies)
+from pallas_cache.sizing.progress import Bar, Progress
+from pallas_cache.sizing.report import format_records, records
+from pallas_cache.sizing.traces import TraceError, default_memory_limit, load_trace, parse_fields
+from pallas_cache.sizing.units import format_bandwidth, format_bytes
+
+__all__ = ["READ_PROGRESS_AFTER", "exit_now_if_compiling", "run_replay"]
+
+#: Calls per compiled chunk of the legend's route_knn scan (a Ctrl-C waits at most one).
+_COMPANION_CHUNK = 4096
+
+
+def _load(args, progress: Progress | None = None):
+    if args.trace:
+        fields = parse_fields(args.field) if args.field is not None else None
+        report = None if progress is None else _ReadProgress(progress, args.trace)
+        return load_trace(args.trace, num_layers=args.num_layers, num_experts=args.num_experts,
+                          max_memory=args.max_memory, fields=fields,
+                          trace_format=args.trace_format, progress=report)
+    return synthetic.synthetic_trace(args.synthetic or DEFAULT_PRESET, num_tokens=args.tokens,
+                                     seed=args.seed, max_memory=args.max_memory)
+
+
+#: Seconds a trace may take to read before its progress is shown (a phase of the replay's).
+READ_PROGRESS_AFTER = 2.0
+
+
+class _ReadProgress:
+    """``progress(bytes read, file size)`` of :func:`load_trace` as a phase of the CLI's
+    :class:`Progress`, started once the read has taken :data:`READ_PROGRESS_AFTER` seconds."""
+
+    def __init__(self, progress: Progress, path: str):
+        self.progress, self.path = progress, path
+        self.start, self.shown = time.perf_counter(), False
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.shown:
+            if time.perf_counter() - self.start < READ_PROGRESS_AFTER:
+                return
+            self.progress.phase(f"reading {self.path} ({format_bytes(total)})...", max(total, 1))
+            self.shown = True
+        self.progress.update(done, f"{format_bytes(done)} of {format_bytes(total)}")
+
+
+def _knn_companions(configs, args) -> list:
+    """When the sweep is LRU alone and printed as a table: route_knn at each size of one LRU
+    series (policy ``full`` if swept, else the first policy; the first order; the first
+    admission route_knn takes), replayed for the legend's one line only (the rows stay LRU's)."""
+    from pallas_cache.sizing.sweep import ReplayConfig
+
+    fmt = args.format or ("json" if args.json else "table")
+    admissions = [a for a in args.admission if a != "reuse"]
+    if fmt != "table" or set(args.eviction) != {"lru"} or not configs or not admissions:
+        return []
+    policies = [c.policy for c in configs]
+    policy = "full" if "full" in policies else policies[0]
+    sizes = dict.fromkeys(c.cache_size for c in configs)
+    return [ReplayConfig(size, policy, args.order[0], admissions[0], "route_knn")
+            for size in sizes]
+
+
+def _companion_hit_rates(trace, companions, cancelled=lambda: False) -> list[float]:
+    """The hit rate of each companion configuration (one policy, order and admission, any sizes)
+    on ``trace``: the replay's rule (1 - missing / active over every accepted call) from a plain
+    scan of the library's step per size, all sizes through one compiled program (states at the
+    largest capacity, each with its usable size). Cheaper to compile than the replay's chunk
+    program (not unrolled, no pair counts, no lanes), which is all this one line needs. Runs in
+    chunks of calls (the last padded with refused calls, which change nothing) and returns
+    ``[]`` once ``cancelled()`` says so."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from pallas_cache.ops import Rules, ensure_with_rules
+    from pallas_cache.sizing.sweep import parse_policy
+    from pallas_cache.state import init
+
+    first = companions[0]
+    sizes = [c.cache_size for c in companions]
+    policy = parse_policy(first.policy)
+    rules = Rules.of(hybrid=True, order=first.order, admission=first.admission)
+
+    @jax.jit
+    def advance(state, layers, routes):
+        def call(state, layer_routes):
+            state, _ = ensure_with_rules(state, layer_routes[0], layer_routes[1], policy, rules,
+                                         backend="xla")
+            return state, None
+        return jax.lax.scan(call, state, (layers, routes))[0]
+
+    layers, routes = trace.to_array()
+    chunk = min(_COMPANION_CHUNK, len(layers))
+    pad = -len(layers) % chunk
+    layers = np.concatenate([layers, np.full(pad, -1, layers.dtype)])  # layer -1: refused
+    routes = np.concatenate([routes, np.full((pad, routes.shape[1]), -1, routes.dtype)])
+    rates = []
+    for size in sizes:
+        state = init(trace.num_layers, trace.num_experts, size, capacity=max(sizes),
+                     eviction=first.eviction)
+        for start in range(0, len(layers), chunk):
+            if cancelled():
+                return []
+            state = advance(state, jnp.asarray(layers[start:start + chunk]),
+                            jnp.asarray(routes[start:start + chunk]))
+        _, active, missing, _ = (int(v) for v in jax.device_get(state.stats.sum(axis=0)))
+        rates.append(1.0 - missing / active if active else 1.0)
+    return rates
+
+
+def _join_companions(thread, stop) -> None:
+    """Wait for the route_knn thread; interrupted, tell it to stop and still wait (a process
+    that exits while XLA runs in a thread aborts instead of exiting 130)."""
+    try:
+        thread.join()
+    except BaseException:
+        stop.set()
+        thread.join()
+        raise
+
+
+def _knn_line(results, companions, hit_rates) -> str | None:
+    """The legend's line: route_knn's hit rate minus LRU's, at each size of the companions'
+    series (``None`` without companions)."""
+    if not companions or len(hit_rates) != len(companions):
+        return None
+    first = companions[0]
+    lru = {r.cache_size: r.hit_rate for r in results
+           if (r.policy, r.order, r.admission, r.eviction)
+           == (first.policy, first.order, first.admission, "lru")}
+    changes = ", ".join(f"{rate - lru[knn.cache_size]:+.3f} at {knn.cache_size}"
+                        for knn, rate in zip(companions, hit_rates) if knn.cache_size in lru)
+    return (f"route_knn (the eviction that wins on real Mixtral routing) on this trace, policy "
+            f"{first.policy}: hit rate {changes} (add --eviction lru route_knn to see its rows).")
+
+
+def _legend(results, trace, cost, knn_line: str | None = None) -> list[str]:
+    """What a newcomer needs to read the table: the bounds, the model, the verdict, and (an LRU
+    sweep) what route_knn changes (one line, not wrapped)."""
+    k = min(trace.top_k, trace.num_experts)
+    paragraphs = [
+        "hit_rate = 1 - missing/active per layer-call. Bounds: belady_hit_rate bounds the `full` "
+        "rows (every miss admitted); bypass_optimum_hit_rate bounds every row (a miss may be "
+        "served without being admitted); oracle_hit_rate (a fixed max(1, round(S/L)) slots per "
+        f"layer) is a reference, not a bound. L*k = {trace.num_layers * k} slots hold one "
+        "token's experts.",
+    ]
+    if not cost.expert_bytes:
+        paragraphs.append("For bytes and ms per token add --model NAME (or --expert-bytes 336MiB) "
+                          "and --link-bandwidth 25GB/s --cpu-bandwidth 60GB/s (your machine's "
+                          "numbers: see the README).")
+    elif not cost.timed:
+        paragraphs.append("For modeled ms per token add --link-bandwidth and --cpu-bandwidth.")
+    else:
+        paragraphs.append("modeled_ms_per_token: per layer-call max(fetched*W/B_link, "
+                          "cpu_experts*W/B_cpu), summed per token (docs/semantics.md §11); "
+                          "best = the fastest row at its cache_size.")
+        if cost.device_budget is None:
+            paragraphs.append("No --device-budget: in this model a bigger cache is never slower, "
+                              "so only a budget picks one (e.g. --device-budget 24GiB).")
+        else:
+            chosen = [r for r in results if r.budget_best]
+            budget = format_bytes(cost.device_budget)
+            if not chosen:
+                smallest = min(r.cache_bytes for r in results)
+                paragraphs.append(f"No configuration fits the {budget} device budget (the "
+                                  f"smallest pool takes {format_bytes(smallest)}).")
+            for r in chosen:
+                paragraphs.append(
+                    f"Best within {budget}: cache_size={r.cache_size} "
+                    f"({format_bytes(r.cache_bytes)}) policy={r.policy} order={r.order} "
+                    f"admission={r.admission}"
+                    f"{'' if r.eviction == 'lru' else ' eviction=' + r.eviction}: "
+                    f"{r.modeled_ms_per_token:.1f} ms/token modeled.")
+    return ([textwrap.fill(text, width=100, break_on_hyphens=False) for text in paragraphs]
+            + ([knn_line] if knn_line else []))
+
+
+
+def _write_atomically(path: str, write) -> None:
+    """``write(temp_path)`` next to ``path``, then rename over it: an interrupt or error leaves
+    no partial file behind."""
+    folder, name = os.path.split(os.path.abspath(path))
+    handle, temp = tempfile.mkstemp(dir=folder, prefix=f".{name}.",
+                                    suffix=os.path.splitext(name)[1])
+    os.close(handle)
+    try:
+        write(temp)
+        try:  # the temporary file is 0600: give it the mode the file has, or a new file gets
+            mode = stat.S_IMODE(os.stat(path).st_mode)
+        except FileNotFoundError:
+            mode = _new_file_mode()
+        os.chmod(temp, mode)
+        os.replace(temp, path)
+    finally:
+        if os.path.exists(temp):
+            os.remove(temp)
+
+
+
+
+def _new_file_mode() -> int:
+    """The mode a newly created file gets from the process umask (0o644 under umask 022).
+    Read from /proc where Linux has it, so the umask is never changed, even for a moment."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+
+def _plot(rows, path: str) -> None:
+    from pallas_cache.sizing.plotting import plot
+
+    figure = plot(rows)
+    extension = os.path.splitext(path)[1].lstrip(".").lower()
+    _write_atomically(path, lambda temp: figure.savefig(temp, dpi=120, format=extension))
+
+
+class _InterruptLatch:
+    """Ctrl-C that is never lost. Python raises ``KeyboardInterrupt`` at the next bytecode of the
+    main thread, which may run inside a callback of XLA's compiler that swallows it (a SIGINT
+    during the first compile can let the replay finish and write its plot). The latch also
+    records the signal, and :meth:`check` raises again wherever the CLI looks (every progress
+    report, and before any output is written). Installed only over Python's default handler, in
+    the main thread."""
+
+    def __init__(self):
+        self.fired = False
+        self._previous = None
+
+    def __enter__(self):
+        if (threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc_info):
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+        return False
+
+    def _handle(self, signum, frame):
+        self.fired = True
+        raise KeyboardInterrupt
+
+    def check(self) -> None:
+        if self.fired:
+            raise KeyboardInterrupt
+
+
+class _Checked(Progress):
+    """A :class:`Progress` that checks the interrupt latch at every report."""
+
+    def __init__(self, inner: Progress, latch: _InterruptLatch):
+        self.inner, self.latch = inner, latch
+
+    def phase(self, line, total):
+        self.latch.check()
+        self.inner.phase(line, total)
+
+    def update(self, done, status=""):
+        self.latch.check()
+        self.inner.update(done, status)
+
+    def note(self, line):
+        self.latch.check()
+        self.inner.note(line)
+
+    def close(self):
+        self.inner.close()
+
+
+def _precompile_synthetic(args, policies, cost) -> threading.Thread | None:
+    """A thread compiling the replay's programs while the synthetic trace is generated (its
+    geometry is the preset's, so the sweep is known before the trace), or ``None`` where the
+    sweep's options are off (the replay reports them after the trace, as for a trace file)."""
+    from pallas_cache.sizing.sweep import config_grid, precompile
+
+    try:  # a refused trace starts no compile: the thread never outlives a refusal
+        params, _ = synthetic.checked_params(args.synthetic or DEFAULT_PRESET, args.tokens,
+                                             args.seed, max_memory=args.max_memory)
+        sizes, _ = cache_sizes(args.cache_size, params, cost)
+        configs = config_grid(sizes, policies, args.order, args.admission, args.eviction)
+        check_state_memory(sizes, len(configs) // len(set(sizes)), params.num_layers,
+                            params.num_experts, args.max_memory)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return None
+    if not configs:
+        return None
+
+    finished = threading.Event()
+    _COMPILES.append(finished)
+
+    def compile_quietly():
+        try:
+            precompile(params.num_layers, params.num_experts, params.top_k, configs)
+        except Exception:  # noqa: BLE001 - the replay compiles, and reports, on its own
+            pass
+        finally:
+            finished.set()
+
+    thread = threading.Thread(target=compile_quietly, daemon=True,
+                              name="pallas-cache-precompile")
+    thread.start()
+    return thread
+
+
+#: One event per precompile thread, set by the thread as it ends. (``Thread.is_alive()`` is no
+#: witness: a ``join()`` interrupted by Ctrl-C can leave it False while the thread compiles.)
+_COMPILES: list[threading.Event] = []
+
+
+def exit_now_if_compiling(status: int) -> None:
+    """End the process with ``status`` at once if a precompile thread is still running.
+
+    The interpreter's normal exit stops daemon threads wherever they are; one inside XLA's C++
+    code then aborts the process (``terminate called ...``, exit 134) after the CLI has printed
+    its line. A refusal starts no such thread, but a Ctrl-C can arrive while one compiles, so
+    the console script flushes its output and leaves without the interpreter's teardown."""
+    if all(finished.is_set() for finished in _COMPILES):
+        return
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(status)
+
+
+def run_replay(args) -> int:
+    with _InterruptLatch() as latch:
+        progress = _Checked(Progress() if args.quiet else
+                            Bar(sys.stderr, prefix="pallas-cache: "), latch)
+        try:
+            return _replay_with(args, progress, latch)
+        finally:  # after an error or Ctrl-C too: the last line starts on a line of its own
+            progress.close()
+
+
+def _replay_with(args, progress: Progress, latch: _InterruptLatch) -> int:
+    from pallas_cache.sizing.sweep import config_grid, replay  # jax import deferred until needed
+
+    try:
+        if args.max_memory is None:
+            args.max_memory = default_memory_limit()
+        if args.field is not None:
+            if not args.trace:
+                raise ValueError("--field names the keys of a JSONL or Parquet --trace")
+            parse_fields(args.field)
+        if args.plot:
+            args.plot = check_plot_path(args.plot)
+        cost, model, weight_label = cost_options(args)
+        requested = resolve_policies(args.policy, cost)
+        policies = list(dict.fromkeys(clamped(policy) for policy in requested))
+        progress.note(f"reading {args.trace}..." if args.trace else
+                      f"generating the {args.synthetic or DEFAULT_PRESET} trace...")
+        compiling = None if args.trace else _precompile_synthetic(args, policies, cost)
+        trace = _load(args, progress)
+        sizes, size_lines = cache_sizes(args.cache_size, trace, cost)
+        configs = config_grid(sizes, policies, args.order, args.admission, args.eviction)
+        if not configs:
+            raise ValueError(f"admission reuse needs eviction lru; got --eviction "
+                             f"{' '.join(args.eviction)}")
+    except (TraceError, OSError, KeyError, TypeError, ValueError) as error:
+        progress.close()
+        print(f"pallas-cache: {error}", file=sys.stderr)
+        return 2
+    try:
+        check_state_memory(sizes, len(configs) // len(set(sizes)), trace.num_layers,
+                            trace.num_experts, args.max_memory)
+    except (TypeError, ValueError) as error:
+        progress.close()
+        print(f"pallas-cache: {error}", file=sys.stderr)
+        return 2
+    progress.close()  # the note: warnings follow on a clean line
+    for line in policy_warnings(requested):
+        print(line, file=sys.stderr)
+    if model is not None and model_mismatch(model, trace):
+        print(model_mismatch(model, trace), file=sys.stderr)
+    if compiling is not None:
+        compiling.join()  # a replay started before its program is compiled compiles it again
+    # route_knn's hit rates for the legend, computed beside the sweep (a thread: XLA runs without
+    # the GIL) and apart from it, so no LRU row (nor its budget pick) depends on them.
+    companions = _knn_companions(configs, args)
+    knn_rates: list = []
+    knn_thread, knn_stop = None, threading.Event()
+    if companions:
+        knn_thread = threading.Thread(
+            target=lambda: knn_rates.extend(
+                _companion_hit_rates(trace, companions, knn_stop.is_set)),
+            daemon=True, name="pallas-cache-route-knn")
+        knn_thread.start()
+    try:
+        results = replay(trace, configs, cost=cost, progress=progress)
+    except BaseException:
+        knn_stop.set()
+        if knn_thread is not None:
+            _join_companions(knn_thread, knn_stop)
+        raise
+    if knn_thread is not None:
+        _join_companions(knn_thread, knn_stop)
+    latch.check()  # nothing is written after a Ctrl-C, even one a compile callback swallowed
+    fmt = args.format or ("json" if args.json else "table")
+    rows = records(results, trace, cost)
+    if fmt != "table":
+        print(format_records(rows, fmt))
+    else:
+        header = []
+        if weight_label:
+            header.append(f"expert: {weight_label}")
+        if cost.link_bandwidth or cost.cpu_bandwidth:
+            header.append("bandwidth: " + "  ".join(
+                f"{name}={format_bandwidth(value)}" for name, value in
+                (("B_link", cost.link_bandwidth), ("B_cpu", cost.cpu_bandwidth)) if value))
+        if args.policy is None or "fraction:auto" in args.policy:
+            if cost.link_bandwidth and cost.cpu_bandwidth:
+                header.append(f"fraction:auto = B_link/(B_link+B_cpu) = "
+                              f"{cost.auto_fraction():.4f} -> {cost.auto_policy()}")
+        header += [f"size: {line}" for line in size_lines]
+        print(format_records(rows, "table", header))
+        print("\n".join(_legend(results, trace, cost, _knn_line(results, companions, knn_rates))))
+    if args.plot:
+        try:
+            _plot(rows, args.plot)
+        except OSError as error:  # checked before the replay; changed since
+            print(f"pallas-cache: --plot {args.plot}: {error.strerror or error}", file=sys.stderr)
+            return 2
+        print(f"plot written to {args.plot}", file=sys.stderr)
+    return 0
