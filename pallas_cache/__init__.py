@@ -31,7 +31,7 @@ from pallas_cache.errors import (
     check,
     checked,
 )
-from pallas_cache.eviction import Eviction
+from pallas_cache.evictions import Eviction
 from pallas_cache.host.reports import (
     layer_stats,
     per_layer_stats,

@@ -38,7 +38,7 @@ from conftest import (
     assert_same_state,
     examples,
 )
-from pallas_cache.kernels.dispatch import promotion_decision, select_victims
+from pallas_cache.selection import promotion_decision, select_victims
 from test_lockstep import (
     ADMISSIONS,
     BANK_CHOICES,

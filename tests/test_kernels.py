@@ -18,6 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import pallas_cache as pc
+from pallas_cache import selection
 from pallas_cache.kernels import dispatch
 from pallas_cache.kernels import step as fused
 from pallas_cache.ops import Rules
@@ -79,10 +80,10 @@ def test_the_kernel_takes_victims_in_usage_slot_order(clock, block, cache_size, 
 
 
 # --------------------------------------------------------------------------------------------
-# The loop-free XLA twin (kernels/dispatch.py) on long pools: the two-level path
+# The loop-free XLA twin (selection.py) on long pools: the two-level path
 # --------------------------------------------------------------------------------------------
 
-_XLA_VICTIMS = jax.jit(dispatch.select_victims, static_argnames=("num_out",))
+_XLA_VICTIMS = jax.jit(selection.select_victims, static_argnames=("num_out",))
 
 
 @given(size=st.sampled_from([257, 1000, 2048, 5000]), num_out=st.sampled_from([1, 8, 100]),

@@ -41,3 +41,23 @@ def test_the_top_level_namespace_is_exactly_all():
     for gone in ("raise_on_error", "moe_dense", "moe_combine", "select_victims",
                  "promotion_decision"):
         assert not hasattr(pc, gone), gone
+
+
+def test_the_eviction_bookkeeping_has_its_names():
+    """FAILS if an old name of the eviction package or its bookkeeping is back: the module
+    ``pallas_cache.eviction``, ``RouteKnnState`` (the token ring), ``CacheState.ranking`` (the
+    policy's bookkeeping), ``KERNEL_EVICTIONS`` (the record's ``kernel`` says it)."""
+    import dataclasses
+
+    import pytest
+
+    from pallas_cache import evictions
+    from pallas_cache.kernels import step
+
+    with pytest.raises(ImportError):
+        importlib.import_module("pallas_cache.eviction")
+    assert hasattr(evictions, "TokenRingState") and not hasattr(evictions, "RouteKnnState")
+    fields = {f.name for f in dataclasses.fields(pc.CacheState)}
+    assert "eviction_state" in fields and "ranking" not in fields
+    assert not hasattr(step, "KERNEL_EVICTIONS")
+    assert {e.value for e in pc.Eviction} == {e.policy.name for e in pc.Eviction}

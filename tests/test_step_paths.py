@@ -1,6 +1,6 @@
 """The step's size-dependent formulations against the NumPy reference.
 
-``ops.ensure_with_rules`` and ``dispatch.first_in_order`` pick a formulation by static size: the
+``ops.ensure_with_rules`` and ``selection.first_in_order`` pick a formulation by static size: the
 histogram row and the fetch-order list are masked sums up to ``ops._MASKED_SUM_MAX`` compared
 pairs and scatters above it, and the victim search over a pool of more than 256 slots goes
 through the two-level search of presorted groups. The lockstep geometries are small and reach

@@ -59,7 +59,7 @@ from pallas_cache.sizing import bounds as belady_lib
 from pallas_cache.sizing.bounds import bypass_optimum
 from pallas_cache.sizing.cost import CostModel
 from pallas_cache.sizing.progress import Progress, as_progress
-from pallas_cache.eviction import Eviction, check_admission
+from pallas_cache.evictions import Eviction, check_admission
 from pallas_cache.ops import Rules, ensure_with_rules  # the core, with order/admission as data
 from pallas_cache.policy import ONE, Admission, FetchOrder, FetchPolicy
 from pallas_cache.state import init
