@@ -1,31 +1,8 @@
 """The decode-time cache operations: ensure, ensure_hybrid, materialize_layer, forget_slot.
 
-Each is a pure function ``op(state, ...) -> (state, plan)``: jittable with a **traced** layer,
-vmappable over a batch of states and/or policies, usable inside ``lax.scan``; fixed-size outputs,
-no host sync. ``order``, ``admission`` and ``backend`` are static (pass them as
-``static_argnames`` when jitting); the policy is traced.
-
-How a step is computed (docs/semantics.md §5.2-§5.5), over the ``E`` experts of the layer rather than over the
-routes, so that duplicates and padding need no special casing:
-
-1. ``routed[e]``: expert ``e`` appears among the routes (padding ``-1`` is ignored; a mask does
-   not care which occurrence came first). ``hit = routed & resident``,
-   ``miss = routed & ~resident``.
-2. Hits refresh their slots' usage to this step, which also protects them from eviction.
-3. The misses are ranked by the fetch order; ``F`` of them (the split, raised by the admission
-   rule) are installed into the first ``F`` victims of ``backend.select_victims``, which takes
-   the smallest ``(usage, slot)`` among slots not touched this step. The k-th miss takes the k-th
-   victim, and its old occupant loses residency.
-4. Each route reads its slot from the updated map; a route whose expert is still not resident is
-   a CPU route.
-
-Every write is gated by one ``accepted`` flag, computed from the inputs before anything else
-(docs/semantics.md §6, docs/design.md): a refused call returns the input state and an empty plan with the error
-bits, and no op ever writes part of an update.
-
-(Why one module of ~500 lines: the four decode ops share the plan types, the `accepted`-gated
-write helpers and the core `_ensure`; splitting them would spread one step's rules over several
-files. Two thirds of the lines are docstrings stating those rules.)
+Each is a pure function ``op(state, ...) -> (state, plan)``, jittable with a traced layer and
+vmappable; ``order``, ``admission`` and ``backend`` are static, the policy is traced
+(docs/semantics.md §5; how a step is computed: docs/design.md, "The state and the step").
 """
 
 from __future__ import annotations

@@ -1,24 +1,7 @@
-"""The cache state: one immutable pytree of int32 arrays.
-
-Why a pytree and not an object: every operation is a pure function ``op(state, ...) -> (state,
-plan)`` so that a whole decode step (routing, cache bookkeeping, the copies and the multiply) can
-be traced into one compiled program, scanned over layers with a *traced* layer index, and vmapped
-over a batch of independent caches (a sweep over fetch fractions or cache sizes). An object with
-methods that mutate Python attributes can do none of that.
-
-The geometry (``L`` layers, ``E`` experts per layer, ``capacity`` allocated slots) is read from
-the array shapes, so two caches of the same geometry share a compiled function, and a change of
-geometry is a change of shapes (``rebuild``), which is a recompilation anyway. The *usable* pool
-size ``S`` (``cache_size``, the first ``S`` of the ``capacity`` slots) is a traced leaf, so a pool
-shrinks or grows (``resize``) and a sweep over sizes runs in one compiled program
-(docs/semantics.md §5.15). The one static field is the eviction policy (``evictions/``,
-docs/semantics.md §5.16): it selects which computation is traced and which bookkeeping exists.
-
-Everything is int32 (bools for flags); ``jax_enable_x64`` is never needed. The LRU clock stays in
-range by the rebase of ``clock.py``. The counters (``stats``, prefill row counters,
-``routing_freq``) are int32 as well: they wrap after 2**31 routes per layer, so open a new window
-with ``reset_stats`` (a metrics scrape does that) well before.
-"""
+"""The cache state: one immutable pytree of int32 arrays (docs/semantics.md §3), and the
+operations that make or reshape one: init, reset, rebuild, resize. Why a pytree, and how the
+geometry, the usable size and the eviction policy live in it: docs/design.md, "The state and the
+step"."""
 
 from __future__ import annotations
 

@@ -1,15 +1,6 @@
-"""Readable views of a cache state and of what a step changed, for notebooks and debugging.
-
-A ``CacheState`` is a handful of int32 arrays; the questions a person asks of it ("which expert is
-in slot 7?", "how stale is it?", "what did this step evict?") need the two maps and the clock read
-together. :func:`describe` turns one state into a table with one row per slot, :func:`diff` turns
-two states into the list of installs, evictions and refreshes between them. Both return plain
-Python objects (lists of named tuples) for programmatic use, print as aligned text, and render as
-an HTML table in Jupyter (``_repr_html_``).
-
-This is host-side code: the arrays are fetched with ``jax.device_get`` and read with NumPy. Do not
-call it inside ``jax.jit``; call it on the states a loop returns.
-"""
+"""Readable host-side views of a cache state (:func:`describe`, one row per slot) and of what a
+step changed (:func:`diff`), as Python objects that print as text and render as HTML in Jupyter.
+Not jittable: call them on the states a loop returns."""
 
 from __future__ import annotations
 
