@@ -57,7 +57,8 @@ class EvictionPolicy:
       history_of: ``state -> int | None``: the ring size ``init`` was given, kept by ``reset``.
       allows_reuse: whether the REUSE admission may run with the policy.
       kernel: the fused kernel's hooks, or ``None``: the policy ranks in the XLA step only.
-      view_columns: the bookkeeping's per-expert ``[L, E]`` fields ``describe`` shows per slot.
+      view_columns: the bookkeeping's per-expert ``[L, E]`` fields ``describe`` shows per slot
+        (fields of :class:`~pallas_cache.host.views.SlotRow`: ``prot``, ``freq``).
     """
 
     name: str
