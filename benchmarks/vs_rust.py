@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import pallas_cache as pc  # noqa: E402
-from pallas_cache import ops  # noqa: E402
+from pallas_cache import ops, selection  # noqa: E402
 from pallas_cache.sizing.synthetic import SyntheticParams, synthetic_trace  # noqa: E402
 from results_file import write_section  # noqa: E402
 from step_cost import machine  # noqa: E402
@@ -124,9 +124,9 @@ def measure_steps(repeats):
     """Per geometry: median us per layer-call of the full step and of three ablations (each part
     replaced by a constant of its shape), and the kernels of the compiled loop body."""
     policy = pc.FetchPolicy.fraction(FRACTION)
-    real = (ops.backends.select_victims, ops._misses_in_fetch_order, ops.clock.rebase_if_due)
+    real = (selection.select_victims, ops._misses_in_fetch_order, ops.clock.rebase_if_due)
 
-    def no_victims(usage, step, n, *, num_out, backend="xla", cache_size=None):
+    def no_victims(usage, step, n, *, num_out, cache_size=None, keys=None):
         return lax.iota(jnp.int32, num_out) + (usage[0] & 0)
 
     def no_order(flat_routes, is_route, miss, *rest):
@@ -136,7 +136,7 @@ def measure_steps(repeats):
         return state
 
     def patch(victims_fn, order_fn, rebase_fn):
-        ops.backends.select_victims, ops._misses_in_fetch_order = victims_fn, order_fn
+        selection.select_victims, ops._misses_in_fetch_order = victims_fn, order_fn
         ops.clock.rebase_if_due = rebase_fn
 
     rows = {}

@@ -22,7 +22,7 @@ from pallas_cache.counters import (
     routing_histogram,
     set_collect_routing,
 )
-from pallas_cache.eviction import Eviction
+from pallas_cache.evictions import Eviction
 from pallas_cache.host.reports import layer_stats, per_layer_stats, routing_skew, stats
 from pallas_cache.host.views import describe, diff
 from pallas_cache.kernels.dispatch import BACKENDS

@@ -1,31 +1,8 @@
 """The decode-time cache operations: ensure, ensure_hybrid, materialize_layer, forget_slot.
 
-Each is a pure function ``op(state, ...) -> (state, plan)``: jittable with a **traced** layer,
-vmappable over a batch of states and/or policies, usable inside ``lax.scan``; fixed-size outputs,
-no host sync. ``order``, ``admission`` and ``backend`` are static (pass them as
-``static_argnames`` when jitting); the policy is traced.
-
-How a step is computed (docs/semantics.md §5.2-§5.5), over the ``E`` experts of the layer rather than over the
-routes, so that duplicates and padding need no special casing:
-
-1. ``routed[e]``: expert ``e`` appears among the routes (padding ``-1`` is ignored; a mask does
-   not care which occurrence came first). ``hit = routed & resident``,
-   ``miss = routed & ~resident``.
-2. Hits refresh their slots' usage to this step, which also protects them from eviction.
-3. The misses are ranked by the fetch order; ``F`` of them (the split, raised by the admission
-   rule) are installed into the first ``F`` victims of ``backend.select_victims``, which takes
-   the smallest ``(usage, slot)`` among slots not touched this step. The k-th miss takes the k-th
-   victim, and its old occupant loses residency.
-4. Each route reads its slot from the updated map; a route whose expert is still not resident is
-   a CPU route.
-
-Every write is gated by one ``accepted`` flag, computed from the inputs before anything else
-(docs/semantics.md §6, docs/design.md): a refused call returns the input state and an empty plan with the error
-bits, and no op ever writes part of an update.
-
-(Why one module of ~500 lines: the four decode ops share the plan types, the `accepted`-gated
-write helpers and the core `_ensure`; splitting them would spread one step's rules over several
-files. Two thirds of the lines are docstrings stating those rules.)
+Each is a pure function ``op(state, ...) -> (state, plan)``, jittable with a traced layer and
+vmappable; ``order``, ``admission`` and ``backend`` are static, the policy is traced
+(docs/semantics.md §5; how a step is computed: docs/design.md, "The state and the step").
 """
 
 from __future__ import annotations
@@ -36,9 +13,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_cache import clock, errors, validate
-from pallas_cache import eviction as evictions
-from pallas_cache.kernels import dispatch as backends
+from pallas_cache import clock, errors, evictions, selection, validate
+from pallas_cache.kernels import dispatch
 from pallas_cache.policy import Admission, FetchOrder, FetchPolicy
 from pallas_cache.state import CacheState
 from pallas_cache.tree import pytree_dataclass, static_field
@@ -72,10 +48,10 @@ class CopyPlan:
       src_rows: int32[K']. The **layer-local** host row (expert id) of each copy, so it indexes the
         layer's own host bank; -1 past ``count``.
       count: int32[]. Number of valid entries.
-      num_slots: static. The pool size ``S`` the plan was made for (None for a hand-built plan).
+      num_slots: static. The capacity ``C`` the plan was made for (the pool's allocated leading
+        axis, not the usable size ``S``; None for a hand-built plan).
       num_experts: static. The experts per layer ``E`` its ``src_rows`` index (None likewise).
-        ``num_slots`` is the capacity ``C`` (the pool's allocated leading axis), not the usable
-      size. Both let :func:`~pallas_cache.moe.apply_copy_plan` refuse a pool or bank of another
+        Both let :func:`~pallas_cache.moe.apply_copy_plan` refuse a pool or bank of another
         geometry at trace time instead of dropping or misdirecting copies.
     """
 
@@ -155,8 +131,8 @@ def _misses_in_fetch_order(flat_routes, is_route, miss, recency_row, by_recency,
     above ``_MASKED_SUM_MAX`` compared pairs). Loop-free:
     with few routes (``K * K <= _RANK_ROUTES_MAX``) each missed route's position is the number of
     distinct missed experts ahead of it, one ``K x K`` comparison; otherwise ``num_out``
-    unrolled argmin rounds over the ``E`` experts (:func:`~pallas_cache.kernels.dispatch.
-    first_in_order`). Either way no sort, which is expensive on CPU.
+    unrolled argmin rounds over the ``E`` experts (:func:`~pallas_cache.selection.first_in_order`).
+    Either way no sort, which is expensive on CPU.
     """
     num_experts = miss.shape[0]
     if by_recency is False:
@@ -172,7 +148,7 @@ def _misses_in_fetch_order(flat_routes, is_route, miss, recency_row, by_recency,
     key = ~recency_row if by_recency is True else ~jnp.where(by_recency, recency_row, 0)
     num_routes = flat_routes.shape[0]
     if num_routes * num_routes > _RANK_ROUTES_MAX:
-        return backends.first_in_order(key, miss, num_out)
+        return selection.first_in_order(key, miss, num_out)
     expert = jnp.clip(flat_routes, 0, num_experts - 1)
     route_key = key[expert]
     earlier = lax.iota(jnp.int32, num_routes)
@@ -261,16 +237,16 @@ def ensure_with_rules(state: CacheState, layer, routes, policy: FetchPolicy, rul
     loop calls the public ops. Not jitted itself (call it under ``jit``/``scan``); inputs are not
     coerced: ``layer`` an int32 scalar, ``routes`` int32 of any shape, ``policy`` a scalar
     :class:`FetchPolicy`, ``backend`` a resolved name. With ``"pallas"``/``"interpret"``, Python-bool
-    rules and an eviction ranked in-kernel (LRU, PAIR_LFU), the whole call is the fused kernel of
-    :mod:`~pallas_cache.kernels.step`; otherwise (traced rules, the ring evictions) the XLA step
-    below runs on every backend, loop-free (docs/semantics.md §7.1).
+    rules and an eviction the kernel ranks (its record's ``kernel``: LRU, PAIR_LFU), the whole call
+    is the fused kernel of :mod:`~pallas_cache.kernels.step`; otherwise (traced rules, the ring
+    evictions) the XLA step below runs on every backend, loop-free (docs/semantics.md §7.1).
 
     Returns:
       ``(state, EnsurePlan)``, exactly as the public op with the same options.
     """
-    # S here is the static capacity (shapes, out-of-range scatter indices); the usable size is
+    # C is the static capacity (shapes, out-of-range scatter indices); the usable size S is
     # state.cache_size, which the victim search masks (docs/semantics.md §5.15).
-    L, E, S = state.num_layers, state.num_experts, state.capacity
+    L, E, C = state.num_layers, state.num_experts, state.capacity
     evictions.check_admission(state.eviction, rules.reuse)
     flat_routes = routes.reshape(-1)
     num_out = min(flat_routes.shape[0], E)  # K': distinct routes of one layer never exceed E
@@ -307,7 +283,7 @@ def ensure_with_rules(state: CacheState, layer, routes, policy: FetchPolicy, rul
     num_missing = jnp.sum(miss, dtype=jnp.int32)
 
     # Hit refresh: also what makes a hit slot ineligible as a victim of this step.
-    usage = state.usage.at[_drop_unless(hit & accepted, slot_row, S)].set(step, mode="drop")
+    usage = state.usage.at[_drop_unless(hit & accepted, slot_row, C)].set(step, mode="drop")
     recency_row = state.recency[layer_c]
     num_fetch = policy.split(num_missing)
 
@@ -315,20 +291,17 @@ def ensure_with_rules(state: CacheState, layer, routes, policy: FetchPolicy, rul
     # loop-free, and what the admission rules below read. Only the first num_fetch are installed.
     experts = _misses_in_fetch_order(flat_routes, is_route, miss, recency_row,
                                      rules.by_recency, num_out)
-    # The eviction policy ranks the victims (docs/semantics.md §5.16); LRU is select_victims.
-    # Either way only the usable slots [0, cache_size) are candidates (§5.15).
-    ranking = evictions.observe_call(state.eviction, state.ranking, layer_c, routed, accepted)
-    if state.eviction is evictions.Eviction.LRU:
-        victims = backends.select_victims(usage, step, num_out, num_out=num_out,
-                                          cache_size=state.cache_size)
-    else:
-        victims = evictions.rank_victims(state.eviction, ranking, state.id_of_slot, usage, step,
-                                         num_out, num_out=num_out, layer=layer_c, num_experts=E,
-                                         cache_size=state.cache_size)
+    # The eviction policy ranks the victims (docs/semantics.md §5.16); only the usable slots
+    # [0, cache_size) are candidates (§5.15).
+    eviction_state = evictions.observe_call(state.eviction, state.eviction_state, layer_c, routed,
+                                            accepted)
+    victims = evictions.rank_victims(state.eviction, eviction_state, state.id_of_slot, usage, step,
+                                     num_out, num_out=num_out, layer=layer_c, num_experts=E,
+                                     cache_size=state.cache_size)
 
     # PROMOTE_ONE (docs/semantics.md §5.5): with F = 0, the first miss in recency order takes the
     # first victim if that slot is empty and the miss was routed before. Both are computed above,
-    # so the decision is a few scalar reads (the same as backends.promotion_decision).
+    # so the decision is a few scalar reads (the same as selection.promotion_decision).
     if rules.promote_one is not False and num_out > 0:
         first, slot = experts[0], victims[0]
         promoted = ((policy.fraction16 > 0) & (num_fetch == 0) & (first >= 0)
@@ -354,9 +327,9 @@ def ensure_with_rules(state: CacheState, layer, routes, policy: FetchPolicy, rul
         _drop_unless(installs & (evicted >= 0), evicted, L * E),
         _drop_unless(installs, base + experts, L * E),
     ])].set(jnp.concatenate([jnp.full_like(victims, -1), victims]), mode="drop").reshape(L, E)
-    id_of_slot = state.id_of_slot.at[_drop_unless(installs, victims, S)].set(
+    id_of_slot = state.id_of_slot.at[_drop_unless(installs, victims, C)].set(
         base + experts, mode="drop")
-    usage = usage.at[_drop_unless(installs, victims, S)].set(step, mode="drop")
+    usage = usage.at[_drop_unless(installs, victims, C)].set(step, mode="drop")
 
     # Each route reads its expert's slot after installation; not resident -> CPU route. (An
     # evicted expert of this layer was not routed: routed residents are hits, never victims.)
@@ -390,12 +363,12 @@ def ensure_with_rules(state: CacheState, layer, routes, policy: FetchPolicy, rul
         recency=recency,
         stats=stats,
         routing_freq=routing_freq,
-        ranking=ranking,
+        eviction_state=eviction_state,
     )
     plan = EnsurePlan(
         slots=route_slot.reshape(routes.shape),
         cpu=cpu.reshape(routes.shape),
-        copy=CopyPlan(dst_slots=victims, src_rows=experts, count=num_fetch, num_slots=S,
+        copy=CopyPlan(dst_slots=victims, src_rows=experts, count=num_fetch, num_slots=C,
                       num_experts=E),
         active=num_active,
         missing=num_missing,
@@ -408,13 +381,13 @@ def ensure_with_rules(state: CacheState, layer, routes, policy: FetchPolicy, rul
 def _fused_ensure(fused, state, layer, routes, policy, rules, backend):
     """:func:`ensure_with_rules` as the fused kernel (kernels/step.py), the plan rebuilt from its
     outputs."""
-    E, S = state.num_experts, state.capacity
+    E, C = state.num_experts, state.capacity
     flat_routes = routes.reshape(-1)
     state, slots, cpu, dst, src, count, active, missing, error = fused.fused_step(
         state, layer, flat_routes, policy, rules, interpret=backend == "interpret")
     plan = EnsurePlan(
         slots=slots.reshape(routes.shape), cpu=cpu.reshape(routes.shape),
-        copy=CopyPlan(dst_slots=dst, src_rows=src, count=count, num_slots=S, num_experts=E),
+        copy=CopyPlan(dst_slots=dst, src_rows=src, count=count, num_slots=C, num_experts=E),
         active=active, missing=missing, fetched=count, error=error)
     return state, plan
 
@@ -445,7 +418,7 @@ def ensure(state: CacheState, layer, expert_ids, *, backend=None):
     return _ensure(state, validate.as_index("layer", layer), validate.as_routes(expert_ids),
                    FetchPolicy.full(),
                    Rules.of(hybrid=False, order=FetchOrder.LOWEST_ID, admission=Admission.NONE),
-                   backend=backends.resolve_backend(backend))
+                   backend=dispatch.resolve_backend(backend))
 
 
 def ensure_hybrid(state: CacheState, layer, expert_ids, policy: FetchPolicy, *,
@@ -473,7 +446,7 @@ def ensure_hybrid(state: CacheState, layer, expert_ids, policy: FetchPolicy, *,
         raise TypeError(f"policy must be a FetchPolicy, got {policy!r}")
     policy.validate()
     return _ensure(state, validate.as_index("layer", layer), validate.as_routes(expert_ids), policy,
-                   rules, backend=backends.resolve_backend(backend))
+                   rules, backend=dispatch.resolve_backend(backend))
 
 
 def materialize_layer(state: CacheState, layer):
@@ -493,7 +466,7 @@ def materialize_layer(state: CacheState, layer):
 
 @jax.jit
 def _materialize_layer(state: CacheState, layer):
-    L, E, S = state.num_layers, state.num_experts, state.capacity  # [0, E) is always usable
+    L, E, C = state.num_layers, state.num_experts, state.capacity  # [0, E) is always usable
     error = errors.layer_bits(layer, L)
     accepted = error == 0
     state = clock.rebase_if_due(state, accepted)
@@ -501,7 +474,7 @@ def _materialize_layer(state: CacheState, layer):
     step = state.step + 1
     base = layer_c * E
 
-    slots = lax.iota(jnp.int32, S)
+    slots = lax.iota(jnp.int32, C)
     occupant = state.id_of_slot
     own_layer = (occupant >= base) & (occupant < base + E)
     target = slots < E  # the slots the layer is copied into
@@ -525,7 +498,7 @@ def _materialize_layer(state: CacheState, layer):
         step=jnp.where(accepted, step, state.step),
     )
     count = jnp.where(accepted, E, 0).astype(jnp.int32)
-    copy = CopyPlan(dst_slots=experts, src_rows=experts, count=count, num_slots=S, num_experts=E)
+    copy = CopyPlan(dst_slots=experts, src_rows=experts, count=count, num_slots=C, num_experts=E)
     return new_state, MaterializePlan(copy=copy, error=error)
 
 
@@ -544,16 +517,16 @@ def forget_slot(state: CacheState, slot):
 
 @jax.jit
 def _forget_slot(state: CacheState, slot):
-    L, E, S = state.num_layers, state.num_experts, state.capacity
+    L, E, C = state.num_layers, state.num_experts, state.capacity
     error = errors.slot_bits(slot, state.cache_size)  # an unusable slot is out of range
     accepted = error == 0
-    slot_c = jnp.clip(slot, 0, S - 1)
+    slot_c = jnp.clip(slot, 0, C - 1)
     old = jnp.where(accepted, state.id_of_slot[slot_c], -1)
     drop = old >= 0
     new_state = state.replace(
-        id_of_slot=state.id_of_slot.at[_drop_unless(drop, slot_c, S)].set(-1, mode="drop"),
+        id_of_slot=state.id_of_slot.at[_drop_unless(drop, slot_c, C)].set(-1, mode="drop"),
         slot_for_id=state.slot_for_id.reshape(-1).at[_drop_unless(drop, old, L * E)].set(
             -1, mode="drop").reshape(L, E),
-        usage=state.usage.at[_drop_unless(drop, slot_c, S)].set(validate.INT32_MIN, mode="drop"),
+        usage=state.usage.at[_drop_unless(drop, slot_c, C)].set(validate.INT32_MIN, mode="drop"),
     )
     return new_state, ForgetPlan(old=old, error=error)

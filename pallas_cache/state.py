@@ -1,24 +1,7 @@
-"""The cache state: one immutable pytree of int32 arrays.
-
-Why a pytree and not an object: every operation is a pure function ``op(state, ...) -> (state,
-plan)`` so that a whole decode step (routing, cache bookkeeping, the copies and the multiply) can
-be traced into one compiled program, scanned over layers with a *traced* layer index, and vmapped
-over a batch of independent caches (a sweep over fetch fractions or cache sizes). An object with
-methods that mutate Python attributes can do none of that.
-
-The geometry (``L`` layers, ``E`` experts per layer, ``capacity`` allocated slots) is read from
-the array shapes, so two caches of the same geometry share a compiled function, and a change of
-geometry is a change of shapes (``rebuild``), which is a recompilation anyway. The *usable* pool
-size ``S`` (``cache_size``, the first ``S`` of the ``capacity`` slots) is a traced leaf, so a pool
-shrinks or grows (``resize``) and a sweep over sizes runs in one compiled program
-(docs/semantics.md §5.15). The one static field is the eviction policy (``eviction.py``,
-docs/semantics.md §5.16): it selects which computation is traced and which bookkeeping exists.
-
-Everything is int32 (bools for flags); ``jax_enable_x64`` is never needed. The LRU clock stays in
-range by the rebase of ``clock.py``. The counters (``stats``, prefill row counters,
-``routing_freq``) are int32 as well: they wrap after 2**31 routes per layer, so open a new window
-with ``reset_stats`` (a metrics scrape does that) well before.
-"""
+"""The cache state: one immutable pytree of int32 arrays (docs/semantics.md §3), and the
+operations that make or reshape one: init, reset, rebuild, resize. Why a pytree, and how the
+geometry, the usable size and the eviction policy live in it: docs/design.md, "The state and the
+step"."""
 
 from __future__ import annotations
 
@@ -27,7 +10,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_cache import errors, validate
-from pallas_cache.eviction import Eviction, PairLfuState, RouteKnnState, cold_ranking, history_of
+from pallas_cache import evictions
+from pallas_cache.evictions import Eviction, EvictionPolicy, PairLfuState, TokenRingState
 from pallas_cache.tree import pytree_dataclass, static_field
 
 __all__ = [
@@ -79,9 +63,10 @@ class CacheState:
       prefill_hit_rows: int32[]. Prefill rows served from the cache in this stats window.
       prefill_rows: int32[]. All prefill rows staged in this stats window.
       rebase_threshold: int32[]. When ``step`` reaches it, the clock is renumbered (clock.py).
-      eviction: static. The :class:`~pallas_cache.eviction.Eviction` policy fixed by ``init``.
-      ranking: the policy's bookkeeping (``PairLfuState``, ``RouteKnnState``), ``None`` for LRU, so an
-        LRU state has exactly the leaves above (docs/semantics.md §5.16).
+      eviction: static. The :class:`~pallas_cache.evictions.Eviction` policy fixed by ``init``
+        (or an :class:`~pallas_cache.evictions.EvictionPolicy` record).
+      eviction_state: the policy's bookkeeping (``PairLfuState``, ``TokenRingState``), ``None``
+        for LRU, so an LRU state has exactly the leaves above (docs/semantics.md §5.16).
     """
 
     slot_for_id: jax.Array
@@ -100,8 +85,8 @@ class CacheState:
     prefill_hit_rows: jax.Array
     prefill_rows: jax.Array
     rebase_threshold: jax.Array
-    eviction: Eviction = static_field(default=Eviction.LRU)
-    ranking: PairLfuState | RouteKnnState | None = None
+    eviction: Eviction | EvictionPolicy = static_field(default=Eviction.LRU)
+    eviction_state: PairLfuState | TokenRingState | None = None
 
     # Geometry from shapes. Negative axes, so a batched (stacked) state reports the geometry of
     # its members, and the same code works inside and outside a vmap.
@@ -165,7 +150,7 @@ def _empty_state(num_layers, num_experts, capacity, cache_size, rebase_threshold
         prefill_rows=jnp.zeros((), jnp.int32),
         rebase_threshold=jnp.asarray(rebase_threshold, jnp.int32),
         eviction=eviction,
-        ranking=cold_ranking(eviction, L, E, history),
+        eviction_state=evictions.cold_state(eviction, L, E, history),
     )
 
 
@@ -217,8 +202,9 @@ def init(num_layers: int, num_experts: int, cache_size: int, *, capacity: int | 
         ``[S, C)`` are unusable until :func:`resize` grows the pool.
       rebase_threshold: the clock value at which stamps are renumbered (docs/semantics.md §5.12); lower it
         only to test the rebase.
-      eviction: an :class:`~pallas_cache.eviction.Eviction` (or its string value), fixed for the
-        life of the state (static metadata; docs/semantics.md §5.16). Default LRU.
+      eviction: an :class:`~pallas_cache.evictions.Eviction` (or its string value, or an
+        :class:`~pallas_cache.evictions.EvictionPolicy` record), fixed for the life of the state
+        (static metadata; docs/semantics.md §5.16). Default LRU.
       history: ROUTE_KNN's token ring ``W`` (>= 1); validated, unused by the other policies.
 
     Returns:
@@ -235,7 +221,7 @@ def init(num_layers: int, num_experts: int, cache_size: int, *, capacity: int | 
     E = validate.positive_int("num_experts", num_experts)
     S = validate.positive_int("cache_size", cache_size)
     threshold = validate.positive_int("rebase_threshold", rebase_threshold)
-    policy = Eviction.coerce(eviction)
+    policy = evictions.coerce(eviction)
     ring = validate.positive_int("history", history)
     if S < E:
         raise ValueError(f"cache_size {S} cannot hold one layer of {E} experts")
@@ -256,7 +242,7 @@ def reset(state: CacheState) -> CacheState:
     """
     return _empty_state(state.num_layers, state.num_experts, state.capacity, state.cache_size,
                         state.rebase_threshold, state.collect_routing, state.eviction,
-                        history_of(state.ranking))
+                        evictions.history_of(state))
 
 
 def rebuild(state: CacheState, cache_size: int, *, capacity: int | None = None) -> CacheState:
@@ -281,7 +267,7 @@ def rebuild(state: CacheState, cache_size: int, *, capacity: int | None = None) 
     _check_representable(state.num_layers, state.num_experts, requested, new_capacity)
     return _empty_state(state.num_layers, state.num_experts, new_capacity,
                         requested, state.rebase_threshold, state.collect_routing, state.eviction,
-                        history_of(state.ranking))
+                        evictions.history_of(state))
 
 
 @pytree_dataclass

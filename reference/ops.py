@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import ERR_EXPERT_ID, ERR_LAYER, ERR_SLOT, int_arg
-from .eviction import observe_call, ranked_victims, start_token
+from .evictions import policy_of, ranked_victims
 from .policy import ReferencePolicy
 from .state import FORGOTTEN
 
@@ -111,12 +111,7 @@ class DecodeOps:
         knocked out would pick. Only the usable slots ``[0, cache_size)`` are candidates.
         Another eviction policy ranks the residents its own way (docs/semantics.md §5.16).
         """
-        if self.eviction != "lru":
-            return ranked_victims(self, step, layer)
-        return sorted(
-            (slot for slot in range(self.cache_size) if self.usage[slot] != step),
-            key=lambda slot: (self.usage[slot], slot),
-        )
+        return ranked_victims(self, step, layer)
 
     def _error_plan(self, routes, width, error) -> EnsurePlan:
         return EnsurePlan(
@@ -142,7 +137,7 @@ class DecodeOps:
             raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
         if admission not in ADMISSIONS:
             raise ValueError(f"admission must be one of {ADMISSIONS}, got {admission!r}")
-        if admission == "reuse" and self.eviction != "lru":
+        if admission == "reuse" and not policy_of(self).allows_reuse:
             raise ValueError(f"admission reuse needs eviction lru, got eviction {self.eviction}")
         return self._ensure(layer, expert_ids, policy=policy, order=order, admission=admission)
 
@@ -182,7 +177,7 @@ class DecodeOps:
                 distinct.append(int(expert))
 
         # The eviction policy sees the call (docs/semantics.md §5.16): PAIR_LFU decays and counts.
-        observe_call(self, layer, distinct)
+        policy_of(self).observe(self, layer, distinct)
 
         # Hits refresh their slot, which also protects it for the rest of this step.
         missing: list[int] = []
@@ -271,7 +266,7 @@ class DecodeOps:
     def start_token(self) -> None:
         """route_knn: the next accepted call starts a token (docs/semantics.md §5.16); the other
         policies ignore it."""
-        start_token(self)
+        policy_of(self).start_token(self)
 
     def materialize_layer(self, layer) -> MaterializePlan:
         """Copy a whole layer into slots ``[0, E)`` with position == expert id (docs/semantics.md §5.6).

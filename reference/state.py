@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from .clock import dense_rank_stamps
 from .errors import ERR_CACHE_SIZE, int_arg
-from .eviction import check_eviction, cold_bookkeeping
+from .evictions import check_eviction, policy_of
 
 #: ``usage`` of a slot dropped by ``forget_slot``: older than anything, so it is the first victim.
 FORGOTTEN = -(2**31)
@@ -109,7 +109,7 @@ class ReferenceState:
         self.prefill_snapshot = np.full((L, E), -1, np.int64)
         self.prefill_hit_rows = 0
         self.prefill_rows = 0
-        cold_bookkeeping(self)  # the eviction policy's fields (docs/semantics.md §5.16)
+        policy_of(self).cold(self)  # the eviction policy's fields (docs/semantics.md §5.16)
 
     def reset(self):
         """A cold start: residency, clock, recency, counters, histogram and prefill all cleared.

@@ -36,6 +36,7 @@ from hypothesis import HealthCheck, settings
 import pallas_cache as pc
 import reference
 from reference import ReferenceCache, ReferencePolicy
+from reference import evictions as reference_evictions
 
 settings.register_profile(
     "ci",
@@ -144,10 +145,10 @@ JITTED = {
     "set_collect_routing": jax.jit(pc.set_collect_routing),
     "reset_routing": jax.jit(pc.reset_routing),
     "resize": jax.jit(pc.resize),
-    "start_token": jax.jit(pc.eviction.start_token),
+    "start_token": jax.jit(pc.evictions.start_token),
 }
 EAGER = {name: getattr(pc, name) for name in JITTED if name != "start_token"}
-EAGER["start_token"] = pc.eviction.start_token
+EAGER["start_token"] = pc.evictions.start_token
 _SPLIT = jax.jit(pc.FetchPolicy.split)
 
 
@@ -229,27 +230,19 @@ class StateView:
         return int((self.id_of_slot >= 0).sum())
 
 
-#: The eviction bookkeeping's fields (the JAX state keeps them under ``state.ranking``; the
-#: ROUTE_KNN ring as bits, the reference's as bools and an absolute token index).
+#: The eviction bookkeeping's fields (the JAX state keeps them under ``state.eviction_state``;
+#: the token ring as bits, the reference's as bools and an absolute token index).
 EVICTION_FIELDS = ("freq", "prot", "ring", "sim", "head", "count", "last_layer", "counts")
 
 
 def _eviction_fields(native) -> dict:
     if isinstance(native, ReferenceCache):
-        extra = {f: np.array(getattr(native, f), copy=True) for f in EVICTION_FIELDS
-                 if hasattr(native, f)}
-        if native.eviction in ("route_knn", "route_lfu"):
-            extra["head"] = np.array(native.token % native.history)
-            extra["count"] = np.array(min(native.token + 1, native.history))
-        if native.eviction == "route_lfu":
-            # The JAX core keeps F incrementally; the reference recounts its ring.
-            extra["counts"] = native.ring.sum(axis=0).astype(np.int64)
-        return extra
-    ranking = native.ranking
-    extra = {f: _np(getattr(ranking, f)) for f in EVICTION_FIELDS
-             if getattr(ranking, f, None) is not None}
-    if hasattr(ranking, "masks"):
-        extra["ring"] = _np(pc.eviction.ring_bits(ranking.masks, native.num_experts))
+        return reference_evictions.policy_of(native).fields(native)
+    bookkeeping = native.eviction_state
+    extra = {f: _np(getattr(bookkeeping, f)) for f in EVICTION_FIELDS
+             if getattr(bookkeeping, f, None) is not None}
+    if isinstance(bookkeeping, pc.evictions.TokenRingState):
+        extra["ring"] = _np(pc.evictions.ring_bits(bookkeeping.masks, native.num_experts))
     return extra
 
 

@@ -10,7 +10,7 @@ import pytest
 
 import pallas_cache as pc
 from conftest import assert_same_state
-from pallas_cache.kernels.dispatch import promotion_decision, select_victims
+from pallas_cache.selection import promotion_decision, select_victims
 
 ERR_CACHE_SIZE = pc.ERR_CACHE_SIZE
 

@@ -15,6 +15,7 @@ import pallas_cache as pc
 from conftest import (ADAPTER, assert_same_plan, assert_same_state, ensure_view, examples,
                       state_view)
 from reference import ReferenceCache, ReferencePolicy
+from reference import evictions as reference_evictions
 from test_lockstep import assert_same_caches, build_policy, run_lockstep
 from test_loop_free import primitives, trace
 
@@ -128,8 +129,8 @@ def test_pair_lfu_vmapped_over_caches_equals_a_loop_of_references():
             got = jax.tree.map(lambda x: x[i], plans)
             assert_same_plan(ensure_view(got), ensure_view(want), f"call {t} lane {i}")
             lane = jax.tree.map(lambda x: x[i], states)
-            np.testing.assert_array_equal(lane.ranking.freq, ref.freq)
-            np.testing.assert_array_equal(lane.ranking.prot, ref.prot)
+            np.testing.assert_array_equal(lane.eviction_state.freq, ref.freq)
+            np.testing.assert_array_equal(lane.eviction_state.prot, ref.prot)
             np.testing.assert_array_equal(lane.id_of_slot, ref.id_of_slot)
 
 
@@ -301,7 +302,7 @@ def test_lru_states_carry_no_extra_leaves_and_keep_their_policy_through_reset_an
     """FAILS if the default LRU state grows a leaf (the replay's and users' compiled functions,
     checkpoints and vmapped batches would change) or reset/rebuild drop the policy."""
     lru = pc.init(2, 3, 4)
-    assert lru.eviction is pc.Eviction.LRU and lru.ranking is None
+    assert lru.eviction is pc.Eviction.LRU and lru.eviction_state is None
     # 16: the fields of docs/semantics.md §3, the traced usable size (§5.15) included.
     assert len(jax.tree.leaves(lru)) == 16
     lfu = pc.init(2, 3, 4, eviction=pc.Eviction.PAIR_LFU)
@@ -309,7 +310,7 @@ def test_lru_states_carry_no_extra_leaves_and_keep_their_policy_through_reset_an
     assert jax.tree.structure(lru) != jax.tree.structure(lfu)
     for state in (pc.reset(lfu), pc.rebuild(lfu, 6)):
         assert state.eviction is pc.Eviction.PAIR_LFU
-        assert not np.asarray(state.ranking.freq).any()
+        assert not np.asarray(state.eviction_state.freq).any()
 
 
 @pytest.mark.parametrize("eviction", ["pair_lfu", "route_knn", "route_lfu"])
@@ -455,7 +456,7 @@ def test_route_knn_next_use_per_slot_equals_the_per_layer_expert_form(L, E, S, u
     of any reachable ring, e.g. a shift, seen or horizon bound off by one, or a bit of the
     second mask word read from the first (E = 40). The lockstep tests check the one their
     geometry picks against the reference; this checks the other against it, call by call."""
-    from pallas_cache.eviction import _next_use
+    from pallas_cache.evictions.route_knn import next_use
 
     K, W = 3, 6
     rng = np.random.default_rng(25)
@@ -468,8 +469,8 @@ def test_route_knn_next_use_per_slot_equals_the_per_layer_expert_form(L, E, S, u
     def loop(state, layers, routes):
         def body(s, xs):
             s, _ = pc.ensure_hybrid(s, xs[0], xs[1], policy)
-            args = (s.ranking, s.id_of_slot, xs[0], E, s.cache_size)
-            return s, (_next_use(*args, per_slot=True), _next_use(*args, per_slot=False),
+            args = (s.eviction_state, s.id_of_slot, xs[0], E, s.cache_size)
+            return s, (next_use(*args, per_slot=True), next_use(*args, per_slot=False),
                        s.id_of_slot)
         return jax.lax.scan(body, state, (layers, routes))
 
@@ -687,3 +688,57 @@ def test_ring_bookkeeping_under_vmap_equals_each_lane_alone(eviction):
         assert int(np.sum(np.asarray(alone[1].error) != 0)) == (2 if lane else 0)
         for a, b in zip(jax.tree.leaves(alone), jax.tree.leaves(got)):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b), f"lane {lane}")
+
+
+# ---- a policy outside the registry ---------------------------------------------------------
+
+
+def _mru_keys(state, id_of_slot, usage, layer, num_experts, cache_size):
+    """Free slots first by (usage, slot), then the most recently used resident."""
+    free = id_of_slot < 0
+    return jnp.where(free, 0, 1), jnp.where(free, usage, -usage)
+
+
+#: A toy policy: one record and its NumPy twin, nothing else.
+MRU = pc.evictions.EvictionPolicy(name="mru", init=lambda num_layers, num_experts, history: None,
+                                  observe=lambda state, layer, routed, accepted: state,
+                                  victim_keys=_mru_keys)
+REFERENCE_MRU = reference_evictions.EvictionPolicy(
+    name="mru", cold=lambda cache: None, observe=lambda cache, layer, distinct: None,
+    rank=lambda cache, evictable, layer: reference_evictions.free_first(
+        cache, evictable, lambda s: (-cache.usage[s], s)))
+
+
+@examples(0.1, ci=0.08)
+@given(data=st.data())
+@pytest.mark.parametrize("adapter_name", ["jax-eager", "jax-jit"])
+def test_a_new_policy_is_one_record_and_its_reference_twin(data, adapter_name):
+    """FAILS if a policy needs more than its record (JAX) and its twin registered (reference):
+    if an op, ``start_token``, ``reset``/``rebuild`` or the step still branches on the
+    ``Eviction`` enum or reads an enum attribute of the state's policy, or if the XLA step's
+    victims, plans or states differ from the twin's under the new ranking."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(reference_evictions.POLICIES, "mru", REFERENCE_MRU)
+        run_lockstep(data, adapter_name, eviction=MRU)
+
+
+def test_a_new_policy_runs_the_views_and_refuses_reuse():
+    """FAILS if ``describe``/``diff`` or the REUSE check branch on the ``Eviction`` enum (a record
+    outside it has no enum attributes), or if the record's ranking is not the one applied: MRU
+    evicts the most recent resident where LRU evicts the oldest."""
+    victims = {}
+    for eviction in (pc.Eviction.LRU, MRU):
+        state = pc.init(2, 2, 2, eviction=eviction)
+        state, _ = pc.ensure(state, 0, jnp.array([0]))  # slot 0, usage 1
+        state, _ = pc.ensure(state, 0, jnp.array([1]))  # slot 1, usage 2
+        before = state
+        state, plan = pc.ensure(state, 1, jnp.array([0]))
+        victims[eviction] = int(plan.copy.dst_slots[0])
+    assert victims == {pc.Eviction.LRU: 0, MRU: 1}
+    view = pc.describe(state)
+    assert "eviction=mru" in str(view) and view.columns == () and view.resident_count == 2
+    change = pc.diff(before, state)
+    assert change.evicted == [(1, 0, 1)] and change.installed == [(1, 1, 0)]
+    assert pc.reset(state).eviction is MRU
+    with pytest.raises(ValueError, match="REUSE"):
+        pc.ensure_hybrid(state, 0, jnp.array([0]), pc.FetchPolicy.full(), admission="reuse")

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 import pallas_cache as pc
 from pallas_cache import clock
+from pallas_cache import selection
 from pallas_cache.kernels import dispatch as backends
 from reference import ReferencePolicy
 
@@ -81,10 +82,10 @@ def brute_force_victims(usage, step, n):
     return order[:n]
 
 
-SELECT_VICTIMS = jax.jit(backends.select_victims, static_argnames=("num_out",))
+SELECT_VICTIMS = jax.jit(selection.select_victims, static_argnames=("num_out",))
 
 
-PROMOTION_DECISION = jax.jit(backends.promotion_decision)
+PROMOTION_DECISION = jax.jit(selection.promotion_decision)
 
 
 stamps = st.one_of(st.integers(-3, 6), st.sampled_from([INT32_MIN, INT32_MAX]))

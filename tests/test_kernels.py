@@ -18,6 +18,7 @@ from jax import lax
 
 import pallas_cache as pc
 from conftest import PROFILE
+from pallas_cache import selection
 from pallas_cache.kernels import dispatch
 from pallas_cache.kernels import step as fused
 from pallas_cache.ops import Rules
@@ -79,10 +80,10 @@ def test_the_kernel_takes_victims_in_usage_slot_order(clock, block, cache_size, 
 
 
 # --------------------------------------------------------------------------------------------
-# The loop-free XLA twin (kernels/dispatch.py) on long pools: the two-level path
+# The loop-free XLA twin (selection.py) on long pools: the two-level path
 # --------------------------------------------------------------------------------------------
 
-_XLA_VICTIMS = jax.jit(dispatch.select_victims, static_argnames=("num_out",))
+_XLA_VICTIMS = jax.jit(selection.select_victims, static_argnames=("num_out",))
 # (pool size, victims asked for): every pair compiles, so the ci profile takes three that cover
 # each count once (a padded last row of one slot, exact rows, an uneven pool of many rows).
 LONG_POOLS = [(size, num_out) for size in (257, 1000, 2048, 5000) for num_out in (1, 8, 100)]

@@ -55,3 +55,23 @@ def test_names_that_say_what_they_hold():
         Rules.of(True, "recency", "promote_one")
     assert Rules.of(hybrid=False, order="lowest_id", admission="none").hybrid is False
     assert hasattr(scenarios, "promotion_table") and not hasattr(scenarios, "seed000_table")
+
+
+def test_the_eviction_bookkeeping_has_its_names():
+    """FAILS if an old name of the eviction package or its bookkeeping is back: the module
+    ``pallas_cache.eviction``, ``RouteKnnState`` (the token ring), ``CacheState.ranking`` (the
+    policy's bookkeeping), ``KERNEL_EVICTIONS`` (the record's ``kernel`` says it)."""
+    import dataclasses
+
+    import pytest
+
+    from pallas_cache import evictions
+    from pallas_cache.kernels import step
+
+    with pytest.raises(ImportError):
+        importlib.import_module("pallas_cache.eviction")
+    assert hasattr(evictions, "TokenRingState") and not hasattr(evictions, "RouteKnnState")
+    fields = {f.name for f in dataclasses.fields(pc.CacheState)}
+    assert "eviction_state" in fields and "ranking" not in fields
+    assert not hasattr(step, "KERNEL_EVICTIONS")
+    assert {e.value for e in pc.Eviction} == {e.policy.name for e in pc.Eviction}

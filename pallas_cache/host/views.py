@@ -1,15 +1,6 @@
-"""Readable views of a cache state and of what a step changed, for notebooks and debugging.
-
-A ``CacheState`` is a handful of int32 arrays; the questions a person asks of it ("which expert is
-in slot 7?", "how stale is it?", "what did this step evict?") need the two maps and the clock read
-together. :func:`describe` turns one state into a table with one row per slot, :func:`diff` turns
-two states into the list of installs, evictions and refreshes between them. Both return plain
-Python objects (lists of named tuples) for programmatic use, print as aligned text, and render as
-an HTML table in Jupyter (``_repr_html_``).
-
-This is host-side code: the arrays are fetched with ``jax.device_get`` and read with NumPy. Do not
-call it inside ``jax.jit``; call it on the states a loop returns.
-"""
+"""Readable host-side views of a cache state (:func:`describe`, one row per slot) and of what a
+step changed (:func:`diff`), as Python objects that print as text and render as HTML in Jupyter.
+Not jittable: call them on the states a loop returns."""
 
 from __future__ import annotations
 
@@ -20,6 +11,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
+from pallas_cache import evictions
 from pallas_cache.validate import INT32_MIN
 
 __all__ = ["CacheDiff", "CacheView", "SlotEntry", "SlotRow", "describe", "diff"]
@@ -40,6 +32,7 @@ class SlotRow(NamedTuple):
         very first victim).
       prot, freq: under ``Eviction.PAIR_LFU``, the occupant's protection bit and Q16 frequency
         (its victim key is ``(prot, freq, usage, slot)``, docs/semantics.md §5.16); else None.
+        (A policy's record names the per-expert fields its rows show: ``view_columns``.)
     """
 
     slot: int
@@ -63,19 +56,21 @@ class SlotEntry(NamedTuple):
 
 def _host_fields(state, names):
     """The named fields of one (unbatched) state as NumPy arrays, plus the eviction policy's
-    name under ``"eviction"`` and its bookkeeping (``freq``, ``prot`` for PAIR_LFU)."""
+    name under ``"eviction"``, its ``view_columns`` under ``"columns"`` and those per-expert
+    fields of its bookkeeping (``prot``, ``freq`` for PAIR_LFU)."""
     values = jax.device_get({name: getattr(state, name) for name in names})
-    ranking = jax.device_get(state.ranking)
-    for name in ("freq", "prot"):
-        if hasattr(ranking, name):
-            values[name] = getattr(ranking, name)
+    policy = evictions.policy_of(state.eviction)
+    bookkeeping = jax.device_get(state.eviction_state)
+    for name in policy.view_columns:
+        values[name] = getattr(bookkeeping, name)
     id_of_slot = np.asarray(values["id_of_slot"])
     if id_of_slot.ndim != 1:
         raise ValueError(
             f"describe/diff take one cache, got a batch of shape {id_of_slot.shape[:-1]}; "
             f"pick one with jax.tree.map(lambda x: x[i], state)")
     fields = {name: np.asarray(value) for name, value in values.items()}
-    fields["eviction"] = state.eviction.value
+    fields["eviction"] = policy.name
+    fields["columns"] = policy.view_columns
     return fields
 
 
@@ -109,6 +104,7 @@ class CacheView:
         neither empty nor occupied, docs/semantics.md §5.15, and have no row).
       capacity: the allocated slots ``C >= S`` (``None``: the same as ``S``).
       eviction: the state's eviction policy (``"lru"``, ``"pair_lfu"``, ...).
+      columns: the per-slot bookkeeping fields the rows carry (the policy's ``view_columns``).
     """
 
     num_layers: int
@@ -118,6 +114,7 @@ class CacheView:
     rows: list[SlotRow]
     capacity: int | None = None
     eviction: str = "lru"
+    columns: tuple[str, ...] = ()
 
     @property
     def residents(self) -> list[SlotEntry]:
@@ -139,15 +136,15 @@ class CacheView:
         per_layer = ", ".join(str(c) for c in self.resident_per_layer())
         capacity = ("" if self.capacity in (None, self.cache_size)
                     else f" (capacity {self.capacity})")
-        policy = "" if self.eviction == "lru" else f" eviction={self.eviction}"
+        default = self.eviction == evictions.Eviction.LRU.value  # init's default is not shown
+        policy = "" if default else f" eviction={self.eviction}"
         return (f"CacheState L={self.num_layers} E={self.num_experts} S={self.cache_size}"
                 f"{capacity} step={self.step}{policy} "
                 f"resident={self.resident_count}/{self.cache_size} "
                 f"(per layer: {per_layer})")
 
     def _table(self) -> tuple[list[str], list[list[str]]]:
-        keyed = self.eviction == "pair_lfu"  # the rows carry the PAIR_LFU key
-        header = ["slot", "layer", "expert", "usage", "age"] + (["prot", "freq"] if keyed else [])
+        header = ["slot", "layer", "expert", "usage", "age", *self.columns]
         rows = []
         for r in self.rows:
             occupied = r.status == RESIDENT
@@ -157,8 +154,7 @@ class CacheView:
                 str(r.expert) if occupied else "-",
                 _usage_text(r.usage),
                 str(r.age) if occupied else r.status,
-            ] + ([str(int(r.prot)) if occupied else "-", str(r.freq) if occupied else "-"]
-                 if keyed else []))
+            ] + [str(int(getattr(r, name))) if occupied else "-" for name in self.columns])
         return header, rows
 
     def __str__(self) -> str:
@@ -189,15 +185,14 @@ def describe(state) -> CacheView:
                                                fields["usage"][:usable].tolist())):
         if flat_id >= 0:
             layer, expert = divmod(flat_id, num_experts)
-            key = ((bool(fields["prot"][layer, expert]), int(fields["freq"][layer, expert]))
-                   if "freq" in fields else (None, None))
-            rows.append(SlotRow(slot, layer, expert, usage, step - usage, RESIDENT, *key))
+            key = {name: fields[name][layer, expert].item() for name in fields["columns"]}
+            rows.append(SlotRow(slot, layer, expert, usage, step - usage, RESIDENT, **key))
         else:
             status = FORGOTTEN if usage == INT32_MIN else EMPTY
             rows.append(SlotRow(slot, None, None, usage, None, status))
     return CacheView(num_layers=num_layers, num_experts=num_experts, cache_size=usable, step=step,
                      rows=rows, capacity=int(fields["id_of_slot"].shape[0]),
-                     eviction=fields["eviction"])
+                     eviction=fields["eviction"], columns=fields["columns"])
 
 
 @dataclasses.dataclass(frozen=True)

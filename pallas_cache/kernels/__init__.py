@@ -1,8 +1,5 @@
 """The Pallas kernel of the cache: one whole ensure / ensure_hybrid call fused (docs/semantics.md §7).
 
 :mod:`~pallas_cache.kernels.step` holds the kernel beside its ``*_reference``,
-:mod:`~pallas_cache.kernels.common` its launch parameters, and
-:mod:`~pallas_cache.kernels.dispatch` the ``backend=`` switch and the XLA victim search that the
-XLA step uses. The package binds no names of its own, so each submodule stays reachable under its
-name.
-"""
+:mod:`~pallas_cache.kernels.common` its launch parameters, :mod:`~pallas_cache.kernels.dispatch`
+the ``backend=`` switch. The package binds no names of its own."""

@@ -11,20 +11,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_cache import errors
-from pallas_cache.eviction import DECAY_Q16, ONE_Q16, Eviction, PairLfuState
+from pallas_cache import errors, evictions
 from pallas_cache.kernels import common
 from pallas_cache.kernels.common import INT32_MAX, INT32_MIN
 from pallas_cache.policy import FetchPolicy
 
-__all__ = ["KERNEL_EVICTIONS", "fused_step", "fused_step_reference", "supports"]
+__all__ = ["fused_step", "fused_step_reference", "supports"]
 
-#: The eviction policies whose victim ranking runs inside the fused kernel.
-KERNEL_EVICTIONS = (Eviction.LRU, Eviction.PAIR_LFU)
 # Most elements of one in-kernel [routes, experts] or [routes, picks] comparison.
 _PAIR_BLOCK = 4096
-# PAIR_LFU's (class, freq) key packing (eviction.py).
-_CLASS_SHIFT = 23
 
 
 def fused_step_reference(state, layer, routes, policy, rules):
@@ -35,10 +30,12 @@ def fused_step_reference(state, layer, routes, policy, rules):
 
 
 def supports(state, rules, num_routes: int) -> bool:
-    """Whether :func:`fused_step` runs this call: static rules, an in-kernel eviction, a route."""
+    """Whether :func:`fused_step` runs this call: static rules, an eviction whose record has
+    kernel hooks, a route."""
     static = all(isinstance(getattr(rules, f), bool)
                  for f in ("hybrid", "by_recency", "promote_one", "reuse"))
-    return static and state.eviction in KERNEL_EVICTIONS and num_routes >= 1
+    return (static and evictions.policy_of(state.eviction).kernel is not None
+            and num_routes >= 1)
 
 
 def _lane(vector, k):
@@ -51,11 +48,9 @@ def _any(mask):
     return jnp.max(jnp.where(mask, 1, 0)) > 0
 
 
-def _decay(freq):
-    """eviction.decay_q16, in-kernel."""
-    hi = freq >> 16
-    lo = (freq & 0xFFFF).astype(jnp.uint32)
-    return hi * DECAY_Q16 + ((lo * jnp.uint32(DECAY_Q16)) >> 16).astype(jnp.int32)
+def _zero(ref):
+    """The fill of a masked load from ``ref``: ``False`` for a bool ref, else 0."""
+    return False if ref.dtype == jnp.bool_ else 0
 
 
 def _store_scalar(ref, value, mask):
@@ -101,15 +96,15 @@ def step_kernel(
     rec_ref,  # i32[L * E]: recency
     stats_ref,  # i32[L * 4]
     hist_ref,  # i32[L * E]: routing_freq
-    *refs,  # PAIR_LFU: freq i32[L * E], prot bool[L * E]; then the outputs
+    *refs,  # the eviction's tables [L * E] each (ranking.tables); then the outputs
     num_layers: int, num_experts: int, num_out: int, hybrid: bool, by_recency: bool,
-    promote_one: bool, reuse: bool, pair_lfu: bool, block: int, stamp_block: int,
+    promote_one: bool, reuse: bool, ranking: evictions.KernelRanking, block: int,
+    stamp_block: int,
 ):
-    if pair_lfu:
-        pfreq_ref, pprot_ref, *refs = refs
+    num_tables = (len(refs) - 15) // 2
+    table_refs, refs = refs[:num_tables], refs[num_tables:]
     (sfi_out, ios_out, usage_out, rec_out, stats_out, hist_out, step_out, *refs) = refs
-    if pair_lfu:
-        pfreq_out, pprot_out, *refs = refs
+    table_outs, refs = refs[:num_tables], refs[num_tables:]
     slots_out, cpu_out, dst_out, src_out, count_out, active_out, missing_out, error_out = refs
     L, E = num_layers, num_experts
     K, C = routes_ref.shape[0], ios_ref.shape[0]
@@ -177,8 +172,8 @@ def step_kernel(
         0, num_missing, order_round, (jnp.int32(INT32_MIN), jnp.int32(-1), minus, minus))
 
     # The victims: ascending (key, slot) among the usable slots not touched this step (hits are
-    # skipped: their refreshed usage is the step). LRU's key is (usage,); PAIR_LFU's is
-    # (class/freq after this call's decay, usage). Only as many as the rules read.
+    # skipped: their refreshed usage is the step), the key the eviction record's (LRU: (usage,);
+    # PAIR_LFU: (class/freq after this call's decay, usage)). Only as many as the rules read.
     need = num_fetch
     if promote_one:
         need = jnp.maximum(need, jnp.minimum(num_missing, 1))
@@ -191,19 +186,13 @@ def step_kernel(
         valid = index < C
         u = plgpu.load(usage_ref.at[pl.ds(start, width)], mask=valid, other=0)
         ok = valid & (index < limit) & (u != step)
-        if not pair_lfu:
-            return (u,), index, ok
+        if not table_refs:
+            return ranking.key((), None, u, None), index, ok
         occupant = plgpu.load(ios_ref.at[pl.ds(start, width)], mask=valid, other=-1)
         at = jnp.maximum(occupant, 0)
-        freq = plgpu.load(pfreq_ref.at[at], mask=valid, other=0)
-        prot = plgpu.load(pprot_ref.at[at], mask=valid, other=False).astype(jnp.int32)
-        # This layer's evictable residents were not routed (a routed resident is a hit): this
-        # call's bookkeeping decays their frequency and clears their protection.
+        tables = tuple(plgpu.load(ref.at[at], mask=valid, other=_zero(ref)) for ref in table_refs)
         own = (occupant >= base) & (occupant < base + E)
-        freq = jnp.where(own, _decay(freq), freq)
-        prot = jnp.where(own, 0, prot)
-        cls = jnp.where(occupant < 0, 0, ((1 + prot) << _CLASS_SHIFT) + freq)
-        return (cls, u), index, ok
+        return ranking.key(tables, occupant, u, own), index, ok
 
     num_blocks = -(-C // block)
     preloaded = pool_block(0, block) if num_blocks == 1 else None
@@ -218,7 +207,7 @@ def step_kernel(
             return (tuple(jnp.where(take, x, y) for x, y in zip(m, best[0])),
                     jnp.where(take, i, best[1]))
 
-        nothing = ((jnp.int32(INT32_MAX),) * (2 if pair_lfu else 1), jnp.int32(INT32_MAX))
+        nothing = ((jnp.int32(INT32_MAX),) * ranking.width, jnp.int32(INT32_MAX))
         if num_blocks == 1:
             return scan(0, nothing)
         return lax.fori_loop(0, num_blocks, scan, nothing)
@@ -237,7 +226,7 @@ def step_kernel(
         return (count + take.astype(jnp.int32), key, i, ~found, jnp.where(at, i, victims),
                 jnp.where(at, key[-1], vusage), jnp.where(at, occupant, occupants))
 
-    start_key = (jnp.int32(INT32_MIN),) * (2 if pair_lfu else 1)
+    start_key = (jnp.int32(INT32_MIN),) * ranking.width
     _, _, _, _, victims, vusage, occupants = lax.while_loop(
         victim_cond, victim_round,
         (jnp.int32(0), start_key, jnp.int32(-1), jnp.bool_(False), minus, minus, minus))
@@ -278,8 +267,7 @@ def step_kernel(
     stats_idx = layer_c * 4 + lax.iota(jnp.int32, 4)
     stats_row = plgpu.load(stats_ref.at[stats_idx])
     hist_row = plgpu.load(hist_ref.at[row], mask=e_ok, other=0)
-    if pair_lfu:
-        freq_row = plgpu.load(pfreq_ref.at[row], mask=e_ok, other=0)
+    table_rows = tuple(plgpu.load(ref.at[row], mask=e_ok, other=_zero(ref)) for ref in table_refs)
 
     # The clock rebase (docs/semantics.md §5.12), a device-side branch. Every decision above read
     # the pre-call stamps, which decide as their ranks would (the rebase keeps every order); the
@@ -305,10 +293,8 @@ def step_kernel(
     plgpu.store(stats_out.at[stats_idx], stats_row + counters, mask=jnp.full((4,), accepted))
     observe_on = accepted & collect_ref[0]
     plgpu.store(hist_out.at[row], hist_row + observed, mask=e_ok & (observed > 0) & observe_on)
-    if pair_lfu:
-        plgpu.store(pfreq_out.at[row], _decay(freq_row) + jnp.where(routed, ONE_Q16, 0),
-                    mask=e_ok & accepted)
-        plgpu.store(pprot_out.at[row], routed, mask=e_ok & accepted)
+    for out_ref, value in zip(table_outs, ranking.observe_row(table_rows, routed)):
+        plgpu.store(out_ref.at[row], value, mask=e_ok & accepted)
     _store_scalar(step_out, step, accepted)
 
     out = o_idx < num_out
@@ -367,7 +353,7 @@ def fused_step(state, layer, routes, policy, rules, *, interpret: bool, debug: b
     """One ensure / ensure_hybrid call as one ``pallas_call`` (``grid=()``; ``vmap`` adds programs).
 
     Args:
-      state: a ``CacheState`` whose eviction is in :data:`KERNEL_EVICTIONS`.
+      state: a ``CacheState`` whose eviction's record has kernel hooks (:func:`supports`).
       layer: int32[] (traced). routes: int32[K], ``K >= 1``. policy: a scalar ``FetchPolicy``.
       rules: an ``ops.Rules`` of Python bools. interpret: run in the Pallas interpreter.
       block: the victim scan's width over the slots (a power of two dividing ``next_pow2(C)``).
@@ -381,7 +367,8 @@ def fused_step(state, layer, routes, policy, rules, *, interpret: bool, debug: b
     num_out = min(K, E)
     block = (common.default_block(C, interpret) if block is None
              else common.check_block(block, C))
-    pair_lfu = state.eviction is Eviction.PAIR_LFU
+    ranking = evictions.policy_of(state.eviction).kernel
+    tables = ranking.tables(state.eviction_state)
     i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
     scalar = lambda x: jnp.reshape(x, (1,))  # noqa: E731
     flat = lambda x: jnp.reshape(x, (-1,))  # noqa: E731
@@ -393,16 +380,15 @@ def fused_step(state, layer, routes, policy, rules, *, interpret: bool, debug: b
     leaves = [8, 9, 10, 11, 12, 13, 4]  # inputs aliased to the state outputs, in output order
     out_shape = [i32((L * E,)), i32((C,)), i32((C,)), i32((L * E,)), i32((L * 4,)),
                  i32((L * E,)), i32((1,))]
-    if pair_lfu:
-        inputs += [flat(state.ranking.freq), flat(state.ranking.prot)]
-        leaves += [14, 15]
-        out_shape += [i32((L * E,)), jax.ShapeDtypeStruct((L * E,), jnp.bool_)]
+    inputs += [flat(table) for table in tables]
+    leaves += [14 + j for j in range(len(tables))]
+    out_shape += [jax.ShapeDtypeStruct((L * E,), table.dtype) for table in tables]
     out_shape += [i32((K,)), jax.ShapeDtypeStruct((K,), jnp.bool_), i32((num_out,)),
                   i32((num_out,)), i32((1,)), i32((1,)), i32((1,)), i32((1,))]
     kernel = functools.partial(
         step_kernel, num_layers=L, num_experts=E, num_out=num_out, hybrid=rules.hybrid,
         by_recency=rules.by_recency, promote_one=rules.promote_one, reuse=rules.reuse,
-        pair_lfu=pair_lfu, block=block,
+        ranking=ranking, block=block,
         stamp_block=common.default_block(L * E, interpret))
     outs = pl.pallas_call(
         kernel,
@@ -416,13 +402,13 @@ def fused_step(state, layer, routes, policy, rules, *, interpret: bool, debug: b
     )(*inputs)
     n = len(leaves)
     sfi, ios, usage, recency, stats, hist, step = outs[:7]
-    ranking = state.ranking
-    if pair_lfu:
-        ranking = PairLfuState(freq=outs[7].reshape(L, E), prot=outs[8].reshape(L, E))
+    eviction_state = state.eviction_state
+    if tables:
+        eviction_state = ranking.from_tables(tuple(x.reshape(L, E) for x in outs[7:n]))
     new_state = state.replace(
         slot_for_id=sfi.reshape(L, E), id_of_slot=ios, usage=usage, step=step.reshape(()),
         recency=recency.reshape(L, E), stats=stats.reshape(L, 4),
-        routing_freq=hist.reshape(L, E), ranking=ranking)
+        routing_freq=hist.reshape(L, E), eviction_state=eviction_state)
     slots, cpu, dst, src, count, active, missing, error = outs[n:]
     return (new_state, slots, cpu, dst, src, count.reshape(()), active.reshape(()),
             missing.reshape(()), error.reshape(()))

@@ -17,7 +17,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from pallas_cache.eviction import Eviction
+from pallas_cache.evictions import Eviction
 from pallas_cache.ops import Rules, ensure_with_rules  # the core, with order/admission as data
 from pallas_cache.policy import ONE, Admission, FetchOrder, FetchPolicy
 from pallas_cache.sizing.sweep_records import ReplayConfig, capacity_buckets, parse_policy

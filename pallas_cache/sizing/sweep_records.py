@@ -8,7 +8,7 @@ import dataclasses
 import math
 from typing import Iterable, Sequence
 
-from pallas_cache.eviction import Eviction, check_admission
+from pallas_cache.evictions import Eviction, check_admission
 from pallas_cache.policy import Admission, FetchOrder, FetchPolicy
 from pallas_cache.validate import is_int
 

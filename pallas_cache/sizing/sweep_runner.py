@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_cache.eviction import Eviction
+from pallas_cache.evictions import Eviction
 from pallas_cache.policy import Admission, FetchOrder
 from pallas_cache.sizing import bounds as belady_lib
 from pallas_cache.sizing.progress import Progress

@@ -1,0 +1,72 @@
+"""The record an eviction policy is: its bookkeeping's init, what an accepted call records, the
+victim keys it ranks by, what it refuses, and (for a policy the fused kernel ranks) the kernel's
+hooks (docs/semantics.md §5.16)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+
+def _unchanged(state, num_layers):
+    return state
+
+
+def _no_history(state):
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelRanking:
+    """How the fused kernel (kernels/step.py) ranks a policy's victims and keeps its bookkeeping.
+
+    Attributes:
+      tables: ``state -> tuple`` of the bookkeeping's per-expert ``[L, E]`` arrays the kernel
+        reads and rewrites in place (``()`` for none).
+      from_tables: ``tuple of [L, E] arrays -> state``, the inverse of ``tables``.
+      width: the number of victim key components (the usage last), as ``key`` returns them.
+      key: ``(tables at each slot's occupant, occupant, usage, own) -> keys``: the victim key of
+        a block of slots, from the tables as they stood *before* this call (``own``: the occupant
+        is an expert of this call's layer, so this call's bookkeeping changes its entries).
+      observe_row: ``(rows, routed) -> rows``: the layer's rows of ``tables`` after an accepted
+        call routing ``routed`` (bool[E]).
+    """
+
+    tables: Callable[[Any], tuple]
+    from_tables: Callable[[tuple], Any]
+    width: int
+    key: Callable[..., tuple]
+    observe_row: Callable[[tuple, Any], tuple]
+
+
+@dataclasses.dataclass(frozen=True)
+class EvictionPolicy:
+    """One eviction policy as pure functions (docs/semantics.md §5.16).
+
+    Attributes:
+      name: the policy's string value (``"lru"``, ``"pair_lfu"``, ...).
+      init: ``(num_layers, num_experts, history) -> state``: the bookkeeping of a cold cache
+        (``None`` for a policy that keeps none).
+      observe: ``(state, layer, routed, accepted) -> state``: the bookkeeping after an accepted
+        call of ``layer`` routing ``routed`` (bool[E]); a refused call changes nothing.
+      victim_keys: ``(state, id_of_slot, usage, layer, num_experts, cache_size) -> keys``: one
+        int32[C] array per key component, compared lexicographically with the slot last, from
+        the bookkeeping after this call's ``observe`` and the usage after its hit refresh; free
+        slots must rank first in ``(usage, slot)`` order.
+      start_token: ``(state, num_layers) -> state``: the next accepted call starts a token.
+      history_of: ``state -> int | None``: the ring size ``init`` was given, kept by ``reset``.
+      allows_reuse: whether the REUSE admission may run with the policy.
+      kernel: the fused kernel's hooks, or ``None``: the policy ranks in the XLA step only.
+      view_columns: the bookkeeping's per-expert ``[L, E]`` fields ``describe`` shows per slot
+        (fields of :class:`~pallas_cache.host.views.SlotRow`: ``prot``, ``freq``).
+    """
+
+    name: str
+    init: Callable[[int, int, int], Any]
+    observe: Callable[..., Any]
+    victim_keys: Callable[..., tuple]
+    start_token: Callable[[Any, int], Any] = _unchanged
+    history_of: Callable[[Any], int | None] = _no_history
+    allows_reuse: bool = False
+    kernel: KernelRanking | None = None
+    view_columns: tuple[str, ...] = ()

@@ -1,0 +1,46 @@
+"""The record a reference eviction policy is, the NumPy twin of ``pallas_cache.evictions.base``."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+
+def _nothing(cache) -> None:
+    return None
+
+
+def _no_fields(cache) -> dict:
+    return {}
+
+
+def free_first(cache, evictable, resident_key) -> list[int]:
+    """``evictable`` slots in victim order: free slots first by ``(usage, slot)``, then the
+    residents ascending by ``resident_key(slot)``."""
+    free = sorted((s for s in evictable if cache.id_of_slot[s] < 0),
+                  key=lambda s: (cache.usage[s], s))
+    return free + sorted((s for s in evictable if cache.id_of_slot[s] >= 0), key=resident_key)
+
+
+@dataclasses.dataclass(frozen=True)
+class EvictionPolicy:
+    """One reference eviction policy (docs/semantics.md §5.16).
+
+    Attributes:
+      name: the policy's string value.
+      cold: ``cache -> None``: sets the bookkeeping fields of a cold cache.
+      observe: ``(cache, layer, distinct) -> None``: an accepted call of ``layer`` routed the
+        experts ``distinct``.
+      rank: ``(cache, evictable, layer) -> list``: the ``evictable`` slots in victim order.
+      start_token: ``cache -> None``: the next accepted call starts a token.
+      allows_reuse: whether the REUSE admission may run with the policy.
+      fields: ``cache -> dict``: the bookkeeping under the JAX core's names (the tests' views).
+    """
+
+    name: str
+    cold: Callable
+    observe: Callable
+    rank: Callable
+    start_token: Callable = _nothing
+    allows_reuse: bool = False
+    fields: Callable = _no_fields

@@ -1,0 +1,13 @@
+"""lru: the evictable slots ascend by ``(usage, slot)``; no bookkeeping."""
+
+from __future__ import annotations
+
+from .base import EvictionPolicy
+
+POLICY = EvictionPolicy(
+    name="lru",
+    cold=lambda cache: None,
+    observe=lambda cache, layer, distinct: None,
+    rank=lambda cache, evictable, layer: sorted(evictable, key=lambda s: (cache.usage[s], s)),
+    allows_reuse=True,
+)

@@ -1,0 +1,48 @@
+"""route_knn: the token ring, and residents ranked by a predicted next use read off the three most
+similar past tokens (:func:`next_use`), largest first."""
+
+from __future__ import annotations
+
+from . import ring
+from .base import EvictionPolicy, free_first
+
+#: route_knn's neighbours per call (K).
+NEIGHBOURS = 3
+
+
+def next_use(cache, layer: int) -> dict[int, int]:
+    """route_knn's predicted next use ``NU`` of every resident, ``{flat id: NU}``."""
+    W, L, E, T = cache.history, cache.num_layers, cache.num_experts, cache.token
+    past = [j for j in range(T - W + 1, T) if ring.in_ring(cache, j)]
+    # The K most similar past tokens, ties to the latest.
+    neighbours = sorted(past, key=lambda j: (int(cache.sim[j % W]), j), reverse=True)[:NEIGHBOURS]
+    horizon = -(-cache.cache_size // L)
+    out = {}
+    for flat in cache.id_of_slot:
+        if flat < 0:
+            continue
+        m, e = divmod(int(flat), E)
+        shift = 1 if m <= layer else 0  # layer m of token T is already behind us
+        total = len(neighbours) * (((m - layer - 1) % L) + 1)
+        for j in neighbours:
+            k = horizon
+            for kk in range(horizon):
+                t = j + kk + shift
+                seen = t < T or (t == T and m <= layer)
+                if seen and cache.ring[t % W, m, e]:
+                    k = kk
+                    break
+            total += L * k
+        out[int(flat)] = total
+    return out
+
+
+def _rank(cache, evictable, layer) -> list[int]:
+    predicted = next_use(cache, layer)
+    # The largest predicted next use first, ties to the oldest last use, then lowest slot.
+    return free_first(cache, evictable, lambda s: (-predicted[int(cache.id_of_slot[s])],
+                                                   cache.usage[s], s))
+
+
+POLICY = EvictionPolicy(name="route_knn", cold=ring.cold, observe=ring.observe, rank=_rank,
+                        start_token=ring.start_token, fields=ring.fields)
