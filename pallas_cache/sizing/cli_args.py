@@ -8,6 +8,7 @@ import os
 import re
 import tempfile
 
+from pallas_cache.evictions import Eviction
 from pallas_cache.sizing import synthetic
 from pallas_cache.sizing.cost import CostModel
 from pallas_cache.sizing.models import MODELS, resolve_model
@@ -156,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
                         choices=["promote_one", "none", "reuse"],
                         help="fetches beyond the split (default: promote_one)")
     replay.add_argument("--eviction", nargs="+", default=["lru"],
-                        choices=["lru", "pair_lfu", "route_knn", "route_lfu"],
+                        choices=[eviction.value for eviction in Eviction],
                         help="which resident a fetch evicts (default: lru); reuse is swept "
                              "with lru only. route_knn is what wins on real Mixtral routing: "
                              "the best hit rate at every size on Mixtral-8x7B HumanEval and "

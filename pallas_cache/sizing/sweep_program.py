@@ -67,14 +67,14 @@ def _stack(trees):
 
 
 @functools.lru_cache(maxsize=None)
-def chunk_program(lru: bool = True, platform: str = "cpu", fixed: tuple = ()):
+def chunk_program(reuse: bool = True, platform: str = "cpu", fixed: tuple = ()):
     """The jitted chunk program: every lane of one bucket (and eviction policy, a static part of
-    the state) over one chunk of calls. ``lru=False``: the REUSE path, which a non-LRU eviction
-    refuses, is left out (no lane of such a group runs it). ``platform``: the devices' platform
-    (``"cpu"`` adds XLA:CPU options). ``fixed``: ``(field, bool)`` pairs of the :class:`Rules`
-    fields every lane shares (:func:`fixed_rules`), compiled in as Python bools so the paths no
-    lane takes are not even traced (a sweep of RECENCY lanes without REUSE runs no REUSE code);
-    the lanes' traced values of those fields are ignored.
+    the state) over one chunk of calls. ``reuse=False``: the REUSE path, which the group's
+    eviction refuses (its record's ``allows_reuse``), is left out. ``platform``: the devices'
+    platform (``"cpu"`` adds XLA:CPU options). ``fixed``: ``(field, bool)`` pairs of the
+    :class:`Rules` fields every lane shares (:func:`fixed_rules`), compiled in as Python bools so
+    the paths no lane takes are not even traced (a sweep of RECENCY lanes without REUSE runs no
+    REUSE code); the lanes' traced values of those fields are ignored.
 
     Args (of the returned function): ``(states, cpu_routes, pairs, policies, rules)`` batched
     over the configurations, and the chunk's ``layers [C]`` and ``routes [C, K]``. ``pairs``
@@ -86,7 +86,7 @@ def chunk_program(lru: bool = True, platform: str = "cpu", fixed: tuple = ()):
             state, cpu_routes, pairs = carry
             layer, route = layer_routes
             lane_rules = rules.replace(**dict(fixed))
-            if not lru:
+            if not reuse:
                 lane_rules = lane_rules.replace(reuse=False)
             state, plan = ensure_with_rules(state, layer, route, policy, lane_rules, backend="xla")
             # The cost model's per-call pair (docs/semantics.md §11.2); refused calls add nothing.
@@ -205,7 +205,7 @@ def group_batches(num_layers, num_experts, pair_side, bucket, eviction, keys,
         _stack(rules[start:start + per_part]),
     ), where.mesh) for start in range(0, count, per_part)
         for part in [lanes[start:start + per_part]]]
-    program = chunk_program(eviction == Eviction.LRU.value, where.platform,
+    program = chunk_program(Eviction.coerce(eviction).policy.allows_reuse, where.platform,
                             fixed_rules(rules))
     return unique, batches, program
 

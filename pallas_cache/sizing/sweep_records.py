@@ -65,13 +65,13 @@ class ReplayConfig:
 def config_grid(cache_sizes: Iterable[int], policies: Iterable[str], orders: Iterable[str] = ("recency",),
                 admissions: Iterable[str] = ("promote_one",),
                 evictions: Iterable[str] = ("lru",)) -> list[ReplayConfig]:
-    """The cartesian product, cache size slowest, as a list of configurations. A non-LRU
-    eviction is not combined with ``reuse`` (which it refuses, docs/semantics.md §5.16)."""
+    """The cartesian product, cache size slowest, as a list of configurations. An eviction
+    whose record refuses ``reuse`` is not combined with it (docs/semantics.md §5.16)."""
     return [
         ReplayConfig(int(size), policy, order, admission, eviction)
         for size in cache_sizes for eviction in evictions for policy in policies
         for order in orders for admission in admissions
-        if Eviction.coerce(eviction) is Eviction.LRU
+        if Eviction.coerce(eviction).policy.allows_reuse
         or Admission.coerce(admission) is not Admission.REUSE
     ]
 
