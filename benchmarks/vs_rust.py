@@ -41,7 +41,7 @@ import pallas_cache as pc  # noqa: E402
 from pallas_cache import ops, selection  # noqa: E402
 from pallas_cache.sizing.synthetic import SyntheticParams, synthetic_trace  # noqa: E402
 from results_file import write_section  # noqa: E402
-from step_cost import machine  # noqa: E402
+from timing import machine  # noqa: E402
 
 GEOMETRIES = ((8, 16, 64, 2000), (48, 128, 2048, 200))  # L, E, S, timed tokens
 TARGETS = {64: 3.0, 2048: 1.0}  # JAX step / Rust step, at most
