@@ -11,7 +11,7 @@ from pallas_cache.sizing.traces.memory import (MemoryLimitError, check_memory,
                                                resolve_memory_limit, trace_bytes)
 from pallas_cache.sizing.traces.records import (FIELD_KEYS, SEQUENCE_KEYS, parse_fields,
                                                 trace_from_records)
-from pallas_cache.sizing.traces.trace import Trace, TraceError
+from pallas_cache.sizing.traces.base import Trace, TraceError
 
 __all__ = [
     "Trace",

@@ -15,7 +15,7 @@ from pallas_cache.sizing.traces.geometry import (OUTLIER_FLOOR, check_geometry, 
                                                  optional_positive_int)
 from pallas_cache.sizing.traces.memory import (check_memory, format_bytes, resolve_memory_limit,
                                                trace_bytes)
-from pallas_cache.sizing.traces.trace import READ_ERRORS, Trace, TraceError
+from pallas_cache.sizing.traces.base import READ_ERRORS, Trace, TraceError
 from pallas_cache.validate import INT32_MAX
 
 __all__ = ["load_array_trace", "load_vllm_trace", "trace_from_dense"]

@@ -10,7 +10,7 @@ import numpy as np
 
 from pallas_cache.sizing.traces.arrays import load_array_trace, load_vllm_trace
 from pallas_cache.sizing.traces.jsonl import load_jsonl_trace
-from pallas_cache.sizing.traces.trace import Trace, TraceError
+from pallas_cache.sizing.traces.base import Trace, TraceError
 
 __all__ = ["JSONL_SUFFIXES", "ARRAY_SUFFIXES", "PARQUET_SUFFIXES", "TRACE_FORMATS",
            "trace_format_of", "load_trace", "save_trace"]

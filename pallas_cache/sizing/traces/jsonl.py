@@ -16,7 +16,7 @@ from pallas_cache.sizing.traces.geometry import (expert_out_of_range, id_past_in
 from pallas_cache.sizing.traces.memory import check_memory, resolve_memory_limit
 from pallas_cache.sizing.traces.records import (FIELD_KEYS, SEQUENCE_KEYS, TOKEN_MAX,
                                                 trace_from_records)
-from pallas_cache.sizing.traces.trace import READ_ERRORS, Trace, TraceError
+from pallas_cache.sizing.traces.base import READ_ERRORS, Trace, TraceError
 from pallas_cache.validate import INT32_MAX, is_int
 
 __all__ = ["MAX_LINE_BYTES", "numbered_lines", "load_jsonl_trace"]

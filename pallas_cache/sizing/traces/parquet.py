@@ -11,7 +11,7 @@ import numpy as np
 
 from pallas_cache.sizing.traces.memory import check_memory, resolve_memory_limit
 from pallas_cache.sizing.traces.records import FIELD_KEYS, SEQUENCE_KEYS, trace_from_records
-from pallas_cache.sizing.traces.trace import Trace, TraceError
+from pallas_cache.sizing.traces.base import Trace, TraceError
 
 __all__ = ["load_parquet_trace", "save_parquet_trace", "PARQUET_EXTRA"]
 
