@@ -11,7 +11,8 @@ from jax import lax
 
 from pallas_cache.validate import INT32_MAX
 
-__all__ = ["argmin_among", "first_in_order", "promotion_decision", "select_victims"]
+__all__ = ["argmin_among", "first_in_order", "promotion_decision", "select_victims",
+           "smallest_values"]
 
 # Arrays longer than this take the two-level first_in_order.
 _TWO_LEVEL_ABOVE = 256
@@ -188,6 +189,17 @@ def first_in_order(keys, candidate, num_out: int):
     return _rounds(tuple(key[taken].reshape(-1) for key in keys),
                    (candidate[taken] & (rows >= 0)[:, None]).reshape(-1), num_out,
                    index.reshape(-1))
+
+
+def smallest_values(values, candidate, num_out: int):
+    """The ``num_out`` smallest ``values`` among ``candidate`` entries, ascending, as
+    int32[num_out]; -1 past the number of candidates. The values must be distinct and in
+    ``[0, INT32_MAX)``: each is then its own index, so one key component is compared where
+    :func:`first_in_order` would compare two."""
+    if candidate.shape[0] <= _TWO_LEVEL_ABOVE or num_out == 0:
+        return _rounds((), candidate, num_out, index=values)
+    picks = first_in_order(values, candidate, num_out)
+    return jnp.where(picks >= 0, values[jnp.maximum(picks, 0)], -1)
 
 
 def evictable(usage, step, cache_size=None):

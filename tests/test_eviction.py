@@ -449,10 +449,44 @@ def test_route_knn_in_a_scan_and_vmapped_equals_the_reference(eviction):
         assert ref.token > W and ref.step < 50
 
 
+def test_route_knn_neighbours_at_the_similarity_bound():
+    """FAILS if the neighbours' one-key selection under-bounds the similarity (``sim`` reaches
+    ``3 L E`` when consecutive tokens route every expert of every layer: ``L E`` aligned plus
+    ``2 L E`` matched), breaks a tie other than to the latest token, or if the step's XLA:CPU
+    branches (unbatched, inside a scan) change a plan: every call checked against the
+    reference."""
+    L, E, S, W = 3, 4, 8, 6
+    rng = np.random.default_rng(40)
+    tokens = 24
+    layers = np.tile(np.arange(L, dtype=np.int32), tokens)
+    full = rng.random(tokens) < 0.5  # tokens that route every expert
+    routes = np.stack([np.arange(E) if full[i // L] else
+                       np.pad(rng.choice(E, 2, replace=False), (0, E - 2), constant_values=-1)
+                       for i in range(layers.shape[0])]).astype(np.int32)
+    policy = pc.FetchPolicy.full()
+
+    @jax.jit
+    def loop(state, layers, routes):
+        def body(s, xs):
+            s, plan = pc.ensure_hybrid(s, xs[0], xs[1], policy)
+            return s, (plan, s.eviction_state.sim)
+        return jax.lax.scan(body, state, (layers, routes))
+
+    state, (plans, sims) = loop(pc.init(L, E, S, eviction="route_knn", history=W),
+                                jnp.asarray(layers), jnp.asarray(routes))
+    assert int(np.asarray(sims).max()) == 3 * L * E
+    ref = ReferenceCache(L, E, S, eviction="route_knn", history=W)
+    for t in range(layers.shape[0]):
+        want = ref.ensure_hybrid(int(layers[t]), routes[t], ReferencePolicy.full())
+        assert_same_plan(ensure_view(jax.tree.map(lambda x: x[t], plans)), ensure_view(want),
+                         f"call {t}")
+    assert_same_state(state_view(state), state_view(ref), "end")
+
+
 @pytest.mark.parametrize("L, E, S, usable", [(6, 8, 24, 24), (3, 40, 96, 70)])
 def test_route_knn_next_use_per_slot_equals_the_per_layer_expert_form(L, E, S, usable):
     """FAILS if ROUTE_KNN's two formulations of the predicted next use (per slot over gathered
-    words, per (layer, expert) over unpacked rows; the geometry picks one) differ for any slot
+    words, per (layer, expert) by bit-sliced counters; the geometry picks one) differ for any slot
     of any reachable ring, e.g. a shift, seen or horizon bound off by one, or a bit of the
     second mask word read from the first (E = 40). The lockstep tests check the one their
     geometry picks against the reference; this checks the other against it, call by call."""
@@ -642,11 +676,12 @@ def test_route_lfu_frequency_counts_the_current_tokens_routes(adapter):
 
 @pytest.mark.parametrize("eviction", ["route_knn", "route_lfu"])
 def test_ring_bookkeeping_is_one_branch_on_cpu(eviction):
-    """FAILS if the ring's bookkeeping of a call is not one conditional of XLA:CPU's compiled
-    step (the straight-line form: twice the step's time there, docs/design.md "ROUTE_KNN's
-    per-call cost") with one mask word per layer (E = 8), or if it is one with several (E = 40:
-    the straight-line form measured faster at the fine-grained geometry). LRU's step is the
-    baseline: its only branch is the clock rebase."""
+    """FAILS if the ring's bookkeeping of a call, and the prediction table ROUTE_KNN's ranking
+    reads, are not one conditional each of XLA:CPU's compiled step (the straight-line forms:
+    about twice the step's time there, docs/design.md "ROUTE_KNN's per-call cost") with one mask
+    word per layer (E = 8), or if they are with several (E = 40: the straight-line forms
+    measured faster at the fine-grained geometry). LRU's step is the baseline: its only branch
+    is the clock rebase."""
     def step(state, layer, routes):
         return pc.ensure_hybrid(state, layer, routes, pc.FetchPolicy.full(), backend="xla")
 
@@ -656,7 +691,7 @@ def test_ring_bookkeeping_is_one_branch_on_cpu(eviction):
             lowering_platforms=("cpu",))
         return lowered.compile().as_text().count(" conditional(")
 
-    assert branches(eviction, 8) == branches("lru", 8) + 1
+    assert branches(eviction, 8) == branches("lru", 8) + 2
     assert branches(eviction, 40) == branches("lru", 40)
 
 

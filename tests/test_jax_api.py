@@ -102,6 +102,25 @@ def test_select_victims_is_n_repeated_argmins(size, step, data):
     assert np.asarray(got).tolist() == expected + [-1] * (num_out - len(expected))
 
 
+SMALLEST_VALUES = jax.jit(selection.smallest_values, static_argnames=("num_out",))
+
+
+@given(size=st.sampled_from([1, 7, 300]), data=st.data())
+def test_smallest_values_are_the_sorted_candidates(size, data):
+    """FAILS if ``smallest_values`` returns positions instead of values on the two-level path
+    (300 entries), drops the largest admissible value ``INT32_MAX - 1``, or misses the -1 fill
+    past the candidates."""
+    values = data.draw(st.lists(st.integers(0, INT32_MAX - 1), min_size=size, max_size=size,
+                                unique=True), label="values")
+    if data.draw(st.booleans(), label="largest"):
+        values[0] = INT32_MAX - 1 if INT32_MAX - 1 not in values[1:] else values[0]
+    candidate = data.draw(st.lists(st.booleans(), min_size=size, max_size=size), label="candidate")
+    num_out = min(size, 3)
+    got = SMALLEST_VALUES(jnp.asarray(values, jnp.int32), jnp.asarray(candidate), num_out=num_out)
+    expected = sorted(v for v, c in zip(values, candidate) if c)[:num_out]
+    assert np.asarray(got).tolist() == expected + [-1] * (num_out - len(expected))
+
+
 def brute_force_promotion(usage, id_of_slot, step, recency, miss, fraction16, num_fetch):
     misses = [e for e in range(len(miss)) if miss[e]]
     if not (fraction16 > 0 and num_fetch == 0 and misses):

@@ -65,15 +65,6 @@ def start_token(ring: TokenRingState, num_layers: int) -> TokenRingState:
     return ring.replace(last_layer=jnp.full((), num_layers, jnp.int32))
 
 
-def observe(ring, layer, routed, accepted):
-    """The ring after an accepted call of ``layer`` routing ``routed`` (bool[E]): a token start
-    if the layer does not increase (re-aligned similarities), then the call's bitmask recorded
-    and matched against every past token's same layer; a refused call changes nothing."""
-    if _branches_on_cpu(ring):
-        return _observe_ring(ring, layer, routed, accepted)
-    return _observe_token(ring, layer, routed, accepted)
-
-
 def ring_bits(masks, num_experts: int):
     """The ring as bool[..., W, L, E] (host views and tests)."""
     return unpacked(masks, num_experts).astype(jnp.bool_)
@@ -85,32 +76,43 @@ def unpacked(masks, num_experts: int):
     return bits.reshape(masks.shape[:-1] + (-1,))[..., :num_experts].astype(jnp.int32)
 
 
-def _branches_on_cpu(ring) -> bool:
-    """Whether XLA:CPU runs the ring's bookkeeping as one conditional (:func:`_observe_ring`):
-    with one mask word per layer (``E <= 32``; measured at Mixtral's L=32 E=8, faster loaded or
-    not). At the fine-grained L=48 E=128 the straight-line form, whose ops XLA:CPU spreads over
-    a free core, measured faster on a quiet machine and no slower on a loaded one."""
+def branches_on_cpu(ring) -> bool:
+    """Whether XLA:CPU runs the ring's bookkeeping, and ROUTE_KNN its prediction table, as
+    conditionals (:func:`cpu_branch`): with one mask word per layer (``E <= 32``; measured at
+    Mixtral's L=32 E=8, faster loaded or not). At the fine-grained L=48 E=128 the straight-line
+    forms, whose ops XLA:CPU spreads over a free core, measured faster."""
     return ring.masks.shape[-1] == 1
 
 
-@custom_vmap
-def _observe_ring(ring, layer, routed, accepted):
-    """:func:`_observe_token`, on XLA:CPU as one ``lax.cond`` on ``accepted`` (docs/design.md,
-    "ROUTE_KNN's per-call cost"); the same integers everywhere. Under ``vmap`` (the replay's
-    lanes) and on other platforms, the straight-line form."""
-    def branching(ring, layer, routed, accepted):
-        return lax.cond(accepted, lambda r: _observe_token(r, layer, routed, accepted),
-                        lambda r: r, ring)
-    return lax.platform_dependent(ring, layer, routed, accepted, cpu=branching,
-                                  default=_observe_token)
+def cpu_branch(pred, fn, skipped, *operands):
+    """``fn(*operands)``, which must equal ``skipped(*operands)`` where ``pred`` is false: on
+    XLA:CPU one ``lax.cond`` on ``pred`` (docs/design.md, "ROUTE_KNN's per-call cost"), the same
+    integers everywhere. Under ``vmap`` and on other platforms (where a conditional reads its
+    predicate on the host), ``fn`` alone. ``fn`` and ``skipped`` close over no traced value:
+    everything traced is an operand."""
+    @custom_vmap
+    def run(pred, *operands):
+        return lax.platform_dependent(
+            pred, *operands, cpu=lambda pred, *ops: lax.cond(pred, fn, skipped, *ops),
+            default=lambda pred, *ops: fn(*ops))
+
+    @run.def_vmap
+    def run_vmap(axis_size, in_batched, pred, *operands):
+        in_axes = jax.tree.map(lambda batched: 0 if batched else None, tuple(in_batched[1:]))
+        out = jax.vmap(fn, in_axes=in_axes, axis_size=axis_size)(*operands)
+        return out, jax.tree.map(lambda _: True, out)
+
+    return run(pred, *operands)
 
 
-@_observe_ring.def_vmap
-def _observe_ring_vmap(axis_size, in_batched, ring, layer, routed, accepted):
-    in_axes = jax.tree.map(lambda batched: 0 if batched else None, tuple(in_batched))
-    out = jax.vmap(_observe_token, in_axes=in_axes, axis_size=axis_size)(
-        ring, layer, routed, accepted)
-    return out, jax.tree.map(lambda _: True, out)
+def observe(ring, layer, routed, accepted):
+    """The ring after an accepted call of ``layer`` routing ``routed`` (bool[E]): a token start
+    if the layer does not increase (re-aligned similarities), then the call's bitmask recorded
+    and matched against every past token's same layer; a refused call changes nothing."""
+    if not branches_on_cpu(ring):
+        return _observe_token(ring, layer, routed, accepted)
+    return cpu_branch(accepted, _observe_token, lambda ring, *_: ring, ring, layer, routed,
+                      accepted)
 
 
 def _popcount_sum(a, b, axes):

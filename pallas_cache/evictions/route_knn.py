@@ -4,12 +4,15 @@ ranked by the next use the three most similar past tokens predict, furthest firs
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 from jax import lax
 
 from pallas_cache import selection
-from pallas_cache.evictions import ring
+from pallas_cache.evictions import ring as ring_module
 from pallas_cache.evictions.base import EvictionPolicy
+from pallas_cache.validate import INT32_MAX
 
 #: ROUTE_KNN's neighbours per call (``K``).
 NEIGHBOURS = 3
@@ -30,50 +33,103 @@ def next_use(ring, id_of_slot, layer, num_experts, cache_size=None, per_slot=Non
     (with ``S == C`` the mask is all true).
 
     ``per_slot`` (static; ``None``: :func:`_reads_per_slot`) picks one of two exact
-    formulations: per (layer, expert) over the unpacked rows of the neighbours' tokens, or per
-    slot over one gathered row of words each."""
+    formulations: per (layer, expert) by bit-sliced counters over the neighbours' mask words, or
+    per slot over one gathered row of words each."""
     history, num_layers, words = ring.masks.shape
     num_slots = id_of_slot.shape[0]
     bound = -(-num_slots // num_layers)  # static: H for the whole capacity
     usable = num_slots if cache_size is None else cache_size
     horizon = (usable + num_layers - 1) // num_layers  # traced H = ceil(S / L)
-    ages = lax.iota(jnp.int32, history)
-    by_age = ring.sim[(ring.head - ages) % history]
-    past = (ages >= 1) & (ages <= ring.count - 1)
-    # Ascending (-sim, age) = descending (sim, token): the most similar, ties to the latest token.
-    # Ages, -1 = none.
-    neighbour = selection.first_in_order(-by_age, past, min(NEIGHBOURS, history))
+    neighbour = _neighbours(ring, num_experts)
     found = jnp.sum(neighbour >= 0, dtype=jnp.int32)
     if per_slot is None:
-        per_slot = _reads_per_slot(num_layers, words, num_slots)
+        per_slot = _reads_per_slot(num_slots, num_layers)
     if per_slot:
         return _next_use_per_slot(ring, id_of_slot, layer, num_experts, neighbour, found, bound,
                                   horizon)
-    # Per (layer m, expert e): whole mask rows of the neighbours' next tokens, unpacked.
-    layers = lax.iota(jnp.int32, num_layers)
-    shift = (layers <= layer).astype(jnp.int32)  # layer m was already called in this token
-    k = lax.iota(jnp.int32, bound)
-    # Token j + k + shift has age a_j - k - shift; it was seen iff k <= a_j - 1.
-    token_age = neighbour[:, None, None] - k[None, :, None] - shift[None, None, :]  # [K, H, L]
-    seen = (neighbour[:, None] >= 0) & (k[None, :] <= neighbour[:, None] - 1)  # [K, H]
-    rows = ring.masks[(ring.head - token_age) % history, layers[None, None, :]]  # [K, H, L, w]
-    bits = (rows[..., None] >> jnp.arange(32, dtype=jnp.uint32)) & 1
-    seen = seen & (k[None, :] < horizon)  # only the first H tokens count (H <= bound)
-    routed = (bits.reshape(rows.shape[:3] + (-1,))[..., :num_experts] == 1) & seen[:, :, None, None]
-    first = jnp.min(jnp.where(routed, k[None, :, None, None], horizon), axis=1)  # [K, L, E]
-    steps = jnp.sum(jnp.where((neighbour >= 0)[:, None, None], first, 0), axis=0)  # [L, E]
-    distance = (layers - layer - 1 + num_layers) % num_layers + 1
-    predicted = found * distance[:, None] + num_layers * steps
+    table = functools.partial(_predicted_table, num_experts=num_experts, bound=bound)
+    if ring_module.branches_on_cpu(ring):
+        # With no neighbour the table is all zero; the branch also makes XLA:CPU compute it
+        # once, where fused into the victim search it would be recomputed per slot.
+        zeros = lambda *_: jnp.zeros((num_layers, num_experts), jnp.int32)  # noqa: E731
+        predicted = ring_module.cpu_branch(found > 0, table, zeros, ring, layer, neighbour,
+                                           horizon)
+    else:
+        predicted = table(ring, layer, neighbour, horizon)
     return predicted.reshape(-1)[jnp.maximum(id_of_slot, 0)]
 
 
-def _reads_per_slot(num_layers: int, words: int, num_slots: int) -> bool:
-    """Whether :func:`next_use` reads per slot: when the unpacked form's bits per call,
-    ``K * ceil(C / L) * L * 32w``, pass ``2**15`` (fine-grained, L=48 E=128 S=768: 295k bits
-    against 39k gathered words). Below, the unpacked form's few vectorised passes beat the
-    per-slot gather (measured on XLA:CPU at Mixtral's L=32 E=8 S=128: 12k bits)."""
-    bound = -(-num_slots // num_layers)
-    return NEIGHBOURS * bound * num_layers * 32 * words > 1 << 15
+def _predicted_table(ring, layer, neighbour, horizon, *, num_experts, bound):
+    """:func:`next_use` per (layer, expert), int32[L, E]."""
+    num_layers = ring.masks.shape[1]
+    layers = lax.iota(jnp.int32, num_layers)
+    steps = _first_use_sums(ring, layer, num_experts, neighbour, bound, horizon)
+    distance = (layers - layer - 1 + num_layers) % num_layers + 1
+    found = jnp.sum(neighbour >= 0, dtype=jnp.int32)
+    return found * distance[:, None] + num_layers * steps
+
+
+def _neighbours(ring, num_experts):
+    """The ages of the ``K`` past tokens with the largest ``(sim, token)`` (ties to the latest
+    token), most similar first, int32[K]; -1 = none."""
+    history, num_layers, _ = ring.masks.shape
+    ages = lax.iota(jnp.int32, history)
+    by_age = ring.sim[(ring.head - ages) % history]
+    past = (ages >= 1) & (ages <= ring.count - 1)
+    num = min(NEIGHBOURS, history)
+    # sim <= 3 * L * E: the aligned part counts one call per layer, each call adds twice its own.
+    top = 3 * num_layers * num_experts
+    if (top + 1) * history > INT32_MAX:
+        # Ascending (-sim, age) = descending (sim, token).
+        return selection.first_in_order(-by_age, past, num)
+    # The same order as one distinct key that holds its own age.
+    picks = selection.smallest_values((top - by_age) * history + ages, past, num)
+    return jnp.where(picks >= 0, picks % history, -1)
+
+
+def _first_use_sums(ring, layer, num_experts, neighbour, bound, horizon):
+    """``sum_j first_j``, int32[L, E]: for each neighbour ``j`` found, the first ``k < H`` whose
+    token routed (m, e) (``H`` if none).
+
+    ``first_j = #{k < H : (m, e) not in P_jk}`` with ``P_jk`` the OR of the neighbour's seen mask
+    words up to ``k``, so the sum is ``found * H`` minus a count of set bits over the ``K * B``
+    words ``P_jk``, which bit-sliced counters (one word per bit of the count) add word-wide; only
+    the count's planes are unpacked to ``[L, E]``."""
+    history, num_layers, words = ring.masks.shape
+    shifted = (lax.iota(jnp.int32, num_layers) <= layer)[:, None]  # layer m called in this token
+    # Token j + k + shift has age a_j - k - shift: rows of ages a_j - k', k' = 0..B.
+    offset = lax.iota(jnp.int32, bound + 1)
+    rows = ring.masks[(ring.head - neighbour[:, None] + offset[None, :]) % history]  # [K, B+1, L, w]
+    zero = jnp.uint32(0)
+    planes = [jnp.zeros((num_layers, words), jnp.uint32)
+              for _ in range((neighbour.shape[0] * bound).bit_length())]
+    for j in range(neighbour.shape[0]):
+        age = neighbour[j]
+        prefix = jnp.zeros((num_layers, words), jnp.uint32)
+        for k in range(bound):
+            word = jnp.where(shifted, rows[j, k + 1], rows[j, k])
+            prefix = prefix | jnp.where(k <= age - 1, word, zero)  # seen iff k <= a_j - 1
+            carry = jnp.where((age >= 0) & (k < horizon), prefix, zero)
+            for b, plane in enumerate(planes):
+                planes[b], carry = plane ^ carry, plane & carry
+    experts = lax.iota(jnp.int32, num_experts)
+    count = jnp.zeros((num_layers, num_experts), jnp.int32)
+    for b, plane in enumerate(planes):
+        bit = (plane[:, experts // 32] >> (experts % 32).astype(jnp.uint32)) & 1
+        count = count + (bit.astype(jnp.int32) << b)
+    found = jnp.sum(neighbour >= 0, dtype=jnp.int32)
+    return found * horizon - count
+
+
+#: Above this many words ``P_jk`` per layer (``K * ceil(C / L)``), :func:`next_use` reads per
+#: slot: the counters' unrolled adds grow with it, the per-slot gather does not.
+_COUNTED_WORDS_MAX = 64
+
+
+def _reads_per_slot(num_slots: int, num_layers: int) -> bool:
+    """Whether :func:`next_use` reads per slot (measured on XLA:CPU: the counters are faster at
+    Mixtral's L=32 S=128 and the fine-grained L=48 S=768, 12 and 48 words)."""
+    return NEIGHBOURS * -(-num_slots // num_layers) > _COUNTED_WORDS_MAX
 
 
 def _next_use_per_slot(ring, id_of_slot, layer, num_experts, neighbour, found, bound, horizon):
@@ -101,10 +157,10 @@ def _next_use_per_slot(ring, id_of_slot, layer, num_experts, neighbour, found, b
 
 POLICY = EvictionPolicy(
     name="route_knn",
-    init=lambda num_layers, num_experts, history: ring.init(num_layers, num_experts, history,
-                                                            counts=False),
-    observe=ring.observe,
+    init=lambda num_layers, num_experts, history: ring_module.init(
+        num_layers, num_experts, history, counts=False),
+    observe=ring_module.observe,
     victim_keys=_victim_keys,
-    start_token=ring.start_token,
-    history_of=ring.history_of,
+    start_token=ring_module.start_token,
+    history_of=ring_module.history_of,
 )

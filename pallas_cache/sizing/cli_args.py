@@ -162,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "with lru only. route_knn is what wins on real Mixtral routing: "
                              "the best hit rate at every size on Mixtral-8x7B HumanEval and "
                              "GSM8K decode traces (21-51%% of the LRU->Belady gap); its step "
-                             "costs about 4x LRU's per call at Mixtral's geometry and about 6x at "
+                             "costs about 3x LRU's per call at Mixtral's geometry and about 6x at "
                              "a fine-grained one (XLA:CPU, by load; benchmarks/RESULTS.md), small "
                              "beside an expert copy. Check it on your trace: --eviction lru "
                              "route_knn (an lru-only table's legend gives the difference)")
