@@ -118,8 +118,9 @@ def _smallest_sorted(keys, index, live, k):
         for part in parts:
             part[a], part[b] = (jnp.where(swap, part[b], part[a]),
                                 jnp.where(swap, part[a], part[b]))
-    # The barrier keeps XLA from fusing the network into the reduction, which would recompute
-    # it per operand and per element.
+    # The barrier asks XLA not to fuse the network into the reduction, which would recompute it
+    # per operand and per element. XLA:CPU expands barriers before fusion, so there it is a
+    # no-op (docs/design.md, "ROUTE_KNN's per-call cost").
     lists = lax.optimization_barrier(tuple(x for part in parts for x in part))
     return lax.reduce(lists, (jnp.int32(INT32_MAX),) * (len(parts) * k),
                       _merge_smallest(k, len(parts)), (0,))
