@@ -53,19 +53,19 @@ def next_use(ring, id_of_slot, layer, num_experts, cache_size=None, per_slot=Non
         # once, where fused into the victim search it would be recomputed per slot.
         zeros = lambda *_: jnp.zeros((num_layers, num_experts), jnp.int32)  # noqa: E731
         predicted = ring_module.cpu_branch(found > 0, table, zeros, ring, layer, neighbour,
-                                           horizon)
+                                           found, horizon)
     else:
-        predicted = table(ring, layer, neighbour, horizon)
+        predicted = table(ring, layer, neighbour, found, horizon)
     return predicted.reshape(-1)[jnp.maximum(id_of_slot, 0)]
 
 
-def _predicted_table(ring, layer, neighbour, horizon, *, num_experts, bound):
+def _predicted_table(ring, layer, neighbour, found, horizon, *, num_experts, bound):
     """:func:`next_use` per (layer, expert), int32[L, E]."""
     num_layers = ring.masks.shape[1]
     layers = lax.iota(jnp.int32, num_layers)
-    steps = _first_use_sums(ring, layer, num_experts, neighbour, bound, horizon)
+    steps = found * horizon - _first_use_misses(ring, layer, num_experts, neighbour, bound,
+                                                horizon)
     distance = (layers - layer - 1 + num_layers) % num_layers + 1
-    found = jnp.sum(neighbour >= 0, dtype=jnp.int32)
     return found * distance[:, None] + num_layers * steps
 
 
@@ -87,14 +87,14 @@ def _neighbours(ring, num_experts):
     return jnp.where(picks >= 0, picks % history, -1)
 
 
-def _first_use_sums(ring, layer, num_experts, neighbour, bound, horizon):
-    """``sum_j first_j``, int32[L, E]: for each neighbour ``j`` found, the first ``k < H`` whose
-    token routed (m, e) (``H`` if none).
+def _first_use_misses(ring, layer, num_experts, neighbour, bound, horizon):
+    """``found * H - sum_j first_j``, int32[L, E], where ``first_j`` is the first ``k < H`` whose
+    token routed (m, e) (``H`` if none), over the neighbours ``j`` found.
 
     ``first_j = #{k < H : (m, e) not in P_jk}`` with ``P_jk`` the OR of the neighbour's seen mask
-    words up to ``k``, so the sum is ``found * H`` minus a count of set bits over the ``K * B``
-    words ``P_jk``, which bit-sliced counters (one word per bit of the count) add word-wide; only
-    the count's planes are unpacked to ``[L, E]``."""
+    words up to ``k``, so the result is a count of set bits over the ``K * B`` words ``P_jk``,
+    which bit-sliced counters (one word per bit of the count) add word-wide; only the count's
+    planes are unpacked to ``[L, E]``."""
     history, num_layers, words = ring.masks.shape
     shifted = (lax.iota(jnp.int32, num_layers) <= layer)[:, None]  # layer m called in this token
     # Token j + k + shift has age a_j - k - shift: rows of ages a_j - k', k' = 0..B.
@@ -117,8 +117,7 @@ def _first_use_sums(ring, layer, num_experts, neighbour, bound, horizon):
     for b, plane in enumerate(planes):
         bit = (plane[:, experts // 32] >> (experts % 32).astype(jnp.uint32)) & 1
         count = count + (bit.astype(jnp.int32) << b)
-    found = jnp.sum(neighbour >= 0, dtype=jnp.int32)
-    return found * horizon - count
+    return count
 
 
 #: Above this many words ``P_jk`` per layer (``K * ceil(C / L)``), :func:`next_use` reads per
