@@ -128,6 +128,16 @@ def _after(key, index, prev_key, prev_index):
     return out
 
 
+def _lex_max(key, index, live):
+    """The largest live ``(key..., index)`` as scalars; index ``INT32_MIN`` when none."""
+    best, ok = [], live
+    for k in key:
+        m = jnp.max(jnp.where(ok, k, INT32_MIN))
+        best.append(m)
+        ok = ok & (k == m)
+    return tuple(best), jnp.max(jnp.where(ok, index, INT32_MIN))
+
+
 def _lex_min(key, index, live):
     """The smallest live ``(key..., index)`` as scalars; index ``INT32_MAX`` when none."""
     best, ok = [], live
@@ -142,7 +152,7 @@ def step_kernel(
     call: CallRefs, state: StateRefs, state_out: StateRefs, plan: PlanRefs, *,
     num_layers: int, num_experts: int, num_out: int, hybrid: bool, by_recency: bool,
     promote_one: bool, reuse: bool, ranking: evictions.KernelRanking, block: int,
-    stamp_block: int,
+    stamp_block: int, interpret: bool,
 ):
     L, E = num_layers, num_experts
     K, C = call.routes.shape[0], state.id_of_slot.shape[0]
@@ -150,7 +160,14 @@ def step_kernel(
     k_width = max(1, min(common.next_pow2(K), _PAIR_BLOCK // max(e_width, o_width)))
     num_chunks = -(-K // k_width)
 
-    # Every read of a state leaf comes before any write to it (the outputs alias the inputs).
+    def barrier():
+        """A CTA barrier on the GPU: the stores before it are seen by every thread's loads after
+        it. The interpreter runs one thread (and has no barrier)."""
+        if not interpret:
+            plgpu.debug_barrier()
+
+    # Every read of a state leaf comes before any write to it (the outputs alias the inputs),
+    # but for the stamps, which are read back after the rebase and the hit refresh wrote them.
     layer = call.layer[0]
     step0 = state.step[0]
     limit = call.size[0]
@@ -179,11 +196,20 @@ def step_kernel(
     accepted = ~(bad_layer | bad)
     layer_c = jnp.minimum(jnp.maximum(layer, 0), L - 1)
     base = layer_c * E
-    step = step0 + 1
+
+    # The clock rebase (docs/semantics.md §5.12) first, as in the XLA step: a device-side branch
+    # that renumbers every live stamp in place; every stamp read below is a renumbered one, and
+    # the writes stamp the touched entries with the renumbered clock + 1. From here on the stamps
+    # are read from ``state_out`` (the interpreter keeps the aliased input unchanged).
+    due = accepted & (step0 >= call.threshold[0])
+    step = lax.cond(due, functools.partial(_rebase, state.usage, state.recency, state_out.usage,
+                                           state_out.recency, block=block,
+                                           stamp_block=stamp_block),
+                    lambda s: s, step0) + 1
+    barrier()  # the rebase's usage / recency stores before the reads of them by other threads
 
     row = pl.ds(base, e_width)
     slot_row = plgpu.load(state.slot_for_id.at[row], mask=e_ok, other=-1)
-    recency_row = plgpu.load(state.recency.at[row], mask=e_ok, other=-1)
     routed = e_ok & (observed > 0)
     hit = routed & (slot_row >= 0)
     miss = routed & (slot_row < 0)
@@ -191,27 +217,22 @@ def step_kernel(
     num_missing = jnp.sum(miss.astype(jnp.int32))
     policy = types.SimpleNamespace(fraction16=call.fraction16[0], cap=call.cap[0])
     num_fetch = FetchPolicy.split(policy, num_missing)
-    hit_slots = jnp.where(hit, slot_row, -1)
 
-    # The misses in fetch order: RECENCY = ascending ~recency, ties to the lower id; LOWEST_ID =
-    # ascending id. One argmin round per miss (in-kernel loop: no host round trip).
+    # The hit refresh, also what makes a hit slot ineligible as a victim of this step: the pool
+    # scan below skips it by its usage, once per block, as it skips every slot touched this step.
+    _scatter(state_out.usage, jnp.where(hit, slot_row, -1), jnp.full((e_width,), step),
+             hit & accepted)
+    barrier()  # the hit refresh before the pool scan's usage loads by other threads
+
     o_idx = lax.iota(jnp.int32, o_width)
-    order_key = ~recency_row if by_recency else jnp.zeros_like(recency_row)
-
-    def order_round(k, carry):
-        prev_key, prev_e, experts, recs = carry
-        live = miss & _after((order_key,), e_idx, (prev_key,), prev_e)
-        (key,), e = _lex_min((order_key,), e_idx, live)
-        return (key, e, jnp.where(o_idx == k, e, experts),
-                jnp.where(o_idx == k, ~key, recs))
-
     minus = jnp.full((o_width,), -1, jnp.int32)
-    _, _, experts, recs = lax.fori_loop(
-        0, num_missing, order_round, (jnp.int32(INT32_MIN), jnp.int32(-1), minus, minus))
+    experts, recs = _fetch_order(call.routes, state.slot_for_id, state_out.recency, base,
+                                 miss, num_missing, o_idx, num_experts=E,
+                                 by_recency=by_recency, with_recs=promote_one or reuse)
 
-    # The victims: ascending (key, slot) among the usable slots not touched this step (hits are
-    # skipped: their refreshed usage is the step), the key the eviction record's (LRU: (usage,);
-    # PAIR_LFU: (class/freq after this call's decay, usage)). Only as many as the rules read.
+    # The victims: ascending (key, slot) among the usable slots not touched this step, the key
+    # the eviction record's (LRU: (usage,); PAIR_LFU: (class/freq after this call's decay,
+    # usage)). Only as many as the rules read; none (no pool read at all) when that is 0.
     need = num_fetch
     if promote_one:
         need = jnp.maximum(need, jnp.minimum(num_missing, 1))
@@ -221,53 +242,25 @@ def step_kernel(
 
     def pool_block(start, width):
         index = start + lax.iota(jnp.int32, width)
-        valid = index < C
-        u = plgpu.load(state.usage.at[pl.ds(start, width)], mask=valid, other=0)
+        valid = (index < C) & searching  # masked off: no pool read when no victim is needed
+        u = plgpu.load(state_out.usage.at[pl.ds(start, width)], mask=valid, other=0)
         ok = valid & (index < limit) & (u != step)
         if not state.tables:
             return ranking.key((), None, u, None), index, ok
         occupant = plgpu.load(state.id_of_slot.at[pl.ds(start, width)], mask=valid, other=-1)
         at = jnp.maximum(occupant, 0)
-        tables = tuple(plgpu.load(ref.at[at], mask=valid, other=_zero(ref)) for ref in state.tables)
+        tables = tuple(plgpu.load(ref.at[at], mask=valid, other=_zero(ref))
+                       for ref in state.tables)
         own = (occupant >= base) & (occupant < base + E)
         return ranking.key(tables, occupant, u, own), index, ok
 
-    num_blocks = -(-C // block)
-    preloaded = pool_block(0, block) if num_blocks == 1 else None
-
-    def next_victim(prev_key, prev_i):
-        def scan(b, best):
-            key, index, ok = preloaded if preloaded is not None else pool_block(
-                pl.multiple_of(b * block, block), block)
-            live = ok & _after(key, index, prev_key, prev_i)
-            m, i = _lex_min(key, index, live)
-            take = (i != INT32_MAX) & ((best[1] == INT32_MAX) | _after(best[0], best[1], m, i))
-            return (tuple(jnp.where(take, x, y) for x, y in zip(m, best[0])),
-                    jnp.where(take, i, best[1]))
-
-        nothing = ((jnp.int32(INT32_MAX),) * ranking.width, jnp.int32(INT32_MAX))
-        if num_blocks == 1:
-            return scan(0, nothing)
-        return lax.fori_loop(0, num_blocks, scan, nothing)
-
-    def victim_cond(carry):
-        count, _, _, done, *_ = carry
-        return (count < need) & ~done
-
-    def victim_round(carry):
-        count, prev_key, prev_i, done, victims, vusage, occupants = carry
-        key, i = next_victim(prev_key, prev_i)
-        found = i != INT32_MAX
-        take = found & ~_any(hit_slots == i)
-        occupant = state.id_of_slot[jnp.minimum(i, C - 1)]
-        at = take & (o_idx == count)
-        return (count + take.astype(jnp.int32), key, i, ~found, jnp.where(at, i, victims),
-                jnp.where(at, key[-1], vusage), jnp.where(at, occupant, occupants))
-
-    start_key = (jnp.int32(INT32_MIN),) * ranking.width
-    _, _, _, _, victims, vusage, occupants = lax.while_loop(
-        victim_cond, victim_round,
-        (jnp.int32(0), start_key, jnp.int32(-1), jnp.bool_(False), minus, minus, minus))
+    # No branch around the search (a branch there costs registers and spills under ptxas, see
+    # benchmarks/kernel_compile.py): with need 0 its loads are masked off and its loops run 0
+    # rounds.
+    searching = need > 0
+    search = _victims_one_block if -(-C // block) == 1 else _victims_streamed
+    victims, vusage, occupants = search(pool_block, state.id_of_slot, need, o_idx,
+                                        width=ranking.width, block=block)
 
     # The admissions (docs/semantics.md §5.5), in the reference's order.
     fraction_on = call.fraction16[0] > 0
@@ -292,7 +285,8 @@ def step_kernel(
     def plan_chunk(c, _):
         r, index, lane = chunk(c)
         is_route = lane & (r >= 0) & (r < E) & accepted
-        old = plgpu.load(state.slot_for_id.at[base + jnp.clip(r, 0, E - 1)], mask=is_route, other=-1)
+        old = plgpu.load(state.slot_for_id.at[base + jnp.clip(r, 0, E - 1)], mask=is_route,
+                         other=-1)
         match = (r[:, None] == experts[None, :]) & installs[None, :]
         new = jnp.max(jnp.where(match, victims[None, :], -1), axis=1)
         slot = jnp.where(is_route, jnp.where(jnp.max(match.astype(jnp.int32), axis=1) > 0,
@@ -305,33 +299,26 @@ def step_kernel(
     stats_idx = layer_c * 4 + lax.iota(jnp.int32, 4)
     stats_row = plgpu.load(state.stats.at[stats_idx])
     hist_row = plgpu.load(state.routing_freq.at[row], mask=e_ok, other=0)
-    table_rows = tuple(plgpu.load(ref.at[row], mask=e_ok, other=_zero(ref)) for ref in state.tables)
-
-    # The clock rebase (docs/semantics.md §5.12), a device-side branch. Every decision above read
-    # the pre-call stamps, which decide as their ranks would (the rebase keeps every order); the
-    # rebase then renumbers every live stamp in place and the writes below stamp the touched
-    # entries with the renumbered clock + 1.
-    due = accepted & (step0 >= call.threshold[0])
-    step = lax.cond(due, functools.partial(_rebase, state.usage, state.recency, state_out.usage,
-                                           state_out.recency, block=block,
-                                           stamp_block=stamp_block),
-                    lambda s: s, step0) + 1
+    table_rows = tuple(plgpu.load(ref.at[row], mask=e_ok, other=_zero(ref))
+                       for ref in state.tables)
+    barrier()  # every read of id_of_slot / slot_for_id / the rows (victims, plan) before the writes
 
     # The writes: only the touched entries, only when accepted.
-    refreshed = hit & accepted
-    _scatter(state_out.usage, hit_slots, jnp.full((e_width,), step), refreshed)
     _scatter(state_out.usage, victims, jnp.full((o_width,), step), installs)
     _scatter(state_out.id_of_slot, victims, base + experts, installs)
     _scatter(state_out.slot_for_id, occupants, minus, installs & (occupants >= 0))
     _scatter(state_out.slot_for_id, base + experts, victims, installs)
     if hybrid:
-        plgpu.store(state_out.recency.at[row], jnp.full((e_width,), step), mask=routed & accepted)
+        plgpu.store(state_out.recency.at[row], jnp.full((e_width,), step),
+                    mask=routed & accepted)
     counters = jnp.where(lax.iota(jnp.int32, 4) == 0, 1, jnp.where(
         lax.iota(jnp.int32, 4) == 1, num_active,
         jnp.where(lax.iota(jnp.int32, 4) == 2, num_missing, num_fetch)))
-    plgpu.store(state_out.stats.at[stats_idx], stats_row + counters, mask=jnp.full((4,), accepted))
+    plgpu.store(state_out.stats.at[stats_idx], stats_row + counters,
+                mask=jnp.full((4,), accepted))
     observe_on = accepted & call.collect[0]
-    plgpu.store(state_out.routing_freq.at[row], hist_row + observed, mask=e_ok & (observed > 0) & observe_on)
+    plgpu.store(state_out.routing_freq.at[row], hist_row + observed,
+                mask=e_ok & (observed > 0) & observe_on)
     for out_ref, value in zip(state_out.tables, ranking.observe_row(table_rows, routed)):
         plgpu.store(out_ref.at[row], value, mask=e_ok & accepted)
     _store_scalar(state_out.step, step, accepted)
@@ -343,6 +330,137 @@ def step_kernel(
     _store_scalar(plan.active, jnp.where(accepted, num_active, 0), True)
     _store_scalar(plan.missing, jnp.where(accepted, num_missing, 0), True)
     _store_scalar(plan.error, error, True)
+
+
+# Most routes the fetch order ranks at once ([routes, routes] comparison); more take one argmin
+# round per miss.
+_RANK_ROUTES = 64
+
+
+def _fetch_order(routes_ref, sfi_ref, rec_ref, base, miss, num_missing, o_idx, *,
+                 num_experts, by_recency, with_recs):
+    """The misses in fetch order, ``(experts, recs)`` [o_width], -1 padded: RECENCY ascends by
+    ``~recency`` (the most recently routed first), ties to the lower id; LOWEST_ID by id.
+    ``recs``: each one's recency (read by the admissions; -1 when ``with_recs`` is False).
+
+    Up to ``_RANK_ROUTES`` routes the order is a rank, with no loop: a route is a candidate if
+    it is the first route of a missed expert, its position the number of candidates ahead of it
+    ([routes, routes]), placed by a [picks, routes] comparison. Longer route lists (prefill)
+    take one argmin round per miss over the E experts."""
+    E = num_experts
+    K, o_width = routes_ref.shape[0], o_idx.shape[0]
+    k_width = common.next_pow2(K)
+    if k_width <= _RANK_ROUTES:
+        k_idx = lax.iota(jnp.int32, k_width)
+        lane = k_idx < K
+        r = plgpu.load(routes_ref.at[pl.ds(0, k_width)], mask=lane, other=-1)
+        valid = lane & (r >= 0) & (r < E)
+        at = base + jnp.clip(r, 0, E - 1)
+        missed = valid & (plgpu.load(sfi_ref.at[at], mask=valid, other=0) < 0)
+        rec = (plgpu.load(rec_ref.at[at], mask=valid, other=-1) if by_recency or with_recs
+               else jnp.zeros((k_width,), jnp.int32))
+        key = ~rec if by_recency else jnp.zeros((k_width,), jnp.int32)
+        repeat = (r[None, :] == r[:, None]) & (k_idx[None, :] < k_idx[:, None]) & lane[None, :]
+        first = missed & (jnp.max(repeat.astype(jnp.int32), axis=1) == 0)
+        ahead = first[None, :] & ((key[None, :] < key[:, None])
+                                  | ((key[None, :] == key[:, None]) & (r[None, :] < r[:, None])))
+        rank = jnp.sum(ahead.astype(jnp.int32), axis=1)
+        placed = (rank[None, :] == o_idx[:, None]) & first[None, :]
+        experts = jnp.max(jnp.where(placed, r[None, :], -1), axis=1)
+        recs = (jnp.max(jnp.where(placed, rec[None, :], INT32_MIN), axis=1) if with_recs
+                else jnp.full((o_width,), -1, jnp.int32))
+        return experts, jnp.where(experts >= 0, recs, -1)
+
+    e_width = miss.shape[0]
+    e_idx = lax.iota(jnp.int32, e_width)
+    recency_row = plgpu.load(rec_ref.at[pl.ds(base, e_width)], mask=e_idx < E, other=-1)
+    order_key = ~recency_row if by_recency else jnp.zeros_like(recency_row)
+
+    def order_round(k, carry):
+        prev_key, prev_e, experts, recs = carry
+        live = miss & _after((order_key,), e_idx, (prev_key,), prev_e)
+        (key,), e = _lex_min((order_key,), e_idx, live)
+        return (key, e, jnp.where(o_idx == k, e, experts),
+                jnp.where(o_idx == k, ~key, recs))
+
+    minus = jnp.full((o_width,), -1, jnp.int32)
+    _, _, experts, recs = lax.fori_loop(
+        0, num_missing, order_round, (jnp.int32(INT32_MIN), jnp.int32(-1), minus, minus))
+    return experts, recs if by_recency else minus
+
+
+def _victims_one_block(pool_block, ios_ref, need, o_idx, *, width, block):
+    """The first ``need`` victims of a pool of one block, ``(victims, usage, occupants)``
+    [o_width], -1 padded: the block is loaded once and each round takes its smallest key
+    strictly after the previous round's."""
+    C = ios_ref.shape[0]
+    key, index, ok = pool_block(0, block)
+    minus = jnp.full(o_idx.shape, -1, jnp.int32)
+
+    def victim_cond(carry):
+        count, _, _, done, *_ = carry
+        return (count < need) & ~done
+
+    def victim_round(carry):
+        count, prev_key, prev_i, done, victims, vusage, occupants = carry
+        m, i = _lex_min(key, index, ok & _after(key, index, prev_key, prev_i))
+        found = i != INT32_MAX
+        occupant = ios_ref[jnp.minimum(i, C - 1)]
+        at = found & (o_idx == count)
+        return (count + found.astype(jnp.int32), m, i, ~found, jnp.where(at, i, victims),
+                jnp.where(at, m[-1], vusage), jnp.where(at, occupant, occupants))
+
+    start_key = (jnp.int32(INT32_MIN),) * width
+    _, _, _, _, victims, vusage, occupants = lax.while_loop(
+        victim_cond, victim_round,
+        (jnp.int32(0), start_key, jnp.int32(-1), jnp.bool_(False), minus, minus, minus))
+    return victims, vusage, occupants
+
+
+def _victims_streamed(pool_block, ios_ref, need, o_idx, *, width, block):
+    """:func:`_victims_one_block` for a pool of several blocks, in one pass over it: each block
+    is loaded once and yields its keys in ascending order into a set of the ``need`` smallest
+    seen so far (the worst replaced once the set is full) until its next key would not enter;
+    the set is sorted at the end ([picks, picks] rank)."""
+    o_width, num_blocks = o_idx.shape[0], -(-ios_ref.shape[0] // block)
+    none = jnp.full((o_width,), INT32_MAX, jnp.int32)
+
+    def block_pass(b, carry):
+        key, index, ok = pool_block(pl.multiple_of(b * block, block), block)
+
+        def round_cond(c):
+            return c[-1]
+
+        def victim_round(c):
+            best_key, best_i, count, prev_key, prev_i, _ = c
+            m, i = _lex_min(key, index, ok & _after(key, index, prev_key, prev_i))
+            full = count >= need
+            filled = o_idx < count
+            worst_key, worst_i = _lex_max(best_key, best_i, filled)
+            enters = (i != INT32_MAX) & (~full | _after(worst_key, worst_i, m, i))
+            at = enters & jnp.where(full, best_i == worst_i, o_idx == count)
+            best_key = tuple(jnp.where(at, x, y) for x, y in zip(m, best_key))
+            return (best_key, jnp.where(at, i, best_i),
+                    count + (enters & ~full).astype(jnp.int32), m, i, enters)
+
+        best_key, best_i, count = carry
+        best_key, best_i, count, *_ = lax.while_loop(
+            round_cond, victim_round,
+            (best_key, best_i, count, (jnp.int32(INT32_MIN),) * width, jnp.int32(-1),
+             need > 0))
+        return best_key, best_i, count
+
+    best_key, best_i, count = lax.fori_loop(
+        0, num_blocks, block_pass, ((none,) * width, none, jnp.int32(0)))
+    filled = o_idx < count
+    ahead = filled[None, :] & _after(tuple(k[:, None] for k in best_key), best_i[:, None],
+                                     tuple(k[None, :] for k in best_key), best_i[None, :])
+    rank = jnp.sum(ahead.astype(jnp.int32), axis=1)
+    placed = (rank[None, :] == o_idx[:, None]) & filled[None, :]
+    victims = jnp.max(jnp.where(placed, best_i[None, :], -1), axis=1)
+    vusage = jnp.max(jnp.where(placed, best_key[-1][None, :], INT32_MIN), axis=1)
+    occupants = plgpu.load(ios_ref.at[jnp.maximum(victims, 0)], mask=victims >= 0, other=-1)
+    return victims, jnp.where(victims >= 0, vusage, -1), occupants
 
 
 def _rebase(usage_ref, rec_ref, usage_out, rec_out, step0, *, block, stamp_block):
@@ -426,7 +544,7 @@ def fused_step(state, layer, routes, policy, rules, *, interpret: bool, debug: b
         step_kernel, num_layers=L, num_experts=E, num_out=num_out, hybrid=rules.hybrid,
         by_recency=rules.by_recency, promote_one=rules.promote_one, reuse=rules.reuse,
         ranking=ranking, block=block,
-        stamp_block=common.default_block(L * E, interpret))
+        stamp_block=common.default_block(L * E, interpret), interpret=interpret)
     state_out, plan = pl.pallas_call(
         kernel,
         out_shape=(state_shape, plan_shape),
