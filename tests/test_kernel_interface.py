@@ -77,3 +77,43 @@ def test_the_backend_choice_is_dispatch_s():
     step = dispatch.fused_step_for(state, rules, 3, "interpret")
     assert step is not None and step.keywords == {"interpret": True}
     assert dispatch.fused_step_for(state, rules, 3, "pallas").keywords == {"interpret": False}
+
+
+def _triton_ir(state, call) -> str:
+    """The kernel's Triton IR as Pallas lowers it for CUDA (no GPU needed)."""
+    from jax._src.pallas.triton import lowering
+
+    modules, original = [], lowering.lower_jaxpr_to_triton_module
+
+    def capture(*args, **kwargs):
+        result = original(*args, **kwargs)
+        modules.append(result.module.operation.get_asm())
+        return result
+
+    lowering.lower_jaxpr_to_triton_module = capture
+    try:
+        jax.jit(call).trace(state).lower(lowering_platforms=("cuda",))
+    finally:
+        lowering.lower_jaxpr_to_triton_module = original
+    assert len(modules) == 1
+    return modules[0]
+
+
+@pytest.mark.parametrize("capacity", [64, 16384])
+def test_the_gpu_path_orders_its_read_after_writes_with_barriers(capacity):
+    """FAILS if a CTA barrier of the GPU path is missing (the kernel would read a stamp or a map
+    entry that another thread has not yet written or has already overwritten, which the
+    interpreter cannot show): after the rebase branch, after the hit refresh, before the map
+    scatters: three ``gpu.barrier``, in that order around the stores they separate."""
+    state = pc.init(4, 16, capacity)
+    routes = jnp.arange(8, dtype=jnp.int32)
+    ir = _triton_ir(state, lambda s: pc.ensure_hybrid(s, 1, routes, pc.FetchPolicy.full(),
+                                                       backend="pallas"))
+    lines = ir.splitlines()
+    barriers = [i for i, x in enumerate(lines) if "gpu.barrier" in x]
+    assert len(barriers) == 3, barriers
+    rebase = max(i for i, x in enumerate(lines) if "scf.if" in x)  # the rebase's branch
+    assert rebase < barriers[0]
+    # a store (the hit refresh) between the first two, the map scatters after the last
+    assert any("tt.store" in x for x in lines[barriers[0]:barriers[1]])
+    assert any("tt.store" in x for x in lines[barriers[2]:])
