@@ -128,6 +128,13 @@ def _after(key, index, prev_key, prev_index):
     return out
 
 
+def _candidate(key, index, prev_key, prev_index):
+    """A pool block's slots still in the search: eligible (``index`` is ``INT32_MAX`` for a slot
+    that is not: one vector, not an index and a mask, to spare registers) and strictly after
+    ``(prev_key..., prev_index)``."""
+    return (index != INT32_MAX) & _after(key, index, prev_key, prev_index)
+
+
 def _lex_max(key, index, live):
     """The largest live ``(key..., index)`` as scalars; index ``INT32_MIN`` when none."""
     best, ok = [], live
@@ -246,13 +253,13 @@ def step_kernel(
         u = plgpu.load(state_out.usage.at[pl.ds(start, width)], mask=valid, other=0)
         ok = valid & (index < limit) & (u != step)
         if not state.tables:
-            return ranking.key((), None, u, None), index, ok
+            return ranking.key((), None, u, None), jnp.where(ok, index, INT32_MAX)
         occupant = plgpu.load(state.id_of_slot.at[pl.ds(start, width)], mask=valid, other=-1)
         at = jnp.maximum(occupant, 0)
         tables = tuple(plgpu.load(ref.at[at], mask=valid, other=_zero(ref))
                        for ref in state.tables)
         own = (occupant >= base) & (occupant < base + E)
-        return ranking.key(tables, occupant, u, own), index, ok
+        return ranking.key(tables, occupant, u, own), jnp.where(ok, index, INT32_MAX)
 
     # No branch around the search (a branch there costs registers and spills under ptxas, see
     # benchmarks/kernel_compile.py): with need 0 its loads are masked off and its loops run 0
@@ -394,7 +401,7 @@ def _victims_one_block(pool_block, ios_ref, need, o_idx, *, width, block):
     [o_width], -1 padded: the block is loaded once and each round takes its smallest key
     strictly after the previous round's."""
     C = ios_ref.shape[0]
-    key, index, ok = pool_block(0, block)
+    key, index = pool_block(0, block)
     minus = jnp.full(o_idx.shape, -1, jnp.int32)
 
     def victim_cond(carry):
@@ -403,7 +410,7 @@ def _victims_one_block(pool_block, ios_ref, need, o_idx, *, width, block):
 
     def victim_round(carry):
         count, prev_key, prev_i, done, victims, vusage, occupants = carry
-        m, i = _lex_min(key, index, ok & _after(key, index, prev_key, prev_i))
+        m, i = _lex_min(key, index, _candidate(key, index, prev_key, prev_i))
         found = i != INT32_MAX
         occupant = ios_ref[jnp.minimum(i, C - 1)]
         at = found & (o_idx == count)
@@ -426,14 +433,14 @@ def _victims_streamed(pool_block, ios_ref, need, o_idx, *, width, block):
     none = jnp.full((o_width,), INT32_MAX, jnp.int32)
 
     def block_pass(b, carry):
-        key, index, ok = pool_block(pl.multiple_of(b * block, block), block)
+        key, index = pool_block(pl.multiple_of(b * block, block), block)
 
         def round_cond(c):
             return c[-1]
 
         def victim_round(c):
             best_key, best_i, count, prev_key, prev_i, _ = c
-            m, i = _lex_min(key, index, ok & _after(key, index, prev_key, prev_i))
+            m, i = _lex_min(key, index, _candidate(key, index, prev_key, prev_i))
             full = count >= need
             filled = o_idx < count
             worst_key, worst_i = _lex_max(best_key, best_i, filled)
