@@ -399,8 +399,7 @@ def _fetch_order(routes_ref, sfi_ref, rec_ref, base, miss, num_missing, o_idx, *
 def _victims_one_block(pool_block, ios_ref, need, o_idx, *, width, block):
     """The first ``need`` victims of a pool of one block, ``(victims, usage, occupants)``
     [o_width], -1 padded: the block is loaded once and each round takes its smallest key
-    strictly after the previous round's."""
-    C = ios_ref.shape[0]
+    strictly after the previous round's; the occupants are gathered once, after the rounds."""
     key, index = pool_block(0, block)
     minus = jnp.full(o_idx.shape, -1, jnp.int32)
 
@@ -409,18 +408,18 @@ def _victims_one_block(pool_block, ios_ref, need, o_idx, *, width, block):
         return (count < need) & ~done
 
     def victim_round(carry):
-        count, prev_key, prev_i, done, victims, vusage, occupants = carry
+        count, prev_key, prev_i, done, victims, vusage = carry
         m, i = _lex_min(key, index, _candidate(key, index, prev_key, prev_i))
         found = i != INT32_MAX
-        occupant = ios_ref[jnp.minimum(i, C - 1)]
         at = found & (o_idx == count)
         return (count + found.astype(jnp.int32), m, i, ~found, jnp.where(at, i, victims),
-                jnp.where(at, m[-1], vusage), jnp.where(at, occupant, occupants))
+                jnp.where(at, m[-1], vusage))
 
     start_key = (jnp.int32(INT32_MIN),) * width
-    _, _, _, _, victims, vusage, occupants = lax.while_loop(
+    _, _, _, _, victims, vusage = lax.while_loop(
         victim_cond, victim_round,
-        (jnp.int32(0), start_key, jnp.int32(-1), jnp.bool_(False), minus, minus, minus))
+        (jnp.int32(0), start_key, jnp.int32(-1), jnp.bool_(False), minus, minus))
+    occupants = plgpu.load(ios_ref.at[jnp.maximum(victims, 0)], mask=victims >= 0, other=-1)
     return victims, vusage, occupants
 
 
