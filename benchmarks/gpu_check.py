@@ -764,7 +764,7 @@ def cost_row(L, E, S, k, m, args, base, results) -> dict:
                         outs[i].append(plans)
                 states[i] = jax.block_until_ready(state)
                 samples[i].append(time.perf_counter() - t0)
-        if mode == "scan":  # the kernel's device time and the CUDA graph, one more dispatch
+        if mode == "scan" and jax.default_backend() == "gpu":  # one more dispatch, profiled
             row["device_us"], row["graph"] = profile_program(progs[1][0], warm, ins[1][0][0], n)
         host = [jax.device_get(outs[i]) for i in (0, 1)]  # one transfer per chain
         for i, backend in enumerate(backends):
@@ -1094,7 +1094,7 @@ def cost_markdown(args, cost) -> list[str]:
         lines.append(
             f"| {geo} | {row['m']} | {_cell(target)} | {unrolled(cand)} | "
             f"{row['us'][f'scan {cand}'] - floor['us']:.2f} | {_cell(row.get('device_us'))} | "
-            f"{row.get('graph', '?')} | {unrolled('xla')} | "
+            f"{row.get('graph', 'n/a')} | {unrolled('xla')} | "
             f"{row['us']['scan xla'] - floor['us']:.2f} | {kern(cand)} | {kern('xla')} | "
             f"{sum(row['off_m'].values())} of {4 * row['calls']} | "
             f"{_verdict(row, floor, cand, args.smoke)} |")
