@@ -22,7 +22,6 @@ import dataclasses
 import functools
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
