@@ -1,8 +1,16 @@
-"""GPU check: the Pallas backend against the XLA one on a GPU (docs/semantics.md §7): every state
-and plan leaf after every step of compiled random sequences, and the per-call cost at exactly m
-misses per call. Run from the repository root, e.g. ``PYTHONUNBUFFERED=1 timeout 470 python
-benchmarks/gpu_check.py --out $OUT/gpu_check.md``; ``--smoke`` runs it on a CPU. Exit status: 0
-matched, 1 a difference or a failed backend, 2 a row without m misses per call, 3 no GPU."""
+"""GPU check: the Pallas backend against the XLA one on a GPU (docs/semantics.md §7), sized to
+fit 15 minutes of GPU time with the machine's start (the run itself estimated at <= 8 minutes,
+``--budget-seconds``). In order: a one-call compile-and-compare pre-flight per cost geometry (a
+failing kernel stops the cost phase, the report written); the per-call cost at exactly m misses
+per call, the largest pool's rows first, with the kernel's device time from ``jax.profiler``
+beside the wall time and whether the step ran inside a CUDA graph; equality against XLA (every
+state and plan leaf) for LRU and PAIR_LFU, a low ``rebase_threshold``, a usable size below the
+capacity, more than 4096 slots (the streamed multi-block search) and ``vmap``; then the random
+operation sequences. The report is rewritten after every row. Run from the repository root,
+e.g. ``PYTHONUNBUFFERED=1 timeout 540 python benchmarks/gpu_check.py --out $OUT/gpu_check.md``;
+``--smoke`` runs it on a CPU (interpret), ``--dry-run`` prints the plan and its estimate and
+exits. Exit status: 0 matched, 1 a difference or a failed backend, 2 a row without m misses per
+call, 3 no GPU."""
 
 from __future__ import annotations
 
@@ -19,7 +27,7 @@ import traceback
 from pathlib import Path
 
 # Parsed before jax is imported, so --smoke can pin the CPU platform.
-_SMOKE = bool({"--smoke", "--cpu-smoke"} & set(sys.argv[1:]))
+_SMOKE = bool({"--smoke", "--cpu-smoke", "--dry-run"} & set(sys.argv[1:]))
 if _SMOKE:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # be gentle with a shared GPU
@@ -380,7 +388,8 @@ def check_equality(L, E, S, steps, candidate, seed, results) -> bool:
 # (b) Per-call cost: exactly m misses per call, unrolled and scanned, against upstream's figures.
 # --------------------------------------------------------------------------------------------
 
-COST_GEOMETRIES = ((48, 64, 512, 8), (48, 128, 4096, 8), (64, 512, 16384, 8))  # (L, E, S, k)
+# (L, E, S, k), the largest pool first: its rows are the ones that differ from upstream's slope.
+COST_GEOMETRIES = ((64, 512, 16384, 8), (48, 128, 4096, 8), (48, 64, 512, 8))
 SMOKE_COST_GEOMETRIES = ((4, 32, 64, 8),)
 MISSES = (0, 1, 4, 8)
 # flashlib lru_ensure on an H100 in a CUDA graph: us per call = base + slope * misses, by S.
@@ -755,6 +764,8 @@ def cost_row(L, E, S, k, m, args, base, results) -> dict:
                         outs[i].append(plans)
                 states[i] = jax.block_until_ready(state)
                 samples[i].append(time.perf_counter() - t0)
+        if mode == "scan" and jax.default_backend() == "gpu":  # one more dispatch, profiled
+            row["device_us"], row["graph"] = profile_program(progs[1][0], warm, ins[1][0][0], n)
         host = [jax.device_get(outs[i]) for i in (0, 1)]  # one transfer per chain
         for i, backend in enumerate(backends):
             key = f"{mode} {backend}"
@@ -787,6 +798,150 @@ def cost_row(L, E, S, k, m, args, base, results) -> dict:
         + ", ".join(f"{key} {kp[0]:.3g} ({kp[1]:.3g} pallas)"
                     for key, kp in row["kernels"].items()))
     return row
+
+
+# --------------------------------------------------------------------------------------------
+# (c) The pre-flight, the kernel's device time, the equality cases.
+# --------------------------------------------------------------------------------------------
+
+def preflight(L, E, S, k, args) -> str | None:
+    """One call of the candidate and of xla on a full pool with k misses: compiled, run and
+    compared leaf by leaf. ``None`` when equal, else what failed (the cost phase stops)."""
+    rng = np.random.default_rng(args.seed + S)
+    state = _filled_state(rng, "lru", L, E, S, S)
+    routes = jnp.asarray(rng.choice(E, size=k, replace=False), jnp.int32)
+    outs = []
+    for backend in ("xla", args.candidate):
+        try:
+            fn = jax.jit(functools.partial(_call, op=args.op, backend=backend))
+            outs.append(jax.device_get(fn(_fresh(state), jnp.int32(0), routes)))
+        except Exception as exc:
+            traceback.print_exc()
+            return f"backend {backend!r} failed to compile or run: {type(exc).__name__}: {exc}"
+    diff = tree_difference(outs[0], outs[1])
+    return f"xla and {args.candidate} differ in: {', '.join(diff[:6])}" if diff else None
+
+
+def profile_program(prog, state, piece, calls) -> tuple[float | None, str]:
+    """One dispatch of ``prog`` under ``jax.profiler``: the device time of the fused kernel
+    (events named ``pallas_cache_step``) per call, and whether the dispatch ran a CUDA graph
+    (a host event naming a graph launch or an XLA command buffer): ``"yes"``, ``"no"``, or
+    ``"?"`` with no trace to read."""
+    import glob
+    import gzip
+    import json
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        state = _fresh(state)
+        jax.block_until_ready(state)
+        with jax.profiler.trace(tmp, create_perfetto_trace=True):
+            jax.block_until_ready(prog(state, *piece))
+        files = glob.glob(os.path.join(tmp, "**", "perfetto_trace.json.gz"), recursive=True)
+        if not files:
+            return None, "?"
+        with gzip.open(files[0], "rt") as f:
+            events = json.load(f).get("traceEvents", [])
+    kernel_us = [float(e.get("dur", 0.0)) for e in events
+                 if "pallas_cache_step" in str(e.get("name", "")) and e.get("ph") == "X"]
+    names = {str(e.get("name", "")).lower() for e in events}
+    graph = any("graphlaunch" in n or "command_buffer" in n or "commandbuffer" in n
+                for n in names)
+    return (sum(kernel_us) / calls if kernel_us else None), ("yes" if graph else "no")
+
+
+def _filled_state(rng, eviction, L, E, S, capacity, rebase_threshold=None, empty=0):
+    """A pool of usable size ``S`` whose first ``S - empty`` slots hold random experts with
+    distinct usages (the clock just past them); ``rebase_threshold`` None keeps the default."""
+    extra = {} if rebase_threshold is None else {"rebase_threshold": rebase_threshold}
+    state = pc.init(L, E, S, capacity=capacity, eviction=eviction, **extra)
+    n = S - empty
+    ids = np.full(capacity, -1, np.int32)
+    ids[:n] = rng.choice(L * E, size=n, replace=False)
+    sfi = np.full(L * E, -1, np.int32)
+    sfi[ids[:n]] = np.arange(n)
+    usage = np.zeros(capacity, np.int32)
+    usage[:n] = rng.permutation(n) + 1
+    return state.replace(id_of_slot=jnp.asarray(ids), slot_for_id=jnp.asarray(sfi.reshape(L, E)),
+                         usage=jnp.asarray(usage), step=jnp.int32(n))
+
+
+# (label, eviction, L, E, usable size, capacity, rebase threshold or None, vmap batch or None)
+EQUALITY_CASES = (
+    ("LRU", "lru", 8, 16, 64, 64, None, None),
+    ("PAIR_LFU", "pair_lfu", 8, 16, 64, 64, None, None),
+    ("LRU, rebase threshold 80", "lru", 8, 16, 64, 64, 80, None),
+    ("PAIR_LFU, rebase threshold 80", "pair_lfu", 8, 16, 64, 64, 80, None),
+    ("LRU, usable 40 of capacity 64", "lru", 8, 16, 40, 64, None, None),
+    ("LRU, 8192 slots (two blocks)", "lru", 16, 640, 8192, 8192, None, None),
+    ("PAIR_LFU, 8192 slots (two blocks)", "pair_lfu", 16, 640, 8192, 8192, None, None),
+    ("LRU, vmap over 3 caches", "lru", 8, 16, 64, 64, None, 3),
+    ("PAIR_LFU, vmap over 3 caches, threshold 80", "pair_lfu", 8, 16, 64, 64, 80, 3),
+)
+SMOKE_EQUALITY_CASES = (
+    ("LRU, 8192 slots", "lru", 16, 640, 8192, 8192, None, None),
+    ("PAIR_LFU, vmap over 2 caches, threshold 40", "pair_lfu", 4, 16, 32, 40, 40, 2),
+)
+
+
+def _case_program(eviction, backend):
+    """A scan of random calls: ensure, ensure_hybrid in both orders, REUSE under LRU, each call
+    picked by a switch; the state carried, every plan stacked."""
+    ops = [lambda s, l, r, p: pc.ensure(s, l, r, backend=backend)]
+    for order, admission in ((RECENCY, PROMOTE_ONE), (LOWEST_ID, NO_ADMISSION)) + (
+            ((RECENCY, REUSE),) if eviction == "lru" else ()):
+        ops.append(functools.partial(
+            lambda s, l, r, p, o, a: pc.ensure_hybrid(s, l, r, p, order=o, admission=a,
+                                                      backend=backend),
+            o=order, a=admission))
+
+    def run(state, xs):
+        def body(s, x):
+            op, layer, routes, fraction16 = x
+            policy = pc.FetchPolicy(fraction16=fraction16, cap=layer % 4)
+            return lax.switch(op, ops, s, layer, routes, policy)
+        return lax.scan(body, state, xs)
+
+    return run, len(ops)
+
+
+def check_case(case, steps, args, results) -> None:
+    label, eviction, L, E, S, C, threshold, batch = case
+    rng = np.random.default_rng(args.seed + len(label))
+    t0 = time.perf_counter()
+    states = [_filled_state(rng, eviction, L, E, S, C, threshold, empty=4)
+              for _ in range(batch or 1)]
+    state = states[0] if batch is None else jax.tree.map(lambda *x: jnp.stack(x), *states)
+    lead = () if batch is None else (batch,)
+    num_ops = 3 + (eviction == "lru")
+    xs = (jnp.asarray(rng.integers(0, num_ops, (*lead, steps)), jnp.int32),
+          jnp.asarray(np.where(rng.random((*lead, steps)) < 0.03, L,
+                               rng.integers(0, L, (*lead, steps))), jnp.int32),
+          jnp.asarray(rng.integers(-1, E, (*lead, steps, TOP_K)), jnp.int32),
+          jnp.asarray(rng.choice([0, 16384, 32768, 65536], (*lead, steps)), jnp.int32))
+    outs = []
+    for backend in ("xla", args.candidate):
+        run, _ = _case_program(eviction, backend)
+        fn = jax.jit(run if batch is None else jax.vmap(run))
+        try:
+            outs.append(jax.device_get(fn(_fresh(state), xs)))
+        except Exception as exc:
+            traceback.print_exc()
+            msg = f"FAIL [{label}]: backend {backend!r}: {type(exc).__name__}: {exc}"
+            print(msg, flush=True)
+            results["failures"].append(msg)
+            results["equality"].append((label, "filled", steps, "FAIL", type(exc).__name__))
+            return
+    diff = tree_difference(outs[0], outs[1])
+    fetched = int(np.asarray(outs[0][1].fetched).sum())
+    detail = (f"{fetched} fetches, final clock {np.asarray(outs[0][0].step).ravel().tolist()}, "
+              f"{time.perf_counter() - t0:.0f} s incl. compile")
+    if diff:
+        msg = f"MISMATCH [{label}] in: {', '.join(diff[:6])}"
+        print(msg, flush=True)
+        results["failures"].append(msg)
+    results["equality"].append((label, "filled", steps, "MISMATCH" if diff else "match", detail))
+    log(f"equality [{label}]: {'MISMATCH' if diff else 'MATCH'} ({detail})")
 
 
 # --------------------------------------------------------------------------------------------
@@ -823,10 +978,14 @@ def parse_args(argv=None):
     p.add_argument("--trace-seconds", type=float, default=40.0,
                    help="halve the unrolled jit's calls while tracing them would take longer")
     p.add_argument("--replays", type=int, default=None,
-                   help="dispatches per trial (default 20, smoke 2)")
+                   help="dispatches per trial (default 10, smoke 2)")
     p.add_argument("--repeats", type=int, default=None,
-                   help="trials, median taken (default 9, smoke 3)")
+                   help="trials, median taken (default 5, smoke 3)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--case-steps", type=int, default=None,
+                   help="calls per equality case (default 96, smoke 12)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the phases, their rows and the time estimate, run nothing")
     p.add_argument("--out", type=Path, default=None,
                    help="also write the report as the gpu_check section of this markdown file")
     args = p.parse_args(argv)
@@ -835,10 +994,13 @@ def parse_args(argv=None):
     args.budget_seconds = args.budget_seconds or (240.0 if smoke else 420.0)
     args.steps = args.steps or (48 if smoke else 192)
     args.calls = args.calls or (4 if smoke else 128)
-    args.replays = args.replays or (2 if smoke else 20)
-    args.repeats = args.repeats or (3 if smoke else 9)
+    args.replays = args.replays or (2 if smoke else 10)
+    args.repeats = args.repeats or (3 if smoke else 5)
     args.misses = tuple(int(m) for m in args.misses.split(","))
-    args.eq_geometries = GEOMETRIES[:1] if smoke else GEOMETRIES
+    # The cases above cover the larger pools; the random sequences run on the small one.
+    args.eq_geometries = GEOMETRIES[:1]
+    args.case_steps = args.case_steps or (12 if smoke else 96)
+    args.cases = SMOKE_EQUALITY_CASES if smoke else EQUALITY_CASES
     args.cost_geometries = SMOKE_COST_GEOMETRIES if smoke else COST_GEOMETRIES
     if args.sizes:
         keep = {int(x) for x in args.sizes.split(",")}
@@ -900,19 +1062,23 @@ def cost_markdown(args, cost) -> list[str]:
         "condition minus the floor's; in brackets the Pallas calls. Upstream: flashlib "
         f"`lru_ensure`, one Triton program, H100, CUDA graph ({UPSTREAM_NO_MISS_US} us with no "
         "miss; base + slope * m). Target: at or below upstream's base + slope * m, one kernel "
-        "per call.",
+        "per call. *kernel device us*: the fused kernel's own time on the device per call, from a "
+        "`jax.profiler` trace of one scan dispatch (events named `pallas_cache_step`); *CUDA "
+        "graph*: whether that dispatch launched a CUDA graph (an XLA command buffer) -- "
+        "upstream's figures are CUDA-graph figures.",
         "",
-        f"| L, E, S, k | m | upstream us | {cand} unrolled | {cand} scan-floor | xla unrolled | "
+        f"| L, E, S, k | m | upstream us | {cand} unrolled | {cand} scan-floor | "
+        f"{cand} kernel device us (profiler) | CUDA graph | xla unrolled | "
         f"xla scan-floor | {cand} kernels/call (unrolled; scan) | xla kernels/call "
         "(unrolled; scan) | off-m calls | target |",
-        "|---|---:|---:|---:|---:|---:|---:|---|---|---:|---|",
+        "|---|---:|---:|---:|---:|---:|---|---:|---:|---|---|---:|---|",
     ]
     for row in cost["rows"]:
         geo = f"{row['L']}, {row['E']}, {row['S']}, {row['k']}"
         target = upstream_us(row["S"], row["m"])
         if "skipped" in row:
             lines.append(f"| {geo} | {row['m']} | {_cell(target)} | {row['skipped']} "
-                         "| | | | | | | |")
+                         "| | | | | | | | | |")
             continue
         floor = cost["floors"][(row["L"], row["E"], row["S"])]
 
@@ -927,7 +1093,8 @@ def cost_markdown(args, cost) -> list[str]:
             return us if width == args.calls else f"{us} (x{width})"
         lines.append(
             f"| {geo} | {row['m']} | {_cell(target)} | {unrolled(cand)} | "
-            f"{row['us'][f'scan {cand}'] - floor['us']:.2f} | {unrolled('xla')} | "
+            f"{row['us'][f'scan {cand}'] - floor['us']:.2f} | {_cell(row.get('device_us'))} | "
+            f"{row.get('graph', 'n/a')} | {unrolled('xla')} | "
             f"{row['us']['scan xla'] - floor['us']:.2f} | {kern(cand)} | {kern('xla')} | "
             f"{sum(row['off_m'].values())} of {4 * row['calls']} | "
             f"{_verdict(row, floor, cand, args.smoke)} |")
@@ -975,8 +1142,42 @@ def markdown(args, results, cost, matched, elapsed) -> str:
     return "\n".join(lines) + "\n"
 
 
+# Seconds per phase item, a guess from the H200 run of the earlier version (111 s for two
+# sequence geometries and four rows): a pre-flight compiles two one-call programs, a cost
+# geometry's first row compiles six programs and times 4 x 5 x 10 dispatches, a later row only
+# times, an equality case compiles two scans.
+ESTIMATE_S = {"preflight": 12.0, "first row": 35.0, "row": 12.0, "case": 15.0, "sequence": 40.0,
+              "start": 15.0}
+
+
+def dry_run(args) -> str:
+    """The phases in run order with their rows, and the estimated seconds (no JAX work)."""
+    est = ESTIMATE_S["start"]
+    lines = [f"candidate {args.candidate} vs xla; budget {args.budget_seconds:.0f} s"]
+    for L, E, S, k in args.cost_geometries:
+        lines.append(f"pre-flight L={L},E={E},S={S},k={k}")
+        est += ESTIMATE_S["preflight"]
+    for L, E, S, k in args.cost_geometries:
+        for j, m in enumerate(args.misses):
+            lines.append(f"cost L={L},E={E},S={S},k={k} m={m} ({args.op})")
+            est += ESTIMATE_S["first row" if j == 0 else "row"]
+    if not args.skip_equality:
+        for case in args.cases:
+            lines.append(f"equality case: {case[0]} ({args.case_steps} calls)")
+            est += ESTIMATE_S["case"]
+        for L, E, S in args.eq_geometries:
+            lines.append(f"equality sequences L={L},E={E},S={S} ({args.steps} ops x 2 starts)")
+            est += ESTIMATE_S["sequence"]
+    lines.append(f"estimated {est:.0f} s ({est / 60:.1f} min) if nothing is cut by the budget; "
+                 f"the budget cuts the run at {args.budget_seconds:.0f} s")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.dry_run:
+        print(dry_run(args))
+        return 0
     start = time.perf_counter()
     log(f"jax {jax.__version__} on {device_description()}; comparing {args.candidate!r} "
         f"against 'xla'")
@@ -990,7 +1191,8 @@ def main(argv=None) -> int:
     cost = {"rows": [], "floors": {}, "notes": []}
 
     def report() -> str:
-        ok = all(status == "match" for _, _, _, status, _ in results["equality"])
+        ok = all(status in ("match", "skipped (budget)")
+             for _, _, _, status, _ in results["equality"])
         return markdown(args, results, cost, ok and not results["failures"],
                         time.perf_counter() - start)
 
@@ -1000,15 +1202,25 @@ def main(argv=None) -> int:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             write_section("gpu_check", report(), args.out)
 
-    if not args.skip_equality:
-        for i, (L, E, S) in enumerate(args.eq_geometries):
-            check_equality(L, E, S, args.steps, args.candidate, args.seed + i, results)
+    # Pre-flight: one call per cost geometry, compiled and compared; a failure stops the cost
+    # phase (its rows would only time a wrong kernel) with the report written.
+    preflight_ok = True
+    for L, E, S, k in args.cost_geometries:
+        t0 = time.perf_counter()
+        failure = preflight(L, E, S, k, args)
+        log(f"pre-flight [L={L},E={E},S={S},k={k}]: {failure or 'MATCH'} "
+            f"({time.perf_counter() - t0:.1f} s incl. compile)")
+        if failure:
+            results["failures"].append(f"pre-flight [L={L},E={E},S={S},k={k}]: {failure}")
+            cost["notes"].append(f"cost phase stopped: the pre-flight at S={S} failed")
+            preflight_ok = False
             write_report()
+            break
 
     # Budget: a geometry's first row compiles (estimated from the previous geometry's first row,
     # scaled up), a later row only runs (estimated from the row before it).
     first_row_s = 10.0 if args.smoke else 45.0
-    for L, E, S, k in args.cost_geometries:
+    for L, E, S, k in (args.cost_geometries if preflight_ok else ()):
         base = None
         row_s = None
         for m in args.misses:
@@ -1041,8 +1253,26 @@ def main(argv=None) -> int:
             row_s = max(spent - compiling, 0.5)  # the next row of this geometry compiles nothing
             write_report()
 
+    # Equality: the cases (every eviction the kernel runs, low threshold, usable < capacity,
+    # > 4096 slots, vmap), then the random operation sequences, each while the budget lasts.
+    case_s = 20.0 if args.smoke else ESTIMATE_S["case"]
+    for case in (() if args.skip_equality else args.cases):
+        if time.perf_counter() - start + case_s > args.budget_seconds:
+            results["equality"].append((case[0], "filled", args.case_steps, "skipped (budget)",
+                                        ""))
+            continue
+        check_case(case, args.case_steps, args, results)
+        write_report()
+    for i, (L, E, S) in enumerate(() if args.skip_equality else args.eq_geometries):
+        if time.perf_counter() - start + 2 * case_s > args.budget_seconds:
+            results["equality"].append((f"L={L},E={E},S={S}", "random", args.steps,
+                                        "skipped (budget)", ""))
+            continue
+        check_equality(L, E, S, args.steps, args.candidate, args.seed + i, results)
+        write_report()
+
     matched = not results["failures"] and all(
-        status == "match" for _, _, _, status, _ in results["equality"])
+        status in ("match", "skipped (budget)") for _, _, _, status, _ in results["equality"])
     text = report()
     print()
     print(text)

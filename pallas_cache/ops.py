@@ -251,11 +251,9 @@ def ensure_with_rules(state: CacheState, layer, routes, policy: FetchPolicy, rul
     flat_routes = routes.reshape(-1)
     num_out = min(flat_routes.shape[0], E)  # K': distinct routes of one layer never exceed E
 
-    if backend != "xla":
-        from pallas_cache.kernels import step as fused  # imports the Pallas Triton backend
-
-        if fused.supports(state, rules, flat_routes.shape[0]):
-            return _fused_ensure(fused, state, layer, routes, policy, rules, backend)
+    fused_step = dispatch.fused_step_for(state, rules, flat_routes.shape[0], backend)
+    if fused_step is not None:
+        return _fused_ensure(fused_step, state, layer, routes, policy, rules)
 
     error = errors.layer_bits(layer, L) | errors.route_bits(flat_routes, E)
     accepted = error == 0
@@ -378,13 +376,13 @@ def ensure_with_rules(state: CacheState, layer, routes, policy: FetchPolicy, rul
     return new_state, plan
 
 
-def _fused_ensure(fused, state, layer, routes, policy, rules, backend):
+def _fused_ensure(fused_step, state, layer, routes, policy, rules):
     """:func:`ensure_with_rules` as the fused kernel (kernels/step.py), the plan rebuilt from its
     outputs."""
     E, C = state.num_experts, state.capacity
     flat_routes = routes.reshape(-1)
-    state, slots, cpu, dst, src, count, active, missing, error = fused.fused_step(
-        state, layer, flat_routes, policy, rules, interpret=backend == "interpret")
+    state, slots, cpu, dst, src, count, active, missing, error = fused_step(
+        state, layer, flat_routes, policy, rules)
     plan = EnsurePlan(
         slots=slots.reshape(routes.shape), cpu=cpu.reshape(routes.shape),
         copy=CopyPlan(dst_slots=dst, src_rows=src, count=count, num_slots=C, num_experts=E),

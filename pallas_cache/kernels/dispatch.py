@@ -4,9 +4,11 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 
-__all__ = ["BACKENDS", "has_pallas_triton", "resolve_backend"]
+__all__ = ["BACKENDS", "fused_step_for", "has_pallas_triton", "resolve_backend"]
 
 BACKENDS = ("xla", "pallas", "interpret")
 
@@ -33,3 +35,18 @@ def resolve_backend(backend) -> str:
                          f"(jax.experimental.pallas.triton), which this JAX {jax.__version__} "
                          f"lacks; use backend='xla'")
     return backend
+
+
+def fused_step_for(state, rules, num_routes: int, backend: str):
+    """The fused kernel's step for this call on ``backend`` (a resolved name), or ``None`` when the
+    XLA step runs: on ``"xla"``, and for calls the kernel does not run (traced rules, an eviction
+    without kernel hooks, no route: :func:`~pallas_cache.kernels.step.supports`). The returned
+    callable takes ``(state, layer, routes, policy, rules)`` as
+    :func:`~pallas_cache.kernels.step.fused_step`."""
+    if backend == "xla":
+        return None
+    from pallas_cache.kernels import step  # imports the Pallas Triton backend
+
+    if not step.supports(state, rules, num_routes):
+        return None
+    return functools.partial(step.fused_step, interpret=backend == "interpret")

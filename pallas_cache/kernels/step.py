@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import types
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -16,17 +17,73 @@ from pallas_cache.kernels import common
 from pallas_cache.kernels.common import INT32_MAX, INT32_MIN
 from pallas_cache.policy import FetchPolicy
 
-__all__ = ["fused_step", "fused_step_reference", "supports"]
+__all__ = ["fused_step", "supports"]
 
 # Most elements of one in-kernel [routes, experts] or [routes, picks] comparison.
 _PAIR_BLOCK = 4096
 
 
-def fused_step_reference(state, layer, routes, policy, rules):
-    """What :func:`fused_step` computes: the XLA step of ``ops.ensure_with_rules``."""
-    from pallas_cache import ops
+class CallRefs(NamedTuple):
+    """The call's read-only inputs, one ref each."""
 
-    return ops.ensure_with_rules(state, layer, routes, policy, rules, backend="xla")
+    layer: Any  # i32[1]
+    routes: Any  # i32[K]
+    fraction16: Any  # i32[1]: FetchPolicy.fraction16
+    cap: Any  # i32[1]: FetchPolicy.cap
+    size: Any  # i32[1]: the usable size
+    threshold: Any  # i32[1]: the clock rebase threshold
+    collect: Any  # bool[1]
+
+
+class StateRefs(NamedTuple):
+    """The state leaves the kernel rewrites in place: an input each, aliased to the output of
+    the same name. A leaf added here (and in :func:`_state_refs` / :func:`_with_state`) is read,
+    aliased and written back with no index to shift."""
+
+    slot_for_id: Any  # i32[L * E]
+    id_of_slot: Any  # i32[C]
+    usage: Any  # i32[C]
+    recency: Any  # i32[L * E]
+    stats: Any  # i32[L * 4]
+    routing_freq: Any  # i32[L * E]
+    step: Any  # i32[1]: the clock
+    tables: tuple  # the eviction's [L * E] tables (KernelRanking.tables), flat
+
+
+class PlanRefs(NamedTuple):
+    """The plan's outputs."""
+
+    slots: Any  # i32[K]
+    cpu: Any  # bool[K]
+    dst_slots: Any  # i32[K']
+    src_rows: Any  # i32[K']
+    count: Any  # i32[1]
+    active: Any  # i32[1]
+    missing: Any  # i32[1]
+    error: Any  # i32[1]
+
+
+def _state_refs(state, ranking) -> StateRefs:
+    """The state's in-place leaves, flattened to the kernel's 1-D refs."""
+    flat = lambda x: jnp.reshape(x, (-1,))  # noqa: E731
+    return StateRefs(
+        slot_for_id=flat(state.slot_for_id), id_of_slot=state.id_of_slot, usage=state.usage,
+        recency=flat(state.recency), stats=flat(state.stats),
+        routing_freq=flat(state.routing_freq), step=flat(state.step),
+        tables=tuple(flat(t) for t in ranking.tables(state.eviction_state)))
+
+
+def _with_state(state, ranking, out: StateRefs):
+    """``state`` with the kernel's in-place leaves ``out``, back in their shapes."""
+    L, E = state.num_layers, state.num_experts
+    eviction_state = state.eviction_state
+    if out.tables:
+        eviction_state = ranking.from_tables(tuple(x.reshape(L, E) for x in out.tables))
+    return state.replace(
+        slot_for_id=out.slot_for_id.reshape(L, E), id_of_slot=out.id_of_slot, usage=out.usage,
+        step=out.step.reshape(()), recency=out.recency.reshape(L, E),
+        stats=out.stats.reshape(L, 4), routing_freq=out.routing_freq.reshape(L, E),
+        eviction_state=eviction_state)
 
 
 def supports(state, rules, num_routes: int) -> bool:
@@ -71,6 +128,23 @@ def _after(key, index, prev_key, prev_index):
     return out
 
 
+def _candidate(key, index, prev_key, prev_index):
+    """A pool block's slots still in the search: eligible (``index`` is ``INT32_MAX`` for a slot
+    that is not: one vector, not an index and a mask, to spare registers) and strictly after
+    ``(prev_key..., prev_index)``."""
+    return (index != INT32_MAX) & _after(key, index, prev_key, prev_index)
+
+
+def _lex_max(key, index, live):
+    """The largest live ``(key..., index)`` as scalars; index ``INT32_MIN`` when none."""
+    best, ok = [], live
+    for k in key:
+        m = jnp.max(jnp.where(ok, k, INT32_MIN))
+        best.append(m)
+        ok = ok & (k == m)
+    return tuple(best), jnp.max(jnp.where(ok, index, INT32_MIN))
+
+
 def _lex_min(key, index, live):
     """The smallest live ``(key..., index)`` as scalars; index ``INT32_MAX`` when none."""
     best, ok = [], live
@@ -82,40 +156,28 @@ def _lex_min(key, index, live):
 
 
 def step_kernel(
-    layer_ref,  # i32[1]
-    routes_ref,  # i32[K]
-    frac_ref,  # i32[1]: FetchPolicy.fraction16
-    cap_ref,  # i32[1]: FetchPolicy.cap
-    step_ref,  # i32[1]: the clock before the call
-    size_ref,  # i32[1]: the usable size
-    threshold_ref,  # i32[1]: the clock rebase threshold
-    collect_ref,  # bool[1]
-    sfi_ref,  # i32[L * E]: slot_for_id
-    ios_ref,  # i32[C]: id_of_slot
-    usage_ref,  # i32[C]
-    rec_ref,  # i32[L * E]: recency
-    stats_ref,  # i32[L * 4]
-    hist_ref,  # i32[L * E]: routing_freq
-    *refs,  # the eviction's tables [L * E] each (ranking.tables); then the outputs
+    call: CallRefs, state: StateRefs, state_out: StateRefs, plan: PlanRefs, *,
     num_layers: int, num_experts: int, num_out: int, hybrid: bool, by_recency: bool,
     promote_one: bool, reuse: bool, ranking: evictions.KernelRanking, block: int,
-    stamp_block: int,
+    stamp_block: int, interpret: bool,
 ):
-    num_tables = (len(refs) - 15) // 2
-    table_refs, refs = refs[:num_tables], refs[num_tables:]
-    (sfi_out, ios_out, usage_out, rec_out, stats_out, hist_out, step_out, *refs) = refs
-    table_outs, refs = refs[:num_tables], refs[num_tables:]
-    slots_out, cpu_out, dst_out, src_out, count_out, active_out, missing_out, error_out = refs
     L, E = num_layers, num_experts
-    K, C = routes_ref.shape[0], ios_ref.shape[0]
+    K, C = call.routes.shape[0], state.id_of_slot.shape[0]
     e_width, o_width = common.next_pow2(E), common.next_pow2(num_out)
     k_width = max(1, min(common.next_pow2(K), _PAIR_BLOCK // max(e_width, o_width)))
     num_chunks = -(-K // k_width)
 
-    # Every read of a state leaf comes before any write to it (the outputs alias the inputs).
-    layer = layer_ref[0]
-    step0 = step_ref[0]
-    limit = size_ref[0]
+    def barrier():
+        """A CTA barrier on the GPU: the stores before it are seen by every thread's loads after
+        it. The interpreter runs one thread (and has no barrier)."""
+        if not interpret:
+            plgpu.debug_barrier()
+
+    # Every read of a state leaf comes before any write to it (the outputs alias the inputs),
+    # but for the stamps, which are read back after the rebase and the hit refresh wrote them.
+    layer = call.layer[0]
+    step0 = state.step[0]
+    limit = call.size[0]
     e_idx = lax.iota(jnp.int32, e_width)
     e_ok = e_idx < E
 
@@ -123,7 +185,7 @@ def step_kernel(
         start = c * k_width
         index = start + lax.iota(jnp.int32, k_width)
         lane = index < K
-        r = plgpu.load(routes_ref.at[pl.ds(start, k_width)], mask=lane, other=-1)
+        r = plgpu.load(call.routes.at[pl.ds(start, k_width)], mask=lane, other=-1)
         return r, index, lane
 
     def observe(c, carry):  # the histogram row and the bad-route flag, one chunk of routes
@@ -141,39 +203,43 @@ def step_kernel(
     accepted = ~(bad_layer | bad)
     layer_c = jnp.minimum(jnp.maximum(layer, 0), L - 1)
     base = layer_c * E
-    step = step0 + 1
+
+    # The clock rebase (docs/semantics.md §5.12) first, as in the XLA step: a device-side branch
+    # that renumbers every live stamp in place; every stamp read below is a renumbered one, and
+    # the writes stamp the touched entries with the renumbered clock + 1. From here on the stamps
+    # are read from ``state_out`` (the interpreter keeps the aliased input unchanged).
+    due = accepted & (step0 >= call.threshold[0])
+    step = lax.cond(due, functools.partial(_rebase, state.usage, state.recency, state_out.usage,
+                                           state_out.recency, block=block,
+                                           stamp_block=stamp_block),
+                    lambda s: s, step0) + 1
+    barrier()  # the rebase's usage / recency stores before the reads of them by other threads
 
     row = pl.ds(base, e_width)
-    slot_row = plgpu.load(sfi_ref.at[row], mask=e_ok, other=-1)
-    recency_row = plgpu.load(rec_ref.at[row], mask=e_ok, other=-1)
+    slot_row = plgpu.load(state.slot_for_id.at[row], mask=e_ok, other=-1)
     routed = e_ok & (observed > 0)
     hit = routed & (slot_row >= 0)
     miss = routed & (slot_row < 0)
     num_active = jnp.sum(routed.astype(jnp.int32))
     num_missing = jnp.sum(miss.astype(jnp.int32))
-    policy = types.SimpleNamespace(fraction16=frac_ref[0], cap=cap_ref[0])
+    policy = types.SimpleNamespace(fraction16=call.fraction16[0], cap=call.cap[0])
     num_fetch = FetchPolicy.split(policy, num_missing)
-    hit_slots = jnp.where(hit, slot_row, -1)
 
-    # The misses in fetch order: RECENCY = ascending ~recency, ties to the lower id; LOWEST_ID =
-    # ascending id. One argmin round per miss (in-kernel loop: no host round trip).
+    # The hit refresh, also what makes a hit slot ineligible as a victim of this step: the pool
+    # scan below skips it by its usage, once per block, as it skips every slot touched this step.
+    _scatter(state_out.usage, jnp.where(hit, slot_row, -1), jnp.full((e_width,), step),
+             hit & accepted)
+    barrier()  # the hit refresh before the pool scan's usage loads by other threads
+
     o_idx = lax.iota(jnp.int32, o_width)
-    order_key = ~recency_row if by_recency else jnp.zeros_like(recency_row)
-
-    def order_round(k, carry):
-        prev_key, prev_e, experts, recs = carry
-        live = miss & _after((order_key,), e_idx, (prev_key,), prev_e)
-        (key,), e = _lex_min((order_key,), e_idx, live)
-        return (key, e, jnp.where(o_idx == k, e, experts),
-                jnp.where(o_idx == k, ~key, recs))
-
     minus = jnp.full((o_width,), -1, jnp.int32)
-    _, _, experts, recs = lax.fori_loop(
-        0, num_missing, order_round, (jnp.int32(INT32_MIN), jnp.int32(-1), minus, minus))
+    experts, recs = _fetch_order(call.routes, state.slot_for_id, state_out.recency, base,
+                                 miss, num_missing, o_idx, num_experts=E,
+                                 by_recency=by_recency, with_recs=promote_one or reuse)
 
-    # The victims: ascending (key, slot) among the usable slots not touched this step (hits are
-    # skipped: their refreshed usage is the step), the key the eviction record's (LRU: (usage,);
-    # PAIR_LFU: (class/freq after this call's decay, usage)). Only as many as the rules read.
+    # The victims: ascending (key, slot) among the usable slots not touched this step, the key
+    # the eviction record's (LRU: (usage,); PAIR_LFU: (class/freq after this call's decay,
+    # usage)). Only as many as the rules read; none (no pool read at all) when that is 0.
     need = num_fetch
     if promote_one:
         need = jnp.maximum(need, jnp.minimum(num_missing, 1))
@@ -183,56 +249,28 @@ def step_kernel(
 
     def pool_block(start, width):
         index = start + lax.iota(jnp.int32, width)
-        valid = index < C
-        u = plgpu.load(usage_ref.at[pl.ds(start, width)], mask=valid, other=0)
+        valid = (index < C) & searching  # masked off: no pool read when no victim is needed
+        u = plgpu.load(state_out.usage.at[pl.ds(start, width)], mask=valid, other=0)
         ok = valid & (index < limit) & (u != step)
-        if not table_refs:
-            return ranking.key((), None, u, None), index, ok
-        occupant = plgpu.load(ios_ref.at[pl.ds(start, width)], mask=valid, other=-1)
+        if not state.tables:
+            return ranking.key((), None, u, None), jnp.where(ok, index, INT32_MAX)
+        occupant = plgpu.load(state.id_of_slot.at[pl.ds(start, width)], mask=valid, other=-1)
         at = jnp.maximum(occupant, 0)
-        tables = tuple(plgpu.load(ref.at[at], mask=valid, other=_zero(ref)) for ref in table_refs)
+        tables = tuple(plgpu.load(ref.at[at], mask=valid, other=_zero(ref))
+                       for ref in state.tables)
         own = (occupant >= base) & (occupant < base + E)
-        return ranking.key(tables, occupant, u, own), index, ok
+        return ranking.key(tables, occupant, u, own), jnp.where(ok, index, INT32_MAX)
 
-    num_blocks = -(-C // block)
-    preloaded = pool_block(0, block) if num_blocks == 1 else None
-
-    def next_victim(prev_key, prev_i):
-        def scan(b, best):
-            key, index, ok = preloaded if preloaded is not None else pool_block(
-                pl.multiple_of(b * block, block), block)
-            live = ok & _after(key, index, prev_key, prev_i)
-            m, i = _lex_min(key, index, live)
-            take = (i != INT32_MAX) & ((best[1] == INT32_MAX) | _after(best[0], best[1], m, i))
-            return (tuple(jnp.where(take, x, y) for x, y in zip(m, best[0])),
-                    jnp.where(take, i, best[1]))
-
-        nothing = ((jnp.int32(INT32_MAX),) * ranking.width, jnp.int32(INT32_MAX))
-        if num_blocks == 1:
-            return scan(0, nothing)
-        return lax.fori_loop(0, num_blocks, scan, nothing)
-
-    def victim_cond(carry):
-        count, _, _, done, *_ = carry
-        return (count < need) & ~done
-
-    def victim_round(carry):
-        count, prev_key, prev_i, done, victims, vusage, occupants = carry
-        key, i = next_victim(prev_key, prev_i)
-        found = i != INT32_MAX
-        take = found & ~_any(hit_slots == i)
-        occupant = ios_ref[jnp.minimum(i, C - 1)]
-        at = take & (o_idx == count)
-        return (count + take.astype(jnp.int32), key, i, ~found, jnp.where(at, i, victims),
-                jnp.where(at, key[-1], vusage), jnp.where(at, occupant, occupants))
-
-    start_key = (jnp.int32(INT32_MIN),) * ranking.width
-    _, _, _, _, victims, vusage, occupants = lax.while_loop(
-        victim_cond, victim_round,
-        (jnp.int32(0), start_key, jnp.int32(-1), jnp.bool_(False), minus, minus, minus))
+    # No branch around the search (a branch there costs registers and spills under ptxas, see
+    # benchmarks/kernel_compile.py): with need 0 its loads are masked off and its loops run 0
+    # rounds.
+    searching = need > 0
+    search = _victims_one_block if -(-C // block) == 1 else _victims_streamed
+    victims, vusage, occupants = search(pool_block, state.id_of_slot, need, o_idx,
+                                        width=ranking.width, block=block)
 
     # The admissions (docs/semantics.md §5.5), in the reference's order.
-    fraction_on = frac_ref[0] > 0
+    fraction_on = call.fraction16[0] > 0
     if promote_one:
         promoted = (fraction_on & (num_fetch == 0) & (_lane(experts, 0) >= 0)
                     & (_lane(recs, 0) >= 0) & (_lane(victims, 0) >= 0)
@@ -254,56 +292,181 @@ def step_kernel(
     def plan_chunk(c, _):
         r, index, lane = chunk(c)
         is_route = lane & (r >= 0) & (r < E) & accepted
-        old = plgpu.load(sfi_ref.at[base + jnp.clip(r, 0, E - 1)], mask=is_route, other=-1)
+        old = plgpu.load(state.slot_for_id.at[base + jnp.clip(r, 0, E - 1)], mask=is_route,
+                         other=-1)
         match = (r[:, None] == experts[None, :]) & installs[None, :]
         new = jnp.max(jnp.where(match, victims[None, :], -1), axis=1)
         slot = jnp.where(is_route, jnp.where(jnp.max(match.astype(jnp.int32), axis=1) > 0,
                                              new, old), -1)
-        plgpu.store(slots_out.at[pl.ds(c * k_width, k_width)], slot, mask=lane)
-        plgpu.store(cpu_out.at[pl.ds(c * k_width, k_width)], is_route & (slot < 0), mask=lane)
+        plgpu.store(plan.slots.at[pl.ds(c * k_width, k_width)], slot, mask=lane)
+        plgpu.store(plan.cpu.at[pl.ds(c * k_width, k_width)], is_route & (slot < 0), mask=lane)
         return 0
 
     lax.fori_loop(0, num_chunks, plan_chunk, 0)
     stats_idx = layer_c * 4 + lax.iota(jnp.int32, 4)
-    stats_row = plgpu.load(stats_ref.at[stats_idx])
-    hist_row = plgpu.load(hist_ref.at[row], mask=e_ok, other=0)
-    table_rows = tuple(plgpu.load(ref.at[row], mask=e_ok, other=_zero(ref)) for ref in table_refs)
-
-    # The clock rebase (docs/semantics.md §5.12), a device-side branch. Every decision above read
-    # the pre-call stamps, which decide as their ranks would (the rebase keeps every order); the
-    # rebase then renumbers every live stamp in place and the writes below stamp the touched
-    # entries with the renumbered clock + 1.
-    due = accepted & (step0 >= threshold_ref[0])
-    step = lax.cond(due, functools.partial(_rebase, usage_ref, rec_ref, usage_out, rec_out,
-                                           block=block, stamp_block=stamp_block),
-                    lambda s: s, step0) + 1
+    stats_row = plgpu.load(state.stats.at[stats_idx])
+    hist_row = plgpu.load(state.routing_freq.at[row], mask=e_ok, other=0)
+    table_rows = tuple(plgpu.load(ref.at[row], mask=e_ok, other=_zero(ref))
+                       for ref in state.tables)
+    barrier()  # every read of id_of_slot / slot_for_id / the rows (victims, plan) before the writes
 
     # The writes: only the touched entries, only when accepted.
-    refreshed = hit & accepted
-    _scatter(usage_out, hit_slots, jnp.full((e_width,), step), refreshed)
-    _scatter(usage_out, victims, jnp.full((o_width,), step), installs)
-    _scatter(ios_out, victims, base + experts, installs)
-    _scatter(sfi_out, occupants, minus, installs & (occupants >= 0))
-    _scatter(sfi_out, base + experts, victims, installs)
+    _scatter(state_out.usage, victims, jnp.full((o_width,), step), installs)
+    _scatter(state_out.id_of_slot, victims, base + experts, installs)
+    _scatter(state_out.slot_for_id, occupants, minus, installs & (occupants >= 0))
+    _scatter(state_out.slot_for_id, base + experts, victims, installs)
     if hybrid:
-        plgpu.store(rec_out.at[row], jnp.full((e_width,), step), mask=routed & accepted)
+        plgpu.store(state_out.recency.at[row], jnp.full((e_width,), step),
+                    mask=routed & accepted)
     counters = jnp.where(lax.iota(jnp.int32, 4) == 0, 1, jnp.where(
         lax.iota(jnp.int32, 4) == 1, num_active,
         jnp.where(lax.iota(jnp.int32, 4) == 2, num_missing, num_fetch)))
-    plgpu.store(stats_out.at[stats_idx], stats_row + counters, mask=jnp.full((4,), accepted))
-    observe_on = accepted & collect_ref[0]
-    plgpu.store(hist_out.at[row], hist_row + observed, mask=e_ok & (observed > 0) & observe_on)
-    for out_ref, value in zip(table_outs, ranking.observe_row(table_rows, routed)):
+    plgpu.store(state_out.stats.at[stats_idx], stats_row + counters,
+                mask=jnp.full((4,), accepted))
+    observe_on = accepted & call.collect[0]
+    plgpu.store(state_out.routing_freq.at[row], hist_row + observed,
+                mask=e_ok & (observed > 0) & observe_on)
+    for out_ref, value in zip(state_out.tables, ranking.observe_row(table_rows, routed)):
         plgpu.store(out_ref.at[row], value, mask=e_ok & accepted)
-    _store_scalar(step_out, step, accepted)
+    _store_scalar(state_out.step, step, accepted)
 
     out = o_idx < num_out
-    plgpu.store(dst_out.at[pl.ds(0, o_width)], victims, mask=out)
-    plgpu.store(src_out.at[pl.ds(0, o_width)], experts, mask=out)
-    _store_scalar(count_out, num_fetch, True)
-    _store_scalar(active_out, jnp.where(accepted, num_active, 0), True)
-    _store_scalar(missing_out, jnp.where(accepted, num_missing, 0), True)
-    _store_scalar(error_out, error, True)
+    plgpu.store(plan.dst_slots.at[pl.ds(0, o_width)], victims, mask=out)
+    plgpu.store(plan.src_rows.at[pl.ds(0, o_width)], experts, mask=out)
+    _store_scalar(plan.count, num_fetch, True)
+    _store_scalar(plan.active, jnp.where(accepted, num_active, 0), True)
+    _store_scalar(plan.missing, jnp.where(accepted, num_missing, 0), True)
+    _store_scalar(plan.error, error, True)
+
+
+# Most routes the fetch order ranks at once ([routes, routes] comparison); more take one argmin
+# round per miss.
+_RANK_ROUTES = 64
+
+
+def _fetch_order(routes_ref, sfi_ref, rec_ref, base, miss, num_missing, o_idx, *,
+                 num_experts, by_recency, with_recs):
+    """The misses in fetch order, ``(experts, recs)`` [o_width], -1 padded: RECENCY ascends by
+    ``~recency`` (the most recently routed first), ties to the lower id; LOWEST_ID by id.
+    ``recs``: each one's recency (read by the admissions; -1 when ``with_recs`` is False).
+
+    Up to ``_RANK_ROUTES`` routes the order is a rank, with no loop: a route is a candidate if
+    it is the first route of a missed expert, its position the number of candidates ahead of it
+    ([routes, routes]), placed by a [picks, routes] comparison. Longer route lists (prefill)
+    take one argmin round per miss over the E experts."""
+    E = num_experts
+    K, o_width = routes_ref.shape[0], o_idx.shape[0]
+    k_width = common.next_pow2(K)
+    if k_width <= _RANK_ROUTES:
+        k_idx = lax.iota(jnp.int32, k_width)
+        lane = k_idx < K
+        r = plgpu.load(routes_ref.at[pl.ds(0, k_width)], mask=lane, other=-1)
+        valid = lane & (r >= 0) & (r < E)
+        at = base + jnp.clip(r, 0, E - 1)
+        missed = valid & (plgpu.load(sfi_ref.at[at], mask=valid, other=0) < 0)
+        rec = (plgpu.load(rec_ref.at[at], mask=valid, other=-1) if by_recency or with_recs
+               else jnp.zeros((k_width,), jnp.int32))
+        key = ~rec if by_recency else jnp.zeros((k_width,), jnp.int32)
+        repeat = (r[None, :] == r[:, None]) & (k_idx[None, :] < k_idx[:, None]) & lane[None, :]
+        first = missed & (jnp.max(repeat.astype(jnp.int32), axis=1) == 0)
+        ahead = first[None, :] & ((key[None, :] < key[:, None])
+                                  | ((key[None, :] == key[:, None]) & (r[None, :] < r[:, None])))
+        rank = jnp.sum(ahead.astype(jnp.int32), axis=1)
+        placed = (rank[None, :] == o_idx[:, None]) & first[None, :]
+        experts = jnp.max(jnp.where(placed, r[None, :], -1), axis=1)
+        recs = (jnp.max(jnp.where(placed, rec[None, :], INT32_MIN), axis=1) if with_recs
+                else jnp.full((o_width,), -1, jnp.int32))
+        return experts, jnp.where(experts >= 0, recs, -1)
+
+    e_width = miss.shape[0]
+    e_idx = lax.iota(jnp.int32, e_width)
+    recency_row = plgpu.load(rec_ref.at[pl.ds(base, e_width)], mask=e_idx < E, other=-1)
+    order_key = ~recency_row if by_recency else jnp.zeros_like(recency_row)
+
+    def order_round(k, carry):
+        prev_key, prev_e, experts, recs = carry
+        live = miss & _after((order_key,), e_idx, (prev_key,), prev_e)
+        (key,), e = _lex_min((order_key,), e_idx, live)
+        return (key, e, jnp.where(o_idx == k, e, experts),
+                jnp.where(o_idx == k, ~key, recs))
+
+    minus = jnp.full((o_width,), -1, jnp.int32)
+    _, _, experts, recs = lax.fori_loop(
+        0, num_missing, order_round, (jnp.int32(INT32_MIN), jnp.int32(-1), minus, minus))
+    return experts, recs if by_recency else minus
+
+
+def _victims_one_block(pool_block, ios_ref, need, o_idx, *, width, block):
+    """The first ``need`` victims of a pool of one block, ``(victims, usage, occupants)``
+    [o_width], -1 padded: the block is loaded once and each round takes its smallest key
+    strictly after the previous round's; the occupants are gathered once, after the rounds."""
+    key, index = pool_block(0, block)
+    minus = jnp.full(o_idx.shape, -1, jnp.int32)
+
+    def victim_cond(carry):
+        count, _, _, done, *_ = carry
+        return (count < need) & ~done
+
+    def victim_round(carry):
+        count, prev_key, prev_i, done, victims, vusage = carry
+        m, i = _lex_min(key, index, _candidate(key, index, prev_key, prev_i))
+        found = i != INT32_MAX
+        at = found & (o_idx == count)
+        return (count + found.astype(jnp.int32), m, i, ~found, jnp.where(at, i, victims),
+                jnp.where(at, m[-1], vusage))
+
+    start_key = (jnp.int32(INT32_MIN),) * width
+    _, _, _, _, victims, vusage = lax.while_loop(
+        victim_cond, victim_round,
+        (jnp.int32(0), start_key, jnp.int32(-1), jnp.bool_(False), minus, minus))
+    occupants = plgpu.load(ios_ref.at[jnp.maximum(victims, 0)], mask=victims >= 0, other=-1)
+    return victims, vusage, occupants
+
+
+def _victims_streamed(pool_block, ios_ref, need, o_idx, *, width, block):
+    """:func:`_victims_one_block` for a pool of several blocks, in one pass over it: each block
+    is loaded once and yields its keys in ascending order into a set of the ``need`` smallest
+    seen so far (the worst replaced once the set is full) until its next key would not enter;
+    the set is sorted at the end ([picks, picks] rank)."""
+    o_width, num_blocks = o_idx.shape[0], -(-ios_ref.shape[0] // block)
+    none = jnp.full((o_width,), INT32_MAX, jnp.int32)
+
+    def block_pass(b, carry):
+        key, index = pool_block(pl.multiple_of(b * block, block), block)
+
+        def round_cond(c):
+            return c[-1]
+
+        def victim_round(c):
+            best_key, best_i, count, prev_key, prev_i, _ = c
+            m, i = _lex_min(key, index, _candidate(key, index, prev_key, prev_i))
+            full = count >= need
+            filled = o_idx < count
+            worst_key, worst_i = _lex_max(best_key, best_i, filled)
+            enters = (i != INT32_MAX) & (~full | _after(worst_key, worst_i, m, i))
+            at = enters & jnp.where(full, best_i == worst_i, o_idx == count)
+            best_key = tuple(jnp.where(at, x, y) for x, y in zip(m, best_key))
+            return (best_key, jnp.where(at, i, best_i),
+                    count + (enters & ~full).astype(jnp.int32), m, i, enters)
+
+        best_key, best_i, count = carry
+        best_key, best_i, count, *_ = lax.while_loop(
+            round_cond, victim_round,
+            (best_key, best_i, count, (jnp.int32(INT32_MIN),) * width, jnp.int32(-1),
+             need > 0))
+        return best_key, best_i, count
+
+    best_key, best_i, count = lax.fori_loop(
+        0, num_blocks, block_pass, ((none,) * width, none, jnp.int32(0)))
+    filled = o_idx < count
+    ahead = filled[None, :] & _after(tuple(k[:, None] for k in best_key), best_i[:, None],
+                                     tuple(k[None, :] for k in best_key), best_i[None, :])
+    rank = jnp.sum(ahead.astype(jnp.int32), axis=1)
+    placed = (rank[None, :] == o_idx[:, None]) & filled[None, :]
+    victims = jnp.max(jnp.where(placed, best_i[None, :], -1), axis=1)
+    vusage = jnp.max(jnp.where(placed, best_key[-1][None, :], INT32_MIN), axis=1)
+    occupants = plgpu.load(ios_ref.at[jnp.maximum(victims, 0)], mask=victims >= 0, other=-1)
+    return victims, jnp.where(victims >= 0, vusage, -1), occupants
 
 
 def _rebase(usage_ref, rec_ref, usage_out, rec_out, step0, *, block, stamp_block):
@@ -368,47 +531,36 @@ def fused_step(state, layer, routes, policy, rules, *, interpret: bool, debug: b
     block = (common.default_block(C, interpret) if block is None
              else common.check_block(block, C))
     ranking = evictions.policy_of(state.eviction).kernel
-    tables = ranking.tables(state.eviction_state)
-    i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
     scalar = lambda x: jnp.reshape(x, (1,))  # noqa: E731
-    flat = lambda x: jnp.reshape(x, (-1,))  # noqa: E731
-    inputs = [scalar(layer), routes, scalar(policy.fraction16), scalar(policy.cap),
-              scalar(state.step), scalar(state.cache_size), scalar(state.rebase_threshold),
-              scalar(state.collect_routing),
-              flat(state.slot_for_id), state.id_of_slot, state.usage, flat(state.recency),
-              flat(state.stats), flat(state.routing_freq)]
-    leaves = [8, 9, 10, 11, 12, 13, 4]  # inputs aliased to the state outputs, in output order
-    out_shape = [i32((L * E,)), i32((C,)), i32((C,)), i32((L * E,)), i32((L * 4,)),
-                 i32((L * E,)), i32((1,))]
-    inputs += [flat(table) for table in tables]
-    leaves += [14 + j for j in range(len(tables))]
-    out_shape += [jax.ShapeDtypeStruct((L * E,), table.dtype) for table in tables]
-    out_shape += [i32((K,)), jax.ShapeDtypeStruct((K,), jnp.bool_), i32((num_out,)),
-                  i32((num_out,)), i32((1,)), i32((1,)), i32((1,)), i32((1,))]
+    call = CallRefs(layer=scalar(layer), routes=routes, fraction16=scalar(policy.fraction16),
+                    cap=scalar(policy.cap), size=scalar(state.cache_size),
+                    threshold=scalar(state.rebase_threshold),
+                    collect=scalar(state.collect_routing))
+    leaves = _state_refs(state, ranking)
+    i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
+    plan_shape = PlanRefs(slots=i32((K,)), cpu=jax.ShapeDtypeStruct((K,), jnp.bool_),
+                          dst_slots=i32((num_out,)), src_rows=i32((num_out,)), count=i32((1,)),
+                          active=i32((1,)), missing=i32((1,)), error=i32((1,)))
+    state_shape = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), leaves)
+    # Every state leaf aliases the output leaf of the same name (flat indices: the call's leaves
+    # come first among the inputs, the state's first among the outputs).
+    num_call = len(jax.tree.leaves(call))
+    aliases = {num_call + j: j for j in range(len(jax.tree.leaves(leaves)))}
     kernel = functools.partial(
         step_kernel, num_layers=L, num_experts=E, num_out=num_out, hybrid=rules.hybrid,
         by_recency=rules.by_recency, promote_one=rules.promote_one, reuse=rules.reuse,
         ranking=ranking, block=block,
-        stamp_block=common.default_block(L * E, interpret))
-    outs = pl.pallas_call(
+        stamp_block=common.default_block(L * E, interpret), interpret=interpret)
+    state_out, plan = pl.pallas_call(
         kernel,
-        out_shape=tuple(out_shape),
+        out_shape=(state_shape, plan_shape),
         grid=(),
-        input_output_aliases={i: o for o, i in enumerate(leaves)},
+        input_output_aliases=aliases,
         compiler_params=common.compiler_params(block),
         interpret=interpret,
         debug=debug,
         name="pallas_cache_step",
-    )(*inputs)
-    n = len(leaves)
-    sfi, ios, usage, recency, stats, hist, step = outs[:7]
-    eviction_state = state.eviction_state
-    if tables:
-        eviction_state = ranking.from_tables(tuple(x.reshape(L, E) for x in outs[7:n]))
-    new_state = state.replace(
-        slot_for_id=sfi.reshape(L, E), id_of_slot=ios, usage=usage, step=step.reshape(()),
-        recency=recency.reshape(L, E), stats=stats.reshape(L, 4),
-        routing_freq=hist.reshape(L, E), eviction_state=eviction_state)
-    slots, cpu, dst, src, count, active, missing, error = outs[n:]
-    return (new_state, slots, cpu, dst, src, count.reshape(()), active.reshape(()),
-            missing.reshape(()), error.reshape(()))
+    )(call, leaves)
+    return (_with_state(state, ranking, state_out), plan.slots, plan.cpu, plan.dst_slots,
+            plan.src_rows, plan.count.reshape(()), plan.active.reshape(()),
+            plan.missing.reshape(()), plan.error.reshape(()))

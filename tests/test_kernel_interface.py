@@ -1,0 +1,119 @@
+"""The fused kernel's interface (docs/design.md, "Backends and kernels"): the state goes in and
+comes out as one pytree of named refs whose aliases follow the tree, the backend choice lives in
+kernels/dispatch.py, and the kernel module imports no op."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import re
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import pallas_cache as pc
+from pallas_cache import evictions
+from pallas_cache.kernels import dispatch
+from pallas_cache.kernels import step as fused
+
+ROOT = Path(__file__).resolve().parents[1] / "pallas_cache"
+
+
+@pytest.mark.parametrize("eviction", ["lru", "pair_lfu"])
+def test_every_state_leaf_is_aliased_to_its_own_output(eviction):
+    """FAILS if a state leaf the kernel writes is not aliased in place, or is aliased to another
+    leaf's output (a positional alias list that misses the eviction's tables or is off by one):
+    the lowered call's aliases are exactly ``input i -> output j`` for the ``j``-th state leaf,
+    with equal shapes and dtypes."""
+    state = pc.init(3, 5, 7, eviction=eviction)
+    ranking = evictions.policy_of(state.eviction).kernel
+    leaves = jax.tree.leaves(fused._state_refs(state, ranking))
+    routes = jnp.arange(3, dtype=jnp.int32)
+    text = jax.jit(lambda s: pc.ensure(s, 1, routes, backend="pallas")).trace(state).lower(
+        lowering_platforms=("cuda",)).as_text()
+    pairs = re.findall(r"output_operand_alias<output_tuple_indices = \[(\d+)\], "
+                       r"operand_index = (\d+)", text)
+    assert sorted(int(o) for o, _ in pairs) == list(range(len(leaves))), pairs
+    num_call = len(fused.CallRefs._fields)
+    assert {int(o): int(i) for o, i in pairs} == {j: num_call + j for j in range(len(leaves))}
+    # The tables are real leaves: PAIR_LFU's two make nine, LRU's none seven.
+    assert len(leaves) == 7 + len(ranking.tables(state.eviction_state))
+
+
+def _imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            out.add(node.module)
+            out |= {f"{node.module}.{a.name}" for a in node.names}
+    return out
+
+
+def test_no_import_circle_between_the_ops_and_the_kernel():
+    """FAILS if the kernel module imports the ops (the circle of a reference wrapper) or the ops
+    import the kernel module themselves rather than through kernels/dispatch.py."""
+    assert not {m for m in _imports(ROOT / "kernels" / "step.py")
+                if m == "pallas_cache.ops" or m.startswith("pallas_cache.ops.")}
+    assert "pallas_cache.kernels.step" not in _imports(ROOT / "ops.py")
+    assert not hasattr(fused, "fused_step_reference")
+
+
+def test_the_backend_choice_is_dispatch_s():
+    """FAILS if ``fused_step_for`` runs the kernel on ``"xla"``, for traced rules or a ring
+    eviction, or does not hand back the interpreter for ``"interpret"``."""
+    state = pc.init(2, 4, 6)
+    rules = pc.ops.Rules.of(hybrid=False, order="lowest_id", admission="none")
+    assert dispatch.fused_step_for(state, rules, 3, "xla") is None
+    assert dispatch.fused_step_for(pc.init(2, 4, 6, eviction="route_lfu"), rules, 3,
+                                   "pallas") is None
+    assert dispatch.fused_step_for(state, rules, 0, "pallas") is None
+    traced = dataclasses.replace(rules, hybrid=jnp.bool_(True))
+    assert dispatch.fused_step_for(state, traced, 3, "pallas") is None
+    step = dispatch.fused_step_for(state, rules, 3, "interpret")
+    assert step is not None and step.keywords == {"interpret": True}
+    assert dispatch.fused_step_for(state, rules, 3, "pallas").keywords == {"interpret": False}
+
+
+def _triton_ir(state, call) -> str:
+    """The kernel's Triton IR as Pallas lowers it for CUDA (no GPU needed)."""
+    from jax._src.pallas.triton import lowering
+
+    modules, original = [], lowering.lower_jaxpr_to_triton_module
+
+    def capture(*args, **kwargs):
+        result = original(*args, **kwargs)
+        modules.append(result.module.operation.get_asm())
+        return result
+
+    lowering.lower_jaxpr_to_triton_module = capture
+    try:
+        jax.jit(call).trace(state).lower(lowering_platforms=("cuda",))
+    finally:
+        lowering.lower_jaxpr_to_triton_module = original
+    assert len(modules) == 1
+    return modules[0]
+
+
+@pytest.mark.parametrize("capacity", [64, 16384])
+def test_the_gpu_path_orders_its_read_after_writes_with_barriers(capacity):
+    """FAILS if a CTA barrier of the GPU path is missing (the kernel would read a stamp or a map
+    entry that another thread has not yet written or has already overwritten, which the
+    interpreter cannot show): after the rebase branch, after the hit refresh, before the map
+    scatters: three ``gpu.barrier``, in that order around the stores they separate."""
+    state = pc.init(4, 16, capacity)
+    routes = jnp.arange(8, dtype=jnp.int32)
+    ir = _triton_ir(state, lambda s: pc.ensure_hybrid(s, 1, routes, pc.FetchPolicy.full(),
+                                                       backend="pallas"))
+    lines = ir.splitlines()
+    barriers = [i for i, x in enumerate(lines) if "gpu.barrier" in x]
+    assert len(barriers) == 3, barriers
+    rebase = max(i for i, x in enumerate(lines) if "scf.if" in x)  # the rebase's branch
+    assert rebase < barriers[0]
+    # a store (the hit refresh) between the first two, the map scatters after the last
+    assert any("tt.store" in x for x in lines[barriers[0]:barriers[1]])
+    assert any("tt.store" in x for x in lines[barriers[2]:])
