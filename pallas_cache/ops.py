@@ -15,6 +15,7 @@ from jax import lax
 
 from pallas_cache import clock, errors, evictions, selection, validate
 from pallas_cache.kernels import dispatch
+from pallas_cache.hints import Backend, IndexLike, RoutesLike
 from pallas_cache.policy import Admission, FetchOrder, FetchPolicy
 from pallas_cache.state import CacheState
 from pallas_cache.tree import pytree_dataclass, static_field
@@ -399,7 +400,8 @@ def _ensure(state: CacheState, layer, routes, policy: FetchPolicy, rules: Rules,
     return ensure_with_rules(state, layer, routes, policy, rules, backend=backend)
 
 
-def ensure(state: CacheState, layer, expert_ids, *, backend=None):
+def ensure(state: CacheState, layer: IndexLike, expert_ids: RoutesLike, *,
+           backend: Backend = None) -> tuple[CacheState, EnsurePlan]:
     """Make every routed expert of ``layer`` resident, evicting by global LRU (docs/semantics.md §5.2).
 
     Args:
@@ -421,8 +423,10 @@ def ensure(state: CacheState, layer, expert_ids, *, backend=None):
                    backend=dispatch.resolve_backend(backend))
 
 
-def ensure_hybrid(state: CacheState, layer, expert_ids, policy: FetchPolicy, *,
-                  order=FetchOrder.RECENCY, admission=Admission.PROMOTE_ONE, backend=None):
+def ensure_hybrid(state: CacheState, layer: IndexLike, expert_ids: RoutesLike, policy: FetchPolicy,
+                  *, order: FetchOrder | str = FetchOrder.RECENCY,
+                  admission: Admission | str = Admission.PROMOTE_ONE,
+                  backend: Backend = None) -> tuple[CacheState, EnsurePlan]:
     """Fetch what the split says, hand the other misses to the CPU (docs/semantics.md §5.4, 5.5).
 
     Args:
@@ -449,7 +453,7 @@ def ensure_hybrid(state: CacheState, layer, expert_ids, policy: FetchPolicy, *,
                    rules, backend=dispatch.resolve_backend(backend))
 
 
-def materialize_layer(state: CacheState, layer):
+def materialize_layer(state: CacheState, layer: IndexLike) -> tuple[CacheState, MaterializePlan]:
     """Copy a whole layer into slots ``[0, E)``, position = expert id, for a prefill (docs/semantics.md §5.6).
 
     Using the occupancy on entry: every slot holding an expert of this layer is emptied (usage 0),
@@ -502,7 +506,7 @@ def _materialize_layer(state: CacheState, layer):
     return new_state, MaterializePlan(copy=copy, error=error)
 
 
-def forget_slot(state: CacheState, slot):
+def forget_slot(state: CacheState, slot: IndexLike) -> tuple[CacheState, ForgetPlan]:
     """Drop one slot after its copy failed (docs/semantics.md §5.7).
 
     The slot becomes empty, the expert it held non-resident, and its usage the smallest int32, so

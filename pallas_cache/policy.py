@@ -30,7 +30,7 @@ class FetchOrder(enum.Enum):
     LOWEST_ID = "lowest_id"  # ascending expert id
 
     @classmethod
-    def coerce(cls, value) -> "FetchOrder":
+    def coerce(cls, value: "FetchOrder | str") -> "FetchOrder":
         return validate.coerce_enum(cls, value, "order")
 
 
@@ -42,7 +42,7 @@ class Admission(enum.Enum):
     REUSE = "reuse"  # admit further misses while they are more recent than their victims
 
     @classmethod
-    def coerce(cls, value) -> "Admission":
+    def coerce(cls, value: "Admission | str") -> "Admission":
         return validate.coerce_enum(cls, value, "admission")
 
 

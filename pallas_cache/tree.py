@@ -7,23 +7,26 @@ part of the tree structure; instances gain ``replace(**changes)``.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, TypeVar
 
 import jax
+
+_T = TypeVar("_T")
 
 __all__ = ["pytree_dataclass", "static_field"]
 
 
-def static_field(**kwargs):
+def static_field(**kwargs: Any) -> Any:
     """A dataclass field that is static pytree metadata (not a leaf): hashable, fixed per trace."""
     metadata = dict(kwargs.pop("metadata", None) or {}, static=True)
     return dataclasses.field(metadata=metadata, **kwargs)
 
 
-def _replace(self, **changes):
+def _replace(self: _T, **changes: Any) -> _T:
     return dataclasses.replace(self, **changes)
 
 
-def pytree_dataclass(cls):
+def pytree_dataclass(cls: type[_T]) -> type[_T]:
     """Decorate ``cls`` as a frozen dataclass and register it as a JAX pytree node.
 
     Data fields are inferred: every field is a leaf unless declared with :func:`static_field`.
