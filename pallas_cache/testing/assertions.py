@@ -42,7 +42,7 @@ def _leaf_difference(name: str, a: Any, b: Any) -> str | None:
     first = tuple(int(i) for i in np.argwhere(unequal)[0])
     count = int(np.count_nonzero(unequal))
     more = f" (first of {count} differing entries)" if count > 1 else ""
-    return f"{name}{_index_text(first)}: {x[first]!r} != {y[first]!r}{more}"
+    return f"{name}{_index_text(first)}: {x[first].item()!r} != {y[first].item()!r}{more}"
 
 
 def _static_difference(a: Any, b: Any, path: str = "") -> str | None:

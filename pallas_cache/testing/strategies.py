@@ -71,8 +71,8 @@ def geometries(draw: Any, *, max_layers: int = 4, max_experts: int = 8, max_extr
     E = draw(st.integers(1, max_experts))
     S = E + draw(st.integers(0, max_extra_slots))
     C = S + draw(st.integers(0, max_spare_capacity))
-    return Geometry(L, E, S, C, eviction=draw(eviction or evictions()),
-                    history=draw(history or histories()))
+    return Geometry(L, E, S, C, eviction=draw(evictions() if eviction is None else eviction),
+                    history=draw(histories() if history is None else history))
 
 
 @st.composite
