@@ -164,3 +164,28 @@ def test_a_traced_fraction_points_to_the_forms_that_work():
 
     for q in (0.0, 0.25, 0.4, 0.5, 1.0):
         pct.assert_plans_equal(on_device(jnp.float32(q)), pc.FetchPolicy.fraction(q))
+
+
+def test_the_decode_loop_example_prints_counts_that_add_up(capsys):
+    """FAILS if examples/decode_loop.py's line does not say what each number counts, or its
+    numbers do not add up (routed = hits + fetched + cpu, missing = fetched + cpu), as the
+    line printed missing, fetched and CPU routes, which no sum relates."""
+    import importlib.util
+    import re
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "decode_loop.py"
+    spec = importlib.util.spec_from_file_location("decode_loop_counts", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    module.main(num_steps=6)
+    out = capsys.readouterr().out
+    assert "routed = hits + fetched + cpu" in out and "cpu routes: every (row, route)" in out
+    rows = re.findall(r"routed=(\d+) = hits (\d+) \+ fetched (\d+) \+ cpu (\d+) "
+                      r"\(missing=(\d+)\)  cpu routes=(\d+)", out)
+    assert len(rows) == 6, out
+    for routed, hits, fetched, cpu, missing, cpu_routes in (map(int, r) for r in rows):
+        assert routed == hits + fetched + cpu and missing == fetched + cpu
+        assert cpu_routes >= cpu
