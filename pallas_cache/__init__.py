@@ -7,7 +7,7 @@ and the offline sizing tool in :mod:`pallas_cache.sizing` (docs/semantics.md is 
 """
 
 from pallas_cache import reprs as _reprs
-from pallas_cache.batch import pad_capacity, stack_states, take_state, unstack_states
+from pallas_cache.batch import stack_states, take_state
 from pallas_cache.errors import (
     ERR_CACHE_SIZE,
     ERR_EXPERT_ID,
@@ -99,7 +99,6 @@ __all__ = [
     "per_layer_stats",
     "prefetch_prefill_layer",
     "prefill_overlap_fits",
-    "pad_capacity",
     "put_host_bank",
     "rebuild",
     "release_prefill_layer",
@@ -113,7 +112,6 @@ __all__ = [
     "stack_states",
     "stats",
     "take_state",
-    "unstack_states",
 ]
 
 # The one place the version is written: pyproject.toml reads it (dynamic version, setuptools'

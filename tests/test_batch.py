@@ -11,7 +11,7 @@ import pytest
 
 import pallas_cache as pc
 from pallas_cache import testing as pct
-from pallas_cache.batch import batch_shape
+from pallas_cache.batch import batch_shape, pad_capacity, unstack_states
 
 
 def _run(state, routes, policy):
@@ -40,7 +40,7 @@ def test_stack_take_and_unstack_are_inverse():
     for i, state in enumerate(states):
         pct.assert_states_equal(pc.take_state(batch, i), state)
     pct.assert_states_equal(pc.take_state(batch, -1), states[-1])
-    for got, want in zip(pc.unstack_states(batch), states):
+    for got, want in zip(unstack_states(batch), states):
         pct.assert_states_equal(got, want)
     with pytest.raises(ValueError, match="index 3 outside a batch of 3"):
         pc.take_state(batch, 3)
@@ -95,7 +95,7 @@ def test_stack_states_names_what_differs():
     with pytest.raises(ValueError, match="at least one"):
         pc.stack_states([])
     with pytest.raises(ValueError, match="below the state's capacity 8"):
-        pc.pad_capacity(pc.init(2, 4, 8), 6)
+        pad_capacity(pc.init(2, 4, 8), 6)
 
 
 def test_stats_and_describe_read_a_batch_per_cache():
