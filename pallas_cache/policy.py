@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_cache import validate
-from pallas_cache.tree import pytree_dataclass
+from pallas_cache.tree import Record, pytree_dataclass
 
 __all__ = ["Admission", "FetchOrder", "FetchPolicy", "ONE"]
 
@@ -47,7 +47,7 @@ class Admission(enum.Enum):
 
 
 @pytree_dataclass
-class FetchPolicy:
+class FetchPolicy(Record):
     """How many of a hybrid step's misses cross the link (docs/semantics.md §5.3).
 
     Attributes:

@@ -18,7 +18,7 @@ from jax import lax
 from pallas_cache import errors, validate
 from pallas_cache.state import CacheState
 from pallas_cache.hints import IndexLike
-from pallas_cache.tree import pytree_dataclass
+from pallas_cache.tree import Record, pytree_dataclass
 
 __all__ = [
     "SMALL_BANK_FEAT_BYTES",
@@ -53,7 +53,7 @@ class PrefillDoesNotFit(ValueError):
 
 
 @pytree_dataclass
-class PrefillGather:
+class PrefillGather(Record):
     """The device-side gathers of a prefill plan: rows already resident above the buffers.
 
     Attributes:
@@ -72,7 +72,7 @@ class PrefillGather:
 
 
 @pytree_dataclass
-class MissRuns:
+class MissRuns(Record):
     """The misses of a prefill plan (ascending ids) as maximal runs of consecutive ids.
 
     Attributes:
@@ -87,7 +87,7 @@ class MissRuns:
 
 
 @pytree_dataclass
-class HostTransfers:
+class HostTransfers(Record):
     """The host-to-device transfer entries of a prefill plan, banks in the caller's order.
 
     A small bank gives one whole-layer entry ``(bank, b*E, 0, E)``; any other bank one entry per
@@ -111,7 +111,7 @@ class HostTransfers:
 
 
 @pytree_dataclass
-class PrefillPlan:
+class PrefillPlan(Record):
     """What staging one layer costs (docs/semantics.md §5.11, docs/design.md "Prefill plans").
 
     Attributes:

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from pallas_cache import errors, validate
 from pallas_cache import evictions
 from pallas_cache.evictions import Eviction, EvictionPolicy, PairLfuState, TokenRingState
-from pallas_cache.tree import pytree_dataclass, static_field
+from pallas_cache.tree import Record, pytree_dataclass, static_field
 from pallas_cache.hints import IndexLike
 
 __all__ = [
@@ -33,7 +33,7 @@ DEFAULT_HISTORY = 128
 
 
 @pytree_dataclass
-class CacheState:
+class CacheState(Record):
     """The whole cache, as arrays (docs/semantics.md §3). Build one with :func:`init`.
 
     Attributes:
@@ -273,7 +273,7 @@ def rebuild(state: CacheState, cache_size: int, *, capacity: int | None = None) 
 
 
 @pytree_dataclass
-class ResizePlan:
+class ResizePlan(Record):
     """What :func:`resize` freed (docs/semantics.md §5.15): the device buffers a caller may release.
 
     Attributes:

@@ -7,13 +7,13 @@ part of the tree structure; instances gain ``replace(**changes)``.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, TypeVar
+from typing import Any, TypeVar, dataclass_transform
 
 import jax
 
 _T = TypeVar("_T")
 
-__all__ = ["pytree_dataclass", "static_field"]
+__all__ = ["Record", "pytree_dataclass", "static_field"]
 
 
 def static_field(**kwargs: Any) -> Any:
@@ -23,9 +23,21 @@ def static_field(**kwargs: Any) -> Any:
 
 
 def _replace(self: _T, **changes: Any) -> _T:
-    return dataclasses.replace(self, **changes)
+    return dataclasses.replace(self, **changes)  # type: ignore[type-var]
 
 
+class Record:
+    """The base of every :func:`pytree_dataclass` class: declares ``replace`` for type checkers
+    (the decorator adds it at run time as well, for classes without this base)."""
+
+    __slots__ = ()
+
+    def replace(self: _T, **changes: Any) -> _T:
+        """A copy with ``changes`` applied (``dataclasses.replace``)."""
+        return _replace(self, **changes)
+
+
+@dataclass_transform(frozen_default=True, field_specifiers=(dataclasses.field, static_field))
 def pytree_dataclass(cls: type[_T]) -> type[_T]:
     """Decorate ``cls`` as a frozen dataclass and register it as a JAX pytree node.
 

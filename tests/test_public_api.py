@@ -159,3 +159,25 @@ def test_reprs_are_short_and_name_shapes_and_counters():
     jax.jit(lambda s: seen.append(repr(s)) or s)(state)
     assert seen == ["CacheState(L=2, E=4, S=?, C=8, eviction=lru, step=?)"]
     assert len(repr(pc.init(8, 64, 512))) < 120
+
+
+def test_records_declare_their_constructor_and_replace_for_type_checkers():
+    """FAILS if a record of the package is invisible to type checkers as a dataclass (mypy then
+    rejects ``FetchPolicy(fraction16=..., cap=...)`` and ``state.replace(...)``): the decorator
+    must carry dataclass_transform, and every ``@pytree_dataclass`` class must derive from
+    ``tree.Record``, which declares ``replace``."""
+    import importlib
+
+    from pallas_cache import tree
+
+    assert tree.pytree_dataclass.__dataclass_transform__["kwargs"]["frozen_default"] is True
+    found = []
+    for path in sorted((ROOT / "pallas_cache").rglob("*.py")):
+        names = re.findall(r"^@pytree_dataclass\nclass (\w+)", path.read_text(), re.M)
+        if names:
+            module_name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+            module = importlib.import_module(module_name.removesuffix(".__init__"))
+            found += [getattr(module, name) for name in names]
+    assert {c.__name__ for c in found} >= {"CacheState", "EnsurePlan", "FetchPolicy",
+                                           "PrefillPlan", "TokenRingState", "Rules"}
+    assert [c.__name__ for c in found if not issubclass(c, tree.Record)] == []
