@@ -18,7 +18,7 @@ from pallas_cache.kernels import dispatch
 from pallas_cache.hints import Backend, IndexLike, RoutesLike
 from pallas_cache.policy import Admission, FetchOrder, FetchPolicy
 from pallas_cache.state import CacheState
-from pallas_cache.tree import pytree_dataclass, static_field
+from pallas_cache.tree import Record, pytree_dataclass, static_field
 
 __all__ = [
     "CopyPlan",
@@ -41,7 +41,7 @@ _MASKED_SUM_MAX = 4096
 
 
 @pytree_dataclass
-class CopyPlan:
+class CopyPlan(Record):
     """The host-to-device copies a step needs before its multiply.
 
     Attributes:
@@ -64,7 +64,7 @@ class CopyPlan:
 
 
 @pytree_dataclass
-class EnsurePlan:
+class EnsurePlan(Record):
     """What one ensure / ensure_hybrid call decided (docs/semantics.md §4).
 
     Attributes:
@@ -91,7 +91,7 @@ class EnsurePlan:
 
 
 @pytree_dataclass
-class MaterializePlan:
+class MaterializePlan(Record):
     """What ``materialize_layer`` asks the caller to copy: the whole layer, position = id.
 
     Attributes:
@@ -104,7 +104,7 @@ class MaterializePlan:
 
 
 @pytree_dataclass
-class ForgetPlan:
+class ForgetPlan(Record):
     """What ``forget_slot`` dropped.
 
     Attributes:
@@ -197,7 +197,7 @@ def _gate(flag, value, otherwise):
 
 
 @pytree_dataclass
-class Rules:
+class Rules(Record):
     """The options of an ensure call: which paths of the core run (docs/semantics.md §7.1).
 
     Build it with :meth:`of`, which gives Python bools: the core then branches in Python and the
