@@ -25,7 +25,9 @@ batch rows), as when scoring a given sequence one token per step. A greedy model
 weights would soon repeat one token and route to the same experts forever, which would exercise
 nothing.
 
-Run ``python examples/decode_loop.py`` for the maximum error and the cache statistics.
+Run ``python examples/decode_loop.py`` for the maximum error and the cache statistics: per
+policy and size, the routed experts split into hits, fetches and CPU-computed misses (distinct
+experts per layer call, summed), and the CPU routes (every row's route, duplicates counted).
 """
 
 from __future__ import annotations
@@ -240,6 +242,10 @@ def main(num_steps: int = 300, seed: int = 0) -> None:
     E = config.num_experts
     print(f"model: L={config.num_layers} E={E} top-{config.top_k} H={config.hidden}, "
           f"{num_steps} steps x {config.batch} rows; host bank in {placement!r} memory")
+    print("counts: summed over layer calls, a call counting each distinct expert once: routed = "
+          "hits + fetched + cpu (misses computed on the CPU), missing = fetched + cpu;\n"
+          "cpu routes: every (row, route) the CPU computed (an expert two rows route to counts "
+          "twice)")
     for name, policy in [("full", pc.FetchPolicy.full()),
                          ("fraction 0.4", pc.FetchPolicy.fraction(0.4)),
                          ("cap 1", pc.FetchPolicy.fixed_cap(1))]:
@@ -247,9 +253,10 @@ def main(num_steps: int = 300, seed: int = 0) -> None:
             result = decode(params, tokens, cache_size, policy, config=config)
             totals = pc.stats(result.state)
             print(f"{name:>12}  S={cache_size:3d}  max|cached - dense| = {max_error(result):.2e}  "
-                  f"active={totals.active} missing={totals.missing} fetched={totals.fetched} "
-                  f"cpu routes={int(result.cpu_routes.sum())} miss rate={totals.miss_rate:.3f} "
-                  f"fetch rate={totals.fetch_rate:.3f}")
+                  f"routed={totals.active} = hits {totals.hits} + fetched {totals.fetched} "
+                  f"+ cpu {totals.cpu_experts} (missing={totals.missing})  "
+                  f"cpu routes={int(result.cpu_routes.sum())}  "
+                  f"miss rate={totals.miss_rate:.3f} fetch rate={totals.fetch_rate:.3f}")
 
 
 if __name__ == "__main__":

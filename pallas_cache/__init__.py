@@ -1,10 +1,13 @@
 """pallas_cache: the GPU expert slot cache of offloaded MoE inference, as pure JAX functions.
 
 This namespace is the cache API (``init``, ``ensure``, ``ensure_hybrid``, ...); the report and
-view types are in :mod:`pallas_cache.host`, the dense MoE references in :mod:`pallas_cache.testing`
+view types are in :mod:`pallas_cache.host`, the dense MoE references and the tools for property
+tests in :mod:`pallas_cache.testing`
 and the offline sizing tool in :mod:`pallas_cache.sizing` (docs/semantics.md is the contract).
 """
 
+from pallas_cache import reprs as _reprs
+from pallas_cache.batch import stack_states, take_state
 from pallas_cache.errors import (
     ERR_CACHE_SIZE,
     ERR_EXPERT_ID,
@@ -106,7 +109,13 @@ __all__ = [
     "routing_histogram",
     "routing_skew",
     "set_collect_routing",
+    "stack_states",
     "stats",
+    "take_state",
 ]
 
+# The one place the version is written: pyproject.toml reads it (dynamic version, setuptools'
+# attr:), so the installed metadata (importlib.metadata.version("pallas-cache")) says the same.
 __version__ = "0.1.0"
+
+_reprs.install()

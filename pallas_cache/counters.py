@@ -9,6 +9,7 @@ import numpy as np
 
 from pallas_cache import validate
 from pallas_cache.state import CacheState
+from pallas_cache.hints import IndexLike
 
 __all__ = ["checked_layer", "reset_routing", "reset_stats", "routing_histogram",
            "set_collect_routing"]
@@ -32,7 +33,7 @@ def reset_stats(state: CacheState) -> CacheState:
     )
 
 
-def set_collect_routing(state: CacheState, on) -> CacheState:
+def set_collect_routing(state: CacheState, on: bool | jax.Array) -> CacheState:
     """Turn routing-histogram collection on or off (``on`` may be traced). Off by default: a
     histogram is only meaningful over a long stationary window."""
     if not isinstance(on, (bool, np.bool_)) and not (
@@ -42,7 +43,7 @@ def set_collect_routing(state: CacheState, on) -> CacheState:
     return state.replace(collect_routing=jnp.asarray(on, jnp.bool_))
 
 
-def routing_histogram(state: CacheState, layer) -> jax.Array:
+def routing_histogram(state: CacheState, layer: IndexLike) -> jax.Array:
     """int32[E]: how often each expert of ``layer`` was routed to, duplicates counted.
 
     Jittable. A Python int layer is range-checked (ValueError); a traced one is clamped into

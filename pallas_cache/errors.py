@@ -6,6 +6,8 @@ A refused call returns its input state and a plan whose ``error`` carries the bi
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,6 +26,8 @@ __all__ = [
     "checked",
     "describe_bits",
 ]
+
+_Plan = TypeVar("_Plan")  # any plan with an ``error`` field
 
 ERR_EXPERT_ID = 1  # a route outside [-1, E)
 ERR_LAYER = 2  # a layer outside [0, L)
@@ -71,7 +75,7 @@ class CacheError(ValueError):
         ``vmap`` reports the union over the batch).
     """
 
-    def __init__(self, bits: int):
+    def __init__(self, bits: int) -> None:
         self.bits = int(bits)
         super().__init__(
             f"pallas_cache refused the call and returned the state unchanged: "
@@ -79,7 +83,7 @@ class CacheError(ValueError):
         )
 
 
-def check(plan):
+def check(plan: _Plan) -> _Plan:
     """Raise :class:`CacheError` if ``plan.error`` has any bit set; otherwise return ``plan``.
 
     Eager (host) check: it reads the error back from the device, so call it outside ``jit``. A
@@ -93,7 +97,7 @@ def check(plan):
     return plan
 
 
-def checked(plan):
+def checked(plan: _Plan) -> _Plan:
     """The ``checkify`` form of :func:`check`, for use under ``jit``; returns ``plan``.
 
     Wrap the jitted function with ``jax.experimental.checkify.checkify`` and the error (with its

@@ -10,6 +10,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.compute_on import compute_on
 
+from pallas_cache.hints import IndexLike, PyTree
+from pallas_cache.ops import EnsurePlan
 from pallas_cache.moe import check_bank_layer, check_routes, gather_rows, memory_space, to_space
 
 __all__ = [
@@ -112,8 +114,9 @@ def _experts_on_tokens(tokens, chosen, token_gates, host_bank, expert_fn, layer,
     return out
 
 
-def cpu_partial(x, expert_ids, gates, plan, host_bank,
-                expert_fn: Callable[[Any, jax.Array], jax.Array], *, layer=None):
+def cpu_partial(x: jax.Array, expert_ids: jax.Array, gates: jax.Array, plan: EnsurePlan,
+                host_bank: PyTree, expert_fn: Callable[[Any, jax.Array], jax.Array], *,
+                layer: IndexLike | None = None) -> jax.Array:
     """The plan's CPU partial: its distinct CPU experts, computed on the host CPU.
 
     The distinct CPU experts (:func:`cpu_experts`) and the tokens go to the host; there a
@@ -235,8 +238,9 @@ def device_partial(x, expert_ids, gates, plan, pool,
     return partial.reshape(x.shape[:-1] + partial.shape[-1:])
 
 
-def moe_hybrid(x, expert_ids, gates, plan, pool, host_bank,
-               expert_fn: Callable[[Any, jax.Array], jax.Array], *, layer=None):
+def moe_hybrid(x: jax.Array, expert_ids: jax.Array, gates: jax.Array, plan: EnsurePlan,
+               pool: PyTree, host_bank: PyTree, expert_fn: Callable[[Any, jax.Array], jax.Array],
+               *, layer: IndexLike | None = None) -> jax.Array:
     """The hybrid MoE output of a plan: :func:`device_partial` + :func:`cpu_partial`.
 
     Call it after :func:`~pallas_cache.moe.apply_copy_plan` has applied ``plan`` to ``pool``;

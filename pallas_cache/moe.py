@@ -7,11 +7,15 @@ backend has it, and :func:`gather_rows` reads only the fetched rows from it.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.custom_batching import custom_vmap
+
+from pallas_cache.hints import IndexLike, PyTree
 
 __all__ = [
     "apply_copy_plan",
@@ -50,7 +54,8 @@ def host_memory_kind(device=None) -> str | None:
     return PINNED_HOST if PINNED_HOST in kinds else None
 
 
-def put_host_bank(bank, device=None, *, prefer_host: bool = True):
+def put_host_bank(bank: PyTree, device: jax.Device | None = None, *,
+                  prefer_host: bool = True) -> PyTree:
     """Place a bank of expert weights (array or pytree) in host memory where supported.
 
     Args:
@@ -239,7 +244,8 @@ def _check_entries(copy, num_slots, num_rows) -> None:
                          f"the host bank's expert rows")
 
 
-def apply_copy_plan(pool, host_bank, plan, *, layer=None):
+def apply_copy_plan(pool: PyTree, host_bank: PyTree, plan: Any, *,
+                    layer: IndexLike | None = None) -> PyTree:
     """Copy a plan's fetched experts from the host bank into their device slots.
 
     ``pool[dst_slots[i]] = host_bank[src_rows[i]]`` for every ``i < count``; padding entries

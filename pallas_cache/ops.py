@@ -15,9 +15,10 @@ from jax import lax
 
 from pallas_cache import clock, errors, evictions, selection, validate
 from pallas_cache.kernels import dispatch
+from pallas_cache.hints import Backend, IndexLike, RoutesLike
 from pallas_cache.policy import Admission, FetchOrder, FetchPolicy
 from pallas_cache.state import CacheState
-from pallas_cache.tree import pytree_dataclass, static_field
+from pallas_cache.tree import Record, pytree_dataclass, static_field
 
 __all__ = [
     "CopyPlan",
@@ -40,7 +41,7 @@ _MASKED_SUM_MAX = 4096
 
 
 @pytree_dataclass
-class CopyPlan:
+class CopyPlan(Record):
     """The host-to-device copies a step needs before its multiply.
 
     Attributes:
@@ -63,7 +64,7 @@ class CopyPlan:
 
 
 @pytree_dataclass
-class EnsurePlan:
+class EnsurePlan(Record):
     """What one ensure / ensure_hybrid call decided (docs/semantics.md §4).
 
     Attributes:
@@ -90,7 +91,7 @@ class EnsurePlan:
 
 
 @pytree_dataclass
-class MaterializePlan:
+class MaterializePlan(Record):
     """What ``materialize_layer`` asks the caller to copy: the whole layer, position = id.
 
     Attributes:
@@ -103,7 +104,7 @@ class MaterializePlan:
 
 
 @pytree_dataclass
-class ForgetPlan:
+class ForgetPlan(Record):
     """What ``forget_slot`` dropped.
 
     Attributes:
@@ -196,7 +197,7 @@ def _gate(flag, value, otherwise):
 
 
 @pytree_dataclass
-class Rules:
+class Rules(Record):
     """The options of an ensure call: which paths of the core run (docs/semantics.md §7.1).
 
     Build it with :meth:`of`, which gives Python bools: the core then branches in Python and the
@@ -397,7 +398,8 @@ def _ensure(state: CacheState, layer, routes, policy: FetchPolicy, rules: Rules,
     return ensure_with_rules(state, layer, routes, policy, rules, backend=backend)
 
 
-def ensure(state: CacheState, layer, expert_ids, *, backend=None):
+def ensure(state: CacheState, layer: IndexLike, expert_ids: RoutesLike, *,
+           backend: Backend = None) -> tuple[CacheState, EnsurePlan]:
     """Make every routed expert of ``layer`` resident, evicting by global LRU (docs/semantics.md §5.2).
 
     Args:
@@ -419,8 +421,10 @@ def ensure(state: CacheState, layer, expert_ids, *, backend=None):
                    backend=dispatch.resolve_backend(backend))
 
 
-def ensure_hybrid(state: CacheState, layer, expert_ids, policy: FetchPolicy, *,
-                  order=FetchOrder.RECENCY, admission=Admission.PROMOTE_ONE, backend=None):
+def ensure_hybrid(state: CacheState, layer: IndexLike, expert_ids: RoutesLike, policy: FetchPolicy,
+                  *, order: FetchOrder | str = FetchOrder.RECENCY,
+                  admission: Admission | str = Admission.PROMOTE_ONE,
+                  backend: Backend = None) -> tuple[CacheState, EnsurePlan]:
     """Fetch what the split says, hand the other misses to the CPU (docs/semantics.md §5.4, 5.5).
 
     Args:
@@ -447,7 +451,7 @@ def ensure_hybrid(state: CacheState, layer, expert_ids, policy: FetchPolicy, *,
                    rules, backend=dispatch.resolve_backend(backend))
 
 
-def materialize_layer(state: CacheState, layer):
+def materialize_layer(state: CacheState, layer: IndexLike) -> tuple[CacheState, MaterializePlan]:
     """Copy a whole layer into slots ``[0, E)``, position = expert id, for a prefill (docs/semantics.md §5.6).
 
     Using the occupancy on entry: every slot holding an expert of this layer is emptied (usage 0),
@@ -500,7 +504,7 @@ def _materialize_layer(state: CacheState, layer):
     return new_state, MaterializePlan(copy=copy, error=error)
 
 
-def forget_slot(state: CacheState, slot):
+def forget_slot(state: CacheState, slot: IndexLike) -> tuple[CacheState, ForgetPlan]:
     """Drop one slot after its copy failed (docs/semantics.md §5.7).
 
     The slot becomes empty, the expert it held non-resident, and its usage the smallest int32, so

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_cache import validate
-from pallas_cache.tree import pytree_dataclass
+from pallas_cache.tree import Record, pytree_dataclass
 
 __all__ = ["Admission", "FetchOrder", "FetchPolicy", "ONE"]
 
@@ -30,7 +30,7 @@ class FetchOrder(enum.Enum):
     LOWEST_ID = "lowest_id"  # ascending expert id
 
     @classmethod
-    def coerce(cls, value) -> "FetchOrder":
+    def coerce(cls, value: "FetchOrder | str") -> "FetchOrder":
         return validate.coerce_enum(cls, value, "order")
 
 
@@ -42,12 +42,12 @@ class Admission(enum.Enum):
     REUSE = "reuse"  # admit further misses while they are more recent than their victims
 
     @classmethod
-    def coerce(cls, value) -> "Admission":
+    def coerce(cls, value: "Admission | str") -> "Admission":
         return validate.coerce_enum(cls, value, "admission")
 
 
 @pytree_dataclass
-class FetchPolicy:
+class FetchPolicy(Record):
     """How many of a hybrid step's misses cross the link (docs/semantics.md §5.3).
 
     Attributes:
@@ -82,13 +82,21 @@ class FetchPolicy:
                     f"(build policies with FetchPolicy.fraction, fixed_cap or full)")
 
     @classmethod
-    def fraction(cls, q) -> "FetchPolicy":
+    def fraction(cls, q: float) -> "FetchPolicy":
         """The balanced split at fetch fraction ``q``.
 
         ``f = clamp(round_half_even(q * 65536), 0, 65536)``, computed on the host: ``q`` above 1
         fetches everything, ``q`` below 0 is fraction 0 (with cap 0: fetch nothing), as docs/semantics.md §5.3
-        writes it. Raises TypeError for a non-number (bools included) and ValueError for NaN.
+        writes it. Raises TypeError for a non-number (bools included) or a traced ``q`` (the
+        message shows the forms that work under ``jit``) and ValueError for NaN.
         """
+        if isinstance(q, jax.core.Tracer):
+            raise TypeError(
+                "FetchPolicy.fraction rounds q on the host, so q cannot be traced; build the "
+                "policy outside jit and pass it in (a policy is traced data: stack several with "
+                "jax.tree.map(lambda *x: jnp.stack(x), *policies) and vmap), or set the field "
+                "yourself: FetchPolicy(fraction16=jnp.round(q * 65536).astype(jnp.int32), "
+                "cap=jnp.int32(0))")
         if isinstance(q, (bool, np.bool_)) or not isinstance(q, numbers.Real):
             kind = type(q).__name__
             raise TypeError(f"fetch fraction must be a real number, got {q!r} ({kind})")
@@ -102,7 +110,7 @@ class FetchPolicy:
         return cls(fraction16=jnp.asarray(f, jnp.int32), cap=jnp.asarray(0, jnp.int32))
 
     @classmethod
-    def fixed_cap(cls, n) -> "FetchPolicy":
+    def fixed_cap(cls, n: int) -> "FetchPolicy":
         """Fetch at most ``n >= 0`` misses per step (fraction 0).
 
         Raises TypeError for a non-int (bools included) and ValueError for ``n < 0``."""

@@ -8,6 +8,7 @@ The two buffers borrow slots ``[0, 2E)`` of the decode pool; the plans are fixed
 from __future__ import annotations
 
 import functools
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +17,8 @@ from jax import lax
 
 from pallas_cache import errors, validate
 from pallas_cache.state import CacheState
-from pallas_cache.tree import pytree_dataclass
+from pallas_cache.hints import IndexLike
+from pallas_cache.tree import Record, pytree_dataclass
 
 __all__ = [
     "SMALL_BANK_FEAT_BYTES",
@@ -41,7 +43,7 @@ class PrefillDoesNotFit(ValueError):
     their slots (docs/semantics.md §5.11). Raised at call/trace time: the capacity is static (a
     usable size below ``2E`` within a larger capacity is the value error ``ERR_CACHE_SIZE``)."""
 
-    def __init__(self, cache_size: int, num_experts: int):
+    def __init__(self, cache_size: int, num_experts: int) -> None:
         self.cache_size = cache_size
         self.num_experts = num_experts
         super().__init__(
@@ -51,7 +53,7 @@ class PrefillDoesNotFit(ValueError):
 
 
 @pytree_dataclass
-class PrefillGather:
+class PrefillGather(Record):
     """The device-side gathers of a prefill plan: rows already resident above the buffers.
 
     Attributes:
@@ -70,7 +72,7 @@ class PrefillGather:
 
 
 @pytree_dataclass
-class MissRuns:
+class MissRuns(Record):
     """The misses of a prefill plan (ascending ids) as maximal runs of consecutive ids.
 
     Attributes:
@@ -85,7 +87,7 @@ class MissRuns:
 
 
 @pytree_dataclass
-class HostTransfers:
+class HostTransfers(Record):
     """The host-to-device transfer entries of a prefill plan, banks in the caller's order.
 
     A small bank gives one whole-layer entry ``(bank, b*E, 0, E)``; any other bank one entry per
@@ -109,7 +111,7 @@ class HostTransfers:
 
 
 @pytree_dataclass
-class PrefillPlan:
+class PrefillPlan(Record):
     """What staging one layer costs (docs/semantics.md §5.11, docs/design.md "Prefill plans").
 
     Attributes:
@@ -130,7 +132,7 @@ class PrefillPlan:
     transfers: HostTransfers
     error: jax.Array
 
-    def entry_bytes(self, bank_feat_bytes) -> np.ndarray:
+    def entry_bytes(self, bank_feat_bytes: Sequence[int]) -> np.ndarray:
         """int64[B*E] on the host: ``rows * bank_feat_bytes[bank]`` per transfer entry, -1 in
         padding."""
         feat = np.asarray(validate.as_bank_sizes(bank_feat_bytes), np.int64)
@@ -179,7 +181,8 @@ def _compact(mask, values, size):
         values, mode="drop")
 
 
-def prefetch_prefill_layer(state: CacheState, layer, bank_feat_bytes):
+def prefetch_prefill_layer(state: CacheState, layer: IndexLike, bank_feat_bytes: Sequence[int]
+                           ) -> tuple[CacheState, PrefillPlan]:
     """Stage ``layer`` into buffer ``layer % 2`` and say what that costs (docs/semantics.md §5.11).
 
     Args:
@@ -309,7 +312,7 @@ def _prefetch_prefill_layer(state: CacheState, layer, banks: tuple):
     return new_state, plan
 
 
-def release_prefill_layer(state: CacheState, layer) -> CacheState:
+def release_prefill_layer(state: CacheState, layer: IndexLike) -> CacheState:
     """Mark ``layer``'s buffer released, so the next layer of its parity may reuse it.
 
     A layer that is not the one its buffer holds (out of range included) is ignored. Returns the

@@ -12,7 +12,8 @@ import jax.numpy as jnp
 from pallas_cache import errors, validate
 from pallas_cache import evictions
 from pallas_cache.evictions import Eviction, EvictionPolicy, PairLfuState, TokenRingState
-from pallas_cache.tree import pytree_dataclass, static_field
+from pallas_cache.tree import Record, pytree_dataclass, static_field
+from pallas_cache.hints import IndexLike
 
 __all__ = [
     "CacheState",
@@ -32,7 +33,7 @@ DEFAULT_HISTORY = 128
 
 
 @pytree_dataclass
-class CacheState:
+class CacheState(Record):
     """The whole cache, as arrays (docs/semantics.md §3). Build one with :func:`init`.
 
     Attributes:
@@ -118,7 +119,7 @@ class RebuildRejected(ValueError):
       minimum: the smallest acceptable cache size (``E``).
     """
 
-    def __init__(self, requested: int, minimum: int):
+    def __init__(self, requested: int, minimum: int) -> None:
         self.requested = requested
         self.minimum = minimum
         super().__init__(
@@ -189,7 +190,8 @@ def _check_representable(L: int, E: int, S: int, C: int) -> None:
 
 
 def init(num_layers: int, num_experts: int, cache_size: int, *, capacity: int | None = None,
-         rebase_threshold: int = DEFAULT_REBASE_THRESHOLD, eviction=Eviction.LRU,
+         rebase_threshold: int = DEFAULT_REBASE_THRESHOLD,
+         eviction: Eviction | EvictionPolicy | str = Eviction.LRU,
          history: int = DEFAULT_HISTORY) -> CacheState:
     """A cold cache (docs/semantics.md §5.1).
 
@@ -271,7 +273,7 @@ def rebuild(state: CacheState, cache_size: int, *, capacity: int | None = None) 
 
 
 @pytree_dataclass
-class ResizePlan:
+class ResizePlan(Record):
     """What :func:`resize` freed (docs/semantics.md §5.15): the device buffers a caller may release.
 
     Attributes:
@@ -289,7 +291,7 @@ class ResizePlan:
     error: jax.Array
 
 
-def resize(state: CacheState, cache_size) -> tuple[CacheState, ResizePlan]:
+def resize(state: CacheState, cache_size: IndexLike) -> tuple[CacheState, ResizePlan]:
     """Change the usable pool size within the capacity, without a recompile (docs/semantics.md §5.15).
 
     Growing adds empty usable slots (usage 0). Shrinking frees the slots at or past the new size:

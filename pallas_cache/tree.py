@@ -7,23 +7,38 @@ part of the tree structure; instances gain ``replace(**changes)``.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, TypeVar, dataclass_transform
 
 import jax
 
-__all__ = ["pytree_dataclass", "static_field"]
+_T = TypeVar("_T")
+
+__all__ = ["Record", "pytree_dataclass", "static_field"]
 
 
-def static_field(**kwargs):
+def static_field(**kwargs: Any) -> Any:
     """A dataclass field that is static pytree metadata (not a leaf): hashable, fixed per trace."""
     metadata = dict(kwargs.pop("metadata", None) or {}, static=True)
     return dataclasses.field(metadata=metadata, **kwargs)
 
 
-def _replace(self, **changes):
-    return dataclasses.replace(self, **changes)
+def _replace(self: _T, **changes: Any) -> _T:
+    return dataclasses.replace(self, **changes)  # type: ignore[type-var]
 
 
-def pytree_dataclass(cls):
+class Record:
+    """The base of every :func:`pytree_dataclass` class: declares ``replace`` for type checkers
+    (the decorator adds it at run time as well, for classes without this base)."""
+
+    __slots__ = ()
+
+    def replace(self: _T, **changes: Any) -> _T:
+        """A copy with ``changes`` applied (``dataclasses.replace``)."""
+        return _replace(self, **changes)
+
+
+@dataclass_transform(frozen_default=True, field_specifiers=(dataclasses.field, static_field))
+def pytree_dataclass(cls: type[_T]) -> type[_T]:
     """Decorate ``cls`` as a frozen dataclass and register it as a JAX pytree node.
 
     Data fields are inferred: every field is a leaf unless declared with :func:`static_field`.

@@ -202,7 +202,11 @@ def test_html_reprs_are_tables(states):
     assert text.splitlines()[2].split() == ["installed", "0", "0", "3", "1", "3"]
 
 
-def test_describe_rejects_a_batched_state():
-    batch = jax.tree.map(lambda *leaves: jnp.stack(leaves), pc.init(1, 2, 2), pc.init(1, 2, 2))
+def test_describe_reads_a_batch_per_cache_and_diff_rejects_one():
+    """FAILS if describe of a stacked state is not the list of each cache's view (e.g. every
+    entry read from cache 0), or diff silently compares batches."""
+    one, two = pc.init(1, 2, 2), pc.ensure(pc.init(1, 2, 2), 0, [1])[0]
+    batch = jax.tree.map(lambda *leaves: jnp.stack(leaves), one, two)
+    assert [str(v) for v in describe(batch)] == [str(describe(one)), str(describe(two))]
     with pytest.raises(ValueError, match="batch"):
-        describe(batch)
+        diff(batch, batch)

@@ -33,7 +33,8 @@ NOT_RUN = {
 
 #: Blocks that another test runs and checks further: a phrase that finds the block, and the test
 #: file that must contain it.
-RUN_ELSEWHERE = {"init_recorder(": "tests/test_recorder.py"}
+RUN_ELSEWHERE = {"init_recorder(": "tests/test_recorder.py",
+                 "def test_decode_step_keeps_the_rules(": "tests/test_testing_docs.py"}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -36,7 +36,7 @@ class Eviction(enum.Enum):
         return member
 
     @classmethod
-    def coerce(cls, value) -> "Eviction":
+    def coerce(cls, value: "Eviction | str") -> "Eviction":
         return validate.coerce_enum(cls, value, "eviction")
 
 

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_cache.evictions.base import EvictionPolicy, KernelRanking
-from pallas_cache.tree import pytree_dataclass
+from pallas_cache.tree import Record, pytree_dataclass
 
 #: The per-visit decay of PAIR_LFU's frequency, ``2**(-1/32)`` in Q16 (half-life 32 visits).
 DECAY_Q16 = 64132
@@ -21,7 +21,7 @@ _CLASS_SHIFT = 23
 
 
 @pytree_dataclass
-class PairLfuState:
+class PairLfuState(Record):
     """PAIR_LFU's per-expert bookkeeping (docs/semantics.md §5.16).
 
     Attributes:

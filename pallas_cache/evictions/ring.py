@@ -9,11 +9,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.custom_batching import custom_vmap
 
-from pallas_cache.tree import pytree_dataclass
+from pallas_cache.tree import Record, pytree_dataclass
 
 
 @pytree_dataclass
-class TokenRingState:
+class TokenRingState(Record):
     """The token ring ROUTE_KNN and ROUTE_LFU keep (docs/semantics.md §5.16); ``W`` =
     ``history`` tokens.
 

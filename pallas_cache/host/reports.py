@@ -5,6 +5,7 @@ the opt-in histogram (:func:`routing_skew`; docs/semantics.md §5.9, 5.10)."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Union
 
 import jax
 import numpy as np
@@ -25,80 +26,121 @@ __all__ = [
 ]
 
 
-def _ratio(numerator: int, denominator: int) -> float:
-    return numerator / denominator if denominator else 0.0
+Count = Union[int, np.ndarray]
+"""A counter: an ``int`` for one cache, an int64 array of the batch shape for a batch."""
+Rate = Union[float, np.ndarray]
+"""A rate: a ``float`` for one cache, a float64 array of the batch shape for a batch."""
+
+
+def _ratio(numerator: Count, denominator: Count) -> Rate:
+    if np.ndim(denominator) == 0:
+        return numerator / denominator if denominator else 0.0
+    num, den = np.asarray(numerator, np.float64), np.asarray(denominator, np.float64)
+    return np.divide(num, den, out=np.zeros_like(num), where=den != 0)
 
 
 @dataclasses.dataclass(frozen=True)
 class CacheStats:
-    """Counters of one stats window (global, or one layer's).
+    """Counters of one stats window (global, or one layer's), per layer-call over distinct
+    experts (docs/semantics.md §5.9).
 
     Attributes:
-      calls: ensure / ensure_hybrid calls.
+      calls: accepted ensure / ensure_hybrid calls.
       active: distinct experts routed, summed over calls.
-      missing: distinct misses, summed over calls, before any cap.
-      fetched: misses actually copied in, summed over calls.
-    The rates are 0.0 when their denominator is 0.
+      missing: distinct routed experts that were not resident, summed over calls, before any
+        cap.
+      fetched: misses copied in, summed over calls.
+
+    ``cpu_experts = missing - fetched`` are the misses the CPU computed (distinct experts per
+    call; a route count, duplicates and tokens included, is ``plan.cpu.sum()``); ``active =
+    (active - missing) hits + fetched + cpu_experts``. For a batch of caches (a stacked state)
+    every counter is an int64 array of the batch shape and every rate a float64 array, one
+    entry per cache. The rates are 0.0 when their denominator is 0.
     """
 
-    calls: int
-    active: int
-    missing: int
-    fetched: int
+    calls: Count
+    active: Count
+    missing: Count
+    fetched: Count
 
     @property
-    def miss_rate(self) -> float:
+    def hits(self) -> Count:
+        """active - missing: routed experts that were resident."""
+        return self.active - self.missing
+
+    @property
+    def cpu_experts(self) -> Count:
+        """missing - fetched: the misses computed on the CPU (ensure_hybrid), summed over calls;
+        0 under plain ensure, which fetches every miss."""
+        return self.missing - self.fetched
+
+    @property
+    def miss_rate(self) -> Rate:
         """missing / active: whether the cache is big enough."""
         return _ratio(self.missing, self.active)
 
     @property
-    def fetch_rate(self) -> float:
+    def fetch_rate(self) -> Rate:
         """fetched / missing: what the hybrid split actually did."""
         return _ratio(self.fetched, self.missing)
 
     @property
-    def active_per_call(self) -> float:
+    def active_per_call(self) -> Rate:
         return _ratio(self.active, self.calls)
 
     @property
-    def missing_per_call(self) -> float:
+    def missing_per_call(self) -> Rate:
         """What one step wants to move (times bytes per expert: the link budget)."""
         return _ratio(self.missing, self.calls)
 
     @property
-    def fetched_per_call(self) -> float:
+    def fetched_per_call(self) -> Rate:
         """What one step did move; missing_per_call minus this is what the CPU absorbed."""
         return _ratio(self.fetched, self.calls)
 
+    @property
+    def cpu_experts_per_call(self) -> Rate:
+        """cpu_experts / calls: the misses the CPU computed per call."""
+        return _ratio(self.cpu_experts, self.calls)
+
 
 def _counters(state: CacheState) -> np.ndarray:
-    """The per-layer counters as int64[L, 4] on the host."""
-    table = np.asarray(jax.device_get(state.stats)).astype(np.int64)
-    if table.ndim != 2:
-        raise ValueError(
-            f"stats reads one cache; got a batched state with stats of shape {table.shape} "
-            f"(index the batch first, e.g. jax.tree.map(lambda x: x[i], state))"
-        )
-    return table
+    """The per-layer counters as int64[..., L, 4] on the host (leading axes: a batch)."""
+    if isinstance(state.stats, jax.core.Tracer):
+        raise TypeError(
+            "stats reads the counters on the host and cannot run under jit/vmap; call it on the "
+            "state the compiled function returns, or read state.stats there (int32[L, 4]: "
+            "calls, active, missing, fetched)")
+    return np.asarray(jax.device_get(state.stats)).astype(np.int64)
 
 
-def _from_row(row) -> CacheStats:
-    return CacheStats(*(int(v) for v in row))
+def _from_row(row: np.ndarray) -> CacheStats:
+    """``row [..., 4]``: ints for one cache, arrays of the batch shape for a batch."""
+    if row.ndim == 1:
+        return CacheStats(*(int(v) for v in row))
+    return CacheStats(*(row[..., i] for i in range(4)))
 
 
 def stats(state: CacheState) -> CacheStats:
-    """The global counters of the current window: the column sums of the per-layer ones."""
-    return _from_row(_counters(state).sum(axis=0))
+    """The global counters of the current window: the column sums of the per-layer ones.
+
+    Host-side: call it outside ``jit`` (under ``jit`` it raises ``TypeError`` saying so). A
+    batched state (:func:`~pallas_cache.stack_states`, or a vmapped loop's result) gives one
+    entry per cache in every field."""
+    return _from_row(_counters(state).sum(axis=-2))
 
 
 def layer_stats(state: CacheState, layer: int) -> CacheStats:
-    """One layer's counters over the current window. Host-side; ``layer`` a Python int."""
-    return _from_row(_counters(state)[checked_layer(state, layer)])
+    """One layer's counters over the current window. Host-side; ``layer`` a Python int; per
+    cache for a batch, as :func:`stats`."""
+    return _from_row(_counters(state)[..., checked_layer(state, layer), :])
 
 
 def per_layer_stats(state: CacheState) -> list[CacheStats]:
-    """Every layer's counters, indexed by layer; they sum exactly to :func:`stats`."""
-    return [_from_row(row) for row in _counters(state)]
+    """Every layer's counters, indexed by layer; they sum exactly to :func:`stats` (per cache
+    for a batch)."""
+    table = _counters(state)
+    return [_from_row(table[..., layer, :]) for layer in range(table.shape[-2])]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,8 +187,14 @@ class RoutingSkewReport:
     per_layer: list
 
 
-def routing_skew(state: CacheState):
-    """The :class:`RoutingSkewReport` of the observed histogram, or None if nothing was observed."""
+def routing_skew(state: CacheState) -> RoutingSkewReport | None:
+    """The :class:`RoutingSkewReport` of the observed histogram, or None if nothing was observed.
+
+    One cache: a batch raises ``ValueError`` (take one with :func:`~pallas_cache.take_state`)."""
+    if np.ndim(state.routing_freq) != 2:
+        raise ValueError(f"routing_skew reads one cache, got a batch of shape "
+                         f"{np.shape(state.routing_freq)[:-2]}; take one with "
+                         f"pc.take_state(batch, i)")
     freq = np.asarray(jax.device_get(state.routing_freq)).astype(np.int64)
     num_layers, cache_size = state.num_layers, int(jax.device_get(state.cache_size))
     oracle_slots = oracle_slots_for(cache_size, num_layers)

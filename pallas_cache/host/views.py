@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 import html
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
 from pallas_cache import evictions
+from pallas_cache.state import CacheState
 from pallas_cache.validate import INT32_MIN
 
 __all__ = ["CacheDiff", "CacheView", "SlotEntry", "SlotRow", "describe", "diff"]
@@ -66,8 +67,8 @@ def _host_fields(state, names):
     id_of_slot = np.asarray(values["id_of_slot"])
     if id_of_slot.ndim != 1:
         raise ValueError(
-            f"describe/diff take one cache, got a batch of shape {id_of_slot.shape[:-1]}; "
-            f"pick one with jax.tree.map(lambda x: x[i], state)")
+            f"diff takes one cache, got a batch of shape {id_of_slot.shape[:-1]}; "
+            f"pick one with pc.take_state(batch, i)")
     fields = {name: np.asarray(value) for name, value in values.items()}
     fields["eviction"] = policy.name
     fields["columns"] = policy.view_columns
@@ -166,16 +167,23 @@ class CacheView:
         return f"<div><p>{html.escape(self.header())}</p>{_html_table(*self._table())}</div>"
 
 
-def describe(state) -> CacheView:
+def describe(state: CacheState) -> CacheView | list[Any]:
     """One row per slot: who lives there, when it was last touched, how stale it is.
 
     Args:
-      state: a ``CacheState`` (one cache, not a vmapped batch).
+      state: a ``CacheState``: one cache, or a batch (stacked or vmapped) of them.
 
     Returns:
       A :class:`CacheView` with one row per usable slot. ``print`` it for a text table, display
-      it in a notebook for an HTML table, or read ``view.rows`` / ``view.residents``.
+      it in a notebook for an HTML table, or read ``view.rows`` / ``view.residents``. For a
+      batch, a list with one per cache (nested, one level per batch axis).
     """
+    if isinstance(state.id_of_slot, jax.core.Tracer):
+        raise TypeError("describe reads the state on the host and cannot run under jit/vmap; "
+                        "call it on the state the compiled function returns")
+    if np.ndim(state.id_of_slot) > 1:
+        return [describe(jax.tree.map(lambda leaf: leaf[i], state))
+                for i in range(np.shape(state.id_of_slot)[0])]
     fields = _host_fields(state, ["id_of_slot", "usage", "step", "slot_for_id", "cache_size"])
     num_layers, num_experts = fields["slot_for_id"].shape
     step = int(fields["step"])
@@ -254,7 +262,7 @@ class CacheDiff:
         return f"<div><p>{html.escape(self.header())}</p>{_html_table(*self._table())}</div>"
 
 
-def diff(before, after) -> CacheDiff:
+def diff(before: CacheState, after: CacheState) -> CacheDiff:
     """The installs, evictions and refreshes that turned ``before`` into ``after``.
 
     Args:

@@ -12,6 +12,9 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from pallas_cache.hints import IndexLike, PyTree
+from pallas_cache.ops import EnsurePlan
+
 from pallas_cache.moe import (check_bank_layer, check_plan_geometry, check_routes, gather_rows,
                                memory_space)
 
@@ -36,8 +39,9 @@ def _weighted_sum(route_outputs, gates, take, out_shape):
     return weighted.reshape(out_shape[:-1] + (-1, out_shape[-1])).sum(axis=-2)
 
 
-def moe_dense(x, expert_ids, gates, host_bank, expert_fn: Callable[[Any, jax.Array], jax.Array],
-              *, layer=None):
+def moe_dense(x: jax.Array, expert_ids: jax.Array, gates: jax.Array, host_bank: PyTree,
+              expert_fn: Callable[[Any, jax.Array], jax.Array], *,
+              layer: IndexLike | None = None) -> jax.Array:
     """The dense MoE output, every routed expert read from the host bank: the oracle.
 
     Args:
@@ -63,8 +67,9 @@ def moe_dense(x, expert_ids, gates, host_bank, expert_fn: Callable[[Any, jax.Arr
     return _weighted_sum(outputs, gate, routed, x.shape)
 
 
-def moe_combine(x, expert_ids, gates, plan, pool, host_bank,
-                expert_fn: Callable[[Any, jax.Array], jax.Array], *, layer=None):
+def moe_combine(x: jax.Array, expert_ids: jax.Array, gates: jax.Array, plan: EnsurePlan,
+                pool: PyTree, host_bank: PyTree, expert_fn: Callable[[Any, jax.Array], jax.Array],
+                *, layer: IndexLike | None = None) -> jax.Array:
     """The hybrid MoE output: device partial (from the pool) + CPU partial (from the host bank).
 
     Call it after :func:`apply_copy_plan` has applied the same ``plan`` to ``pool``. If the plan

@@ -1,0 +1,57 @@
+"""Testing code built on the cache: dense MoE references, exact state and plan comparisons, the
+invariants every plan holds, and cache operations as plain data.
+
+- :func:`moe_dense`, :func:`moe_combine`: the dense MoE oracle and a plan's hybrid output
+  (docs/semantics.md §5.13).
+- :func:`assert_states_equal`, :func:`assert_plans_equal`: exact whole-tree equality, the message
+  naming the first differing field and index.
+- :func:`check_plan`, :func:`check_state`: the invariants of docs/semantics.md §3-§5 on one
+  ``ensure`` / ``ensure_hybrid`` call of your own loop, without the reference.
+- :class:`Geometry`, :class:`PolicySpec` and the operation records (:class:`Ensure`, ...), run by
+  :func:`run_operation`.
+- Hypothesis strategies in :mod:`pallas_cache.testing.strategies` (the ``testing`` extra; the
+  only module that imports hypothesis). docs/testing.md has a whole property test.
+"""
+
+from pallas_cache.testing.assertions import assert_plans_equal, assert_states_equal
+from pallas_cache.testing.dense import moe_combine, moe_dense
+from pallas_cache.testing.invariants import check_plan, check_state
+from pallas_cache.testing.operations import (
+    BeginPrefill,
+    Ensure,
+    EnsureHybrid,
+    Forget,
+    Geometry,
+    Materialize,
+    Operation,
+    PolicySpec,
+    PrefetchPrefill,
+    ReleasePrefill,
+    Reset,
+    Resize,
+    run_operation,
+    run_operations,
+)
+
+__all__ = [
+    "BeginPrefill",
+    "Ensure",
+    "EnsureHybrid",
+    "Forget",
+    "Geometry",
+    "Materialize",
+    "Operation",
+    "PolicySpec",
+    "PrefetchPrefill",
+    "ReleasePrefill",
+    "Reset",
+    "Resize",
+    "assert_plans_equal",
+    "assert_states_equal",
+    "check_plan",
+    "check_state",
+    "moe_combine",
+    "moe_dense",
+    "run_operation",
+    "run_operations",
+]
