@@ -10,7 +10,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.compute_on import compute_on
 
-from pallas_cache.moe import check_bank_layer, check_routes, gather_rows, memory_space, to_space
+from pallas_cache.moe import (check_bank_layer, check_routes, gather_rows, memory_space, to_space,
+                              varying_like)
 
 __all__ = [
     "HOST_COMPUTE",
@@ -171,7 +172,7 @@ def _switch_partial(bank, expert_fn, has_layer, space, tokens, chosen_ids, count
         def run(tokens, chosen_ids, token_gates, layer_index):
             if n == 0:
                 zeros = to_space(jnp.zeros(out.shape, out.dtype), space)
-                return _varying_like(zeros, bank, tokens, chosen_ids, token_gates,
+                return varying_like(zeros, bank, tokens, chosen_ids, token_gates,
                                      layer_index if has_layer else None)
             return _experts_on_tokens(tokens, chosen_ids, token_gates, bank, expert_fn,
                                       layer_index if has_layer else None, n)
@@ -179,25 +180,6 @@ def _switch_partial(bank, expert_fn, has_layer, space, tokens, chosen_ids, count
 
     return lax.switch(count, [branch(n) for n in range(chosen_ids.shape[0] + 1)], tokens,
                       chosen_ids, token_gates, layer_index)
-
-
-def _varying_like(value, *operands):
-    """``value`` made to vary over every mesh axis that any of ``operands`` varies over: inside a
-    ``shard_map`` with ``check_vma`` the zeros branch of a switch then has the type of the
-    branches that compute from the operands; elsewhere there are no such axes and it is
-    ``value`` (docs/design.md, "Several devices")."""
-    axes = set()
-    for operand in jax.tree.leaves(operands):
-        axes |= _varying_axes(operand)
-    axes -= _varying_axes(value)
-    return lax.pcast(value, tuple(sorted(axes, key=str)), to="varying") if axes else value
-
-
-def _varying_axes(value) -> set:
-    """The mesh axes a traced value varies over inside a ``shard_map`` (empty outside one)."""
-    aval = jax.typeof(value)
-    manual = getattr(aval, "manual_axis_type", None)
-    return set(getattr(manual, "varying", None) or getattr(aval, "vma", None) or ())
 
 
 def _check_bank(plan, host_bank, layer):
