@@ -10,8 +10,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.compute_on import compute_on
 
-from pallas_cache.moe import (check_bank_layer, check_routes, gather_rows, memory_space, to_space,
-                              varying_like)
+from pallas_cache.moe import check_bank_layer, check_routes, gather_rows, memory_space, to_space
+from pallas_cache.tree import varying_like
 
 __all__ = [
     "HOST_COMPUTE",

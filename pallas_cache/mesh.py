@@ -329,22 +329,19 @@ def split_weights(tree, num_devices: int, axis):
     """
     T = validate.positive_int("num_devices", num_devices)
 
-    def split_subtree(ax, subtree):
-        def split(path, leaf):
-            leaf = jnp.asarray(leaf)
-            name = jax.tree_util.keystr(path) or "the leaf"
-            if not isinstance(ax, numbers.Integral) or not -leaf.ndim <= ax < leaf.ndim:
-                raise ValueError(f"{name} of shape {tuple(leaf.shape)} has no axis {ax}")
-            size = leaf.shape[ax]
-            if size % T:
-                raise ValueError(f"cannot split {name} of shape {tuple(leaf.shape)} over {T} "
-                                 f"devices: its axis {ax} has {size} entries, which {T} does not "
-                                 f"divide")
-            return jnp.stack(jnp.split(leaf, T, axis=ax))
+    def split(path, leaf, ax):
+        leaf = jnp.asarray(leaf)
+        name = jax.tree_util.keystr(path) or "the leaf"
+        if not isinstance(ax, numbers.Integral) or not -leaf.ndim <= ax < leaf.ndim:
+            raise ValueError(f"{name} of shape {tuple(leaf.shape)} has no axis {ax}")
+        size = leaf.shape[ax]
+        if size % T:
+            raise ValueError(f"cannot split {name} of shape {tuple(leaf.shape)} over {T} "
+                             f"devices: its axis {ax} has {size} entries, which {T} does not "
+                             f"divide")
+        return jnp.stack(jnp.split(leaf, T, axis=ax))
 
-        return jax.tree_util.tree_map_with_path(split, subtree)
-
-    return jax.tree.map(split_subtree, axis, tree)
+    return jax.tree_util.tree_map_with_path(split, tree, jax.tree.broadcast(axis, tree))
 
 
 def broadcast_routes(routes, axis_name, source: int = 0) -> jax.Array:

@@ -13,6 +13,8 @@ import numpy as np
 from jax import lax
 from jax.custom_batching import custom_vmap
 
+from pallas_cache.tree import varying_like
+
 __all__ = [
     "apply_copy_plan",
     "check_bank_layer",
@@ -23,7 +25,6 @@ __all__ = [
     "memory_space",
     "put_host_bank",
     "to_space",
-    "varying_like",
 ]
 
 PINNED_HOST = "pinned_host"
@@ -162,25 +163,6 @@ def _slice_rows(bank_leaf, indices, out_space):
 
     out = lax.fori_loop(0, flat[0].shape[0], copy_row, out)
     return out.reshape(indices[0].shape + row_shape)
-
-
-def varying_like(value, *operands):
-    """``value`` made to vary over every mesh axis that any of ``operands`` varies over. Inside a
-    ``shard_map`` with ``check_vma`` a constant (zeros) then has the type of the values computed
-    from the operands, as a switch's branches and a loop's carry must; elsewhere there are no
-    such axes and it is ``value`` (docs/design.md, "Several devices")."""
-    axes = set()
-    for operand in jax.tree.leaves(operands):
-        axes |= _varying_axes(operand)
-    axes -= _varying_axes(value)
-    return lax.pcast(value, tuple(sorted(axes, key=str)), to="varying") if axes else value
-
-
-def _varying_axes(value) -> set:
-    """The mesh axes a traced value varies over inside a ``shard_map`` (empty outside one)."""
-    aval = jax.typeof(value)
-    manual = getattr(aval, "manual_axis_type", None)
-    return set(getattr(manual, "varying", None) or getattr(aval, "vma", None) or ())
 
 
 def check_routes(x, expert_ids, gates):
