@@ -385,6 +385,41 @@ def check_naive_one_plan_for_every_pool():
     return f"caught: max |cached - dense| = {error:.2e}"
 
 
+# --- sizing -------------------------------------------------------------------------------------
+
+
+def check_replay_of_each_device_trace_gives_that_devices_counters():
+    """A one-device replay of device d's trace (``sizing.devices.device_traces``) gives the
+    counters of device d's cache in the mesh layout after the same calls: FAILS if the device
+    traces drop all-padding calls, keep global ids, or keep other devices' routes."""
+    from pallas_cache.sizing import ReplayConfig, Trace, replay
+    from pallas_cache.sizing.devices import device_traces
+
+    mesh = _mesh()
+    sharding = pm.expert_sharding(E, NUM_DEVICES)
+    calls = _calls(7, sharding.owner)
+    trace = Trace(routes=np.stack([routes.reshape(-1) for _, routes in calls]),
+                  layers=np.array([layer for layer, _ in calls], np.int32), num_layers=L,
+                  num_experts=E)
+    sizes = [4] * NUM_DEVICES  # one size: the four replays share one compiled program
+    state = jax.device_put(pm.init_expert_parallel(sharding, L, sizes, capacity=max(sizes)),
+                           jax.sharding.NamedSharding(mesh, P(AXIS)))
+    step = _expert_step(mesh, sharding, "local", [])
+    policy = pc.FetchPolicy.fraction(0.5)
+    for layer, routes in calls:
+        state, _ = step(state, jnp.int32(layer), jnp.asarray(routes.reshape(-1)), policy)
+    counters = np.asarray(state.stats).sum(axis=1)  # [D, 4]: calls, active, missing, fetched
+    got = []
+    for d, device_trace in enumerate(device_traces(trace, sharding)):
+        (result,) = replay(device_trace, [ReplayConfig(sizes[d], "fraction:0.5")], bounds=False,
+                           progress=lambda _: None, devices=[jax.devices()[0]])
+        replayed = (result.calls, result.active, result.missing, result.fetched)
+        assert replayed == tuple(int(v) for v in counters[d]), (
+            f"device {d}: replay {replayed} != mesh cache {counters[d].tolist()}")
+        got.append(replayed)
+    return f"(calls, active, missing, fetched) per device: {got}"
+
+
 # --- the registry ------------------------------------------------------------------------------
 
 
@@ -426,6 +461,7 @@ CHECKS = {
     "example_expert_parallel": check_example_expert_parallel,
     "example_tensor_parallel": check_example_tensor_parallel,
     "naive_one_plan_for_every_pool": check_naive_one_plan_for_every_pool,
+    "replay_of_each_device_trace": check_replay_of_each_device_trace_gives_that_devices_counters,
 }
 
 

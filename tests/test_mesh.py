@@ -187,3 +187,44 @@ def test_on_four_devices(mesh_results, name):
     checks pass only when that comparison catches the naive variant."""
     result = mesh_results[name]
     assert result["ok"], result["detail"]
+
+
+def test_device_traces_keep_every_call_with_each_devices_routes_as_local_ids():
+    """FAILS if a device's trace drops its all-padding calls or keeps routes it does not own
+    (derived here from the owner map, not through the library's translation)."""
+    from pallas_cache.sizing import Trace
+    from pallas_cache.sizing.devices import device_traces
+
+    experts = ((4, 0), (5, 1, 2), (3,))
+    sharding = pm.expert_sharding(6, 3, experts=experts)
+    routes = np.array([[0, 5], [3, -1], [4, 4], [-1, -1]], np.int32)
+    trace = Trace(routes=routes, layers=np.array([0, 1, 0, 1], np.int32), num_layers=2,
+                  num_experts=6, token_idx=np.array([0, 0, 1, 1]))
+    out = device_traces(trace, sharding)
+    for d, ids in enumerate(experts):
+        mine = sorted(ids)
+        expected = [[mine.index(r) if r in mine else -1 for r in row] for row in routes.tolist()]
+        assert out[d].routes.tolist() == expected
+        assert out[d].num_experts == 3 and out[d].layers.tolist() == [0, 1, 0, 1]
+        assert out[d].num_tokens == trace.num_tokens
+    with pytest.raises(ValueError, match="owner map is for 6 experts, the trace has 8"):
+        device_traces(Trace(routes=routes, layers=np.zeros(4, np.int32), num_layers=2,
+                            num_experts=8), sharding)
+
+
+def test_tensor_parallel_slots_and_time_are_the_one_device_model_with_a_slot_of_w_over_t():
+    from pallas_cache.sizing.cost import modeled_seconds
+    from pallas_cache.sizing.devices import tensor_parallel_seconds, tensor_parallel_slots
+
+    W = 352_321_536  # Mixtral-8x7B bf16
+    gib = 2**30
+    # a per-device budget B on T devices holds the slots of T * B on one device
+    assert tensor_parallel_slots(10 * gib, 2, W) == (20 * gib) // W == 60
+    assert tensor_parallel_slots(10 * gib, 4, W) == (40 * gib) // W
+    pairs = [(2, 0, 5), (0, 3, 7), (1, 1, 11)]
+    # one device is the one-device model; T devices copy W/T each, in parallel; the CPU
+    # experts' bytes are W whatever T
+    assert tensor_parallel_seconds(pairs, W, 1, 25e9, 60e9) == modeled_seconds(pairs, W, 25e9,
+                                                                                 60e9)
+    assert tensor_parallel_seconds(pairs, W, 4, 25e9, 60e9) == pytest.approx(
+        5 * 2 * W / 4 / 25e9 + 7 * 3 * W / 60e9 + 11 * max(W / 4 / 25e9, W / 60e9))
