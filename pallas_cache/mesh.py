@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-from typing import Any, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -139,8 +139,9 @@ def expert_sharding(num_experts: int, num_devices: int, *, owner=None,
 
 
 def _ints(name, values) -> list[int]:
-    values = np.asarray(values, dtype=object).reshape(-1) if not isinstance(values, (list, tuple)) \
-        else list(values)
+    """``values`` (a sequence or a 1-D array) as Python ints; TypeError names a non-integer."""
+    if not isinstance(values, (list, tuple)):
+        values = np.asarray(values, dtype=object).reshape(-1)
     out = []
     for v in values:
         if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Integral):
@@ -160,7 +161,7 @@ def _owner_from_lists(experts, E: int, D: int) -> tuple[int, ...]:
             if not 0 <= e < E:
                 raise ValueError(f"device {d} lists expert {e}, outside [0, {E})")
             if owner[e] is not None:
-                twice = ("twice by device " f"{d}" if owner[e] == d
+                twice = (f"twice by device {d}" if owner[e] == d
                          else f"by devices {owner[e]} and {d}")
                 raise ValueError(f"expert {e} is owned {twice}: every expert has one owner")
             owner[e] = d

@@ -162,7 +162,7 @@ def test_split_weights_slices_each_leaf_and_refuses_a_count_that_does_not_divide
         pm.split_weights(bank, 2, 4)
 
 
-# --- four CPU devices, in one subprocess -----------------------------------------------------------
+# --- four CPU devices, in one subprocess -----------------------------------------------------
 
 
 @pytest.fixture(scope="module")
