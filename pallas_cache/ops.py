@@ -17,7 +17,7 @@ from pallas_cache import clock, errors, evictions, selection, validate
 from pallas_cache.kernels import dispatch
 from pallas_cache.policy import Admission, FetchOrder, FetchPolicy
 from pallas_cache.state import CacheState
-from pallas_cache.tree import pytree_dataclass, static_field
+from pallas_cache.tree import in_manual_mesh, pytree_dataclass, static_field
 
 __all__ = [
     "CopyPlan",
@@ -251,7 +251,9 @@ def ensure_with_rules(state: CacheState, layer, routes, policy: FetchPolicy, rul
     flat_routes = routes.reshape(-1)
     num_out = min(flat_routes.shape[0], E)  # K': distinct routes of one layer never exceed E
 
-    if backend != "xla":
+    # Inside a shard_map the XLA step runs on every backend: the fused kernel's body does not
+    # type-check under check_vma (docs/design.md, "Several devices"); the results are the same.
+    if backend != "xla" and not in_manual_mesh(flat_routes):
         from pallas_cache.kernels import step as fused  # imports the Pallas Triton backend
 
         if fused.supports(state, rules, flat_routes.shape[0]):

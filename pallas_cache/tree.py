@@ -12,7 +12,7 @@ import dataclasses
 import jax
 from jax import lax
 
-__all__ = ["pytree_dataclass", "static_field", "varying_like"]
+__all__ = ["in_manual_mesh", "pytree_dataclass", "static_field", "varying_like"]
 
 
 def static_field(**kwargs):
@@ -58,3 +58,9 @@ def _varying_axes(value) -> set:
     aval = jax.typeof(value)
     manual = getattr(aval, "manual_axis_type", None)
     return set(getattr(manual, "varying", None) or getattr(aval, "vma", None) or ())
+
+
+def in_manual_mesh(value) -> bool:
+    """Whether a traced value is inside a ``shard_map`` body (its mesh has a manual axis)."""
+    mesh = getattr(getattr(jax.typeof(value), "sharding", None), "mesh", None)
+    return jax.sharding.AxisType.Manual in tuple(getattr(mesh, "axis_types", ()))

@@ -133,7 +133,7 @@ def _member(tree, d):
 # --- expert-parallel ---------------------------------------------------------------------------
 
 
-def _expert_step(mesh, sharding, feed, traces):
+def _expert_step(mesh, sharding, feed, traces, backend=None):
     """The jitted per-layer-call step of the expert-parallel layout: each device maps the global
     routes to its own and runs ``ensure_hybrid`` on its own cache. ``feed`` picks what a device's
     cache is given: ``"local"`` (the layout), ``"global_ids"`` (naive: its routes under their
@@ -149,14 +149,14 @@ def _expert_step(mesh, sharding, feed, traces):
         elif feed == "global_ids":
             routes = jnp.where((routes >= 0) & (owner[jnp.maximum(routes, 0)] == device),
                                routes, -1)
-        state, plan = pc.ensure_hybrid(state, layer, routes, policy)
+        state, plan = pc.ensure_hybrid(state, layer, routes, policy, backend=backend)
         return pm.stack_view((state, plan))
 
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(AXIS), P(), P(), P()),
                                  out_specs=P(AXIS)))
 
 
-def run_expert_lockstep(eviction, *, experts=None, feed="local", seed=0):
+def run_expert_lockstep(eviction, *, experts=None, feed="local", seed=0, backend=None):
     """Every device's cache against one reference cache fed only that device's routes, after
     every layer-call; the route assignment helper against the reference plans; all-padding calls
     advance ``step`` and ``calls``; the step is compiled once. Returns a summary line."""
@@ -180,7 +180,7 @@ def run_expert_lockstep(eviction, *, experts=None, feed="local", seed=0):
     references = [ReferenceCache(L, sharding.num_local, s, capacity=capacity, eviction=eviction,
                                  history=HISTORY) for s in sizes]
     traces = []
-    step = _expert_step(mesh, sharding, feed, traces)
+    step = _expert_step(mesh, sharding, feed, traces, backend)
     policies = _policies()
     padding_calls = [0] * NUM_DEVICES
     previous = None
@@ -224,7 +224,8 @@ def run_expert_lockstep(eviction, *, experts=None, feed="local", seed=0):
 # --- tensor-parallel ---------------------------------------------------------------------------
 
 
-def _tensor_step(mesh, *, perturb=False, broadcast=False, check_vma=True, traces=None):
+def _tensor_step(mesh, *, perturb=False, broadcast=False, check_vma=True, traces=None,
+                 backend=None):
     """The jitted per-layer-call step of the tensor-parallel layout: the cache is replicated
     (``P()``) and every device runs ``ensure_hybrid`` on the routes it was given. ``perturb``
     changes device 0's routes (every id + 1 mod E); ``broadcast`` then gives every device device
@@ -237,7 +238,7 @@ def _tensor_step(mesh, *, perturb=False, broadcast=False, check_vma=True, traces
             routes = jnp.where(first & (routes >= 0), (routes + 1) % E, routes)
         if broadcast:
             routes = pm.broadcast_routes(routes, AXIS, source=1)
-        return pc.ensure_hybrid(state, layer, routes, policy)
+        return pc.ensure_hybrid(state, layer, routes, policy, backend=backend)
 
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P(), P()),
                                  out_specs=P(), check_vma=check_vma))
@@ -252,7 +253,8 @@ def _device_copies(tree):
             for d in range(NUM_DEVICES)]
 
 
-def run_tensor_lockstep(eviction, *, perturb=False, broadcast=False, check_vma=True, seed=1):
+def run_tensor_lockstep(eviction, *, perturb=False, broadcast=False, check_vma=True, seed=1,
+                        backend=None):
     """The ``T`` devices' copies of the one cache (and of its plan) are identical after every
     layer-call, and equal one reference cache fed the routes."""
     ReferenceCache, _ = _reference()
@@ -263,7 +265,7 @@ def run_tensor_lockstep(eviction, *, perturb=False, broadcast=False, check_vma=T
     reference = ReferenceCache(L, E, S, capacity=S + 2, eviction=eviction, history=HISTORY)
     traces = []
     step = _tensor_step(mesh, perturb=perturb, broadcast=broadcast, check_vma=check_vma,
-                        traces=traces)
+                        traces=traces, backend=backend)
     policies = _policies()
     for index, (layer, routes) in enumerate(_calls(seed, [e % NUM_DEVICES for e in range(E)])):
         policy, ref_policy = policies[index % len(policies)]
@@ -447,6 +449,11 @@ def check_tensor_perturbed_is_refused_by_check_vma():
 CHECKS = {
     **{f"expert_lockstep[{ev}]": (lambda ev=ev: run_expert_lockstep(ev)) for ev in EVICTIONS},
     "expert_lockstep_user_map[lru]": lambda: run_expert_lockstep("lru", experts=USER_EXPERTS),
+    # the Pallas backends (the GPU default) inside a shard_map: the XLA step runs there
+    "expert_lockstep_interpret_backend[pair_lfu]": lambda: run_expert_lockstep(
+        "pair_lfu", backend="interpret"),
+    "tensor_lockstep_interpret_backend[lru]": lambda: run_tensor_lockstep(
+        "lru", backend="interpret"),
     "naive_global_ids_fed_to_a_device_cache": lambda: _expect_failure(
         run_expert_lockstep, "lru", feed="global_ids"),
     "naive_every_route_fed_to_every_device_cache": lambda: _expect_failure(
