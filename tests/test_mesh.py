@@ -185,6 +185,8 @@ def test_on_four_devices(mesh_results, name):
     """One check of tests/mesh_checks.py (its docstring says what FAILS it); the lockstep checks
     compare every device's cache with the NumPy reference after every layer-call, the naive_*
     checks pass only when that comparison catches the naive variant."""
+    if name not in mesh_results and name in mesh_checks.DEEP_ONLY:
+        pytest.skip("runs under PALLAS_CACHE_PROFILE=deep")
     result = mesh_results[name]
     assert result["ok"], result["detail"]
 
