@@ -13,6 +13,7 @@ from jax.experimental.compute_on import compute_on
 from pallas_cache.hints import IndexLike, PyTree
 from pallas_cache.ops import EnsurePlan
 from pallas_cache.moe import check_bank_layer, check_routes, gather_rows, memory_space, to_space
+from pallas_cache.tree import varying_like
 
 __all__ = [
     "HOST_COMPUTE",
@@ -173,7 +174,9 @@ def _switch_partial(bank, expert_fn, has_layer, space, tokens, chosen_ids, count
     def branch(n):
         def run(tokens, chosen_ids, token_gates, layer_index):
             if n == 0:
-                return to_space(jnp.zeros(out.shape, out.dtype), space)
+                zeros = to_space(jnp.zeros(out.shape, out.dtype), space)
+                return varying_like(zeros, bank, tokens, chosen_ids, token_gates,
+                                     layer_index if has_layer else None)
             return _experts_on_tokens(tokens, chosen_ids, token_gates, bank, expert_fn,
                                       layer_index if has_layer else None, n)
         return run

@@ -16,6 +16,7 @@ from jax import lax
 from jax.custom_batching import custom_vmap
 
 from pallas_cache.hints import IndexLike, PyTree
+from pallas_cache.tree import varying_like
 
 __all__ = [
     "apply_copy_plan",
@@ -156,6 +157,7 @@ def _slice_rows(bank_leaf, indices, out_space):
     flat = [index.reshape(-1).astype(jnp.int32) for index in indices]
     zeros = (jnp.int32(0),) * len(row_shape)
     out = to_space(jnp.zeros((flat[0].shape[0],) + row_shape, bank_leaf.dtype), out_space)
+    out = varying_like(out, bank_leaf, flat)  # the loop's carry has the rows' type
 
     def copy_row(i, out):
         start = tuple(index[i] for index in flat) + zeros

@@ -1,7 +1,8 @@
 """The one pytree idiom of the library: a frozen dataclass registered with JAX.
 
 :func:`pytree_dataclass` makes every field a traced leaf unless :func:`static_field` declares it
-part of the tree structure; instances gain ``replace(**changes)``.
+part of the tree structure; instances gain ``replace(**changes)``. :func:`varying_like` gives a
+constant the mesh-axis type of the values it stands beside (inside ``jax.shard_map``).
 """
 
 from __future__ import annotations
@@ -10,10 +11,11 @@ import dataclasses
 from typing import Any, TypeVar, dataclass_transform
 
 import jax
+from jax import lax
 
 _T = TypeVar("_T")
 
-__all__ = ["Record", "pytree_dataclass", "static_field"]
+__all__ = ["Record", "in_manual_mesh", "pytree_dataclass", "static_field", "varying_like"]
 
 
 def static_field(**kwargs: Any) -> Any:
@@ -48,3 +50,32 @@ def pytree_dataclass(cls: type[_T]) -> type[_T]:
     if "replace" not in cls.__dict__:
         cls.replace = _replace
     return jax.tree_util.register_dataclass(cls)
+
+
+def varying_like(value, *operands):
+    """``value`` made to vary over every mesh axis that any of ``operands`` varies over. Inside a
+    ``shard_map`` with ``check_vma`` a constant (zeros) then has the type of the values computed
+    from the operands, as a switch's or cond's branches and a loop's carry must; elsewhere there
+    are no such axes and it is ``value`` (docs/design.md, "Several devices")."""
+    axes = set()
+    for operand in jax.tree.leaves(operands):
+        axes |= _varying_axes(operand)
+    return jax.tree.map(lambda leaf: _cast(leaf, axes), value)
+
+
+def _cast(leaf, axes):
+    missing = axes - _varying_axes(leaf)
+    return lax.pcast(leaf, tuple(sorted(missing, key=str)), to="varying") if missing else leaf
+
+
+def _varying_axes(value) -> set:
+    """The mesh axes a traced value varies over inside a ``shard_map`` (empty outside one)."""
+    aval = jax.typeof(value)
+    manual = getattr(aval, "manual_axis_type", None)
+    return set(getattr(manual, "varying", None) or getattr(aval, "vma", None) or ())
+
+
+def in_manual_mesh(value) -> bool:
+    """Whether a traced value is inside a ``shard_map`` body (its mesh has a manual axis)."""
+    mesh = getattr(getattr(jax.typeof(value), "sharding", None), "mesh", None)
+    return jax.sharding.AxisType.Manual in tuple(getattr(mesh, "axis_types", ()))

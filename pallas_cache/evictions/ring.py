@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.custom_batching import custom_vmap
 
-from pallas_cache.tree import Record, pytree_dataclass
+from pallas_cache.tree import Record, pytree_dataclass, varying_like
 
 
 @pytree_dataclass
@@ -92,9 +92,12 @@ def cpu_branch(pred, fn, skipped, *operands):
     everything traced is an operand."""
     @custom_vmap
     def run(pred, *operands):
-        return lax.platform_dependent(
-            pred, *operands, cpu=lambda pred, *ops: lax.cond(pred, fn, skipped, *ops),
-            default=lambda pred, *ops: fn(*ops))
+        # Inside a shard_map both branches vary over the axes of the predicate and operands.
+        on_cpu = lambda pred, *ops: lax.cond(  # noqa: E731
+            pred, lambda *ops: varying_like(fn(*ops), pred, ops),
+            lambda *ops: varying_like(skipped(*ops), pred, ops), *ops)
+        return lax.platform_dependent(pred, *operands, cpu=on_cpu,
+                                      default=lambda pred, *ops: fn(*ops))
 
     @run.def_vmap
     def run_vmap(axis_size, in_batched, pred, *operands):

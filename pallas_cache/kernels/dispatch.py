@@ -37,13 +37,14 @@ def resolve_backend(backend) -> str:
     return backend
 
 
-def fused_step_for(state, rules, num_routes: int, backend: str):
+def fused_step_for(state, rules, num_routes: int, backend: str, *, in_shard_map: bool = False):
     """The fused kernel's step for this call on ``backend`` (a resolved name), or ``None`` when the
-    XLA step runs: on ``"xla"``, and for calls the kernel does not run (traced rules, an eviction
-    without kernel hooks, no route: :func:`~pallas_cache.kernels.step.supports`). The returned
-    callable takes ``(state, layer, routes, policy, rules)`` as
-    :func:`~pallas_cache.kernels.step.fused_step`."""
-    if backend == "xla":
+    XLA step runs: on ``"xla"``, inside a ``shard_map`` body (``in_shard_map``: the kernel's body
+    does not type-check under ``check_vma``; docs/design.md, "Several devices"), and for calls the
+    kernel does not run (traced rules, an eviction without kernel hooks, no route:
+    :func:`~pallas_cache.kernels.step.supports`). The returned callable takes ``(state, layer,
+    routes, policy, rules)`` as :func:`~pallas_cache.kernels.step.fused_step`."""
+    if backend == "xla" or in_shard_map:
         return None
     from pallas_cache.kernels import step  # imports the Pallas Triton backend
 

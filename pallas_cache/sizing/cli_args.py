@@ -151,6 +151,12 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--device-budget", metavar="SIZE",
                         help="device memory for the pool, e.g. 24GiB: names the fastest "
                              "configuration whose cache_bytes fits (needs W and both bandwidths)")
+    replay.add_argument("--devices", type=int, default=None, metavar="D",
+                        help="size the caches of D devices (with --parallel); cache sizes and "
+                             "--device-budget are per device")
+    replay.add_argument("--parallel", choices=("expert", "tensor"), default=None,
+                        help="with --devices: expert (each device its own experts and cache) or "
+                             "tensor (each device 1/D of every expert, one cache)")
     replay.add_argument("--order", nargs="+", default=["recency"], choices=["recency", "lowest_id"],
                         help="which misses win a capped fetch (default: recency)")
     replay.add_argument("--admission", nargs="+", default=["promote_one"],

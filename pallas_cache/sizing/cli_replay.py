@@ -16,6 +16,8 @@ from pallas_cache.sizing import synthetic
 from pallas_cache.sizing.cli_args import (DEFAULT_PRESET, cache_sizes, check_plot_path,
                                           check_state_memory, clamped, cost_options,
                                           model_mismatch, policy_warnings, resolve_policies)
+from pallas_cache.sizing.cli_devices import (device_cost, device_header, run_expert_parallel,
+                                             tensor_records)
 from pallas_cache.sizing.progress import Bar, Progress
 from pallas_cache.sizing.report import format_records, records
 from pallas_cache.sizing.traces import TraceError, default_memory_limit, load_trace, parse_fields
@@ -373,12 +375,17 @@ def _replay_with(args, progress: Progress, latch: _InterruptLatch) -> int:
         if args.plot:
             args.plot = check_plot_path(args.plot)
         cost, model, weight_label = cost_options(args)
+        cost = device_cost(args, cost)
         requested = resolve_policies(args.policy, cost)
         policies = list(dict.fromkeys(clamped(policy) for policy in requested))
         progress.note(f"reading {args.trace}..." if args.trace else
                       f"generating the {args.synthetic or DEFAULT_PRESET} trace...")
-        compiling = None if args.trace else _precompile_synthetic(args, policies, cost)
+        expert_parallel = getattr(args, "parallel", None) == "expert"
+        compiling = (None if args.trace or expert_parallel
+                     else _precompile_synthetic(args, policies, cost))
         trace = _load(args, progress)
+        if expert_parallel:
+            return run_expert_parallel(args, trace, cost, policies, progress, latch)
         sizes, size_lines = cache_sizes(args.cache_size, trace, cost)
         configs = config_grid(sizes, policies, args.order, args.admission, args.eviction)
         if not configs:
@@ -424,7 +431,7 @@ def _replay_with(args, progress: Progress, latch: _InterruptLatch) -> int:
         _join_companions(knn_thread, knn_stop)
     latch.check()  # nothing is written after a Ctrl-C, even one a compile callback swallowed
     fmt = args.format or ("json" if args.json else "table")
-    rows = records(results, trace, cost)
+    rows = tensor_records(records(results, trace, cost), args)
     if fmt != "table":
         print(format_records(rows, fmt))
     else:
@@ -439,7 +446,7 @@ def _replay_with(args, progress: Progress, latch: _InterruptLatch) -> int:
             if cost.link_bandwidth and cost.cpu_bandwidth:
                 header.append(f"fraction:auto = B_link/(B_link+B_cpu) = "
                               f"{cost.auto_fraction():.4f} -> {cost.auto_policy()}")
-        header += [f"size: {line}" for line in size_lines]
+        header += [f"size: {line}" for line in size_lines] + device_header(args, cost)
         print(format_records(rows, "table", header))
         print("\n".join(_legend(results, trace, cost, _knn_line(results, companions, knn_rates))))
     if args.plot:

@@ -1,0 +1,105 @@
+"""``pallas-cache replay --devices D --parallel expert|tensor`` (docs/replay.md, "Several
+devices"): the tensor-parallel rows are a one-device replay of T times the bytes, the
+expert-parallel rows are replays of each device's routes, and a wrong flag or combination exits
+2 with one line before the trace is read."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import re
+
+import numpy as np
+import pytest
+
+from pallas_cache.sizing import ReplayConfig, cli, replay, synthetic
+from pallas_cache.sizing.devices import tensor_parallel_seconds
+from pallas_cache.sizing.models import resolve_model
+from pallas_cache.sizing.traces import Trace
+
+replay_mod = importlib.import_module("pallas_cache.sizing.sweep")
+TRACE = ["--synthetic", "mixtral-like", "--tokens", "6", "--seed", "3"]
+RATES = ["--link-bandwidth", "25GB/s", "--cpu-bandwidth", "60GB/s", "--policy", "full",
+         "fraction:0.4"]
+COUNTS = ("cache_size", "policy", "calls", "active", "missing", "fetched", "cpu_experts",
+          "hit_rate", "pair_counts")
+
+
+def _json(capsys, argv):
+    assert cli.main(["replay", *argv, "-q", "--format", "json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_tensor_parallel_rows_are_the_one_device_replay_of_t_times_the_bytes(capsys):
+    """FAILS if a per-device size B is turned into B / W slots (not B * T / W), or if the
+    modeled time charges a fetch W (not W / T per device, in parallel) or a CPU expert W / T."""
+    W = resolve_model("mixtral-8x7b")[0].expert_bytes("bf16")
+    tensor = _json(capsys, [*TRACE, "--model", "mixtral-8x7b", "--cache-size", "10GiB",
+                            "20GiB", "--devices", "2", "--parallel", "tensor", *RATES])
+    single = _json(capsys, [*TRACE, "--model", "mixtral-8x7b", "--cache-size", "20GiB",
+                            "40GiB", *RATES])
+    assert [r["cache_size"] for r in tensor] == [r["cache_size"] for r in single] != []
+    for t, s in zip(tensor, single):
+        assert {k: t[k] for k in COUNTS} == {k: s[k] for k in COUNTS}
+        assert t["cache_bytes"] == t["cache_size"] * W // 2  # per device
+        assert t["cpu_bytes_per_token"] == pytest.approx(s["cpu_bytes_per_token"])
+        pairs = [tuple(p) for p in t["pair_counts"]]
+        assert t["modeled_ms_per_token"] == pytest.approx(
+            1e3 * tensor_parallel_seconds(pairs, W, 2, 25e9, 60e9) / t["tokens"])
+    assert any(r["cpu_experts"] for r in tensor) and any(r["fetched"] for r in tensor)
+
+
+def test_expert_parallel_rows_are_replays_of_each_devices_routes_then_the_busiest(capsys):
+    """FAILS if a device's rows are not a one-device replay of its routes (derived here from
+    the default share: contiguous blocks), or the busiest row is not the slowest device's."""
+    D = 4
+    rows = _json(capsys, [*TRACE, "--expert-bytes", "1MiB", "--cache-size", "2", "6",
+                          "--devices", str(D),
+                          "--parallel", "expert", *RATES])
+    trace = synthetic.synthetic_trace("mixtral-like", num_tokens=6, seed=3)
+    E = trace.num_experts
+    share = E // D  # mixtral-like: 8 experts, 2 per device
+    per_config = len(rows) // (D + 1)
+    configs = [ReplayConfig(r["cache_size"], r["policy"]) for r in rows[:per_config]]
+    for d in range(D):
+        mine = (trace.routes >= d * share) & (trace.routes < (d + 1) * share)
+        routes = np.where(mine, trace.routes - d * share, -1)
+        device_trace = Trace(routes=routes, layers=trace.layers, num_layers=trace.num_layers,
+                             num_experts=share, token_idx=trace.token_idx)
+        expected = replay(device_trace, configs, progress=lambda _: None)
+        got = rows[d * per_config:(d + 1) * per_config]
+        for g, e in zip(got, expected):
+            assert [g[k] for k in COUNTS[:-1]] == [getattr(e, k) for k in COUNTS[:-1]], d
+    for i, busiest in enumerate(rows[D * per_config:]):
+        candidates = [rows[d * per_config + i] for d in range(D)]
+        slowest = max(c["modeled_ms_per_token"] for c in candidates)
+        assert busiest["modeled_ms_per_token"] == slowest
+        assert busiest["note"].startswith("busiest: device ")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--devices", "2"], "--devices and --parallel go together"),
+    (["--parallel", "tensor"], "--devices and --parallel go together"),
+    (["--devices", "0", "--parallel", "expert"], "--devices must be at least 1, got 0"),
+    (["--devices", "two", "--parallel", "expert"], "--devices: invalid int value: 'two'"),
+    (["--devices", "2", "--parallel", "pipeline"], "--parallel: invalid choice: 'pipeline'"),
+    (["--devices", "3", "--parallel", "tensor", "--expert-bytes", "1000"],
+     "an expert of 1000 bytes does not split into 3 equal slices"),
+    (["--devices", "2", "--parallel", "tensor", "--plot", "out.png"],
+     "--plot .* does not combine with --devices"),
+])
+def test_a_wrong_device_flag_fails_with_one_line_before_the_trace_is_read(
+        capsys, monkeypatch, tmp_path, argv, message):
+    """FAILS if a device flag is checked only after reading the trace (the trace here does not
+    exist) or fails with more than one line."""
+    def no_replay(*args, **kwargs):
+        raise AssertionError("the replay ran before the argument error was reported")
+
+    monkeypatch.setattr(replay_mod, "replay", no_replay)
+    monkeypatch.chdir(tmp_path)
+    code = cli.main(["replay", "--trace", str(tmp_path / "missing.jsonl"), *argv])
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith("pallas-cache: ") and "missing.jsonl" not in lines[0], err
+    assert re.search(message, lines[0]), lines[0]
