@@ -23,7 +23,7 @@ from pallas_cache.sizing import bounds, sweep_program, sweep_runner
 from pallas_cache.sizing.sweep import (ReplayConfig, capacity_buckets, config_grid, parse_policy,
                                        replay)
 from pallas_cache.sizing.traces import Trace
-from reference import ReferenceCache, ReferencePolicy
+from pallas_cache.reference import ReferenceCache, ReferencePolicy
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
