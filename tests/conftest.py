@@ -128,24 +128,25 @@ EXTRA_EVICTIONS: dict = {}
 
 
 def add_eviction_under_test(library_record, reference_record):
-    """Put a policy under every eviction-parametrised test (call before collection, e.g. from a
-    conftest or plugin): the library's ``EvictionPolicy`` and its reference twin, one name."""
+    """Put a policy under every eviction-parametrised test: the library's ``EvictionPolicy`` and
+    its reference twin, one name. Call before collection, from a plugin's ``pytest_configure``
+    that imports ``conftest`` there (tests/test_harness.py)."""
     assert library_record.name == reference_record.name
     EXTRA_EVICTIONS[library_record.name] = (library_record, reference_record)
     reference.evictions.POLICIES[reference_record.name] = reference_record
 
 
-def evictions_under_test(*, kernel=None, bookkeeping=None, ring=None) -> list:
+def evictions_under_test(*, kernel=None, ring=None, default=None) -> list:
     """Every eviction under test, as ``pc.init`` and ``reference.init`` take it (the name of a
     built-in policy, the library record of an added one), filtered by: ``kernel`` (the fused
-    kernel ranks it), ``bookkeeping`` (it keeps an ``eviction_state``), ``ring`` (a token ring)."""
+    kernel ranks it), ``ring`` (it keeps a token ring), ``default`` (it is LRU, the default)."""
     out = []
     for value, record in [(e.value, e.policy) for e in pc.Eviction] + [
             (lib, lib) for lib, _ in EXTRA_EVICTIONS.values()]:
         state = record.init(1, 1, 2)
-        has = {"kernel": record.kernel is not None, "bookkeeping": state is not None,
+        has = {"kernel": record.kernel is not None, "default": record is pc.Eviction.LRU.policy,
                "ring": state is not None and record.history_of(state) is not None}
-        wanted = {"kernel": kernel, "bookkeeping": bookkeeping, "ring": ring}
+        wanted = {"kernel": kernel, "ring": ring, "default": default}
         if all(want is None or has[k] == want for k, want in wanted.items()):
             out.append(pytest.param(value, id=record.name))
     return out

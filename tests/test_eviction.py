@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 import pallas_cache as pc
 from conftest import ADAPTER, assert_same, evictions_under_test, examples, slot_of, valid
+from pallas_cache import reference
 from pallas_cache.reference import ReferenceCache, ReferencePolicy
-from pallas_cache.reference import evictions as reference_evictions
 from test_lockstep import assert_same_caches, build_policy, run_lockstep
 from test_loop_free import primitives, trace
 
@@ -107,8 +107,8 @@ def test_pair_lfu_in_a_scan_decode_loop_equals_the_reference_step_by_step():
     ref, expected = _reference_run(L, E, S, calls, 0.75)
     for t, want in enumerate(expected):
         got = jax.tree.map(lambda x: x[t], plans)
-        assert_same((got), (want), f"call {t}")
-    assert_same((state), (ref), "end")
+        assert_same(got, want, f"call {t}")
+    assert_same(state, ref, "end")
 
 
 def test_pair_lfu_vmapped_over_caches_equals_a_loop_of_references():
@@ -126,7 +126,7 @@ def test_pair_lfu_vmapped_over_caches_equals_a_loop_of_references():
         for i, ref in enumerate(refs):
             want = ref.ensure_hybrid(int(layers[i]), routes[i], ReferencePolicy.full())
             got = jax.tree.map(lambda x: x[i], plans)
-            assert_same((got), (want), f"call {t} lane {i}")
+            assert_same(got, want, f"call {t} lane {i}")
             lane = jax.tree.map(lambda x: x[i], states)
             np.testing.assert_array_equal(lane.eviction_state.freq, ref.eviction_state.freq)
             np.testing.assert_array_equal(lane.eviction_state.prot, ref.eviction_state.prot)
@@ -174,8 +174,8 @@ def test_protection_outranks_frequency(adapter):
     cache.ensure(1, [0])           # slot 1: layer 1 expert 0, freq 65536, protected
     cache.ensure(0, [1])           # slot 2: layer 0 expert 1; layer 0 expert 0 loses protection
     state = cache.state
-    assert state.prot[0].tolist() == [False, True] and state.prot[1, 0]
-    assert state.freq[0, 0] > 7 * 65536 > state.freq[1, 0]
+    assert state.eviction_state.prot[0].tolist() == [False, True] and state.eviction_state.prot[1, 0]
+    assert state.eviction_state.freq[0, 0] > 7 * 65536 > state.eviction_state.freq[1, 0]
     plan = cache.ensure(2, [0])
     assert valid(plan.copy, "dst_slots") == [0], "the unprotected, frequent expert is the victim"
     assert slot_of(cache.state, 1, 0) == 1 and slot_of(cache.state, 0, 0) is None
@@ -192,7 +192,7 @@ def test_among_unprotected_residents_the_least_frequent_goes_first(adapter):
     cache.ensure(0, [1])           # slot 2; layer 0 expert 0 loses protection
     cache.ensure(1, [1])           # a miss with a full pool; layer 1 expert 0 loses protection
     state = cache.state
-    assert not state.prot[0, 0] and not state.prot[1, 0]
+    assert not state.eviction_state.prot[0, 0] and not state.eviction_state.prot[1, 0]
     assert slot_of(state, 0, 0) is not None and slot_of(state, 1, 0) is None
 
 
@@ -215,7 +215,7 @@ def test_free_slots_come_first_in_lru_order_before_any_resident(adapter):
     cache.begin_prefill()
     cache.prefetch_prefill_layer(0, (512 * 1024,))  # slots 0, 1 emptied with usage 0
     state = cache.state
-    assert state.prot[0].all() and state.freq[0, 0] > state.freq[0, 1]
+    assert state.eviction_state.prot[0].all() and state.eviction_state.freq[0, 0] > state.eviction_state.freq[0, 1]
     assert state.usage.tolist()[:2] == [0, 0] and state.usage[4] == -(2**31)
     plan = cache.ensure(1, [0, 1])
     assert valid(plan.copy, "dst_slots") == [4, 0]
@@ -266,8 +266,8 @@ def test_materialize_and_forget_leave_the_frequencies_alone(adapter):
     cache.forget_slot(0)
     cache.ensure(5, [0])              # refused: ERR_LAYER, nothing changes
     after = cache.state
-    np.testing.assert_array_equal(after.freq, before.freq)
-    np.testing.assert_array_equal(after.prot, before.prot)
+    np.testing.assert_array_equal(after.eviction_state.freq, before.eviction_state.freq)
+    np.testing.assert_array_equal(after.eviction_state.prot, before.eviction_state.prot)
 
 
 def test_reuse_is_refused_with_a_non_lru_eviction_naming_both():
@@ -312,7 +312,7 @@ def test_lru_states_carry_no_extra_leaves_and_keep_their_policy_through_reset_an
         assert not np.asarray(state.eviction_state.freq).any()
 
 
-@pytest.mark.parametrize("eviction", ["pair_lfu", "route_knn", "route_lfu"])
+@pytest.mark.parametrize("eviction", evictions_under_test(default=False))
 @pytest.mark.parametrize("backend", ["xla", "interpret", "pallas"])
 def test_evictions_are_loop_free_on_every_backend(backend, eviction):
     """FAILS if a policy's ranking or bookkeeping traces to a ``while`` outside a kernel."""
@@ -365,7 +365,7 @@ def test_the_replay_sweeps_the_eviction_and_matches_the_reference():
                   else ReferencePolicy.fraction(0.4))
         for layer, routes in trace:
             ref.ensure_hybrid(layer, routes, policy)
-        counts = ref.stats()
+        counts = reference.stats(ref)
         assert result.eviction == config.eviction
         assert (result.active, result.missing, result.fetched) == (
             counts.active, counts.missing, counts.fetched), config
@@ -414,7 +414,7 @@ def test_route_knn_jitted_matches_the_reference_after_every_step(data):
     run_lockstep(data, "jax-jit", eviction=ROUTE_KNN)
 
 
-@pytest.mark.parametrize("eviction", ["route_knn", "route_lfu"])
+@pytest.mark.parametrize("eviction", evictions_under_test(ring=True))
 def test_route_knn_in_a_scan_and_vmapped_equals_the_reference(eviction):
     """FAILS if ROUTE_KNN's (or ROUTE_LFU's) ring, token detection or ranking differ inside
     ``lax.scan`` with a traced layer, or across the lanes of a ``vmap`` (each lane its own
@@ -442,10 +442,9 @@ def test_route_knn_in_a_scan_and_vmapped_equals_the_reference(eviction):
         for t in range(layers.shape[1]):
             want = ref.ensure_hybrid(int(layers[i, t]), routes[i, t], ReferencePolicy.fraction(0.75))
             got = jax.tree.map(lambda x: x[i, t], plans)
-            assert_same((got), (want), f"lane {i} call {t}")
-        assert_same((jax.tree.map(lambda x: x[i], states)), (ref),
-                          f"lane {i}")
-        assert ref.eviction_state.token > W and ref.step < 50
+            assert_same(got, want, f"lane {i} call {t}")
+        assert_same(jax.tree.map(lambda x: x[i], states), ref, f"lane {i}")
+        assert ref.eviction_state.count == W and ref.step < 50  # the ring wrapped
 
 
 def test_route_knn_neighbours_at_the_similarity_bound():
@@ -477,9 +476,8 @@ def test_route_knn_neighbours_at_the_similarity_bound():
     ref = ReferenceCache(L, E, S, eviction="route_knn", history=W)
     for t in range(layers.shape[0]):
         want = ref.ensure_hybrid(int(layers[t]), routes[t], ReferencePolicy.full())
-        assert_same((jax.tree.map(lambda x: x[t], plans)), (want),
-                         f"call {t}")
-    assert_same((state), (ref), "end")
+        assert_same(jax.tree.map(lambda x: x[t], plans), want, f"call {t}")
+    assert_same(state, ref, "end")
 
 
 @pytest.mark.parametrize("L, E, S, usable", [(6, 8, 24, 24), (3, 40, 96, 70)])
@@ -673,7 +671,7 @@ def test_route_lfu_frequency_counts_the_current_tokens_routes(adapter):
     assert slot_of(cache.state, 0, 0) == 0
 
 
-@pytest.mark.parametrize("eviction", ["route_knn", "route_lfu"])
+@pytest.mark.parametrize("eviction", evictions_under_test(ring=True))
 def test_ring_bookkeeping_is_one_branch_on_cpu(eviction):
     """FAILS if the ring's bookkeeping of a call, and the prediction table ROUTE_KNN's ranking
     reads, are not one conditional each of XLA:CPU's compiled step (the straight-line forms:
@@ -694,7 +692,7 @@ def test_ring_bookkeeping_is_one_branch_on_cpu(eviction):
     assert branches(eviction, 40) == branches("lru", 40)
 
 
-@pytest.mark.parametrize("eviction", ["route_knn", "route_lfu"])
+@pytest.mark.parametrize("eviction", evictions_under_test(ring=True))
 def test_ring_bookkeeping_under_vmap_equals_each_lane_alone(eviction):
     """FAILS if the batched form of the ring's bookkeeping (the replay's lanes) differs from the
     unbatched one lane by lane: e.g. a lane's refused call (layer out of range, so ``accepted``
@@ -737,9 +735,10 @@ def _mru_keys(state, id_of_slot, usage, layer, num_experts, cache_size):
 MRU = pc.evictions.EvictionPolicy(name="mru", init=lambda num_layers, num_experts, history: None,
                                   observe=lambda state, layer, routed, accepted: state,
                                   victim_keys=_mru_keys)
-REFERENCE_MRU = reference_evictions.EvictionPolicy(
-    name="mru", cold=lambda cache: None, observe=lambda cache, layer, distinct: None,
-    rank=lambda cache, evictable, layer: reference_evictions.free_first(
+REFERENCE_MRU = reference.EvictionPolicy(
+    name="mru", init=lambda num_layers, num_experts, history: None,
+    observe=lambda cache, layer, distinct: None,
+    rank=lambda cache, evictable, layer: reference.evictions.free_first(
         cache, evictable, lambda s: (-cache.usage[s], s)))
 
 
@@ -752,7 +751,7 @@ def test_a_new_policy_is_one_record_and_its_reference_twin(data, adapter_name):
     ``Eviction`` enum or reads an enum attribute of the state's policy, or if the XLA step's
     victims, plans or states differ from the twin's under the new ranking."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setitem(reference_evictions.POLICIES, "mru", REFERENCE_MRU)
+        patch.setitem(reference.evictions.POLICIES, "mru", REFERENCE_MRU)
         run_lockstep(data, adapter_name, eviction=MRU)
 
 

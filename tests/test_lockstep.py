@@ -452,7 +452,7 @@ def test_capacity_above_the_usable_size_equals_a_pool_of_that_size(adapter_name)
 
 
 @examples(0.25, ci=0.16)
-@pytest.mark.parametrize("eviction", evictions_under_test(bookkeeping=True))
+@pytest.mark.parametrize("eviction", evictions_under_test(default=False))
 @given(data=st.data())
 def test_capacity_above_the_usable_size_equals_a_pool_of_that_size_under_each_eviction(
         eviction, data):
@@ -462,7 +462,7 @@ def test_capacity_above_the_usable_size_equals_a_pool_of_that_size_under_each_ev
     run_equivalence(data, "jax-jit", eviction)
 
 
-@pytest.mark.parametrize("eviction", evictions_under_test(bookkeeping=True))
+@pytest.mark.parametrize("eviction", evictions_under_test(default=False))
 def test_a_long_run_with_capacity_equals_a_pool_of_the_usable_size_under_each_eviction(eviction):
     """FAILS if ROUTE_KNN's (or ROUTE_LFU's) horizon ``H = ceil(S / L)`` comes from the capacity
     (here 8 tokens instead of 2: neighbours' routes 2..7 tokens ahead would count), or a
@@ -524,7 +524,7 @@ def test_resize_interleaved_with_every_op_matches_the_reference(adapter_name):
 
 
 @examples(0.25, ci=0.16)
-@pytest.mark.parametrize("eviction", evictions_under_test(bookkeeping=True))
+@pytest.mark.parametrize("eviction", evictions_under_test(default=False))
 @given(data=st.data())
 def test_resize_interleaved_with_every_op_matches_the_reference_under_each_eviction(
         eviction, data):

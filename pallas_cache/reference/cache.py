@@ -1,7 +1,7 @@
 """The NumPy oracle of the expert slot cache: docs/semantics.md §3-§6 and §5.12, written to be read.
 
 This is the imperative twin of ``pallas_cache``: one method per operation, int64 arrays, plain
-loops, and each rule stated once, in a comment next to the line that implements it. It imports no
+loops, and each rule stated once, in a comment next to the line that implements it. It uses no
 JAX. The operations are split along the JAX modules -- :mod:`.state` (fields, cold
 starts, the clock tick), :mod:`.ops` (decode), :mod:`.prefill`, :mod:`.reports` -- and this module assembles them into :class:`ReferenceCache`. The
 property tests drive both implementations with the same operations and compare every state field
