@@ -1,36 +1,28 @@
-"""Shared test configuration: Hypothesis profiles, the adapters every rule test runs over, the one
-record comparison and the evictions under test.
+"""Shared test configuration: Hypothesis profiles (``ci``, the default, fast; ``deep`` via
+``PALLAS_CACHE_PROFILE=deep``: many more sequences, every adapter test on all four adapters), the
+adapters, the one record comparison and the evictions under test.
 
-Hypothesis profiles: ``ci`` (the default) keeps the whole suite within a few minutes on two
-cores; ``deep`` runs many more sequences (and every adapter test on all four adapters). Pick one
-with ``PALLAS_CACHE_PROFILE=deep``.
-
-**Adapters** (the idea of ``chex.variants``). A test that takes the ``adapter`` fixture runs on
+**Adapters** (the idea of ``chex.variants``). A test taking the ``adapter`` fixture runs on
 ``reference`` (:mod:`pallas_cache.reference`) and ``jax-eager`` (the public functions); marked
-``@pytest.mark.traced`` also on ``jax-jit`` (every operation under an outer ``jax.jit``, layers,
-slots and flags traced), marked ``@pytest.mark.kernels`` also on ``jax-interpret`` (jit, with the
-Pallas kernels in the interpreter). An :class:`Adapter` is a plain set of functions with the
-library's signatures, over that implementation's own records (the reference's have the library's
-field names and nesting, so nothing is translated):
-
-- ``init(L, E, S, *, capacity, eviction, history, rebase_threshold) -> state``;
-- ``ensure(state, layer, routes) -> (state, plan)``, likewise ``ensure_hybrid(state, layer,
-  routes, policy, order=, admission=)``, ``materialize_layer``, ``forget_slot``,
-  ``prefetch_prefill_layer(state, layer, banks)``, ``resize``;
-- ``begin_prefill``, ``release_prefill_layer``, ``reset``, ``reset_stats``, ``reset_routing``,
-  ``set_collect_routing``, ``start_token``, ``rebuild``, ``shift_clock(state, offset)`` -> state;
-- ``stats``, ``layer_stats``, ``per_layer_stats``, ``routing_histogram``, ``routing_skew``,
-  ``prefill_overlap_fits`` -> reports;
-- ``Policy`` (``FetchPolicy`` or ``ReferencePolicy``), ``errors`` (the ``ERR_*`` bits,
-  ``RebuildRejected``, ``PrefillDoesNotFit``), ``split(policy, missing)``, ``fraction16(policy)``.
+``traced`` also on ``jax-jit`` (every op under an outer ``jax.jit``, layers/slots/flags traced),
+marked ``kernels`` also on ``jax-interpret`` (jit, Pallas kernels in the interpreter). An
+:class:`Adapter` is a plain set of functions with the library's signatures over that
+implementation's own records (the reference's have the library's field names and nesting):
+``init(L, E, S, *, capacity, eviction, history, rebase_threshold) -> state``;
+``ensure(state, layer, routes)``, ``ensure_hybrid(state, layer, routes, policy, order=,
+admission=)``, ``materialize_layer``, ``forget_slot``, ``prefetch_prefill_layer(state, layer,
+banks)``, ``resize`` -> ``(state, plan)``; ``begin_prefill``, ``release_prefill_layer``, ``reset``,
+``reset_stats``, ``reset_routing``, ``set_collect_routing``, ``start_token``, ``rebuild`` ->
+state; ``stats``, ``layer_stats``, ``per_layer_stats``, ``routing_histogram``, ``routing_skew``,
+``prefill_overlap_fits`` -> reports; ``Policy``, ``errors`` (``ERR_*``, ``RebuildRejected``,
+``PrefillDoesNotFit``), ``is_jax``, ``ops`` (``EAGER`` or ``JITTED``), ``index(i)``.
 
 JAX plans come back with NumPy leaves; short 1-D routes are padded to :data:`ROUTE_WIDTH` (one
-compile per geometry) and the plan cut back (``adapter.unpadded()`` keeps the caller's shape).
-:class:`Cache` holds a state for a test that runs a sequence: ``c.ensure(layer, routes)`` is
-``c.state, plan = adapter.ensure(c.state, layer, routes)`` and returns the plan. Compare two
-records (states, plans, reports) with :func:`assert_same`. Every list of evictions in a test comes
-from :func:`evictions_under_test`: the library's ``Eviction`` registry plus the records
-:func:`add_eviction_under_test` adds before collection.
+compile per geometry) and the plan cut back (``adapter.unpadded()`` does not pad). A
+:class:`Cache` holds a state for a sequence: ``c.ensure(layer, routes)`` is ``c.state, plan =
+adapter.ensure(c.state, layer, routes)``, returning the plan. :func:`assert_same` compares two
+records (states, plans) field by field. Every list of evictions in a test comes from
+:func:`evictions_under_test`: the ``Eviction`` registry plus :func:`add_eviction_under_test`'s.
 """
 
 from __future__ import annotations
@@ -54,40 +46,20 @@ settings.register_profile("ci", max_examples=25, deadline=None, derandomize=True
 settings.register_profile("deep", max_examples=1000, deadline=None, suppress_health_check=_SLOW_OK)
 PROFILE = os.environ.get("PALLAS_CACHE_PROFILE", "ci")
 
-# The console script keeps compiled programs in the user's cache directory; no test may (the
-# tests call cli.main in-process, which never does, and this keeps the subprocesses that run
-# ``python -m pallas_cache.sizing.cli`` off it too). tests/test_cli_progress.py clears it where
-# it tests the cache itself, in a temporary home.
+# The console script keeps compiled programs in the user's cache directory; no test may (this
+# keeps the subprocesses running ``python -m pallas_cache.sizing.cli`` off it too;
+# tests/test_cli_progress.py clears it where it tests that cache, in a temporary home).
 os.environ["PALLAS_CACHE_NO_COMPILE_CACHE"] = "1"
 settings.load_profile(PROFILE)
 
 
-@pytest.fixture(params=["compiled", "python"])
-def optima_loop(request, monkeypatch):
-    """Run a bound test with each simulation loop of :mod:`pallas_cache.sizing.bounds`: the
-    Numba-compiled one (skipped where Numba is not installed; the ``test`` extra installs it)
-    and the pure-Python one, which must give the same schedules."""
-    from pallas_cache.sizing import bounds
-
-    if request.param == "compiled":
-        pytest.importorskip("numba")
-        monkeypatch.setenv(bounds.COMPILED_BOUNDS_ENV, "1")  # tiny traces too
-        assert bounds.compiled_loops(1) is not None
-    else:
-        monkeypatch.setenv(bounds.COMPILED_BOUNDS_ENV, "0")
-        assert bounds.compiled_loops(10**9) is None
-    return request.param
-
-
 def examples(share: float, *, ci: float | None = None) -> settings:
     """Settings that run ``share`` of the loaded profile's examples (at least 4; ``ci``, if given,
-    is the share under the ``ci`` profile instead). For the cross-product lockstep runs (every
-    eviction policy x capacity x resize): each repeats, under one more option, what
-    tests/test_lockstep.py checks rule by rule, so the ``ci`` profile runs a few of each (the
-    suite stays within its time budget) and ``deep`` runs ``share`` x 1000."""
-    if ci is not None and PROFILE == "ci":
-        share = ci
+    is the share under the ``ci`` profile instead): for the cross-product lockstep runs, which
+    repeat under one more option what the plain lockstep checks."""
+    share = ci if ci is not None and PROFILE == "ci" else share
     return settings(max_examples=max(4, round(settings.default.max_examples * share)))
+
 
 ADAPTERS = ("reference", "jax-eager", "jax-jit", "jax-interpret")
 #: Which marker adds which adapter to the two every adapter test runs on (the deep profile: all).
@@ -95,12 +67,10 @@ MARKED_ADAPTERS = {"traced": "jax-jit", "kernels": "jax-interpret"}
 
 
 def pytest_configure(config):
-    config.addinivalue_line(
-        "markers", "traced: a traced layer/slot/flag or a folded static option could change the "
-        "answer, so the test also runs on the jax-jit adapter")
-    config.addinivalue_line(
-        "markers", "kernels: the rule is decided by a Pallas kernel (victims, promotion), so the "
-        "test also runs on the jax-interpret adapter")
+    config.addinivalue_line("markers", "traced: a traced layer/slot/flag or a folded static "
+                            "option could change the answer: also on the jax-jit adapter")
+    config.addinivalue_line("markers", "kernels: the rule is decided by a Pallas kernel "
+                            "(victims, promotion): also on the jax-interpret adapter")
 
 
 def adapters_for(definition):
@@ -113,10 +83,8 @@ def adapters_for(definition):
 
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
-    """Drop JAX's compiled programs after each test module. The suite compiles thousands of
-    small programs (the eager and jit adapters per geometry and option); kept for the whole
-    session they exhaust the process's memory mappings (``vm.max_map_count``, 65530 by default)
-    and XLA's compiler crashes late in the run."""
+    """Drop JAX's compiled programs after each test module: the suite's thousands, kept for the
+    whole session, exhaust the memory mappings (``vm.max_map_count``) and XLA crashes late."""
     yield
     jax.clear_caches()
 
@@ -152,10 +120,6 @@ def evictions_under_test(*, kernel=None, ring=None, default=None) -> list:
     return out
 
 
-def eviction_name(eviction) -> str:
-    return getattr(eviction, "name", eviction)
-
-
 def pytest_generate_tests(metafunc):
     if "adapter" in metafunc.fixturenames:
         metafunc.parametrize("adapter", adapters_for(metafunc.definition), indirect=True)
@@ -176,21 +140,19 @@ def _np(x):
 def _fields(record) -> dict:
     if isinstance(record, reference.ReferenceCache):
         return {name: getattr(record, name) for name in reference.FIELDS}
-    # The library's static geometry of a copy plan, and ``match`` (the ring's incremental form
-    # of ``sim``), have no reference twin.
+    # No reference twin: a copy plan's static geometry, the ring's incremental ``match``.
     return {f.name: getattr(record, f.name) for f in dataclasses.fields(record)
             if f.name not in ("num_slots", "num_experts", "match")}
 
 
-def _is_eviction(x):
-    return isinstance(x, (pc.Eviction, pc.evictions.EvictionPolicy, reference.EvictionPolicy))
+_EVICTIONS = (pc.Eviction, pc.evictions.EvictionPolicy, reference.EvictionPolicy)
 
 
 def assert_same(a, b, context="", path="state"):
     """Two records (states, plans, reports; library or reference) equal field by field, nested
     records included. The library's ring is bitmask words (``masks``), the reference's bools
     (``ring``); an eviction compares by name."""
-    if _is_eviction(a) or _is_eviction(b):
+    if isinstance(a, _EVICTIONS) or isinstance(b, _EVICTIONS):
         names = [x.policy.name if isinstance(x, pc.Eviction) else x.name for x in (a, b)]
         assert names[0] == names[1], f"{path}: {names} {context}"
     elif isinstance(a, reference.ReferenceCache) or dataclasses.is_dataclass(a):
@@ -209,25 +171,24 @@ def assert_same(a, b, context="", path="state"):
 
 def slot_of(state, layer, expert):
     """The slot holding ``(layer, expert)``, None if it is not resident."""
-    slot = int(state.slot_for_id[layer, expert])
-    return slot if slot >= 0 else None
+    return int(state.slot_for_id[layer, expert]) if state.slot_for_id[layer, expert] >= 0 else None
 
 
 def resident_slots(state) -> int:
     return int((_np(state.id_of_slot) >= 0).sum())
 
 
-def valid(record, name, count="count"):
+def valid(record, name):
     """The first ``record.count`` entries of ``record.name`` (a copy plan's, a gather's...)."""
-    return _np(getattr(record, name))[: int(getattr(record, count))].tolist()
+    return _np(getattr(record, name))[: int(record.count)].tolist()
 
 
 def entries(plan, banks):
     """A prefill plan's valid host transfers as ``(bank, dst_slot, src_row, rows, bytes,
     whole_layer)``."""
-    t, n = plan.transfers, int(plan.transfers.count)
-    sizes = [int(b) for b in list(plan.entry_bytes(banks))[:n]]
-    return list(zip(*(valid(t, f)[:n] for f in ("bank", "dst_slot", "src_row", "rows")), sizes,
+    t = plan.transfers
+    sizes = [int(b) for b in list(plan.entry_bytes(banks))[: int(t.count)]]
+    return list(zip(*(valid(t, f) for f in ("bank", "dst_slot", "src_row", "rows")), sizes,
                     valid(t, "whole_layer")))
 
 
@@ -246,11 +207,9 @@ JITTED = {name: jax.jit(f, static_argnames=_STATIC.get(name, ())) for name, f in
 #: Host-side functions (``rebuild`` changes shapes) and the reports, never jitted.
 _HOST = ("rebuild", "stats", "layer_stats", "per_layer_stats", "routing_histogram",
          "routing_skew", "prefill_overlap_fits")
-_SPLIT = jax.jit(pc.FetchPolicy.split)
 
 
-def _host(x):
-    """A JAX array as NumPy (0-d: a Python scalar); anything else as is."""
+def _host(x):  # a JAX array as NumPy (0-d: a Python scalar); anything else as is
     return (_np(x).item() if x.ndim == 0 else _np(x)) if isinstance(x, jax.Array) else x
 
 
@@ -261,8 +220,7 @@ class Adapter:
     name: str
     pad_routes: bool = True
 
-    def __repr__(self):
-        return self.name
+    __repr__ = lambda self: self.name  # noqa: E731
 
     def unpadded(self) -> "Adapter":
         """This adapter passing routes in the caller's shape (a drawn shape is the compiled one)."""
@@ -293,17 +251,16 @@ class Adapter:
 
     def index(self, i):
         """A layer, slot or flag as this adapter passes it: traced under jit, as is eagerly."""
-        if self.ops is not JITTED or not isinstance(i, (int, bool, np.integer, np.bool_)):
-            return i
-        return jnp.bool_(i) if isinstance(i, (bool, np.bool_)) else jnp.int32(i)
+        if self.ops is JITTED and isinstance(i, (int, bool, np.integer, np.bool_)):
+            return jnp.bool_(i) if isinstance(i, (bool, np.bool_)) else jnp.int32(i)
+        return i
 
     def init(self, num_layers, num_experts, cache_size, **options):
         options = {k: v for k, v in options.items() if v is not None}
         if self.is_jax:
             return pc.init(num_layers, num_experts, cache_size, **options)
-        added = EXTRA_EVICTIONS.get(eviction_name(options.get("eviction")))
-        if added is not None:
-            options["eviction"] = added[1]
+        added = EXTRA_EVICTIONS.get(getattr(options.get("eviction"), "name", None))
+        options |= {"eviction": added[1]} if added else {}
         return reference.init(num_layers, num_experts, cache_size, **options)
 
     def cache(self, *args, **options) -> "Cache":
@@ -313,10 +270,9 @@ class Adapter:
         return self._ensure("ensure", state, layer, routes)
 
     def ensure_hybrid(self, state, layer, routes, policy, **options):
-        # Explicit defaults, so a call with and one without them share one compile.
-        options = {"order": "recency", "admission": "promote_one",
-                   **{k: getattr(v, "value", v) for k, v in options.items()}}
-        return self._ensure("ensure_hybrid", state, layer, routes, policy, **options)
+        return self._ensure("ensure_hybrid", state, layer, routes, policy, **{
+            "order": "recency", "admission": "promote_one",  # explicit: one compile with or without
+            **{k: getattr(v, "value", v) for k, v in options.items()}})
 
     def _ensure(self, name, state, layer, routes, *args, **options):
         if not self.is_jax:
@@ -337,30 +293,6 @@ class Adapter:
         return state, dataclasses.replace(plan, slots=plan.slots[:size].reshape(shape),
                                           cpu=plan.cpu[:size].reshape(shape), copy=copy)
 
-    def shift_clock(self, state, offset):
-        """The state as if the cache had run ``offset`` more steps: live stamps and clock moved."""
-        usage, recency = _np(state.usage), _np(state.recency)
-        fields = {"usage": np.where(usage >= 1, usage + offset, usage),
-                  "recency": np.where(recency >= 0, recency + offset, recency)}
-        if self.is_jax:
-            return state.replace(**{k: jnp.asarray(v, jnp.int32) for k, v in fields.items()},
-                                 step=jnp.int32(int(state.step) + offset))
-        state = reference.copy_state(state)
-        state.usage, state.recency, state.step = fields["usage"], fields["recency"], state.step + offset
-        return state
-
-    def split(self, policy, missing) -> np.ndarray:
-        """``F`` for each ``M`` in ``missing`` (an int array)."""
-        missing = np.asarray(missing)
-        if not self.is_jax:
-            return np.asarray([policy.split(int(m)) for m in missing.ravel()]).reshape(missing.shape)
-        split = _SPLIT if self.ops is JITTED else pc.FetchPolicy.split
-        return _np(split(policy, jnp.asarray(missing, jnp.int32)))
-
-    @staticmethod
-    def fraction16(policy) -> int:
-        return int(_np(policy.fraction16))
-
 
 ADAPTER = {name: Adapter(name) for name in ADAPTERS}
 
@@ -376,16 +308,11 @@ class Cache:
         return Cache(self.adapter, self.state)  # states are values: an operation makes a new one
 
     def __getattr__(self, name):
-        op = getattr(self.adapter, name)
-
         def call(*args, **kwargs):
-            out = op(self.state, *args, **kwargs)
-            if isinstance(out, tuple) and len(out) == 2 and _is_state(out[0]):
-                self.state, out = out
-            elif _is_state(out):
-                self.state, out = out, None
+            out = getattr(self.adapter, name)(self.state, *args, **kwargs)
+            if _is_state(out) or (isinstance(out, tuple) and _is_state(out[0])):
+                self.state, out = out if isinstance(out, tuple) else (out, None)
             return out
-
         return call
 
 
