@@ -3,6 +3,7 @@ policy added before collection is under every eviction-parametrised test it appl
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -11,8 +12,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import pallas_cache as pc
-from conftest import evictions_under_test
+from conftest import assert_same, evictions_under_test
+from pallas_cache import reference
 
 TESTS = Path(__file__).resolve().parent
 #: The test files with eviction-parametrised tests.
@@ -103,3 +107,34 @@ def test_a_policy_added_before_collection_is_under_every_eviction_test(tmp_path)
     assert picked, groups
     print(f"the toy policy joins {sum('mru' in e for e in groups.values())} items of "
           f"{len(picked)} of the {len(admits)} eviction-parametrised tests: {picked}")
+
+
+def test_the_reference_state_has_the_library_fields():
+    """FAILS if the reference's state fields differ from ``CacheState``'s (a field added on one
+    side only would escape the lockstep comparison, which walks both records' fields)."""
+    assert reference.FIELDS == tuple(f.name for f in dataclasses.fields(pc.CacheState))
+    state = reference.init(2, 3, 4, eviction="route_lfu", history=2)
+    assert all(hasattr(state, name) for name in reference.FIELDS)
+    library_ring = {f.name for f in dataclasses.fields(pc.evictions.TokenRingState)}
+    reference_ring = {f.name for f in dataclasses.fields(reference.TokenRingState)}
+    assert library_ring - reference_ring == {"masks", "match"}  # the two kept in another form
+    assert reference_ring - library_ring == {"ring"}
+
+
+def test_assert_same_sees_every_field_nested_and_one_sided():
+    """FAILS if the one comparison misses a differing nested field (the ring, an eviction
+    field), a field on one side only, or a different eviction."""
+    jax_state = pc.init(2, 3, 4, eviction="route_knn", history=2)
+    ref = reference.init(2, 3, 4, eviction="route_knn", history=2)
+    assert_same(jax_state, ref)
+    for change in (lambda s: setattr(s.eviction_state, "head", 1),
+                   lambda s: s.eviction_state.ring.__setitem__((0, 1, 2), True),
+                   lambda s: setattr(s, "eviction", reference.evictions.POLICIES["route_lfu"]),
+                   lambda s: s.stats.__setitem__((1, 3), 7)):
+        other = reference.copy_state(ref)
+        change(other)
+        with pytest.raises(AssertionError):
+            assert_same(jax_state, other)
+    with pytest.raises(AssertionError, match="one side"):
+        assert_same(pc.init(2, 3, 4, eviction="route_knn").eviction_state,
+                    reference.init(2, 3, 4, eviction="route_lfu").eviction_state)
