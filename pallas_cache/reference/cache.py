@@ -2,9 +2,9 @@
 
 This is the imperative twin of ``pallas_cache``: one method per operation, int64 arrays, plain
 loops, and each rule stated once, in a comment next to the line that implements it. It uses no
-JAX. The operations are split along the JAX modules -- :mod:`.state` (fields, cold
-starts, the clock tick), :mod:`.ops` (decode), :mod:`.prefill`, :mod:`.reports` -- and this module assembles them into :class:`ReferenceCache`. The
-property tests drive both implementations with the same operations and compare every state field
+JAX. The operations are split along the JAX modules -- :mod:`.state` (fields, cold starts, the
+clock tick), :mod:`.ops` (decode), :mod:`.prefill`, :mod:`.reports` -- and this module
+assembles them into :class:`ReferenceCache`. The property tests drive both implementations with the same operations and compare every state field
 and every plan field after every step, so where the reference and the JAX code disagree, one of
 them is wrong and docs/semantics.md says which.
 
@@ -62,6 +62,8 @@ from .state import (  # noqa: F401
     ReferenceState,
 )
 
+
 class ReferenceCache(DecodeOps, PrefillOps, Reports, ReferenceState):
     """The expert slot cache as a mutable object over int64 NumPy arrays: every operation of
-    docs/semantics.md as a method. See :class:`~pallas_cache.reference.state.ReferenceState` for the fields."""
+    docs/semantics.md as a method. See :class:`~pallas_cache.reference.state.ReferenceState`
+    for the fields."""

@@ -33,7 +33,8 @@ def assert_plan_well_formed(plan, routes, num_experts):
     """docs/semantics.md §4: every route assigned exactly once, duplicates alike, copy arrays -1 padded."""
     flat = np.asarray(routes)
     slots, cpu = np.asarray(plan.slots), np.asarray(plan.cpu)
-    dst, src, count = np.asarray(plan.copy.dst_slots), np.asarray(plan.copy.src_rows), int(plan.copy.count)
+    dst, src = np.asarray(plan.copy.dst_slots), np.asarray(plan.copy.src_rows)
+    count = int(plan.copy.count)
     assert slots.shape == cpu.shape == flat.shape
     assert dst.shape == src.shape == (min(flat.size, num_experts),)
     slots, cpu, flat = slots.ravel(), cpu.ravel(), flat.ravel()
