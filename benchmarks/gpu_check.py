@@ -42,7 +42,6 @@ from jax import lax  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
-sys.path.insert(0, str(REPO / "tests"))  # the lockstep driver (NumPy only)
 
 try:
     import pallas_cache as pc  # noqa: E402
@@ -53,7 +52,7 @@ except Exception:  # e.g. a jax without the Pallas Triton backend the kernels im
     sys.exit(1)
 from pallas_cache.sizing.synthetic import SyntheticParams, synthetic_trace  # noqa: E402
 from results_file import write_section  # noqa: E402
-import lockstep  # noqa: E402
+from pallas_cache.reference import lockstep  # noqa: E402
 
 TOP_K = 8
 FRACTION = 0.4

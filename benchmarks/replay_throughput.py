@@ -12,7 +12,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pallas_cache.sizing.sweep import ReplayConfig, replay  # noqa: E402
 from pallas_cache.sizing.synthetic import synthetic_trace  # noqa: E402
-from reference import ReferenceCache, ReferencePolicy  # noqa: E402
+from pallas_cache.reference import ReferenceCache, ReferencePolicy  # noqa: E402
 from timing import markdown_table, median_seconds, publish, run_header, section  # noqa: E402
 
 PRESET_CACHE = {"mixtral-like": 64, "fine-grained": 1024}

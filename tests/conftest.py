@@ -1,29 +1,32 @@
-"""Shared test configuration: Hypothesis profiles and the adapters every rule test runs over.
+"""Shared test configuration: Hypothesis profiles (``ci``, the default, fast; ``deep`` via
+``PALLAS_CACHE_PROFILE=deep``: many more sequences, every adapter test on all four adapters), the
+adapters, the one record comparison and the evictions under test.
 
-Hypothesis profiles: ``ci`` (the default) keeps the whole suite within a few minutes on two
-cores; ``deep`` runs many more sequences (and every adapter test on ``jax-interpret`` too). Pick
-one with ``PALLAS_CACHE_PROFILE=deep``.
+**Adapters** (the idea of ``chex.variants``). A test taking the ``adapter`` fixture runs on
+``reference`` (:mod:`pallas_cache.reference`) and ``jax-eager`` (the public functions); marked
+``traced`` also on ``jax-jit`` (every op under an outer ``jax.jit``, layers/slots/flags traced),
+marked ``kernels`` also on ``jax-interpret`` (jit, Pallas kernels in the interpreter). An
+:class:`Adapter` is a plain set of functions with the library's signatures over that
+implementation's own records (the reference's have the library's field names and nesting):
+``init(L, E, S, *, capacity, eviction, history, rebase_threshold) -> state``;
+``ensure(state, layer, routes)``, ``ensure_hybrid(state, layer, routes, policy, order=,
+admission=)``, ``materialize_layer``, ``forget_slot``, ``prefetch_prefill_layer(state, layer,
+banks)``, ``resize`` -> ``(state, plan)``; ``begin_prefill``, ``release_prefill_layer``, ``reset``,
+``reset_stats``, ``reset_routing``, ``set_collect_routing``, ``start_token``, ``rebuild`` ->
+state; ``stats``, ``layer_stats``, ``per_layer_stats``, ``routing_histogram``, ``routing_skew``,
+``prefill_overlap_fits`` -> reports; ``Policy``, ``errors`` (``ERR_*``, ``RebuildRejected``,
+``PrefillDoesNotFit``), ``is_jax``, ``ops`` (``EAGER`` or ``JITTED``), ``index(i)``.
 
-A rule test is written once against an *adapter* (the idea of ``chex.variants``): a test that
-takes the ``adapter`` fixture runs on ``reference`` (the NumPy oracle) and ``jax-eager`` (the
-public functions called directly); tests marked ``@pytest.mark.traced`` (rules where a traced
-layer, slot or flag, or a constant-folded static option, could change the answer) also on
-``jax-jit`` (every function under an outer ``jax.jit``), and tests marked
-``@pytest.mark.kernels`` (rules decided by the victim or promotion kernel) also on
-``jax-interpret`` (the Pallas kernels in the interpreter). Compiles are the suite's cost (the jit
-adapter compiles once per geometry *and* static option), so the ``ci`` profile runs those two on
-this representative subset and the lockstep suite drives all three JAX adapters through random
-sequences of every operation; the ``deep`` profile runs every adapter test on all four. ``adapter.init``
-returns a :class:`Cache` handle with one method per cache operation; every plan and state comes
-back through one normalising function per kind (:func:`state_view`, :func:`ensure_view`,
-:func:`materialize_view`, :func:`forget_view`, :func:`prefill_view`) as NumPy arrays under the
-JAX field names, so a test body reads the same on every adapter, and a renamed plan field is a
-one-place change here.
+JAX plans come back with NumPy leaves; short 1-D routes are padded to :data:`ROUTE_WIDTH` (one
+compile per geometry) and the plan cut back (``adapter.unpadded()`` does not pad). A
+:class:`Cache` holds a state for a sequence: ``c.ensure(layer, routes)`` is ``c.state, plan =
+adapter.ensure(c.state, layer, routes)``, returning the plan. :func:`assert_same` compares two
+records (states, plans) field by field. Every list of evictions in a test comes from
+:func:`evictions_under_test`: the ``Eviction`` registry plus :func:`add_eviction_under_test`'s.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import os
 
@@ -34,59 +37,29 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 import pallas_cache as pc
-import reference
-from reference import ReferenceCache, ReferencePolicy
-from reference import evictions as reference_evictions
+from pallas_cache import reference
+from pallas_cache.reference.checks import assert_invariants, assert_plan_well_formed  # noqa: F401
 
-settings.register_profile(
-    "ci",
-    max_examples=25,
-    deadline=None,
-    derandomize=True,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
-settings.register_profile(
-    "deep",
-    max_examples=1000,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
+_SLOW_OK = [HealthCheck.too_slow, HealthCheck.data_too_large]
+settings.register_profile("ci", max_examples=25, deadline=None, derandomize=True,
+                          suppress_health_check=_SLOW_OK)
+settings.register_profile("deep", max_examples=1000, deadline=None, suppress_health_check=_SLOW_OK)
 PROFILE = os.environ.get("PALLAS_CACHE_PROFILE", "ci")
 
-# The console script keeps compiled programs in the user's cache directory; no test may (the
-# tests call cli.main in-process, which never does, and this keeps the subprocesses that run
-# ``python -m pallas_cache.sizing.cli`` off it too). tests/test_cli_progress.py clears it where
-# it tests the cache itself, in a temporary home.
+# The console script keeps compiled programs in the user's cache directory; no test may (this
+# keeps the subprocesses running ``python -m pallas_cache.sizing.cli`` off it too;
+# tests/test_cli_progress.py clears it where it tests that cache, in a temporary home).
 os.environ["PALLAS_CACHE_NO_COMPILE_CACHE"] = "1"
 settings.load_profile(PROFILE)
 
 
-@pytest.fixture(params=["compiled", "python"])
-def optima_loop(request, monkeypatch):
-    """Run a bound test with each simulation loop of :mod:`pallas_cache.sizing.bounds`: the
-    Numba-compiled one (skipped where Numba is not installed; the ``test`` extra installs it)
-    and the pure-Python one, which must give the same schedules."""
-    from pallas_cache.sizing import bounds
-
-    if request.param == "compiled":
-        pytest.importorskip("numba")
-        monkeypatch.setenv(bounds.COMPILED_BOUNDS_ENV, "1")  # tiny traces too
-        assert bounds.compiled_loops(1) is not None
-    else:
-        monkeypatch.setenv(bounds.COMPILED_BOUNDS_ENV, "0")
-        assert bounds.compiled_loops(10**9) is None
-    return request.param
-
-
 def examples(share: float, *, ci: float | None = None) -> settings:
     """Settings that run ``share`` of the loaded profile's examples (at least 4; ``ci``, if given,
-    is the share under the ``ci`` profile instead). For the cross-product lockstep runs (every
-    eviction policy x capacity x resize): each repeats, under one more option, what
-    tests/test_lockstep.py checks rule by rule, so the ``ci`` profile runs a few of each (the
-    suite stays within its time budget) and ``deep`` runs ``share`` x 1000."""
-    if ci is not None and PROFILE == "ci":
-        share = ci
+    is the share under the ``ci`` profile instead): for the cross-product lockstep runs, which
+    repeat under one more option what the plain lockstep checks."""
+    share = ci if ci is not None and PROFILE == "ci" else share
     return settings(max_examples=max(4, round(settings.default.max_examples * share)))
+
 
 ADAPTERS = ("reference", "jax-eager", "jax-jit", "jax-interpret")
 #: Which marker adds which adapter to the two every adapter test runs on (the deep profile: all).
@@ -94,12 +67,10 @@ MARKED_ADAPTERS = {"traced": "jax-jit", "kernels": "jax-interpret"}
 
 
 def pytest_configure(config):
-    config.addinivalue_line(
-        "markers", "traced: a traced layer/slot/flag or a folded static option could change the "
-        "answer, so the test also runs on the jax-jit adapter")
-    config.addinivalue_line(
-        "markers", "kernels: the rule is decided by a Pallas kernel (victims, promotion), so the "
-        "test also runs on the jax-interpret adapter")
+    config.addinivalue_line("markers", "traced: a traced layer/slot/flag or a folded static "
+                            "option could change the answer: also on the jax-jit adapter")
+    config.addinivalue_line("markers", "kernels: the rule is decided by a Pallas kernel "
+                            "(victims, promotion): also on the jax-interpret adapter")
 
 
 def adapters_for(definition):
@@ -112,12 +83,41 @@ def adapters_for(definition):
 
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
-    """Drop JAX's compiled programs after each test module. The suite compiles thousands of
-    small programs (the eager and jit adapters per geometry and option); kept for the whole
-    session they exhaust the process's memory mappings (``vm.max_map_count``, 65530 by default)
-    and XLA's compiler crashes late in the run."""
+    """Drop JAX's compiled programs after each test module: the suite's thousands, kept for the
+    whole session, exhaust the memory mappings (``vm.max_map_count``) and XLA crashes late."""
     yield
     jax.clear_caches()
+
+
+# ---- the evictions under test ------------------------------------------------------------------
+
+#: Evictions added to every eviction-parametrised test: name -> (library record, reference record).
+EXTRA_EVICTIONS: dict = {}
+
+
+def add_eviction_under_test(library_record, reference_record):
+    """Put a policy under every eviction-parametrised test: the library's ``EvictionPolicy`` and
+    its reference twin, one name. Call before collection, from a plugin's ``pytest_configure``
+    that imports ``conftest`` there (tests/test_harness.py)."""
+    assert library_record.name == reference_record.name
+    EXTRA_EVICTIONS[library_record.name] = (library_record, reference_record)
+    reference.evictions.POLICIES[reference_record.name] = reference_record
+
+
+def evictions_under_test(*, kernel=None, ring=None, default=None) -> list:
+    """Every eviction under test, as ``pc.init`` and ``reference.init`` take it (the name of a
+    built-in policy, the library record of an added one), filtered by: ``kernel`` (the fused
+    kernel ranks it), ``ring`` (it keeps a token ring), ``default`` (it is LRU, the default)."""
+    out = []
+    for value, record in [(e.value, e.policy) for e in pc.Eviction] + [
+            (lib, lib) for lib, _ in EXTRA_EVICTIONS.values()]:
+        state = record.init(1, 1, 2)
+        has = {"kernel": record.kernel is not None, "default": record is pc.Eviction.LRU.policy,
+               "ring": state is not None and record.history_of(state) is not None}
+        wanted = {"kernel": kernel, "ring": ring, "default": default}
+        if all(want is None or has[k] == want for k, want in wanted.items()):
+            out.append(pytest.param(value, id=record.name))
+    return out
 
 
 def pytest_generate_tests(metafunc):
@@ -130,589 +130,191 @@ def adapter(request):
     return ADAPTER[request.param]
 
 
-# ---- the jitted operations (one table, shared by the jit and interpret adapters) ------------
-
-JITTED = {
-    "ensure": jax.jit(pc.ensure, static_argnames=("backend",)),
-    "ensure_hybrid": jax.jit(pc.ensure_hybrid, static_argnames=("order", "admission", "backend")),
-    "materialize_layer": jax.jit(pc.materialize_layer),
-    "forget_slot": jax.jit(pc.forget_slot),
-    "begin_prefill": jax.jit(pc.begin_prefill),
-    "prefetch_prefill_layer": jax.jit(pc.prefetch_prefill_layer, static_argnames=("bank_feat_bytes",)),
-    "release_prefill_layer": jax.jit(pc.release_prefill_layer),
-    "reset": jax.jit(pc.reset),
-    "reset_stats": jax.jit(pc.reset_stats),
-    "set_collect_routing": jax.jit(pc.set_collect_routing),
-    "reset_routing": jax.jit(pc.reset_routing),
-    "resize": jax.jit(pc.resize),
-    "start_token": jax.jit(pc.evictions.start_token),
-}
-EAGER = {name: getattr(pc, name) for name in JITTED if name != "start_token"}
-EAGER["start_token"] = pc.evictions.start_token
-_SPLIT = jax.jit(pc.FetchPolicy.split)
-
-
-# ---- normalised views: NumPy arrays under the JAX names -------------------------------------
+# ---- the one comparison, and readers of records ----------------------------------------------
 
 
 def _np(x):
     return np.asarray(jax.device_get(x))
 
 
-#: JAX ``CacheState`` field -> ``ReferenceCache`` attribute.
-STATE_FIELDS = {
-    "slot_for_id": "slot_for_id",
-    "id_of_slot": "id_of_slot",
-    "usage": "usage",
-    "cache_size": "cache_size",
-    "step": "step",
-    "recency": "recency",
-    "stats": "stats_table",
-    "routing_freq": "routing_freq",
-    "collect_routing": "collect_routing",
-    "prefill_layer": "prefill_layer",
-    "prefill_released": "prefill_released",
-    "prefill_open": "prefill_open",
-    "prefill_snapshot": "prefill_snapshot",
-    "prefill_hit_rows": "prefill_hit_rows",
-    "prefill_rows": "prefill_rows",
-    "rebase_threshold": "rebase_threshold",
-}
+def _fields(record) -> dict:
+    if isinstance(record, reference.ReferenceCache):
+        return {name: getattr(record, name) for name in reference.FIELDS}
+    # No reference twin: a copy plan's static geometry, the ring's incremental ``match``.
+    return {f.name: getattr(record, f.name) for f in dataclasses.fields(record)
+            if f.name not in ("num_slots", "num_experts", "match")}
 
 
-@dataclasses.dataclass(frozen=True)
-class StateView:
-    """Every state field as a NumPy array (scalars as 0-d arrays), JAX names."""
-
-    slot_for_id: np.ndarray
-    id_of_slot: np.ndarray
-    usage: np.ndarray
-    cache_size: np.ndarray
-    step: np.ndarray
-    recency: np.ndarray
-    stats: np.ndarray
-    routing_freq: np.ndarray
-    collect_routing: np.ndarray
-    prefill_layer: np.ndarray
-    prefill_released: np.ndarray
-    prefill_open: np.ndarray
-    prefill_snapshot: np.ndarray
-    prefill_hit_rows: np.ndarray
-    prefill_rows: np.ndarray
-    rebase_threshold: np.ndarray
-    # The eviction policy's bookkeeping (docs/semantics.md §5.16); None where the policy has none.
-    freq: np.ndarray | None = None
-    prot: np.ndarray | None = None
-    ring: np.ndarray | None = None
-    sim: np.ndarray | None = None
-    head: np.ndarray | None = None
-    count: np.ndarray | None = None
-    last_layer: np.ndarray | None = None
-    counts: np.ndarray | None = None
-
-    @property
-    def num_layers(self):
-        return self.slot_for_id.shape[0]
-
-    @property
-    def num_experts(self):
-        return self.slot_for_id.shape[1]
-
-    @property
-    def capacity(self):
-        return self.id_of_slot.shape[0]
-
-    def slot_of(self, layer, expert):
-        slot = int(self.slot_for_id[layer, expert])
-        return slot if slot >= 0 else None
-
-    def resident_slots(self):
-        return int((self.id_of_slot >= 0).sum())
+_EVICTIONS = (pc.Eviction, pc.evictions.EvictionPolicy, reference.EvictionPolicy)
 
 
-#: The eviction bookkeeping's fields (the JAX state keeps them under ``state.eviction_state``;
-#: the token ring as bits, the reference's as bools and an absolute token index).
-EVICTION_FIELDS = ("freq", "prot", "ring", "sim", "head", "count", "last_layer", "counts")
+def assert_same(a, b, context="", path="state"):
+    """Two records (states, plans, reports; library or reference) equal field by field, nested
+    records included. The library's ring is bitmask words (``masks``), the reference's bools
+    (``ring``); an eviction compares by name."""
+    if isinstance(a, _EVICTIONS) or isinstance(b, _EVICTIONS):
+        names = [x.policy.name if isinstance(x, pc.Eviction) else x.name for x in (a, b)]
+        assert names[0] == names[1], f"{path}: {names} {context}"
+    elif isinstance(a, reference.ReferenceCache) or dataclasses.is_dataclass(a):
+        fa, fb = _fields(a), _fields(b)
+        for mine, theirs in ((fa, fb), (fb, fa)):
+            if "masks" in mine and "ring" in theirs:
+                mine["ring"] = pc.evictions.ring_bits(mine.pop("masks"), theirs["ring"].shape[-1])
+        assert fa.keys() == fb.keys(), f"{path}: {sorted(fa.keys() ^ fb.keys())} on one side {context}"
+        for name in fa:
+            assert_same(fa[name], fb[name], context, f"{path}.{name}")
+    elif a is None or b is None:
+        assert a is None and b is None, f"{path} on one side only {context}"
+    else:
+        np.testing.assert_array_equal(_np(a), _np(b), err_msg=f"{path} {context}")
 
 
-def _eviction_fields(native) -> dict:
-    if isinstance(native, ReferenceCache):
-        return reference_evictions.policy_of(native).fields(native)
-    bookkeeping = native.eviction_state
-    extra = {f: _np(getattr(bookkeeping, f)) for f in EVICTION_FIELDS
-             if getattr(bookkeeping, f, None) is not None}
-    if isinstance(bookkeeping, pc.evictions.TokenRingState):
-        extra["ring"] = _np(pc.evictions.ring_bits(bookkeeping.masks, native.num_experts))
-    return extra
+def slot_of(state, layer, expert):
+    """The slot holding ``(layer, expert)``, None if it is not resident."""
+    return int(state.slot_for_id[layer, expert]) if state.slot_for_id[layer, expert] >= 0 else None
 
 
-def state_view(native) -> StateView:
-    """A ``CacheState`` or a ``ReferenceCache`` as a :class:`StateView`."""
-    if isinstance(native, ReferenceCache):
-        return StateView(**{f: np.array(getattr(native, a), copy=True)
-                            for f, a in STATE_FIELDS.items()}, **_eviction_fields(native))
-    return StateView(**{f: _np(getattr(native, f)) for f in STATE_FIELDS},
-                     **_eviction_fields(native))
+def resident_slots(state) -> int:
+    return int((_np(state.id_of_slot) >= 0).sum())
 
 
-@dataclasses.dataclass(frozen=True)
-class EnsureView:
-    """An ensure / ensure_hybrid plan: the copy plan flattened beside the route answers."""
-
-    slots: np.ndarray
-    cpu: np.ndarray
-    dst_slots: np.ndarray
-    src_rows: np.ndarray
-    count: int
-    active: int
-    missing: int
-    fetched: int
-    error: int
-
-    def valid(self, name):
-        """The first ``count`` entries of a copy array, as a list."""
-        return getattr(self, name)[: self.count].tolist()
+def valid(record, name):
+    """The first ``record.count`` entries of ``record.name`` (a copy plan's, a gather's...)."""
+    return _np(getattr(record, name))[: int(record.count)].tolist()
 
 
-def _copy_part(plan):
-    # JAX nests the copy plan (``plan.copy.dst_slots``); the reference keeps it flat.
-    copy_plan = getattr(plan, "copy", None)
-    return plan if copy_plan is None or callable(copy_plan) else copy_plan
-
-
-def ensure_view(plan, route_shape=None, num_experts=None) -> EnsureView:
-    """An ``EnsurePlan`` or a ``ReferencePlan`` as an :class:`EnsureView`.
-
-    ``route_shape``/``num_experts`` undo an adapter's route padding: the answers are cut back to
-    the caller's routes and the copy arrays to ``min(K, E)`` (past ``count`` they are -1 anyway).
-    """
-    copy_plan = _copy_part(plan)
-    slots, cpu = _np(plan.slots), _np(plan.cpu)
-    dst, src = _np(copy_plan.dst_slots), _np(copy_plan.src_rows)
-    if route_shape is not None:
-        size = int(np.prod(route_shape))
-        slots, cpu = slots[:size].reshape(route_shape), cpu[:size].reshape(route_shape)
-        dst, src = dst[: min(size, num_experts)], src[: min(size, num_experts)]
-    return EnsureView(slots, cpu, dst, src, int(_np(copy_plan.count)), int(_np(plan.active)),
-                      int(_np(plan.missing)), int(_np(plan.fetched)), int(_np(plan.error)))
-
-
-@dataclasses.dataclass(frozen=True)
-class CopyView:
-    """A materialize_layer plan."""
-
-    dst_slots: np.ndarray
-    src_rows: np.ndarray
-    count: int
-    error: int
-
-
-def materialize_view(plan) -> CopyView:
-    copy_plan = _copy_part(plan)
-    return CopyView(_np(copy_plan.dst_slots), _np(copy_plan.src_rows), int(_np(copy_plan.count)),
-                    int(_np(plan.error)))
-
-
-@dataclasses.dataclass(frozen=True)
-class ForgetView:
-    old: int
-    error: int
-
-
-def forget_view(plan) -> ForgetView:
-    assert int(plan) == int(_np(plan.old)), "int(plan) is the flat id it dropped"
-    return ForgetView(int(_np(plan.old)), int(_np(plan.error)))
-
-
-#: PrefillView field -> where a plan keeps it: the nested name first, the flat name second.
-PREFILL_FIELDS = {
-    "layer": ("layer",),
-    "buffer_id": ("buffer_id",),
-    "already_loaded": ("already_loaded",),
-    "gather_dst_slots": ("gather.dst_slots", "gather_dst_slots"),
-    "gather_src_slots": ("gather.src_slots", "gather_src_slots"),
-    "gather_count": ("gather.count", "gather_count"),
-    "gather_banks": ("gather.banks", "gather_banks"),
-    "run_starts": ("runs.starts", "run_starts"),
-    "run_lens": ("runs.lens", "run_lens"),
-    "run_count": ("runs.count", "run_count"),
-    "entry_bank": ("transfers.bank", "entry_bank"),
-    "entry_dst_slot": ("transfers.dst_slot", "entry_dst_slot"),
-    "entry_src_row": ("transfers.src_row", "entry_src_row"),
-    "entry_rows": ("transfers.rows", "entry_rows"),
-    "entry_whole_layer": ("transfers.whole_layer", "entry_whole_layer"),
-    "entry_count": ("transfers.count", "entry_count"),
-    "error": ("error",),
-}
-_PREFILL_SCALARS = ("layer", "buffer_id", "gather_count", "run_count", "entry_count", "error")
-
-
-def _field(plan, paths):
-    for path in paths:
-        value = plan
-        try:
-            for name in path.split("."):
-                value = getattr(value, name)
-        except AttributeError:
-            continue
-        return value
-    raise AttributeError(f"{type(plan).__name__} has none of {paths}")
-
-
-@dataclasses.dataclass(frozen=True)
-class PrefillView:
-    """A prefetch_prefill_layer plan, flat names, NumPy arrays (Python scalars for counts)."""
-
-    layer: int
-    buffer_id: int
-    already_loaded: bool
-    gather_dst_slots: np.ndarray
-    gather_src_slots: np.ndarray
-    gather_count: int
-    gather_banks: np.ndarray
-    run_starts: np.ndarray
-    run_lens: np.ndarray
-    run_count: int
-    entry_bank: np.ndarray
-    entry_dst_slot: np.ndarray
-    entry_src_row: np.ndarray
-    entry_rows: np.ndarray
-    entry_whole_layer: np.ndarray
-    entry_count: int
-    error: int
-    raw: object = dataclasses.field(repr=False, compare=False)
-
-    def valid(self, name, count):
-        return getattr(self, name)[: getattr(self, count)].tolist()
-
-    def entry_bytes(self, banks):
-        """The plan's own byte counts of the valid entries (host ints)."""
-        return [int(b) for b in list(self.raw.entry_bytes(banks))[: self.entry_count]]
-
-    def entries(self, banks):
-        """The valid host transfers as ``(bank, dst_slot, src_row, rows, bytes, whole_layer)``."""
-        n = self.entry_count
-        return list(zip(self.entry_bank[:n].tolist(), self.entry_dst_slot[:n].tolist(),
-                        self.entry_src_row[:n].tolist(), self.entry_rows[:n].tolist(),
-                        self.entry_bytes(banks), self.entry_whole_layer[:n].tolist()))
-
-
-@dataclasses.dataclass(frozen=True)
-class ResizeView:
-    """A resize plan: the freed slots and their old occupants (-1 padded), count, error."""
-
-    freed_slots: np.ndarray
-    freed_ids: np.ndarray
-    count: int
-    error: int
-
-
-def resize_view(plan) -> ResizeView:
-    return ResizeView(_np(plan.freed_slots), _np(plan.freed_ids), int(_np(plan.count)),
-                      int(_np(plan.error)))
-
-
-def prefill_view(plan) -> PrefillView:
-    values = {}
-    for name, paths in PREFILL_FIELDS.items():
-        value = _np(_field(plan, paths))
-        values[name] = int(value) if name in _PREFILL_SCALARS else value
-    values["already_loaded"] = bool(values["already_loaded"])
-    return PrefillView(**values, raw=plan)
-
-
-# ---- comparisons and the invariants (docs/semantics.md §3, §4) --------------------------------
-
-
-def assert_same_state(a: StateView, b: StateView, context=""):
-    for name in STATE_FIELDS:
-        np.testing.assert_array_equal(getattr(a, name), getattr(b, name),
-                                      err_msg=f"state.{name} {context}")
-    for name in EVICTION_FIELDS:
-        mine, theirs = getattr(a, name), getattr(b, name)
-        assert (mine is None) == (theirs is None), f"state.{name} on one side only {context}"
-        if mine is not None:
-            np.testing.assert_array_equal(mine, theirs, err_msg=f"state.{name} {context}")
-
-
-def assert_same_plan(a, b, context=""):
-    """Two views of one kind, field by field (the raw plan excluded)."""
-    for field in dataclasses.fields(a):
-        if field.compare:
-            np.testing.assert_array_equal(getattr(a, field.name), getattr(b, field.name),
-                                          err_msg=f"plan.{field.name} {context}")
-
-
-def assert_invariants(state: StateView):
-    """docs/semantics.md §3: the maps are mutually inverse, no slot is claimed twice, usage <= step."""
-    slot_for_id, id_of_slot, E = state.slot_for_id, state.id_of_slot, state.num_experts
-    for slot, flat in enumerate(id_of_slot.tolist()):
-        if flat >= 0:
-            assert slot_for_id[flat // E, flat % E] == slot, f"slot {slot} and its occupant disagree"
-    for (layer, expert), slot in np.ndenumerate(slot_for_id):
-        if slot >= 0:
-            assert id_of_slot[slot] == layer * E + expert, f"expert {(layer, expert)} -> slot {slot}"
-    claimed = slot_for_id[slot_for_id >= 0]
-    assert len(set(claimed.tolist())) == len(claimed), "a slot is claimed twice"
-    assert (state.usage <= state.step).all(), "usage ahead of the clock"
-    size = int(state.cache_size)
-    assert E <= size <= state.capacity, f"usable size {size} outside [E, capacity]"
-    assert (id_of_slot[size:] == -1).all() and (state.usage[size:] == 0).all(), \
-        "a slot past the usable size holds something"
-
-
-def assert_plan_well_formed(plan: EnsureView, routes, num_experts):
-    """docs/semantics.md §4: every route assigned exactly once, duplicates alike, copy arrays -1 padded."""
-    flat = np.asarray(routes)
-    assert plan.slots.shape == plan.cpu.shape == flat.shape
-    assert plan.dst_slots.shape == plan.src_rows.shape == (min(flat.size, num_experts),)
-    slots, cpu, flat = plan.slots.ravel(), plan.cpu.ravel(), flat.ravel()
-    if plan.error:
-        assert (slots == -1).all() and not cpu.any()
-        return
-    route = flat >= 0
-    assert ((slots >= 0) != cpu)[route].all(), "a route assigned to both devices or to neither"
-    assert (slots[~route] == -1).all() and not cpu[~route].any(), "padding got an assignment"
-    for expert in set(flat[route].tolist()):
-        same = flat == expert
-        assert len(set(slots[same].tolist())) == 1 and len(set(cpu[same].tolist())) == 1
-    count = plan.count
-    assert count == plan.fetched
-    assert (plan.dst_slots[count:] == -1).all() and (plan.src_rows[count:] == -1).all()
-    assert len(set(plan.dst_slots[:count].tolist())) == count
+def entries(plan, banks):
+    """A prefill plan's valid host transfers as ``(bank, dst_slot, src_row, rows, bytes,
+    whole_layer)``."""
+    t = plan.transfers
+    sizes = [int(b) for b in list(plan.entry_bytes(banks))[: int(t.count)]]
+    return list(zip(*(valid(t, f) for f in ("bank", "dst_slot", "src_row", "rows")), sizes,
+                    valid(t, "whole_layer")))
 
 
 # ---- the adapters ---------------------------------------------------------------------------
 
 #: JAX adapters pad short 1-D routes with -1 to this width, so most tests share one compile per
-#: geometry; padding is ignored everywhere (docs/semantics.md §4) and the views cut it back off.
+#: geometry; padding is ignored everywhere (docs/semantics.md §4) and the plan is cut back.
 ROUTE_WIDTH = 8
+_STATIC = {"ensure": ("backend",), "ensure_hybrid": ("order", "admission", "backend"),
+           "prefetch_prefill_layer": ("bank_feat_bytes",)}
+_OPS = ("ensure", "ensure_hybrid", "materialize_layer", "forget_slot", "begin_prefill",
+        "prefetch_prefill_layer", "release_prefill_layer", "reset", "reset_stats",
+        "set_collect_routing", "reset_routing", "resize")
+EAGER = {name: getattr(pc, name) for name in _OPS} | {"start_token": pc.evictions.start_token}
+JITTED = {name: jax.jit(f, static_argnames=_STATIC.get(name, ())) for name, f in EAGER.items()}
+#: Host-side functions (``rebuild`` changes shapes) and the reports, never jitted.
+_HOST = ("rebuild", "stats", "layer_stats", "per_layer_stats", "routing_histogram",
+         "routing_skew", "prefill_overlap_fits")
 
 
-def _option(value):
-    return value.value if hasattr(value, "value") else value
-
-
-class Cache:
-    """One cache under one adapter: a mutable handle whatever the implementation."""
-
-    def __init__(self, adapter, native):
-        self.adapter = adapter
-        self.native = native  # a ReferenceCache, or the current CacheState
-
-    @property
-    def state(self) -> StateView:
-        return state_view(self.native)
-
-
-class RefCache(Cache):
-    def clone(self):
-        return RefCache(self.adapter, copy.deepcopy(self.native))
-
-    def ensure(self, layer, routes):
-        return ensure_view(self.native.ensure(layer, routes))
-
-    def ensure_hybrid(self, layer, routes, policy, **options):
-        options = {k: _option(v) for k, v in options.items()}
-        return ensure_view(self.native.ensure_hybrid(layer, routes, policy, **options))
-
-    def materialize_layer(self, layer):
-        return materialize_view(self.native.materialize_layer(layer))
-
-    def forget_slot(self, slot):
-        return forget_view(self.native.forget_slot(slot))
-
-    def prefetch_prefill_layer(self, layer, banks):
-        return prefill_view(self.native.prefetch_prefill_layer(layer, banks))
-
-    def rebuild(self, cache_size, **kwargs):
-        self.native.rebuild(cache_size, **kwargs)
-
-    def resize(self, cache_size):
-        return resize_view(self.native.resize(cache_size))
-
-    def shift_clock(self, offset):
-        """Move every live stamp and the clock forward, as if the cache had run that long."""
-        c = self.native
-        c.usage[c.usage >= 1] += offset
-        c.recency[c.recency >= 0] += offset
-        c.step += offset
-
-    def __getattr__(self, name):
-        # begin_prefill, release_prefill_layer, reset, reset_stats, set_collect_routing,
-        # reset_routing, stats, layer_stats, per_layer_stats, routing_histogram, routing_skew,
-        # prefill_overlap_fits: the reference's own methods, same names and results.
-        return getattr(self.native, name)
-
-
-class JaxCache(Cache):
-    pad_routes = True  # see ROUTE_WIDTH; the lockstep suite turns it off
-
-    def clone(self):
-        twin = JaxCache(self.adapter, self.native)
-        twin.pad_routes = self.pad_routes
-        return twin
-
-    def _op(self, name, *args, **kwargs):
-        return self.adapter.ops[name](self.native, *args, **kwargs)
-
-    def _routes(self, routes):
-        routes = np.asarray(routes)
-        shape = routes.shape
-        if routes.dtype.kind not in "iu":
-            return routes, shape  # let the library refuse it, naming the dtype
-        routes = routes.astype(np.int32)
-        if self.pad_routes and routes.ndim == 1 and routes.size < ROUTE_WIDTH:
-            routes = np.concatenate([routes, np.full(ROUTE_WIDTH - routes.size, -1, np.int32)])
-        return jnp.asarray(routes), shape
-
-    def ensure(self, layer, routes):
-        routes, shape = self._routes(routes)
-        self.native, plan = self._op("ensure", self.adapter.index(layer), routes,
-                                     backend=self.adapter.backend)
-        return ensure_view(plan, shape, self.native.num_experts)
-
-    def ensure_hybrid(self, layer, routes, policy, **options):
-        routes, shape = self._routes(routes)
-        # Explicit defaults, so a call with and one without them share one compile.
-        options = {"order": "recency", "admission": "promote_one",
-                   **{k: _option(v) for k, v in options.items()}}
-        self.native, plan = self._op("ensure_hybrid", self.adapter.index(layer), routes, policy,
-                                     backend=self.adapter.backend, **options)
-        return ensure_view(plan, shape, self.native.num_experts)
-
-    def materialize_layer(self, layer):
-        self.native, plan = self._op("materialize_layer", self.adapter.index(layer))
-        return materialize_view(plan)
-
-    def forget_slot(self, slot):
-        self.native, plan = self._op("forget_slot", self.adapter.index(slot))
-        return forget_view(plan)
-
-    def begin_prefill(self):
-        self.native = self._op("begin_prefill")
-
-    def prefetch_prefill_layer(self, layer, banks):
-        self.native, plan = self._op("prefetch_prefill_layer", self.adapter.index(layer),
-                                     bank_feat_bytes=tuple(banks))
-        return prefill_view(plan)
-
-    def release_prefill_layer(self, layer):
-        self.native = self._op("release_prefill_layer", self.adapter.index(layer))
-
-    def reset(self):
-        self.native = self._op("reset")
-
-    def reset_stats(self):
-        self.native = self._op("reset_stats")
-
-    def set_collect_routing(self, on):
-        self.native = self._op("set_collect_routing", self.adapter.flag(on))
-
-    def reset_routing(self):
-        self.native = self._op("reset_routing")
-
-    def start_token(self):
-        self.native = self._op("start_token")
-
-    def rebuild(self, cache_size, **kwargs):
-        self.native = pc.rebuild(self.native, cache_size, **kwargs)  # host-side: it changes shapes
-
-    def resize(self, cache_size):
-        self.native, plan = self._op("resize", self.adapter.index(cache_size))
-        return resize_view(plan)
-
-    def stats(self):
-        return pc.stats(self.native)
-
-    def layer_stats(self, layer):
-        return pc.layer_stats(self.native, layer)
-
-    def per_layer_stats(self):
-        return pc.per_layer_stats(self.native)
-
-    def routing_histogram(self, layer):
-        return _np(pc.routing_histogram(self.native, layer))
-
-    def routing_skew(self):
-        return pc.routing_skew(self.native)
-
-    def prefill_overlap_fits(self):
-        return bool(pc.prefill_overlap_fits(self.native))
-
-    def shift_clock(self, offset):
-        s = self.native
-        usage, recency = _np(s.usage), _np(s.recency)
-        self.native = s.replace(
-            usage=jnp.asarray(np.where(usage >= 1, usage + offset, usage), jnp.int32),
-            recency=jnp.asarray(np.where(recency >= 0, recency + offset, recency), jnp.int32),
-            step=jnp.int32(int(_np(s.step)) + offset))
+def _host(x):  # a JAX array as NumPy (0-d: a Python scalar); anything else as is
+    return (_np(x).item() if x.ndim == 0 else _np(x)) if isinstance(x, jax.Array) else x
 
 
 @dataclasses.dataclass(frozen=True)
 class Adapter:
-    """One way of running the cache: ``init`` a :class:`Cache`, plus the policy and error names.
-
-    ``Policy`` is the implementation's policy class (``fraction``/``fixed_cap``/``full``);
-    ``errors`` a namespace with the ``ERR_*`` bits, ``RebuildRejected`` and ``PrefillDoesNotFit``.
-    """
+    """One way of running the cache: the operations as functions of a state (module docstring)."""
 
     name: str
+    pad_routes: bool = True
 
-    def __repr__(self):
-        return self.name
+    __repr__ = lambda self: self.name  # noqa: E731
 
-    @property
-    def is_jax(self):
-        return self.name != "reference"
+    def unpadded(self) -> "Adapter":
+        """This adapter passing routes in the caller's shape (a drawn shape is the compiled one)."""
+        return dataclasses.replace(self, pad_routes=False)
 
-    @property
-    def Policy(self):  # noqa: N802 - a class, as on both sides
-        return pc.FetchPolicy if self.is_jax else ReferencePolicy
+    is_jax = property(lambda self: self.name != "reference")
+    Policy = property(lambda self: pc.FetchPolicy if self.is_jax else reference.ReferencePolicy)
+    errors = property(lambda self: pc if self.is_jax else reference)
+    ops = property(lambda self: EAGER if self.name == "jax-eager" else JITTED)
+    backend = property(lambda self: "interpret" if self.name == "jax-interpret" else None)
 
-    @property
-    def errors(self):
-        return pc if self.is_jax else reference
+    def __getattr__(self, name):
+        """Every operation but the ensure family: the reference's function, or the library's with
+        layers, slots and flags traced under jit and the plan's leaves as NumPy."""
+        if name not in _OPS + _HOST + ("start_token",):
+            raise AttributeError(name)
+        if not self.is_jax:
+            return getattr(reference, name)
+        if name in _HOST:
+            return lambda *args, **kw: _host(getattr(pc, name)(*args, **kw))
 
-    @property
-    def ops(self):
-        return EAGER if self.name == "jax-eager" else JITTED
+        def operation(state, *args):
+            kwargs = {"bank_feat_bytes": tuple(args[1])} if name == "prefetch_prefill_layer" else {}
+            out = self.ops[name](state, *map(self.index, args[:1]), **kwargs)
+            return (out[0], jax.tree.map(_np, out[1])) if isinstance(out, tuple) else out
 
-    @property
-    def backend(self):
-        return "interpret" if self.name == "jax-interpret" else None
+        return operation
 
     def index(self, i):
-        """A layer or slot as this adapter passes it: traced under jit, a Python int eagerly."""
-        return jnp.int32(i) if self.ops is JITTED else i
+        """A layer, slot or flag as this adapter passes it: traced under jit, as is eagerly."""
+        if self.ops is JITTED and isinstance(i, (int, bool, np.integer, np.bool_)):
+            return jnp.bool_(i) if isinstance(i, (bool, np.bool_)) else jnp.int32(i)
+        return i
 
-    def flag(self, on):
-        return jnp.bool_(on) if self.ops is JITTED else on
+    def init(self, num_layers, num_experts, cache_size, **options):
+        options = {k: v for k, v in options.items() if v is not None}
+        if self.is_jax:
+            return pc.init(num_layers, num_experts, cache_size, **options)
+        added = EXTRA_EVICTIONS.get(getattr(options.get("eviction"), "name", None))
+        options |= {"eviction": added[1]} if added else {}
+        return reference.init(num_layers, num_experts, cache_size, **options)
 
-    def init(self, num_layers, num_experts, cache_size, *, rebase_threshold=None,
-             capacity=None, eviction=None, history=None) -> Cache:
-        kwargs = {} if rebase_threshold is None else {"rebase_threshold": rebase_threshold}
-        if capacity is not None:
-            kwargs["capacity"] = capacity
-        if eviction is not None:
-            kwargs["eviction"] = eviction
-        if history is not None:
-            kwargs["history"] = history
+    def cache(self, *args, **options) -> "Cache":
+        return Cache(self, self.init(*args, **options))
+
+    def ensure(self, state, layer, routes):
+        return self._ensure("ensure", state, layer, routes)
+
+    def ensure_hybrid(self, state, layer, routes, policy, **options):
+        return self._ensure("ensure_hybrid", state, layer, routes, policy, **{
+            "order": "recency", "admission": "promote_one",  # explicit: one compile with or without
+            **{k: getattr(v, "value", v) for k, v in options.items()}})
+
+    def _ensure(self, name, state, layer, routes, *args, **options):
         if not self.is_jax:
-            return RefCache(self, ReferenceCache(num_layers, num_experts, cache_size, **kwargs))
-        return JaxCache(self, pc.init(num_layers, num_experts, cache_size, **kwargs))
-
-    def split(self, policy, missing) -> np.ndarray:
-        """``F`` for each ``M`` in ``missing`` (an int array)."""
-        missing = np.asarray(missing)
-        if not self.is_jax:
-            return np.asarray([policy.split(int(m)) for m in missing.ravel()]).reshape(missing.shape)
-        split = _SPLIT if self.ops is JITTED else pc.FetchPolicy.split
-        return _np(split(policy, jnp.asarray(missing, jnp.int32)))
-
-    @staticmethod
-    def fraction16(policy) -> int:
-        return int(_np(policy.fraction16))
+            return getattr(reference, name)(state, layer, routes, *args, **options)
+        routes, shape = np.asarray(routes), np.shape(routes)
+        if routes.dtype.kind in "iu":  # else the library refuses it, naming the dtype
+            routes = routes.astype(np.int32)
+            if self.pad_routes and routes.ndim == 1 and routes.size < ROUTE_WIDTH:
+                routes = np.concatenate([routes, np.full(ROUTE_WIDTH - routes.size, -1, np.int32)])
+            routes = jnp.asarray(routes)
+        state, plan = self.ops[name](state, self.index(layer), routes, *args,
+                                     backend=self.backend, **options)
+        plan = jax.tree.map(_np, plan)
+        size = int(np.prod(shape))
+        width = min(size, state.num_experts)
+        copy = dataclasses.replace(plan.copy, dst_slots=plan.copy.dst_slots[:width],
+                                   src_rows=plan.copy.src_rows[:width])
+        return state, dataclasses.replace(plan, slots=plan.slots[:size].reshape(shape),
+                                          cpu=plan.cpu[:size].reshape(shape), copy=copy)
 
 
 ADAPTER = {name: Adapter(name) for name in ADAPTERS}
+
+
+class Cache:
+    """A state under one adapter, for a test that runs a sequence: ``c.op(*args)`` runs
+    ``adapter.op(c.state, *args)``, keeps the new state and returns the plan (or the report)."""
+
+    def __init__(self, adapter: Adapter, state):
+        self.adapter, self.state = adapter, state
+
+    def clone(self) -> "Cache":
+        return Cache(self.adapter, self.state)  # states are values: an operation makes a new one
+
+    def __getattr__(self, name):
+        def call(*args, **kwargs):
+            out = getattr(self.adapter, name)(self.state, *args, **kwargs)
+            if _is_state(out) or (isinstance(out, tuple) and _is_state(out[0])):
+                self.state, out = out if isinstance(out, tuple) else (out, None)
+            return out
+        return call
+
+
+def _is_state(x):
+    return isinstance(x, (pc.CacheState, reference.ReferenceCache))

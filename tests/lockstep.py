@@ -1,14 +1,11 @@
-"""The lockstep driver: one operation sequence run on a truth and on candidates, compared after
-every step.
-
-An operation is ``(kind, args)``; :func:`steps` runs a sequence on a cache handle of
-tests/conftest.py, and :func:`run` compares any such per-step runs (benchmarks/gpu_check.py feeds
-it the steps of its compiled scans). Needs only NumPy: it runs where hypothesis and chex do not.
-"""
+"""The lockstep tests' operations: :func:`steps` runs an operation sequence ``(kind, args)`` on a
+:class:`~conftest.Cache` of any adapter; :func:`run` (:mod:`pallas_cache.reference.lockstep`)
+compares such per-step runs."""
 
 from __future__ import annotations
 
-import numpy as np
+from pallas_cache.reference.lockstep import describe, run  # noqa: F401
+
 
 def build_policy(cache, spec):
     """The adapter's policy for ``spec = (kind, argument)``: fraction, fixed_cap or full."""
@@ -18,7 +15,7 @@ def build_policy(cache, spec):
 
 
 def do(cache, kind, args):
-    """Run one operation on a cache handle; returns its plan view, None, or the static error it
+    """Run one operation on a cache handle; returns its plan, None, or the static error it
     raised as a string (``PrefillDoesNotFit``, ``RebuildRejected(requested=.., minimum=..)``)."""
     errors = cache.adapter.errors
     try:
@@ -52,27 +49,3 @@ def steps(cache, ops):
     """Run ``ops`` on ``cache`` one at a time, yielding ``(outcome, cache)`` after each."""
     for kind, args in ops:
         yield do(cache, kind, args), cache
-
-
-def describe(kind, args) -> str:
-    """``kind(name=value, ...)`` with arrays as lists, for failure messages."""
-    shown = ", ".join(f"{k}={v.tolist() if isinstance(v, np.ndarray) else v}"
-                      for k, v in args.items())
-    return f"{kind}({shown})"
-
-
-def run(ops, truth, candidates, compare):
-    """Step ``truth`` and every candidate (``{name: per-step results}``, each an iterable with one
-    item per op, e.g. :func:`steps`) through ``ops`` together; after every op,
-    ``compare(context, op, expected, got)`` checks each candidate's result against the truth's
-    and raises ``AssertionError`` naming ``context`` (the step, the op, the candidate) on the
-    first difference. Returns the number of steps run."""
-    truth = iter(truth)
-    runs = {name: iter(results) for name, results in candidates.items()}
-    index = -1
-    for index, (kind, args) in enumerate(ops):
-        expected = next(truth)
-        for name, results in runs.items():
-            compare(f"op {index} {describe(kind, args)} on {name}", (kind, args), expected,
-                    next(results))
-    return index + 1

@@ -21,7 +21,7 @@ from jax import lax
 import pallas_cache as pc
 from pallas_cache.moe import apply_copy_plan, host_memory_kind, memory_space, put_host_bank
 from pallas_cache.testing import moe_combine, moe_dense
-from reference import moe as reference_moe
+from pallas_cache.reference import moe as reference_moe
 
 from conftest import examples
 

@@ -26,6 +26,22 @@ from pallas_cache.sizing.synthetic import PRESETS, SyntheticParams, synthetic_tr
 from exhaustive import (distinct_calls, exhaustive_min_misses, textbook_belady,  # noqa: E402
                         textbook_bypass)
 
+
+@pytest.fixture(params=["compiled", "python"])
+def optima_loop(request, monkeypatch):
+    """Run a bound test with each simulation loop of :mod:`pallas_cache.sizing.bounds`: the
+    Numba-compiled one (skipped where Numba is not installed; the ``test`` extra installs it)
+    and the pure-Python one, which must give the same schedules."""
+    if request.param == "compiled":
+        pytest.importorskip("numba")
+        monkeypatch.setenv(bounds_module.COMPILED_BOUNDS_ENV, "1")  # tiny traces too
+        assert bounds_module.compiled_loops(1) is not None
+    else:
+        monkeypatch.setenv(bounds_module.COMPILED_BOUNDS_ENV, "0")
+        assert bounds_module.compiled_loops(10**9) is None
+    return request.param
+
+
 # ---- traces and an independent LRU (test-only) ------------------------------------------------
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import pallas_cache as pc
-from conftest import assert_same_state
+from conftest import assert_same, resident_slots, slot_of, valid
 from pallas_cache.selection import promotion_decision, select_victims
 
 ERR_CACHE_SIZE = pc.ERR_CACHE_SIZE
@@ -19,7 +19,7 @@ ERR_CACHE_SIZE = pc.ERR_CACHE_SIZE
 
 def filled(adapter, L=3, E=2, S=4, C=8):
     """A pool of usable size S (capacity C) whose S slots hold layers 0 and 1."""
-    cache = adapter.init(L, E, S, capacity=C)
+    cache = adapter.cache(L, E, S, capacity=C)
     cache.ensure(0, [0, 1])
     cache.ensure(1, [0, 1])
     return cache
@@ -32,10 +32,10 @@ def test_victims_never_lie_past_the_usable_size(adapter):
     the smallest of all, so a naive argmin would install layer 2 there."""
     cache = filled(adapter)
     plan = cache.ensure(2, [0, 1])
-    assert plan.valid("dst_slots") == [0, 1], "the two least recently used usable slots"
+    assert valid(plan.copy, "dst_slots") == [0, 1], "the two least recently used usable slots"
     state = cache.state
     assert (state.id_of_slot[4:] == -1).all()
-    assert state.slot_of(0, 0) is None and state.slot_of(0, 1) is None
+    assert slot_of(state, 0, 0) is None and slot_of(state, 0, 1) is None
 
 
 @pytest.mark.kernels
@@ -54,7 +54,7 @@ def test_promote_one_does_not_count_an_unusable_slot_as_empty(adapter):
 def test_resize_shrink_frees_the_tail_and_lists_it(adapter):
     """FAILS if a shrink keeps the freed experts resident, moves survivors, or does not list every
     freed slot with its old occupant (an empty freed slot as -1)."""
-    cache = adapter.init(2, 3, 8, capacity=10)
+    cache = adapter.cache(2, 3, 8, capacity=10)
     cache.ensure(0, [0, 1, 2])
     cache.ensure(1, [0, 1])  # slots 0..4 hold 0,1,2,3,4; slots 5..7 empty
     plan = cache.resize(4)
@@ -65,10 +65,10 @@ def test_resize_shrink_frees_the_tail_and_lists_it(adapter):
     state = cache.state
     assert int(state.cache_size) == 4
     assert state.id_of_slot.tolist() == [0, 1, 2, 3] + [-1] * 6
-    assert state.slot_of(1, 1) is None and state.slot_of(1, 0) == 3
+    assert slot_of(state, 1, 1) is None and slot_of(state, 1, 0) == 3
     grow = cache.resize(10)
     assert (grow.error, grow.count) == (0, 0)
-    assert int(cache.state.cache_size) == 10 and cache.state.resident_slots() == 4
+    assert int(cache.state.cache_size) == 10 and resident_slots(cache.state) == 4
 
 
 @pytest.mark.traced
@@ -76,13 +76,13 @@ def test_resize_shrink_frees_the_tail_and_lists_it(adapter):
 def test_resize_outside_e_capacity_is_refused_unchanged(adapter, target):
     """FAILS if a size below E or above the capacity is applied (or clamped) instead of refused
     with ERR_CACHE_SIZE and the state returned unchanged."""
-    cache = adapter.init(2, 3, 8, capacity=10)
+    cache = adapter.cache(2, 3, 8, capacity=10)
     cache.ensure(0, [0, 1, 2])
     before = cache.state
     plan = cache.resize(target)
     assert plan.error == ERR_CACHE_SIZE and plan.count == 0
     assert (plan.freed_slots == -1).all()
-    assert_same_state(cache.state, before, "after a refused resize")
+    assert_same(cache.state, before, "after a refused resize")
 
 
 def test_a_shrink_below_2e_waits_for_the_second_buffer_and_then_ends_it(adapter):
@@ -90,12 +90,12 @@ def test_a_shrink_below_2e_waits_for_the_second_buffer_and_then_ends_it(adapter)
     accepted shrink leaves buffer 1's record: after growing back, re-staging layer 1 would then
     report already_loaded for bytes the caller released."""
     E = 3
-    cache = adapter.init(2, E, 9, capacity=9)
+    cache = adapter.cache(2, E, 9, capacity=9)
     cache.begin_prefill()
     assert cache.prefetch_prefill_layer(1, (1 << 20,)).error == 0  # buffer 1 = slots [3, 6)
     before = cache.state
     assert cache.resize(2 * E - 1).error == ERR_CACHE_SIZE
-    assert_same_state(cache.state, before, "after a shrink refused for the busy buffer")
+    assert_same(cache.state, before, "after a shrink refused for the busy buffer")
     assert cache.resize(2 * E).error == 0, "2E keeps both buffers: allowed"
     cache.release_prefill_layer(1)
     assert cache.resize(E).error == 0
@@ -103,23 +103,23 @@ def test_a_shrink_below_2e_waits_for_the_second_buffer_and_then_ends_it(adapter)
     assert cache.prefetch_prefill_layer(1, (1 << 20,)).error == ERR_CACHE_SIZE
     assert cache.resize(9).error == 0
     again = cache.prefetch_prefill_layer(1, (1 << 20,))
-    assert again.error == 0 and not again.already_loaded and again.entry_count == 1
+    assert again.error == 0 and not again.already_loaded and again.transfers.count == 1
 
 
 @pytest.mark.traced
 def test_prefill_below_2e_within_a_larger_capacity_is_a_value_error(adapter):
     """FAILS if a usable size below 2E raises PrefillDoesNotFit (it is data, possibly traced) or
     if begin_prefill opens a chunk / prefetch stages into slots the pool does not have."""
-    cache = adapter.init(2, 4, 6, capacity=16)
+    cache = adapter.cache(2, 4, 6, capacity=16)
     before = cache.state
     cache.begin_prefill()
-    assert_same_state(cache.state, before, "begin_prefill below 2E changes nothing")
+    assert_same(cache.state, before, "begin_prefill below 2E changes nothing")
     plan = cache.prefetch_prefill_layer(1, (1 << 20,))
     assert plan.error == ERR_CACHE_SIZE | adapter.errors.ERR_PREFILL_NOT_BEGUN
-    assert_same_state(cache.state, before, "a refused prefetch")
+    assert_same(cache.state, before, "a refused prefetch")
     assert not cache.prefill_overlap_fits()
     with pytest.raises(adapter.errors.PrefillDoesNotFit):
-        adapter.init(2, 4, 6, capacity=7).begin_prefill()
+        adapter.cache(2, 4, 6, capacity=7).begin_prefill()
 
 
 @pytest.mark.traced
@@ -129,7 +129,7 @@ def test_forget_slot_past_the_usable_size_is_err_slot(adapter):
     before = cache.state
     plan = cache.forget_slot(5)
     assert (plan.old, plan.error) == (-1, adapter.errors.ERR_SLOT)
-    assert_same_state(cache.state, before, "a refused forget_slot")
+    assert_same(cache.state, before, "a refused forget_slot")
     assert cache.forget_slot(3).error == 0
 
 

@@ -12,10 +12,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import pallas_cache as pc
-from conftest import (ADAPTER, assert_same_plan, assert_same_state, ensure_view, examples,
-                      state_view)
-from reference import ReferenceCache, ReferencePolicy
-from reference import evictions as reference_evictions
+from conftest import ADAPTER, assert_same, evictions_under_test, examples, slot_of, valid
+from pallas_cache import reference
+from pallas_cache.reference import ReferenceCache, ReferencePolicy
 from test_lockstep import assert_same_caches, build_policy, run_lockstep
 from test_loop_free import primitives, trace
 
@@ -23,7 +22,7 @@ PAIR_LFU = "pair_lfu"
 
 
 def pair_lfu(adapter, L, E, S, **kwargs):
-    return adapter.init(L, E, S, eviction=PAIR_LFU, **kwargs)
+    return adapter.cache(L, E, S, eviction=PAIR_LFU, **kwargs)
 
 
 # ---- lockstep ------------------------------------------------------------------------------
@@ -71,14 +70,14 @@ def test_pair_lfu_long_run_across_the_clock_rebase_matches_the_reference():
         expected = ref.ensure_hybrid(layer, routes, build_policy(ref, spec), order="recency",
                                      admission="promote_one" if step % 2 else "none")
         rebased += int(ref.state.step) <= before
-        assert_same_plan(plan, expected, f"step {step}")
+        assert_same(plan, expected, f"step {step}")
         if step % 13 == 0:
-            assert_same_plan(cache.forget_slot(step % S), ref.forget_slot(step % S), "forget")
+            assert_same(cache.forget_slot(step % S), ref.forget_slot(step % S), "forget")
         if step % 29 == 0:
-            assert_same_plan(cache.materialize_layer(layer), ref.materialize_layer(layer), "mat")
+            assert_same(cache.materialize_layer(layer), ref.materialize_layer(layer), "mat")
         assert_same_caches(cache, ref, f"step {step}")
     assert rebased >= 5
-    assert ref.state.freq.max() > 65536  # the sequence reached the decayed regime
+    assert ref.state.eviction_state.freq.max() > 65536  # the sequence reached the decayed regime
 
 
 def _reference_run(L, E, S, calls, policy_q):
@@ -108,8 +107,8 @@ def test_pair_lfu_in_a_scan_decode_loop_equals_the_reference_step_by_step():
     ref, expected = _reference_run(L, E, S, calls, 0.75)
     for t, want in enumerate(expected):
         got = jax.tree.map(lambda x: x[t], plans)
-        assert_same_plan(ensure_view(got), ensure_view(want), f"call {t}")
-    assert_same_state(state_view(state), state_view(ref), "end")
+        assert_same(got, want, f"call {t}")
+    assert_same(state, ref, "end")
 
 
 def test_pair_lfu_vmapped_over_caches_equals_a_loop_of_references():
@@ -127,10 +126,10 @@ def test_pair_lfu_vmapped_over_caches_equals_a_loop_of_references():
         for i, ref in enumerate(refs):
             want = ref.ensure_hybrid(int(layers[i]), routes[i], ReferencePolicy.full())
             got = jax.tree.map(lambda x: x[i], plans)
-            assert_same_plan(ensure_view(got), ensure_view(want), f"call {t} lane {i}")
+            assert_same(got, want, f"call {t} lane {i}")
             lane = jax.tree.map(lambda x: x[i], states)
-            np.testing.assert_array_equal(lane.eviction_state.freq, ref.freq)
-            np.testing.assert_array_equal(lane.eviction_state.prot, ref.prot)
+            np.testing.assert_array_equal(lane.eviction_state.freq, ref.eviction_state.freq)
+            np.testing.assert_array_equal(lane.eviction_state.prot, ref.eviction_state.prot)
             np.testing.assert_array_equal(lane.id_of_slot, ref.id_of_slot)
 
 
@@ -156,7 +155,7 @@ def test_frequency_decays_exactly_past_32_bits(adapter):
         expected = np.array([_decayed(int(f), 1) for f in expected], dtype=object)
         for e in routed:
             expected[e] += 65536
-    assert cache.state.freq[0].tolist() == expected.tolist()
+    assert cache.state.eviction_state.freq[0].tolist() == expected.tolist()
     assert 3_000_000 < expected[0] < 2**22
 
 
@@ -175,11 +174,11 @@ def test_protection_outranks_frequency(adapter):
     cache.ensure(1, [0])           # slot 1: layer 1 expert 0, freq 65536, protected
     cache.ensure(0, [1])           # slot 2: layer 0 expert 1; layer 0 expert 0 loses protection
     state = cache.state
-    assert state.prot[0].tolist() == [False, True] and state.prot[1, 0]
-    assert state.freq[0, 0] > 7 * 65536 > state.freq[1, 0]
+    assert state.eviction_state.prot[0].tolist() == [False, True] and state.eviction_state.prot[1, 0]
+    assert state.eviction_state.freq[0, 0] > 7 * 65536 > state.eviction_state.freq[1, 0]
     plan = cache.ensure(2, [0])
-    assert plan.valid("dst_slots") == [0], "the unprotected, frequent expert is the victim"
-    assert cache.state.slot_of(1, 0) == 1 and cache.state.slot_of(0, 0) is None
+    assert valid(plan.copy, "dst_slots") == [0], "the unprotected, frequent expert is the victim"
+    assert slot_of(cache.state, 1, 0) == 1 and slot_of(cache.state, 0, 0) is None
 
 
 @pytest.mark.traced
@@ -193,8 +192,8 @@ def test_among_unprotected_residents_the_least_frequent_goes_first(adapter):
     cache.ensure(0, [1])           # slot 2; layer 0 expert 0 loses protection
     cache.ensure(1, [1])           # a miss with a full pool; layer 1 expert 0 loses protection
     state = cache.state
-    assert not state.prot[0, 0] and not state.prot[1, 0]
-    assert state.slot_of(0, 0) is not None and state.slot_of(1, 0) is None
+    assert not state.eviction_state.prot[0, 0] and not state.eviction_state.prot[1, 0]
+    assert slot_of(state, 0, 0) is not None and slot_of(state, 1, 0) is None
 
 
 @pytest.mark.traced
@@ -216,10 +215,10 @@ def test_free_slots_come_first_in_lru_order_before_any_resident(adapter):
     cache.begin_prefill()
     cache.prefetch_prefill_layer(0, (512 * 1024,))  # slots 0, 1 emptied with usage 0
     state = cache.state
-    assert state.prot[0].all() and state.freq[0, 0] > state.freq[0, 1]
+    assert state.eviction_state.prot[0].all() and state.eviction_state.freq[0, 0] > state.eviction_state.freq[0, 1]
     assert state.usage.tolist()[:2] == [0, 0] and state.usage[4] == -(2**31)
     plan = cache.ensure(1, [0, 1])
-    assert plan.valid("dst_slots") == [4, 0]
+    assert valid(plan.copy, "dst_slots") == [4, 0]
 
 
 @pytest.mark.traced
@@ -235,8 +234,8 @@ def test_the_kth_installed_miss_takes_the_kth_victim_in_fetch_order(adapter):
     plan = cache.ensure_hybrid(1, [1, 3], policy)
     # Victims: layer 0's unprotected experts 3 (slot 0) and 1 (slot 2): equal freq and last use,
     # so slot order; fetch order: expert 3 (routed before) then expert 1.
-    assert plan.valid("src_rows") == [3, 1]
-    assert plan.valid("dst_slots") == [0, 2]
+    assert valid(plan.copy, "src_rows") == [3, 1]
+    assert valid(plan.copy, "dst_slots") == [0, 2]
 
 
 @pytest.mark.traced
@@ -249,10 +248,10 @@ def test_promote_one_still_fires_only_into_a_free_slot(adapter):
     cache.ensure_hybrid(0, [0, 1], adapter.Policy.full())
     cache.ensure_hybrid(1, [0], q)            # first-time miss: never promoted
     plan = cache.ensure_hybrid(1, [0], q)      # recurring, but no free slot
-    assert plan.count == 0 and plan.cpu[0]
+    assert plan.copy.count == 0 and plan.cpu[0]
     cache.forget_slot(1)
     plan = cache.ensure_hybrid(1, [0], q)
-    assert plan.valid("dst_slots") == [1] and plan.count == 1
+    assert valid(plan.copy, "dst_slots") == [1] and plan.copy.count == 1
 
 
 @pytest.mark.traced
@@ -267,8 +266,8 @@ def test_materialize_and_forget_leave_the_frequencies_alone(adapter):
     cache.forget_slot(0)
     cache.ensure(5, [0])              # refused: ERR_LAYER, nothing changes
     after = cache.state
-    np.testing.assert_array_equal(after.freq, before.freq)
-    np.testing.assert_array_equal(after.prot, before.prot)
+    np.testing.assert_array_equal(after.eviction_state.freq, before.eviction_state.freq)
+    np.testing.assert_array_equal(after.eviction_state.prot, before.eviction_state.prot)
 
 
 def test_reuse_is_refused_with_a_non_lru_eviction_naming_both():
@@ -313,7 +312,7 @@ def test_lru_states_carry_no_extra_leaves_and_keep_their_policy_through_reset_an
         assert not np.asarray(state.eviction_state.freq).any()
 
 
-@pytest.mark.parametrize("eviction", ["pair_lfu", "route_knn", "route_lfu"])
+@pytest.mark.parametrize("eviction", evictions_under_test(default=False))
 @pytest.mark.parametrize("backend", ["xla", "interpret", "pallas"])
 def test_evictions_are_loop_free_on_every_backend(backend, eviction):
     """FAILS if a policy's ranking or bookkeeping traces to a ``while`` outside a kernel."""
@@ -366,7 +365,7 @@ def test_the_replay_sweeps_the_eviction_and_matches_the_reference():
                   else ReferencePolicy.fraction(0.4))
         for layer, routes in trace:
             ref.ensure_hybrid(layer, routes, policy)
-        counts = ref.stats()
+        counts = reference.stats(ref)
         assert result.eviction == config.eviction
         assert (result.active, result.missing, result.fetched) == (
             counts.active, counts.missing, counts.fetched), config
@@ -415,7 +414,7 @@ def test_route_knn_jitted_matches_the_reference_after_every_step(data):
     run_lockstep(data, "jax-jit", eviction=ROUTE_KNN)
 
 
-@pytest.mark.parametrize("eviction", ["route_knn", "route_lfu"])
+@pytest.mark.parametrize("eviction", evictions_under_test(ring=True))
 def test_route_knn_in_a_scan_and_vmapped_equals_the_reference(eviction):
     """FAILS if ROUTE_KNN's (or ROUTE_LFU's) ring, token detection or ranking differ inside
     ``lax.scan`` with a traced layer, or across the lanes of a ``vmap`` (each lane its own
@@ -443,10 +442,9 @@ def test_route_knn_in_a_scan_and_vmapped_equals_the_reference(eviction):
         for t in range(layers.shape[1]):
             want = ref.ensure_hybrid(int(layers[i, t]), routes[i, t], ReferencePolicy.fraction(0.75))
             got = jax.tree.map(lambda x: x[i, t], plans)
-            assert_same_plan(ensure_view(got), ensure_view(want), f"lane {i} call {t}")
-        assert_same_state(state_view(jax.tree.map(lambda x: x[i], states)), state_view(ref),
-                          f"lane {i}")
-        assert ref.token > W and ref.step < 50
+            assert_same(got, want, f"lane {i} call {t}")
+        assert_same(jax.tree.map(lambda x: x[i], states), ref, f"lane {i}")
+        assert ref.eviction_state.count == W and ref.step < 50  # the ring wrapped
 
 
 def test_route_knn_neighbours_at_the_similarity_bound():
@@ -478,9 +476,8 @@ def test_route_knn_neighbours_at_the_similarity_bound():
     ref = ReferenceCache(L, E, S, eviction="route_knn", history=W)
     for t in range(layers.shape[0]):
         want = ref.ensure_hybrid(int(layers[t]), routes[t], ReferencePolicy.full())
-        assert_same_plan(ensure_view(jax.tree.map(lambda x: x[t], plans)), ensure_view(want),
-                         f"call {t}")
-    assert_same_state(state_view(state), state_view(ref), "end")
+        assert_same(jax.tree.map(lambda x: x[t], plans), want, f"call {t}")
+    assert_same(state, ref, "end")
 
 
 @pytest.mark.parametrize("L, E, S, usable", [(6, 8, 24, 24), (3, 40, 96, 70)])
@@ -522,13 +519,13 @@ def test_route_knn_without_history_is_plain_lru(adapter):
     ...`` with ``K' = 0``): e.g. ``d(m)`` counted without the ``K'`` factor would evict the
     layer called last instead of the least recently used. All calls are token 0 (layers
     increase), so every victim must be the LRU victim."""
-    lru = adapter.init(4, 2, 2)
-    knn = adapter.init(4, 2, 2, eviction=ROUTE_KNN)
+    lru = adapter.cache(4, 2, 2)
+    knn = adapter.cache(4, 2, 2, eviction=ROUTE_KNN)
     for layer in range(4):
         a, b = lru.ensure(layer, [layer % 2]), knn.ensure(layer, [layer % 2])
-        assert a.valid("dst_slots") == b.valid("dst_slots")
-    assert knn.state.count == 1  # still the first token
-    assert knn.state.slot_of(2, 0) is not None and knn.state.slot_of(3, 1) is not None
+        assert valid(a.copy, "dst_slots") == valid(b.copy, "dst_slots")
+    assert knn.state.eviction_state.count == 1  # still the first token
+    assert slot_of(knn.state, 2, 0) is not None and slot_of(knn.state, 3, 1) is not None
 
 
 @pytest.mark.traced
@@ -536,18 +533,18 @@ def test_similarities_realign_at_each_token_start(adapter):
     """FAILS if a token start does not recompute ``sim_j`` from the *previous* tokens aligned
     (``R[j-1] & R[T-1]``, 0 when ``j-1`` left the ring): carried-over sims, or ``R[j] & R[T-1]``,
     give other numbers. Tokens 0 and 1 route identically (2 matches), token 2 starts."""
-    cache = adapter.init(2, 3, 3, eviction=ROUTE_KNN, history=4)
+    cache = adapter.cache(2, 3, 3, eviction=ROUTE_KNN, history=4)
     for _ in range(2):
         cache.ensure(0, [0])
         cache.ensure(1, [1])
-    assert cache.state.sim.tolist() == [2 * 2, 0, 0, 0]  # token 0 vs the current token 1
+    assert cache.state.eviction_state.sim.tolist() == [2 * 2, 0, 0, 0]  # token 0 vs the current token 1
     cache.ensure(0, [2])  # token 2 starts: sim_1 = |R[0] & R[1]| = 2, sim_0 = 0 (no token -1)
-    assert cache.state.head == 2
-    assert cache.state.sim.tolist() == [0, 2, 0, 0]
+    assert cache.state.eviction_state.head == 2
+    assert cache.state.eviction_state.sim.tolist() == [0, 2, 0, 0]
     cache.ensure(1, [1])  # + 2 * |R[j, 1] & {1}| for both past tokens
-    assert cache.state.sim.tolist() == [2, 4, 0, 0]
+    assert cache.state.eviction_state.sim.tolist() == [2, 4, 0, 0]
     cache.ensure(0, [1])  # token 3: sim_2 = |R[1] & R[2]| = 1, sim_1 = |R[0] & R[2]| = 1
-    assert cache.state.sim.tolist() == [0, 1, 1, 0]
+    assert cache.state.eviction_state.sim.tolist() == [0, 1, 1, 0]
 
 
 @pytest.mark.traced
@@ -556,30 +553,30 @@ def test_neighbour_ties_go_to_the_latest_token(adapter):
     the four past tokens have sims (2, 0, 1, 0); tokens 1 and 3 tie for the third neighbour,
     and only the latest (token 3) predicts that layer 0's expert 1 is needed last, so it goes
     (slot 0); with token 1 the victim is slot 1."""
-    cache = adapter.init(2, 3, 3, eviction=ROUTE_KNN, history=8)
+    cache = adapter.cache(2, 3, 3, eviction=ROUTE_KNN, history=8)
     calls = [(0, 0), (1, 1), (0, 2), (1, 2), (0, 1), (1, 2), (0, 2), (1, 0)]
     for layer, expert in calls:
         cache.ensure(layer, [expert])
     plan = cache.ensure(0, [0])
-    assert cache.state.sim.tolist()[:4] == [2, 0, 1, 0]
-    assert plan.valid("dst_slots") == [0]
+    assert cache.state.eviction_state.sim.tolist()[:4] == [2, 0, 1, 0]
+    assert valid(plan.copy, "dst_slots") == [0]
 
 
 @pytest.mark.traced
 def test_start_token_starts_a_token_the_layers_do_not_show(adapter):
     """FAILS if ``start_token`` is ignored (a token calling only layer 1 after one calling only
     layer 0 would merge with it) or if it changes an LRU or PAIR_LFU state."""
-    cache = adapter.init(2, 2, 2, eviction=ROUTE_KNN, history=3)
+    cache = adapter.cache(2, 2, 2, eviction=ROUTE_KNN, history=3)
     cache.ensure(0, [0])
     cache.start_token()
     cache.ensure(1, [1])
-    assert (int(cache.state.head), int(cache.state.count)) == (1, 2)
+    assert (int(cache.state.eviction_state.head), int(cache.state.eviction_state.count)) == (1, 2)
     for eviction in (None, PAIR_LFU):
-        other = adapter.init(2, 2, 2, eviction=eviction)
+        other = adapter.cache(2, 2, 2, eviction=eviction)
         other.ensure(0, [0])
         before = other.state
         other.start_token()
-        assert_same_state(other.state, before, eviction)
+        assert_same(other.state, before, eviction)
 
 
 # ---- ROUTE_LFU -----------------------------------------------------------------------------
@@ -604,7 +601,7 @@ def test_route_lfu_jitted_matches_the_reference_after_every_step(data):
 
 
 def _route_lfu_run(adapter, L, E, S, calls):
-    cache = adapter.init(L, E, S, eviction=ROUTE_LFU, history=8)
+    cache = adapter.cache(L, E, S, eviction=ROUTE_LFU, history=8)
     for layer, experts in calls[:-1]:
         cache.ensure(layer, experts)
     return cache, cache.ensure(*calls[-1])
@@ -620,8 +617,8 @@ def test_route_lfu_protection_outranks_the_score(adapter):
     ``(0, 2*3 - 7)``, layer 1 expert 0 ``(0, 2*3 - 10)``, layer 0 expert 1 ``(1, 2*1 - 9)``:
     the victim is layer 1's expert 0 in slot 1."""
     cache, plan = _route_lfu_run(adapter, 2, 2, 3, [(0, [0]), (1, [0])] * 3 + [(0, [1]), (1, [1])])
-    assert plan.valid("dst_slots") == [1]
-    assert cache.state.slot_of(0, 1) == 2 and cache.state.slot_of(0, 0) == 0
+    assert valid(plan.copy, "dst_slots") == [1]
+    assert slot_of(cache.state, 0, 1) == 2 and slot_of(cache.state, 0, 0) == 0
 
 
 @pytest.mark.traced
@@ -633,8 +630,8 @@ def test_route_lfu_protects_the_previous_tokens_pair_of_a_layer_not_yet_called(a
     expert 0's ``2*2 - 7``), slot 2."""
     calls = [(0, [1]), (1, [0]), (0, [0]), (1, [0]), (0, [0]), (1, [1]), (0, [1])]
     cache, plan = _route_lfu_run(adapter, 2, 2, 3, calls)
-    assert plan.valid("dst_slots") == [2]
-    assert cache.state.slot_of(1, 1) == 0
+    assert valid(plan.copy, "dst_slots") == [2]
+    assert slot_of(cache.state, 1, 1) == 0
 
 
 @pytest.mark.traced
@@ -645,8 +642,8 @@ def test_route_lfu_ring_frequency_outweighs_a_nearer_predicted_use(adapter):
     ``2*3 - 10 = -4`` and ``2*1 - 9 = -7``, so the rarer expert in slot 2 goes."""
     calls = [(0, [1]), (1, [0]), (0, [1]), (1, [1]), (0, [1]), (1, [2]), (0, [2])]
     cache, plan = _route_lfu_run(adapter, 2, 3, 3, calls)
-    assert plan.valid("dst_slots") == [2]
-    assert cache.state.slot_of(0, 1) == 0
+    assert valid(plan.copy, "dst_slots") == [2]
+    assert slot_of(cache.state, 0, 1) == 0
 
 
 @pytest.mark.traced
@@ -656,8 +653,8 @@ def test_route_lfu_predicted_next_use_separates_equal_frequencies(adapter):
     1) would go; ``NU`` (5 for layer 0, the next layer called, 6 for layer 1) makes layer 1's
     expert 1 in slot 1 the victim (``2 - 6 < 2 - 5``)."""
     cache, plan = _route_lfu_run(adapter, 2, 3, 3, [(0, [1]), (1, [1]), (0, [0]), (1, [0])])
-    assert plan.valid("dst_slots") == [1]
-    assert cache.state.slot_of(0, 1) == 0
+    assert valid(plan.copy, "dst_slots") == [1]
+    assert slot_of(cache.state, 0, 1) == 0
 
 
 @pytest.mark.traced
@@ -670,11 +667,11 @@ def test_route_lfu_frequency_counts_the_current_tokens_routes(adapter):
     the scores are 1 and 2 and slot 0 would go."""
     cache, plan = _route_lfu_run(adapter, 3, 3, 3,
                                  [(0, [0]), (1, [0]), (2, [0]), (0, [0]), (1, [1, 2])])
-    assert plan.valid("dst_slots") == [1, 2]
-    assert cache.state.slot_of(0, 0) == 0
+    assert valid(plan.copy, "dst_slots") == [1, 2]
+    assert slot_of(cache.state, 0, 0) == 0
 
 
-@pytest.mark.parametrize("eviction", ["route_knn", "route_lfu"])
+@pytest.mark.parametrize("eviction", evictions_under_test(ring=True))
 def test_ring_bookkeeping_is_one_branch_on_cpu(eviction):
     """FAILS if the ring's bookkeeping of a call, and the prediction table ROUTE_KNN's ranking
     reads, are not one conditional each of XLA:CPU's compiled step (the straight-line forms:
@@ -695,7 +692,7 @@ def test_ring_bookkeeping_is_one_branch_on_cpu(eviction):
     assert branches(eviction, 40) == branches("lru", 40)
 
 
-@pytest.mark.parametrize("eviction", ["route_knn", "route_lfu"])
+@pytest.mark.parametrize("eviction", evictions_under_test(ring=True))
 def test_ring_bookkeeping_under_vmap_equals_each_lane_alone(eviction):
     """FAILS if the batched form of the ring's bookkeeping (the replay's lanes) differs from the
     unbatched one lane by lane: e.g. a lane's refused call (layer out of range, so ``accepted``
@@ -738,9 +735,10 @@ def _mru_keys(state, id_of_slot, usage, layer, num_experts, cache_size):
 MRU = pc.evictions.EvictionPolicy(name="mru", init=lambda num_layers, num_experts, history: None,
                                   observe=lambda state, layer, routed, accepted: state,
                                   victim_keys=_mru_keys)
-REFERENCE_MRU = reference_evictions.EvictionPolicy(
-    name="mru", cold=lambda cache: None, observe=lambda cache, layer, distinct: None,
-    rank=lambda cache, evictable, layer: reference_evictions.free_first(
+REFERENCE_MRU = reference.EvictionPolicy(
+    name="mru", init=lambda num_layers, num_experts, history: None,
+    observe=lambda cache, layer, distinct: None,
+    rank=lambda cache, evictable, layer: reference.evictions.free_first(
         cache, evictable, lambda s: (-cache.usage[s], s)))
 
 
@@ -753,7 +751,7 @@ def test_a_new_policy_is_one_record_and_its_reference_twin(data, adapter_name):
     ``Eviction`` enum or reads an enum attribute of the state's policy, or if the XLA step's
     victims, plans or states differ from the twin's under the new ranking."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setitem(reference_evictions.POLICIES, "mru", REFERENCE_MRU)
+        patch.setitem(reference.evictions.POLICIES, "mru", REFERENCE_MRU)
         run_lockstep(data, adapter_name, eviction=MRU)
 
 

@@ -17,7 +17,7 @@ import pallas_cache as pc
 from pallas_cache import clock
 from pallas_cache import selection
 from pallas_cache.kernels import dispatch as backends
-from reference import ReferencePolicy
+from pallas_cache.reference import ReferencePolicy
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 

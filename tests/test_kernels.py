@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from jax import lax
 
 import pallas_cache as pc
-from conftest import PROFILE
+from conftest import PROFILE, evictions_under_test
 from pallas_cache import selection
 from pallas_cache.kernels import dispatch
 from pallas_cache.kernels import step as fused
@@ -146,7 +146,7 @@ def hybrid(backend, order, admission):
                                      backend=backend))
 
 
-@pytest.mark.parametrize("eviction", ["lru", "pair_lfu"])
+@pytest.mark.parametrize("eviction", evictions_under_test(kernel=True))
 @pytest.mark.parametrize("order,admission", RULES)
 def test_a_low_rebase_threshold_steps_in_lockstep(order, admission, eviction):
     """FAILS if the in-kernel rebase is skipped, runs when not due, reads a stamp it already
@@ -188,7 +188,7 @@ def test_vmap_over_distinct_caches_and_policies():
         assert_trees_equal((a, plan_a), (b, plan_b), f"call {call}")
 
 
-@pytest.mark.parametrize("eviction", ["lru", "pair_lfu"])
+@pytest.mark.parametrize("eviction", evictions_under_test(kernel=True))
 def test_a_scan_of_layer_calls_with_a_traced_layer(eviction):
     """FAILS if the kernel reads or writes another layer's rows than the traced one, or its state
     does not carry from one scan iteration to the next."""
@@ -206,7 +206,7 @@ def test_a_scan_of_layer_calls_with_a_traced_layer(eviction):
     assert_trees_equal(run("interpret"), run("xla"), eviction)
 
 
-@pytest.mark.parametrize("eviction", ["lru", "pair_lfu"])
+@pytest.mark.parametrize("eviction", evictions_under_test(kernel=True))
 def test_the_blocked_pool_scan_equals_one_block(eviction):
     """FAILS if the victim scan over several blocks (the GPU path for pools above 4096 slots)
     combines its blocks wrongly: a later block must win only with a strictly smaller key. Here
@@ -377,7 +377,7 @@ def _step_calls(num_layers, num_experts, size, top_k, eviction="lru"):
     return state, calls
 
 
-@pytest.mark.parametrize("eviction", ["lru", "pair_lfu"])
+@pytest.mark.parametrize("eviction", evictions_under_test(kernel=True))
 @pytest.mark.parametrize("geometry", STEP_GEOMETRIES)
 def test_one_kernel_and_at_most_16_other_ops_per_call(geometry, eviction, triton_modules):
     """FAILS if a call of ``ensure`` / ``ensure_hybrid`` (any order and admission) under
@@ -400,7 +400,7 @@ def test_one_kernel_and_at_most_16_other_ops_per_call(geometry, eviction, triton
     check_triton(lower_cuda(lambda s: calls["ensure"](s, jnp.int32(0)), state), triton_modules)
 
 
-@pytest.mark.parametrize("eviction", ["route_knn", "route_lfu"])
+@pytest.mark.parametrize("eviction", evictions_under_test(kernel=False))
 def test_ring_evictions_keep_their_step_outside_the_kernel(eviction):
     """The ring policies rank in XLA (docs/semantics.md §5.16): FAILS if their ``backend="pallas"``
     step launches a Pallas kernel it was not built for, or stops lowering for CUDA."""

@@ -108,3 +108,38 @@ def test_no_module_named_like_the_stdlib():
     ``statistics``...), which shadows it for anyone running from inside the folder and misleads
     readers."""
     assert _stdlib_named() == []
+
+
+def imports_of(source: str, module: str, is_package: bool = False) -> set[str]:
+    """The absolute names of the modules ``source`` imports (relative imports resolved)."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom):
+            base = _resolve(node, module, is_package)
+            found |= {base} | {f"{base}.{alias.name}" for alias in node.names}
+        elif isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+    return found
+
+
+def _reaches_reference(names) -> bool:
+    return any(name == "pallas_cache.reference" or name.startswith("pallas_cache.reference.")
+               for name in names)
+
+
+def test_only_the_reference_imports_the_reference_and_it_imports_no_jax():
+    """FAILS if a library module imports ``pallas_cache.reference`` (the oracle would then share
+    code, and so mistakes, with what it checks), or if the reference imports JAX or the library
+    (the rules are stated there once, in NumPy)."""
+    found = []
+    for path, module in package_modules():
+        names = imports_of(path.read_text(), module, path.name == "__init__.py")
+        if module.startswith("pallas_cache.reference"):
+            found += [f"{module}: {n}" for n in sorted(names)
+                      if n.split(".")[0] == "jax" or (n.startswith("pallas_cache")
+                                                      and not _reaches_reference([n]))]
+        elif _reaches_reference(names):
+            found.append(f"{module} imports the reference")
+    assert not found, "\n".join(found)
+    assert _reaches_reference(imports_of("from pallas_cache import reference\n", "x"))
+    assert _reaches_reference(imports_of("from ..reference import ops\n", "pallas_cache.kernels.step"))

@@ -13,14 +13,14 @@ from hypothesis import strategies as st
 
 import lockstep
 import pallas_cache as pc
+from pallas_cache import reference
 from conftest import (
     ADAPTER,
-    EVICTION_FIELDS,
-    STATE_FIELDS,
     assert_invariants,
     assert_plan_well_formed,
-    assert_same_plan,
-    assert_same_state,
+    assert_same,
+    entries,
+    evictions_under_test,
     examples,
 )
 from lockstep import build_policy
@@ -62,18 +62,18 @@ ERR_CACHE_SIZE = pc.ERR_CACHE_SIZE
 
 
 def assert_same_caches(cache, ref, context):
-    native = cache.native
+    native = cache.state
     chex.assert_type([native.slot_for_id, native.id_of_slot, native.usage, native.step], jnp.int32)
-    assert_same_state(cache.state, ref.state, f"after {context}")
+    assert_same(cache.state, ref.state, f"after {context}")
     assert_invariants(cache.state)
 
 
 def assert_same_outcome(mine, theirs, context):
-    """Two outcomes of :func:`lockstep.do`: equal plan views, or the same static error (or None)."""
+    """Two outcomes of :func:`lockstep.do`: equal plans, or the same static error (or None)."""
     if mine is None or isinstance(mine, str) or theirs is None or isinstance(theirs, str):
         assert mine == theirs, context
     else:
-        assert_same_plan(mine, theirs, context)
+        assert_same(mine, theirs, context)
 
 
 def compare_caches(context, op, expected, got):
@@ -83,7 +83,7 @@ def compare_caches(context, op, expected, got):
     if kind in ("ensure", "ensure_hybrid") and not isinstance(mine, str):
         assert_plan_well_formed(mine, args["routes"], cache.state.num_experts)
     if kind == "prefetch_prefill_layer" and not isinstance(mine, str):
-        assert mine.entry_bytes(args["banks"]) == theirs.entry_bytes(args["banks"]), context
+        assert entries(mine, args["banks"]) == entries(theirs, args["banks"]), context
     assert_same_caches(cache, ref, context)
     assert cache.prefill_overlap_fits() == ref.prefill_overlap_fits(), context
 
@@ -162,20 +162,21 @@ ORDERS = ("recency", "lowest_id")
 ADMISSIONS = ("promote_one", "none", "reuse")
 #: The evictions keeping a token ring (docs/semantics.md §5.16): they draw a ring size and
 #: ``start_token`` calls.
-RING_EVICTIONS = ("route_knn", "route_lfu")
+RING_EVICTIONS = [param.values[0] for param in evictions_under_test(ring=True)]
 
 
 def eviction_options(data, eviction):
     """``init`` options, the admissions and the extra ops of an eviction policy (None = LRU):
-    REUSE is refused by the others (docs/semantics.md §5.16); the ring policies draw their ring
-    size and ``start_token`` calls."""
-    if eviction in (None, "lru"):
-        return ({} if eviction is None else {"eviction": eviction}), ADMISSIONS, []
+    REUSE only where the policy allows it (docs/semantics.md §5.16); the ring policies draw
+    their ring size and ``start_token`` calls."""
+    if eviction is None:
+        return {}, ADMISSIONS, []
     options, extra = {"eviction": eviction}, []
     if eviction in RING_EVICTIONS:
         options["history"] = data.draw(st.sampled_from((1, 3, 6)), label="history")
         extra = ["start_token"] * 2
-    return options, ("promote_one", "none"), extra
+    allows_reuse = pc.evictions.policy_of(pc.evictions.coerce(eviction)).allows_reuse
+    return options, ADMISSIONS if allows_reuse else ("promote_one", "none"), extra
 
 
 def draw_op(data, kinds, L, E, C, route_shape, admissions, rebuild_sizes):
@@ -238,9 +239,8 @@ def draw_start(data, adapter_name, eviction, geometries=None):
 
 
 def jax_cache(adapter_name, *args, **kwargs):
-    cache = ADAPTER[adapter_name].init(*args, **kwargs)
-    cache.pad_routes = False  # the drawn route shape is the compiled one
-    return cache
+    # The drawn route shape is the compiled one.
+    return ADAPTER[adapter_name].unpadded().cache(*args, **kwargs)
 
 
 # ---- the plain lockstep --------------------------------------------------------------------
@@ -257,7 +257,7 @@ def run_lockstep(data, adapter_name, eviction=None):
     ops = draw_ops(data, BASE_OPS + ["rebuild"] + extra_ops, L, E, C, route_shape, admissions,
                    list(rebuild_targets) + [E - 1])
     cache = jax_cache(adapter_name, L, E, C, **options)
-    ref = ADAPTER["reference"].init(L, E, C, **options)
+    ref = ADAPTER["reference"].cache(L, E, C, **options)
     assert_same_caches(cache, ref, "init")
 
     clock = [int(ref.state.step)]
@@ -287,7 +287,7 @@ def note_events(kind, plan, previous_step, step):
         event("hybrid step with CPU routes")
     if kind == "ensure_hybrid" and plan.missing > plan.fetched > 0:
         event("hybrid step with capped fetches")
-    if kind == "prefetch_prefill_layer" and plan.gather_count:
+    if kind == "prefetch_prefill_layer" and plan.gather.count:
         event("prefill gather")
     if kind == "prefetch_prefill_layer" and plan.already_loaded:
         event("prefill already loaded")
@@ -343,7 +343,7 @@ def test_a_long_run_across_the_clock_rebase_matches_the_reference():
         if step % 17 == 0:
             ops.append(("forget_slot", {"slot": step % C}))
     cache = jax_cache("jax-jit", L, E, C, rebase_threshold=20)
-    ref = ADAPTER["reference"].init(L, E, C, rebase_threshold=20)
+    ref = ADAPTER["reference"].cache(L, E, C, rebase_threshold=20)
 
     def compare(context, op, expected, got):
         compare_caches(context, op, expected, got)
@@ -373,8 +373,8 @@ def test_large_call_paths_match_the_reference():
             ops.append(("ensure_hybrid", {"layer": layer, "routes": routes,
                                           "policy": ("fraction", (0.0, 0.4, 1.0)[t % 3]),
                                           "order": rule[0], "admission": rule[1]}))
-    cache = ADAPTER["jax-jit"].init(L, E, C)
-    ref = ADAPTER["reference"].init(L, E, C)
+    cache = ADAPTER["jax-jit"].cache(L, E, C)
+    ref = ADAPTER["reference"].cache(L, E, C)
     lockstep.run(ops, lockstep.steps(ref, ops), {"jax-jit": lockstep.steps(cache, ops)},
                  compare_caches)
 
@@ -384,21 +384,19 @@ def test_large_call_paths_match_the_reference():
 
 def assert_usable_part_equal(big, truth, context):
     """``big`` (capacity C) equals ``truth`` (a pool of its usable size) on the usable part; the
-    slots past it are empty with usage 0."""
+    slots past it are empty with usage 0. The eviction bookkeeping (per expert, per token) is
+    compared whole."""
     size = truth.capacity
     assert int(big.cache_size) == size == int(truth.cache_size), context
-    for name in STATE_FIELDS:
-        mine, theirs = getattr(big, name), getattr(truth, name)
-        if name in ("id_of_slot", "usage"):
-            assert (mine[size:] == (-1 if name == "id_of_slot" else 0)).all(), \
-                f"{name} past the usable size {context}"
-            mine = mine[:size]
-        np.testing.assert_array_equal(mine, theirs, err_msg=f"state.{name} {context}")
-    for name in EVICTION_FIELDS:  # per expert / per token: compared whole
-        mine, theirs = getattr(big, name), getattr(truth, name)
-        assert (mine is None) == (theirs is None), f"state.{name} on one side only {context}"
-        if mine is not None:
-            np.testing.assert_array_equal(mine, theirs, err_msg=f"state.{name} {context}")
+    ids, usage = np.asarray(big.id_of_slot), np.asarray(big.usage)
+    assert (ids[size:] == -1).all() and (usage[size:] == 0).all(), \
+        f"a slot past the usable size holds something {context}"
+    if isinstance(big, reference.ReferenceCache):
+        big = reference.copy_state(big)
+        big.id_of_slot, big.usage = ids[:size], usage[:size]
+    else:
+        big = big.replace(id_of_slot=big.id_of_slot[:size], usage=big.usage[:size])
+    assert_same(big, truth, context)
 
 
 def compare_usable(context, op, expected, got):
@@ -410,7 +408,7 @@ def compare_usable(context, op, expected, got):
         # value: begin_prefill changes nothing, prefetch reports ERR_CACHE_SIZE.
         if kind == "prefetch_prefill_layer":
             assert mine.error & ERR_CACHE_SIZE, context
-            assert mine.entry_count == mine.gather_count == mine.run_count == 0, context
+            assert mine.transfers.count == mine.gather.count == mine.runs.count == 0, context
         else:
             assert mine is None, context
     else:
@@ -431,8 +429,8 @@ def run_equivalence(data, adapter_name, eviction=None):
         data, adapter_name, eviction, eviction and EVICTION_GEOMETRIES)
     S = data.draw(st.integers(E, C), label="usable size")
     ops = draw_ops(data, BASE_OPS + extra_ops, L, E, C, route_shape, admissions, [])
-    truth = ADAPTER["reference"].init(L, E, S, **options)
-    bigs = {"reference": ADAPTER["reference"].init(L, E, S, capacity=C, **options),
+    truth = ADAPTER["reference"].cache(L, E, S, **options)
+    bigs = {"reference": ADAPTER["reference"].cache(L, E, S, capacity=C, **options),
             adapter_name: jax_cache(adapter_name, L, E, S, capacity=C, **options)}
     lockstep.run(ops, lockstep.steps(truth, ops),
                  {name: lockstep.steps(big, ops) for name, big in bigs.items()}, compare_usable)
@@ -454,7 +452,7 @@ def test_capacity_above_the_usable_size_equals_a_pool_of_that_size(adapter_name)
 
 
 @examples(0.25, ci=0.16)
-@pytest.mark.parametrize("eviction", ["pair_lfu", "route_knn"])
+@pytest.mark.parametrize("eviction", evictions_under_test(default=False))
 @given(data=st.data())
 def test_capacity_above_the_usable_size_equals_a_pool_of_that_size_under_each_eviction(
         eviction, data):
@@ -464,14 +462,14 @@ def test_capacity_above_the_usable_size_equals_a_pool_of_that_size_under_each_ev
     run_equivalence(data, "jax-jit", eviction)
 
 
-@pytest.mark.parametrize("eviction", ["pair_lfu", "route_knn", "route_lfu"])
+@pytest.mark.parametrize("eviction", evictions_under_test(default=False))
 def test_a_long_run_with_capacity_equals_a_pool_of_the_usable_size_under_each_eviction(eviction):
     """FAILS if ROUTE_KNN's (or ROUTE_LFU's) horizon ``H = ceil(S / L)`` comes from the capacity
     (here 8 tokens instead of 2: neighbours' routes 2..7 tokens ahead would count), or a
     ranking reads a slot past the usable size. A long run of one geometry, so that such a
     difference shows up for sure (the drawn sequences above are short)."""
     L, E, S, C = 2, 4, 4, 16
-    options = {"eviction": eviction, "history": 16} if eviction != "pair_lfu" else {
+    options = {"eviction": eviction, "history": 16} if eviction in RING_EVICTIONS else {
         "eviction": eviction}
     rng = np.random.default_rng(7)
     ops = []
@@ -481,8 +479,8 @@ def test_a_long_run_with_capacity_equals_a_pool_of_the_usable_size_under_each_ev
             "routes": rng.choice(E, 2, replace=False).astype(np.int32),
             "policy": ("fraction", 0.5) if call % 3 == 0 else ("full", None),
             "order": "recency", "admission": "promote_one"}))
-    truth = ADAPTER["reference"].init(L, E, S, **options)
-    big = ADAPTER["jax-jit"].init(L, E, S, capacity=C, **options)
+    truth = ADAPTER["reference"].cache(L, E, S, **options)
+    big = ADAPTER["jax-jit"].cache(L, E, S, capacity=C, **options)
     lockstep.run(ops, lockstep.steps(truth, ops), {"jax-jit": lockstep.steps(big, ops)},
                  compare_usable)
 
@@ -500,7 +498,7 @@ def run_resize_lockstep(data, adapter_name, eviction=None):
     ops = draw_ops(data, BASE_OPS + ["resize"] * 6 + ["rebuild"] + extra_ops, L, E, C,
                    route_shape, admissions, list(range(E - 1, C + 1)), capacity=C,
                    warm=[("resize", {"size": C})])
-    ref = ADAPTER["reference"].init(L, E, size, capacity=C, **options)
+    ref = ADAPTER["reference"].cache(L, E, size, capacity=C, **options)
     cache = jax_cache(adapter_name, L, E, size, capacity=C, **options)
     sizes = [size]
 
@@ -526,7 +524,7 @@ def test_resize_interleaved_with_every_op_matches_the_reference(adapter_name):
 
 
 @examples(0.25, ci=0.16)
-@pytest.mark.parametrize("eviction", ["pair_lfu", "route_knn"])
+@pytest.mark.parametrize("eviction", evictions_under_test(default=False))
 @given(data=st.data())
 def test_resize_interleaved_with_every_op_matches_the_reference_under_each_eviction(
         eviction, data):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import pallas_cache as pc
-from reference import ReferencePolicy
+from pallas_cache.reference import ReferencePolicy
 
 BAD_FIELDS = [(0, -3), (-1, 0), (65537, 0), (2**31 - 1, 0)]
 

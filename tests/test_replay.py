@@ -23,7 +23,8 @@ from pallas_cache.sizing import bounds, sweep_program, sweep_runner
 from pallas_cache.sizing.sweep import (ReplayConfig, capacity_buckets, config_grid, parse_policy,
                                        replay)
 from pallas_cache.sizing.traces import Trace
-from reference import ReferenceCache, ReferencePolicy
+from pallas_cache import reference
+from pallas_cache.reference import ReferenceCache, ReferencePolicy
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -53,9 +54,9 @@ def reference_replay(trace, config):
                                    admission=config.admission)
         cpu += int(plan.cpu.sum())
         # The cost model's per-call pair: copies made, distinct experts the CPU computes.
-        pair = (int(plan.count), len(set(np.asarray(route)[np.asarray(plan.cpu)].tolist())))
+        pair = (int(plan.copy.count), len(set(np.asarray(route)[np.asarray(plan.cpu)].tolist())))
         pairs[pair] = pairs.get(pair, 0) + 1
-    stats = cache.stats()
+    stats = reference.stats(cache)
     return dict(calls=stats.calls, active=stats.active, missing=stats.missing,
                 fetched=stats.fetched, cpu_routes=cpu, empty_slots=int((cache.id_of_slot < 0).sum()),
                 pair_counts=sorted((f, c, n) for (f, c), n in pairs.items()))
@@ -183,7 +184,7 @@ def reference_missing(routes, num_layers, num_experts, cache_size, order):
         for layer, route in enumerate(token):
             cache.ensure_hybrid(layer, route.tolist(), ReferencePolicy.full(), order=order,
                                 admission="none")
-    return cache.stats().missing
+    return reference.stats(cache).missing
 
 
 def test_the_fetch_order_is_not_deduplicated_under_full():
@@ -219,7 +220,7 @@ def reference_missing_hybrid(trace, row):
     layers, routes = trace.to_array()
     for layer, route in zip(layers, routes):
         cache.ensure_hybrid(int(layer), route, policy, order=row.order, admission=row.admission)
-    return cache.stats().missing, int((cache.id_of_slot < 0).sum())
+    return reference.stats(cache).missing, int((cache.id_of_slot < 0).sum())
 
 
 def test_one_program_per_bucket_and_eviction_and_the_first_line_counts_them(caplog):

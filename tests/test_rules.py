@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import random
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 import lockstep
-from conftest import ADAPTER, PROFILE, assert_invariants, assert_same_plan, assert_same_state
+from conftest import (ADAPTER, PROFILE, assert_invariants, assert_same, entries, resident_slots,
+                      slot_of, valid)
+from pallas_cache import reference
 from pallas_cache.sizing import scenarios
 
 INT32_MIN = -(2**31)
@@ -24,85 +27,85 @@ INT32_MIN = -(2**31)
 
 
 def test_a_cold_miss_is_fetched_and_becomes_resident(adapter):
-    c = adapter.init(4, 8, 16)
+    c = adapter.cache(4, 8, 16)
     plan = c.ensure(0, [3, 5])
-    assert (plan.missing, plan.fetched, plan.count) == (2, 2, 2)
-    assert plan.valid("src_rows") == [3, 5], "layer-local rows"
+    assert (plan.missing, plan.fetched, plan.copy.count) == (2, 2, 2)
+    assert valid(plan.copy, "src_rows") == [3, 5], "layer-local rows"
     assert (plan.slots >= 0).all() and not plan.cpu.any()
     again = c.ensure(0, [3, 5])
-    assert again.missing == 0 and again.count == 0
-    assert (again.dst_slots == -1).all()
+    assert again.missing == 0 and again.copy.count == 0
+    assert (again.copy.dst_slots == -1).all()
     assert again.slots.tolist() == plan.slots.tolist(), "the second visit is free"
 
 
 @pytest.mark.traced
 def test_layers_share_one_pool_through_a_flat_id_space(adapter):
     """FAILS if residency is keyed by the layer-local expert id alone."""
-    c = adapter.init(4, 8, 16)
+    c = adapter.cache(4, 8, 16)
     c.ensure(0, [3])
     plan = c.ensure(1, [3])
     assert plan.missing == 1, "layer 1's expert 3 is a different expert"
     state = c.state
-    assert state.slot_of(0, 3) != state.slot_of(1, 3)
-    assert state.resident_slots() == 2
-    assert state.id_of_slot[state.slot_of(1, 3)] == 1 * 8 + 3
+    assert slot_of(state, 0, 3) != slot_of(state, 1, 3)
+    assert resident_slots(state) == 2
+    assert state.id_of_slot[slot_of(state, 1, 3)] == 1 * 8 + 3
 
 
 def test_duplicate_routes_collapse_into_one_copy_and_one_slot(adapter):
-    c = adapter.init(4, 8, 16)
+    c = adapter.cache(4, 8, 16)
     plan = c.ensure(0, [7, 7, 7, 2])
     assert plan.active == 2
-    assert plan.count == 2, "one copy per distinct expert"
+    assert plan.copy.count == 2, "one copy per distinct expert"
     assert plan.slots[0] == plan.slots[1] == plan.slots[2] != plan.slots[3]
 
 
 def test_a_step_never_evicts_an_expert_it_is_about_to_read(adapter):
     """FAILS if victims are chosen before the hits are refreshed: the hit's slot is the LRU one."""
-    c = adapter.init(2, 4, 4)
+    c = adapter.cache(2, 4, 4)
     c.ensure(0, [0, 1, 2, 3])
     c.ensure(1, [0])
-    held = c.state.slot_of(1, 0)
+    held = slot_of(c.state, 1, 0)
     c.ensure(0, [1, 2, 3])  # every other slot is now newer than `held`
     assert c.state.usage[held] == c.state.usage.min()
     plan = c.ensure(1, [0, 1])
     assert plan.missing == 1
-    assert c.state.slot_of(1, 0) == held, "the hit kept its slot"
-    assert plan.dst_slots[0] != held
+    assert slot_of(c.state, 1, 0) == held, "the hit kept its slot"
+    assert plan.copy.dst_slots[0] != held
     assert plan.slots[0] == held
 
 
 def test_hits_are_refreshed_before_victims_are_chosen(adapter):
     """FAILS if victims are chosen from the usage as it was on entry: the hit (layer 1,
     expert 0) sits in the oldest slot, and would be evicted by the miss beside it."""
-    c = adapter.init(2, 3, 3)
+    c = adapter.cache(2, 3, 3)
     c.ensure(1, [0])  # slot 0, the oldest stamp
     c.ensure(0, [0, 1])  # slots 1, 2
     plan = c.ensure(1, [0, 1])
-    assert plan.slots[0] == 0 and plan.dst_slots[0] == 1
+    assert plan.slots[0] == 0 and plan.copy.dst_slots[0] == 1
     assert_invariants(c.state)
 
 
 def test_a_step_never_evicts_a_slot_it_claimed_earlier_in_the_same_step(adapter):
     """FAILS if claimed victims are not knocked out: two misses on a full pool whose oldest
     slot is unique would both take it."""
-    c = adapter.init(2, 4, 4)
+    c = adapter.cache(2, 4, 4)
     for expert in range(4):
         c.ensure(0, [expert])
     plan = c.ensure(1, [0, 1])
-    assert plan.valid("dst_slots") == [0, 1]
+    assert valid(plan.copy, "dst_slots") == [0, 1]
     assert_invariants(c.state)
 
 
 def test_eviction_takes_the_least_recently_used_slot(adapter):
-    c = adapter.init(2, 4, 4)
+    c = adapter.cache(2, 4, 4)
     for expert in range(4):
         c.ensure(0, [expert])  # one step each, ascending usage
     c.ensure(0, [0])  # refresh 0, making 1 the oldest
-    oldest = c.state.slot_of(0, 1)
+    oldest = slot_of(c.state, 0, 1)
     plan = c.ensure(1, [0])
-    assert plan.valid("dst_slots") == [oldest]
-    assert c.state.slot_of(0, 1) is None, "the oldest went"
-    assert c.state.slot_of(0, 0) is not None, "the refreshed one stayed"
+    assert valid(plan.copy, "dst_slots") == [oldest]
+    assert slot_of(c.state, 0, 1) is None, "the oldest went"
+    assert slot_of(c.state, 0, 0) is not None, "the refreshed one stayed"
 
 
 @pytest.mark.kernels
@@ -110,29 +113,29 @@ def test_usage_ties_go_to_the_lowest_slot(adapter):
     """FAILS if the victim search breaks ties by anything but the slot index (a GPU kernel and
     the reference would then disagree about where an expert lives): empty slots (usage 0) and
     slots 0..3 sharing one stamp must be taken in slot order."""
-    c = adapter.init(2, 4, 8)
+    c = adapter.cache(2, 4, 8)
     plan = c.ensure(0, [2, 0])
-    assert plan.valid("dst_slots") == [0, 1], "empty slots (usage 0) in slot order"
-    assert plan.valid("src_rows") == [0, 2], "misses in ascending id"
-    c = adapter.init(3, 4, 8)
+    assert valid(plan.copy, "dst_slots") == [0, 1], "empty slots (usage 0) in slot order"
+    assert valid(plan.copy, "src_rows") == [0, 2], "misses in ascending id"
+    c = adapter.cache(3, 4, 8)
     c.ensure(0, [3, 2, 1, 0])  # slots 0..3, one stamp
     c.ensure(1, [0, 1, 2, 3])  # slots 4..7, a newer stamp
     plan = c.ensure(2, [3, 1])
-    assert plan.dst_slots.tolist() == [0, 1]
-    assert plan.src_rows.tolist() == [1, 3], "misses ascend by id, victims by (usage, slot)"
+    assert plan.copy.dst_slots.tolist() == [0, 1]
+    assert plan.copy.src_rows.tolist() == [1, 3], "misses ascend by id, victims by (usage, slot)"
     assert plan.slots.tolist() == [1, 0]
 
 
 def test_a_large_cold_batch_assigns_unique_slots(adapter):
-    c = adapter.init(4, 64, 256)
+    c = adapter.cache(4, 64, 256)
     plan = c.ensure(2, list(range(63, -1, -1)))  # descending, so ascending rows are the cache's doing
-    assert plan.missing == 64 and plan.count == 64
+    assert plan.missing == 64 and plan.copy.count == 64
     assert len(set(plan.slots.tolist())) == 64, "no slot serves two experts"
-    assert plan.src_rows.tolist() == list(range(64)), "misses are ranked by ascending expert id"
+    assert plan.copy.src_rows.tolist() == list(range(64)), "misses are ranked by ascending expert id"
 
 
 def test_the_residency_map_stays_bijective_under_pressure(adapter):
-    c = adapter.init(4, 16, 20)
+    c = adapter.cache(4, 16, 20)
     policy = adapter.Policy.fraction(0.5)
     for step in range(120):
         layer = step % 4
@@ -146,7 +149,7 @@ def test_the_residency_map_stays_bijective_under_pressure(adapter):
 
 
 def test_the_hybrid_split_assigns_every_route_to_exactly_one_device(adapter):
-    c = adapter.init(1, 32, 40)
+    c = adapter.cache(1, 32, 40)
     plan = c.ensure_hybrid(0, [0, 1, 2, 3, 4, 5, 6, 7, 3], adapter.Policy.fraction(0.415))
     assert plan.missing == 8
     assert plan.fetched == 3, "0.415 * 8 = 3.32 -> 3"
@@ -158,7 +161,7 @@ def test_the_hybrid_split_assigns_every_route_to_exactly_one_device(adapter):
 
 
 def test_padding_routes_are_neither_device_nor_cpu_routes(adapter):
-    c = adapter.init(1, 8, 8)
+    c = adapter.cache(1, 8, 8)
     c.set_collect_routing(True)
     plan = c.ensure_hybrid(0, [[1, -1], [-1, 2]], adapter.Policy.fixed_cap(1))
     assert plan.slots.shape == (2, 2)
@@ -171,18 +174,18 @@ def test_padding_routes_are_neither_device_nor_cpu_routes(adapter):
 def test_a_recurring_miss_climbs_the_fetch_order(adapter):
     """FAILS under the lowest-id order: expert 9 loses the cap to the rotating cast forever."""
     policy = adapter.Policy.fixed_cap(1)
-    c = adapter.init(1, 16, 16)
+    c = adapter.cache(1, 16, 16)
     for round_ in range(6):
         c.ensure_hybrid(0, [9, round_], policy)
-    assert c.state.slot_of(0, 9) is not None, "the expert routed every step became resident"
-    naive = adapter.init(1, 16, 16)
+    assert slot_of(c.state, 0, 9) is not None, "the expert routed every step became resident"
+    naive = adapter.cache(1, 16, 16)
     for round_ in range(6):
         naive.ensure_hybrid(0, [9, round_], policy, order="lowest_id")
-    assert naive.state.slot_of(0, 9) is None, "the contrast: by id, 9 never wins"
+    assert slot_of(naive.state, 0, 9) is None, "the contrast: by id, 9 never wins"
 
 
 def test_recency_is_stamped_in_both_fetch_orders_and_never_by_plain_ensure(adapter):
-    c = adapter.init(1, 8, 8)
+    c = adapter.cache(1, 8, 8)
     c.ensure(0, [1])
     assert c.state.recency[0, 1] == -1, "plain ensure does not touch recency"
     c.ensure_hybrid(0, [5, 2], adapter.Policy.fixed_cap(0), order="lowest_id")
@@ -193,24 +196,24 @@ def test_recency_is_stamped_in_both_fetch_orders_and_never_by_plain_ensure(adapt
 
 
 def test_the_fixed_cap_fetches_at_most_cap_misses(adapter):
-    c = adapter.init(1, 32, 40)
+    c = adapter.cache(1, 32, 40)
     plan = c.ensure_hybrid(0, list(range(8)), adapter.Policy.fixed_cap(1))
-    assert (plan.missing, plan.fetched, plan.count) == (8, 1, 1)
+    assert (plan.missing, plan.fetched, plan.copy.count) == (8, 1, 1)
 
 
 # ---- materialize_layer, forget_slot (docs/semantics.md §5.6, §5.7) ---------------------------
 
 
 def test_materializing_a_layer_reclaims_other_layers_slots_cleanly(adapter):
-    c = adapter.init(2, 4, 4)
+    c = adapter.cache(2, 4, 4)
     c.ensure(0, [0, 1, 2, 3])
     plan = c.materialize_layer(1)
-    assert plan.dst_slots.tolist() == [0, 1, 2, 3]
-    assert plan.src_rows.tolist() == [0, 1, 2, 3], "position == expert id"
-    assert plan.count == 4
+    assert plan.copy.dst_slots.tolist() == [0, 1, 2, 3]
+    assert plan.copy.src_rows.tolist() == [0, 1, 2, 3], "position == expert id"
+    assert plan.copy.count == 4
     for expert in range(4):
-        assert c.state.slot_of(1, expert) == expert
-        assert c.state.slot_of(0, expert) is None, "layer 0 must not hit on layer 1's bytes"
+        assert slot_of(c.state, 1, expert) == expert
+        assert slot_of(c.state, 0, expert) is None, "layer 0 must not hit on layer 1's bytes"
     assert c.ensure(0, [3]).missing == 1
 
 
@@ -218,24 +221,24 @@ def test_materializing_a_layer_reclaims_other_layers_slots_cleanly(adapter):
 def test_materialize_empties_this_layers_stale_placements_elsewhere(adapter):
     """FAILS if only slots [0, E) are rewritten: layer 1's expert 0 living in slot 4 would stay
     claimed by two slots."""
-    c = adapter.init(2, 4, 8)
+    c = adapter.cache(2, 4, 8)
     c.ensure(0, [0, 1, 2, 3])
     c.ensure(1, [0])  # slot 4
-    assert c.state.slot_of(1, 0) == 4
+    assert slot_of(c.state, 1, 0) == 4
     c.materialize_layer(1)
     assert c.state.id_of_slot[4] == -1 and c.state.usage[4] == 0
     assert_invariants(c.state)
 
 
 def test_a_second_materialize_of_the_same_layer_is_idempotent(adapter):
-    c = adapter.init(2, 4, 6)
+    c = adapter.cache(2, 4, 6)
     c.ensure(1, [3])
     c.materialize_layer(1)
     once = c.state
     c.materialize_layer(1)
     for expert in range(4):
-        assert c.state.slot_of(1, expert) == expert
-    assert c.state.resident_slots() == 4
+        assert slot_of(c.state, 1, expert) == expert
+    assert resident_slots(c.state) == 4
     np.testing.assert_array_equal(c.state.slot_for_id, once.slot_for_id)
     np.testing.assert_array_equal(c.state.id_of_slot, once.id_of_slot)
     assert c.state.usage[4] == 0, "a slot outside [0, E) was never used"
@@ -246,39 +249,39 @@ def test_a_second_materialize_of_the_same_layer_is_idempotent(adapter):
 def test_forget_slot_makes_the_slot_the_first_victim_and_is_idempotent(adapter):
     """FAILS if forgetting only empties the slot: with usage left as it was, the next miss on a
     full pool would evict the genuinely oldest resident instead."""
-    c = adapter.init(2, 4, 4)
+    c = adapter.cache(2, 4, 4)
     for expert in range(4):
         c.ensure(0, [expert])
     result = c.forget_slot(3)  # the newest slot
     assert (result.old, result.error) == (3, 0)
-    assert c.state.slot_of(0, 3) is None and c.state.id_of_slot[3] == -1
+    assert slot_of(c.state, 0, 3) is None and c.state.id_of_slot[3] == -1
     assert c.state.usage[3] == INT32_MIN
     before = c.state
     again = c.forget_slot(3)
     assert (again.old, again.error) == (-1, 0), "idempotent"
-    assert_same_state(c.state, before)
+    assert_same(c.state, before)
     plan = c.ensure(1, [0])
-    assert plan.dst_slots[0] == 3, "the forgotten slot is the very first victim"
-    assert c.state.slot_of(0, 0) == 0, "the oldest real resident survived"
+    assert plan.copy.dst_slots[0] == 3, "the forgotten slot is the very first victim"
+    assert slot_of(c.state, 0, 0) == 0, "the oldest real resident survived"
 
 
 # ---- stats, geometry, cold starts (docs/semantics.md §7, §8) ---------------------------------
 
 
 def test_stats_answer_whether_the_cache_is_big_enough(adapter):
-    c = adapter.init(1, 2, 2)
+    c = adapter.cache(1, 2, 2)
     c.ensure(0, [0, 1])
     c.ensure(0, [0, 1])
     stats = c.stats()
     assert (stats.calls, stats.active, stats.missing, stats.fetched) == (2, 4, 2, 2)
     assert stats.miss_rate == 0.5 and stats.fetch_rate == 1.0 and stats.active_per_call == 2.0
     assert stats.missing_per_call == 1.0 and stats.fetched_per_call == 1.0
-    empty = adapter.init(1, 2, 2).stats()
+    empty = adapter.cache(1, 2, 2).stats()
     assert empty.miss_rate == empty.fetch_rate == empty.active_per_call == 0.0
 
 
 def test_hybrid_counters_count_every_miss_and_only_the_fetches(adapter):
-    c = adapter.init(1, 16, 16)
+    c = adapter.cache(1, 16, 16)
     c.ensure_hybrid(0, list(range(8)), adapter.Policy.fixed_cap(2))
     s = c.stats()
     assert (s.missing, s.fetched) == (8, 2)
@@ -286,41 +289,41 @@ def test_hybrid_counters_count_every_miss_and_only_the_fetches(adapter):
 
 
 def test_a_rebuild_that_cannot_hold_a_layer_changes_nothing(adapter):
-    c = adapter.init(2, 8, 16)
+    c = adapter.cache(2, 8, 16)
     c.ensure(0, [1])
     before = c.state
     with pytest.raises(adapter.errors.RebuildRejected) as info:
         c.rebuild(4)
     assert isinstance(info.value, ValueError)
     assert (info.value.requested, info.value.minimum) == (4, 8)
-    assert_same_state(c.state, before, "still serving the old cache")
+    assert_same(c.state, before, "still serving the old cache")
     c.set_collect_routing(True)
     c.rebuild(8)
-    assert c.state.cache_size == 8 and c.state.resident_slots() == 0, "slot ids no longer mean anything"
+    assert c.state.cache_size == 8 and resident_slots(c.state) == 0, "slot ids no longer mean anything"
     assert c.state.step == 0 and c.stats().calls == 0
     assert c.state.collect_routing, "a setting, kept"
 
 
 def test_a_cache_too_small_for_one_layer_is_rejected_at_construction(adapter):
     with pytest.raises(ValueError, match="cannot hold one layer"):
-        adapter.init(2, 8, 4)
+        adapter.cache(2, 8, 4)
     for bad in ((0, 8, 8), (2, 0, 8), (2, 8, 0)):
         with pytest.raises(ValueError):
-            adapter.init(*bad)
+            adapter.cache(*bad)
     with pytest.raises(TypeError, match="2.5"):
-        adapter.init(2, 2.5, 8)
+        adapter.cache(2, 2.5, 8)
 
 
 def test_reset_is_a_cold_start_with_the_same_geometry(adapter):
-    c = adapter.init(2, 4, 8, rebase_threshold=100)
+    c = adapter.cache(2, 4, 8, rebase_threshold=100)
     c.set_collect_routing(True)
     c.ensure_hybrid(0, [1, 2], adapter.Policy.full())
     c.begin_prefill()
     c.reset()
-    fresh = adapter.init(2, 4, 8, rebase_threshold=100)
+    fresh = adapter.cache(2, 4, 8, rebase_threshold=100)
     fresh.set_collect_routing(True)
-    assert_same_state(c.state, fresh.state)
-    assert c.state.resident_slots() == 0 and c.state.step == 0 and c.stats().calls == 0
+    assert_same(c.state, fresh.state)
+    assert resident_slots(c.state) == 0 and c.state.step == 0 and c.stats().calls == 0
     assert c.state.routing_freq.sum() == 0 and not c.state.prefill_open
 
 
@@ -330,12 +333,12 @@ def test_reset_is_a_cold_start_with_the_same_geometry(adapter):
 def test_per_layer_stats_tell_one_thrashing_layer_from_a_uniformly_tight_cache(adapter):
     """FAILS if per-layer stats are apportioned from the global window: both caches have the
     same global picture (8 active, 4 missing) and opposite per-layer ones."""
-    thrashing = adapter.init(2, 4, 8)
+    thrashing = adapter.cache(2, 4, 8)
     thrashing.ensure(1, [0, 1])
     thrashing.reset_stats()
     for layer, routes in ((0, [0, 1]), (0, [2, 3]), (1, [0, 1]), (1, [0, 1])):
         thrashing.ensure(layer, routes)
-    uniform = adapter.init(2, 4, 8)
+    uniform = adapter.cache(2, 4, 8)
     uniform.ensure(0, [0])
     uniform.ensure(1, [0])
     uniform.reset_stats()
@@ -350,7 +353,7 @@ def test_per_layer_stats_tell_one_thrashing_layer_from_a_uniformly_tight_cache(a
 
 
 def test_per_layer_stats_sum_to_the_global_stats(adapter):
-    c = adapter.init(3, 8, 16)
+    c = adapter.cache(3, 8, 16)
     policy = adapter.Policy.fraction(0.5)
     for step in range(30):
         routes = [(step * 5 + i * 3) % 8 for i in range(4)]
@@ -368,7 +371,7 @@ def test_per_layer_stats_sum_to_the_global_stats(adapter):
 
 
 def test_resetting_stats_opens_a_new_window_but_keeps_residency_and_the_histogram(adapter):
-    c = adapter.init(2, 4, 8)
+    c = adapter.cache(2, 4, 8)
     c.set_collect_routing(True)
     c.ensure(0, [0, 1])
     c.reset_stats()
@@ -384,7 +387,7 @@ def test_resetting_stats_opens_a_new_window_but_keeps_residency_and_the_histogra
 def test_the_routing_histogram_counts_every_route_not_every_distinct_expert(adapter):
     """FAILS if the histogram is fed the deduplicated routes the miss accounting uses: skew is
     exactly that difference."""
-    c = adapter.init(2, 4, 8)
+    c = adapter.cache(2, 4, 8)
     c.set_collect_routing(True)
     c.ensure(0, [3, 3, 3, 1, -1])
     assert c.routing_histogram(0).tolist() == [0, 1, 0, 3]
@@ -393,7 +396,7 @@ def test_the_routing_histogram_counts_every_route_not_every_distinct_expert(adap
 
 @pytest.mark.traced
 def test_routing_is_collected_only_when_switched_on(adapter):
-    c = adapter.init(2, 4, 8)
+    c = adapter.cache(2, 4, 8)
     c.ensure(0, [1, 2])
     assert c.state.routing_freq.sum() == 0, "collection is opt-in"
     c.set_collect_routing(True)
@@ -413,7 +416,7 @@ def _routes(counts):
 def test_oracle_hit_at_slots_separates_a_skewed_layer_from_a_flat_one(adapter):
     """FAILS if the oracle is derived from the working set alone (C / working_set = 0.5 for both
     layers): the real answers are 0.96 and 0.52."""
-    c = adapter.init(2, 8, 8)
+    c = adapter.cache(2, 8, 8)
     c.set_collect_routing(True)
     c.ensure(0, _routes([24, 24, 24, 24, 1, 1, 1, 1]))
     c.ensure(1, _routes([13, 13, 13, 13, 12, 12, 12, 12]))
@@ -429,7 +432,7 @@ def test_oracle_hit_at_slots_separates_a_skewed_layer_from_a_flat_one(adapter):
 
 
 def test_routing_skew_reports_the_working_set_coverage_and_entropy_per_layer(adapter):
-    c = adapter.init(2, 8, 8)
+    c = adapter.cache(2, 8, 8)
     c.set_collect_routing(True)
     c.ensure(0, list(range(8)))
     c.ensure(1, [2, 2, 2, 2])
@@ -448,7 +451,7 @@ def test_routing_skew_reports_the_working_set_coverage_and_entropy_per_layer(ada
 
 def test_ninety_percent_coverage_counts_a_share_that_reaches_it_exactly(adapter):
     """FAILS if coverage is tested with `>` instead of `>=`: 9 of 10 routes is exactly 0.9."""
-    c = adapter.init(1, 4, 4)
+    c = adapter.cache(1, 4, 4)
     c.set_collect_routing(True)
     c.ensure(0, [0] * 9 + [1])
     assert c.routing_skew().per_layer[0].experts_for_90pct == 1
@@ -456,21 +459,21 @@ def test_ninety_percent_coverage_counts_a_share_that_reaches_it_exactly(adapter)
 
 def test_oracle_slots_round_half_away_from_zero(adapter):
     """FAILS with Python's round() (half to even): S/L = 2.5 must give 3 slots, not 2."""
-    c = adapter.init(4, 8, 10)
+    c = adapter.cache(4, 8, 10)
     c.set_collect_routing(True)
     c.ensure(0, [0, 1, 2, 3])
     assert c.routing_skew().oracle_slots == 3
 
 
 def test_norm_entropy_of_a_single_expert_model_is_zero_not_nan(adapter):
-    c = adapter.init(1, 1, 1)
+    c = adapter.cache(1, 1, 1)
     c.set_collect_routing(True)
     c.ensure(0, [0, 0])
     assert c.routing_skew().per_layer[0].norm_entropy == 0.0
 
 
 def test_routing_skew_is_absent_until_routing_is_observed(adapter):
-    c = adapter.init(4, 8, 16)
+    c = adapter.cache(4, 8, 16)
     c.ensure(0, [1, 2])
     assert c.routing_skew() is None, "collection is opt-in"
     c.set_collect_routing(True)
@@ -504,7 +507,7 @@ def test_the_promotion_scenarios_with_promote_one():
 
 def promotion_cache(adapter):
     """One layer of 8 experts in a 16-slot pool, experts 0..6 resident, expert 7 seen before."""
-    c = adapter.init(1, 8, 16)
+    c = adapter.cache(1, 8, 16)
     c.ensure_hybrid(0, list(range(8)), adapter.Policy.fixed_cap(7))
     return c
 
@@ -513,34 +516,34 @@ def promotion_cache(adapter):
 def test_a_first_time_miss_is_never_promoted(adapter):
     """FAILS if promotion ignores recency: expert 7's first appearance must run on the CPU."""
     q = adapter.Policy.fraction(0.4)
-    c = adapter.init(1, 16, 16)
+    c = adapter.cache(1, 16, 16)
     plan = c.ensure_hybrid(0, [7], q)
     assert plan.fetched == 0 and plan.cpu.tolist() == [True]
     plan = c.ensure_hybrid(0, [7], q)
-    assert plan.fetched == 1 and plan.dst_slots[0] == 0, "now it recurs"
-    c = adapter.init(1, 8, 16)
+    assert plan.fetched == 1 and plan.copy.dst_slots[0] == 0, "now it recurs"
+    c = adapter.cache(1, 8, 16)
     c.ensure_hybrid(0, list(range(7)), adapter.Policy.fixed_cap(7))
     plan = c.ensure_hybrid(0, list(range(8)), q)
     assert plan.fetched == 0 and plan.cpu[7], "expert 7 was never routed before"
     plan = c.ensure_hybrid(0, list(range(8)), q)
-    assert plan.fetched == 1 and plan.valid("src_rows") == [7]
+    assert plan.fetched == 1 and valid(plan.copy, "src_rows") == [7]
 
 
 @pytest.mark.kernels
 def test_a_recurring_miss_is_promoted_even_among_first_time_misses_with_lower_ids(adapter):
     """FAILS if the promoted expert is the lowest missing id rather than the most recent one."""
     q = adapter.Policy.fraction(0.4)
-    c = adapter.init(1, 16, 32)
+    c = adapter.cache(1, 16, 32)
     c.ensure_hybrid(0, [9], adapter.Policy.fixed_cap(0))  # 9 seen, not fetched
     plan = c.ensure_hybrid(0, [1, 9], q)
-    assert plan.fetched == 1 and plan.valid("src_rows") == [9]
-    assert plan.valid("dst_slots") == [0], "into the empty argmin slot"
+    assert plan.fetched == 1 and valid(plan.copy, "src_rows") == [9]
+    assert valid(plan.copy, "dst_slots") == [0], "into the empty argmin slot"
     assert plan.cpu[0] and plan.slots[1] == 0
-    c = adapter.init(1, 16, 16)
+    c = adapter.cache(1, 16, 16)
     c.ensure_hybrid(0, [9], q)
     c.ensure_hybrid(0, [1, 9], adapter.Policy.fixed_cap(0))  # refresh 9's recency; 1 seen too
     c.ensure_hybrid(0, [9], q)  # promote 9 (M = 1, F = 0)
-    assert c.state.slot_of(0, 9) == 0
+    assert slot_of(c.state, 0, 9) == 0
     plan = c.ensure_hybrid(0, [3], q)
     assert plan.fetched == 0, "3 is a first-time miss"
 
@@ -558,7 +561,7 @@ def test_fixed_caps_and_the_lowest_id_order_keep_the_plain_split(adapter, policy
     for _ in range(4):
         plain = c.clone().ensure_hybrid(0, [7], policy, order=order, admission="none")
         promoted = c.ensure_hybrid(0, [7], policy, order=order, admission="promote_one")
-        assert_same_plan(promoted, plain)
+        assert_same(promoted, plain)
 
 
 def test_promotion_needs_an_empty_argmin_slot(adapter):
@@ -567,24 +570,24 @@ def test_promotion_needs_an_empty_argmin_slot(adapter):
     q = adapter.Policy.fraction(0.4)
     plan = promotion_cache(adapter).ensure_hybrid(0, [7], q)  # slots 7..15 empty
     assert (plan.missing, plan.fetched) == (1, 1)
-    assert plan.valid("dst_slots") == [7] and plan.valid("src_rows") == [7]
-    c = adapter.init(2, 4, 4)
+    assert valid(plan.copy, "dst_slots") == [7] and valid(plan.copy, "src_rows") == [7]
+    c = adapter.cache(2, 4, 4)
     c.ensure(1, [0, 1, 2, 3])  # the pool is full of layer 1
     for _ in range(4):
         plan = c.ensure_hybrid(0, [2], q)
         assert plan.fetched == 0 and plan.missing == 1
     # Expert 0 of layer 0 was routed, then evicted by layer 1; the LRU slot holds a resident.
-    full = adapter.init(2, 2, 2)
+    full = adapter.cache(2, 2, 2)
     full.ensure_hybrid(0, [0, 1], adapter.Policy.fixed_cap(2))
     full.ensure(1, [0])
-    assert full.state.slot_of(0, 0) is None and full.state.recency[0, 0] >= 0
+    assert slot_of(full.state, 0, 0) is None and full.state.recency[0, 0] >= 0
     plan = full.clone().ensure_hybrid(0, [0], q)
     assert plan.fetched == 0 and plan.cpu[0]
     # Forget the LRU slot: now it is empty and the argmin, and the rule fires.
     lru = int(np.argmin(full.state.usage))
     full.forget_slot(lru)
     plan = full.clone().ensure_hybrid(0, [0], q)
-    assert plan.fetched == 1 and plan.valid("dst_slots") == [lru]
+    assert plan.fetched == 1 and valid(plan.copy, "dst_slots") == [lru]
     plan = full.clone().ensure_hybrid(0, [0], q, admission="none")
     assert plan.fetched == 0, "NONE is the plain split"
 
@@ -594,14 +597,14 @@ def test_reuse_admits_misses_more_recent_than_their_victims_and_stops_at_the_fir
     without the recency order and a fraction policy."""
     q = adapter.Policy.fraction(0.4)
     # Layer 1 fills the pool at step 1; layer 0's experts are routed at steps 2 and 3 (CPU).
-    c = adapter.init(2, 4, 4)
+    c = adapter.cache(2, 4, 4)
     c.ensure(1, [0, 1, 2, 3])
     c.ensure_hybrid(0, [0], adapter.Policy.fixed_cap(0))
     c.ensure_hybrid(0, [1], adapter.Policy.fixed_cap(0))
     # q = 0.4, M = 3 -> F = 1. Recency order: 1 (3), 0 (2), 2 (-1). Victims have usage 1.
     plan = c.ensure_hybrid(0, [0, 1, 2], q, admission="reuse")
     assert plan.missing == 3
-    assert plan.valid("src_rows") == [1, 0], "2 was never routed: rejected"
+    assert valid(plan.copy, "src_rows") == [1, 0], "2 was never routed: rejected"
     # Expert 2 was routed at step 4, after its would-be victim (usage 1) was last used.
     plan = c.clone().ensure_hybrid(0, [2], q, admission="reuse")
     assert plan.fetched == 1, "admitted past F = 0"
@@ -609,14 +612,14 @@ def test_reuse_admits_misses_more_recent_than_their_victims_and_stops_at_the_fir
         plan = c.clone().ensure_hybrid(0, [2], policy, order=order, admission="reuse")
         assert plan.fetched == 0, "REUSE needs the recency order and a fraction policy"
 
-    c = adapter.init(2, 8, 8)
+    c = adapter.cache(2, 8, 8)
     plan = c.ensure_hybrid(0, list(range(8)), q, admission="reuse")
     assert plan.fetched == 3, "first-time misses are never admitted past the split"
     # Misses 3 and 4 (routed at step 1); the split says 1; the second victim is an empty slot
     # (usage 0 <= 1), so REUSE admits it too.
     plan = c.ensure_hybrid(0, [3, 4], q, admission="reuse")
-    assert plan.valid("dst_slots") == [3, 4] and plan.fetched == 2
-    plain = adapter.init(2, 8, 8)
+    assert valid(plan.copy, "dst_slots") == [3, 4] and plan.fetched == 2
+    plain = adapter.cache(2, 8, 8)
     plain.ensure_hybrid(0, list(range(8)), q, admission="none")
     assert plain.ensure_hybrid(0, [3, 4], q, admission="none").fetched == 1
     # Fill the pool, give layer 1 three slots, then walk layer 0 against newer victims.
@@ -628,7 +631,7 @@ def test_reuse_admits_misses_more_recent_than_their_victims_and_stops_at_the_fir
     # Step 6: misses 0, 1, 2 of layer 0 (recency 1), hit 3. Split: 1 fetch into slot 4
     # (usage 2). The next victim, slot 5, was used at step 3 > recency 1: rejected, walk ends.
     plan = c.ensure_hybrid(0, [0, 1, 2, 3], q, admission="reuse")
-    assert plan.count == 1 and plan.dst_slots[0] == 4 and plan.src_rows[0] == 0
+    assert plan.copy.count == 1 and plan.copy.dst_slots[0] == 4 and plan.copy.src_rows[0] == 0
     assert plan.cpu.tolist() == [False, True, True, False]
 
 
@@ -688,11 +691,11 @@ def test_a_rebased_run_makes_exactly_the_decisions_of_an_unrebased_one(adapter, 
     if adapter.is_jax and seed and PROFILE != "deep":
         pytest.skip("ci profile: one sequence per JAX adapter (the lockstep suite crosses rebases too)")
     ops = random_ops(seed, num_layers=3, num_experts=5, steps=400 if not adapter.is_jax else 150)
-    plain = adapter.init(3, 5, 8)
-    rebased = adapter.init(3, 5, 8, rebase_threshold=40)
+    plain = adapter.cache(3, 5, 8)
+    rebased = adapter.cache(3, 5, 8, rebase_threshold=40)
     bound = max(40, 8 + 3 * 5 + 1) + 1
     for i, op in enumerate(ops):
-        assert_same_plan(apply(adapter, plain, op), apply(adapter, rebased, op), f"op {i} {op}")
+        assert_same(apply(adapter, plain, op), apply(adapter, rebased, op), f"op {i} {op}")
         a, b = plain.state, rebased.state
         np.testing.assert_array_equal(a.slot_for_id, b.slot_for_id)
         np.testing.assert_array_equal(a.id_of_slot, b.id_of_slot)
@@ -702,20 +705,35 @@ def test_a_rebased_run_makes_exactly_the_decisions_of_an_unrebased_one(adapter, 
     assert plain.state.step > 100 > bound, "the run crossed the threshold several times"
 
 
+def shift_clock(cache, offset):
+    """Move every live stamp and the clock of ``cache`` forward, as if it had run that long."""
+    state = cache.state
+    usage, recency = np.asarray(state.usage), np.asarray(state.recency)
+    fields = {"usage": np.where(usage >= 1, usage + offset, usage),
+              "recency": np.where(recency >= 0, recency + offset, recency),
+              "step": np.asarray(int(state.step) + offset)}
+    if cache.adapter.is_jax:
+        cache.state = state.replace(**{k: jnp.asarray(v, jnp.int32) for k, v in fields.items()})
+    else:
+        cache.state = reference.copy_state(state)
+        for name, value in fields.items():
+            setattr(cache.state, name, value if value.ndim else int(value))
+
+
 def test_a_cache_just_below_the_default_threshold_runs_across_it(adapter):
     """FAILS if the clock wraps or if the renumbering changes any decision: the same run from a
     clock shifted to just below 2**30 crosses the threshold and decides exactly as the unshifted
     run, with forgotten slots and never-routed experts alive at the time."""
     ops = random_ops(7, num_layers=3, num_experts=5, steps=60)  # the geometry above: no new compiles
-    plain, shifted = adapter.init(3, 5, 8), adapter.init(3, 5, 8)
+    plain, shifted = adapter.cache(3, 5, 8), adapter.cache(3, 5, 8)
     for op in ops[:20]:
         apply(adapter, plain, op)
         apply(adapter, shifted, op)
     plain.forget_slot(1)
     shifted.forget_slot(1)
-    shifted.shift_clock(2**30 - 3 - int(shifted.state.step))
+    shift_clock(shifted, 2**30 - 3 - int(shifted.state.step))
     for i, op in enumerate(ops[20:]):
-        assert_same_plan(apply(adapter, plain, op), apply(adapter, shifted, op), f"op {i}")
+        assert_same(apply(adapter, plain, op), apply(adapter, shifted, op), f"op {i}")
         assert shifted.state.step < 2**31 - 1
         assert same_order(stamps(plain.state), stamps(shifted.state)), f"order changed at op {i}"
     assert shifted.state.step < 100, "the clock was renumbered"
@@ -725,7 +743,7 @@ def test_a_cache_just_below_the_default_threshold_runs_across_it(adapter):
 
 @pytest.mark.traced
 def test_the_rebase_keeps_the_sentinels(adapter):
-    c = adapter.init(2, 4, 6, rebase_threshold=3)
+    c = adapter.cache(2, 4, 6, rebase_threshold=3)
     c.ensure_hybrid(0, [0, 1], adapter.Policy.full())  # slots 0, 1
     c.ensure(1, [2])  # slot 2
     assert c.forget_slot(1).old == 1
@@ -746,7 +764,7 @@ L, E, S = 3, 4, 12
 
 def busy_cache(adapter, rebase_threshold=None):
     """A cache with history: residents, recency, counters, a histogram, a forgotten slot."""
-    c = adapter.init(L, E, S, rebase_threshold=rebase_threshold)
+    c = adapter.cache(L, E, S, rebase_threshold=rebase_threshold)
     c.set_collect_routing(True)
     c.ensure(0, [0, 1, 2])
     c.ensure_hybrid(1, [2, 3], adapter.Policy.fraction(0.5))
@@ -760,7 +778,7 @@ def assert_refused(adapter, call, bits):
     before = c.state
     plan = call(c, adapter.Policy)
     assert plan.error == sum(getattr(adapter.errors, name) for name in bits.split("|"))
-    assert_same_state(c.state, before)
+    assert_same(c.state, before)
 
 
 @pytest.mark.parametrize("call", [
@@ -816,16 +834,16 @@ def test_an_error_plan_is_empty_and_keeps_the_input_shape(adapter):
     c = busy_cache(adapter)
     plan = c.ensure_hybrid(1, [[0, 7], [1, 1]], adapter.Policy.fraction(0.4))
     assert plan.slots.shape == (2, 2) and (plan.slots == -1).all() and not plan.cpu.any()
-    assert plan.dst_slots.shape == plan.src_rows.shape == (4,)
-    assert (plan.dst_slots == -1).all() and (plan.src_rows == -1).all()
-    assert (plan.count, plan.active, plan.missing, plan.fetched) == (0, 0, 0, 0)
+    assert plan.copy.dst_slots.shape == plan.copy.src_rows.shape == (4,)
+    assert (plan.copy.dst_slots == -1).all() and (plan.copy.src_rows == -1).all()
+    assert (plan.copy.count, plan.active, plan.missing, plan.fetched) == (0, 0, 0, 0)
     plan = c.ensure(0, [0, 1, E])
-    assert (plan.slots == -1).all() and (plan.count, plan.active, plan.missing) == (0, 0, 0)
+    assert (plan.slots == -1).all() and (plan.copy.count, plan.active, plan.missing) == (0, 0, 0)
     materialized = c.materialize_layer(L)
-    assert (materialized.dst_slots == -1).all() and materialized.count == 0
+    assert (materialized.copy.dst_slots == -1).all() and materialized.copy.count == 0
     assert c.forget_slot(S).old == -1
     staged = c.prefetch_prefill_layer(0, (BIG_BANK,))
-    assert (staged.entry_count, staged.gather_count, staged.run_count) == (0, 0, 0)
+    assert (staged.transfers.count, staged.gather.count, staged.runs.count) == (0, 0, 0)
     assert not staged.already_loaded
 
 
@@ -836,18 +854,18 @@ def test_a_refused_call_neither_advances_nor_rebases_the_clock(adapter):
     assert before.step >= 2
     assert c.ensure(0, [E]).error == adapter.errors.ERR_EXPERT_ID
     assert c.materialize_layer(5).error == adapter.errors.ERR_LAYER
-    assert_same_state(c.state, before)
+    assert_same(c.state, before)
 
 
 def test_staging_into_an_unreleased_buffer_is_refused_and_changes_nothing(adapter):
-    c = adapter.init(4, 4, 16)
+    c = adapter.cache(4, 4, 16)
     c.begin_prefill()
     assert c.prefetch_prefill_layer(0, (BIG_BANK,)).error == 0
     before = c.state
     plan = c.prefetch_prefill_layer(2, (BIG_BANK,))  # buffer 0 still holds layer 0
     assert plan.error == adapter.errors.ERR_PREFILL_BUSY
-    assert plan.entry_count == 0 and plan.gather_count == 0
-    assert_same_state(c.state, before)
+    assert plan.transfers.count == 0 and plan.gather.count == 0
+    assert_same(c.state, before)
     c.release_prefill_layer(0)
     assert c.prefetch_prefill_layer(2, (BIG_BANK,)).error == 0
 
@@ -861,7 +879,7 @@ def test_static_misuse_raises_with_the_value(adapter):
     with pytest.raises(ValueError, match="-3"):
         c.prefetch_prefill_layer(0, (-3,))
     with pytest.raises(adapter.errors.PrefillDoesNotFit, match="cannot lend 16"):
-        adapter.init(2, 8, 12).begin_prefill()
+        adapter.cache(2, 8, 12).begin_prefill()
 
 
 # ---- prefill double buffers (docs/semantics.md §5.11) -----------------------------------------
@@ -869,7 +887,7 @@ def test_static_misuse_raises_with_the_value(adapter):
 
 def one_layer_per_quarter(adapter):
     """Layer l owns slots [4l, 4l + 4); the buffers borrow [0, 8) = layers 0 and 1."""
-    c = adapter.init(4, 4, 16)
+    c = adapter.cache(4, 4, 16)
     for layer in range(4):
         c.ensure(layer, [0, 1, 2, 3])
     assert c.state.slot_for_id.tolist() == [[4 * l + e for e in range(4)] for l in range(4)]
@@ -882,8 +900,8 @@ def test_a_slot_inside_the_prefill_buffers_is_a_miss_however_resident_it_looks(a
     c = one_layer_per_quarter(adapter)
     c.begin_prefill()
     plan = c.prefetch_prefill_layer(1, (BIG_BANK,))
-    assert plan.buffer_id == 1 and plan.gather_count == 0
-    assert plan.valid("run_starts", "run_count") == [0] and plan.valid("run_lens", "run_count") == [4]
+    assert plan.buffer_id == 1 and plan.gather.count == 0
+    assert valid(plan.runs, "starts") == [0] and valid(plan.runs, "lens") == [4]
     assert (c.state.prefill_hit_rows, c.state.prefill_rows) == (0, 4)
 
 
@@ -892,9 +910,9 @@ def test_a_resident_expert_above_the_buffer_slots_is_gathered_device_side(adapte
     c.begin_prefill()
     plan = c.prefetch_prefill_layer(2, (BIG_BANK,))
     assert plan.buffer_id == 0
-    assert plan.valid("gather_dst_slots", "gather_count") == [0, 1, 2, 3]
-    assert plan.valid("gather_src_slots", "gather_count") == [8, 9, 10, 11]
-    assert plan.run_count == 0 and plan.entry_count == 0, "a big bank with no misses ships nothing"
+    assert valid(plan.gather, "dst_slots") == [0, 1, 2, 3]
+    assert valid(plan.gather, "src_slots") == [8, 9, 10, 11]
+    assert plan.runs.count == 0 and plan.transfers.count == 0, "a big bank with no misses ships nothing"
     assert (c.state.prefill_hit_rows, c.state.prefill_rows) == (4, 4)
 
 
@@ -909,23 +927,23 @@ def test_invalidating_a_prefill_buffer_makes_its_slots_the_first_victims(adapter
     assert (c.state.slot_for_id[0] == -1).all(), "the buffer's occupants lost their residency"
     assert (c.state.usage[:4] == 0).all()
     plan = c.ensure(0, [0])
-    assert plan.valid("dst_slots") == [0]
+    assert valid(plan.copy, "dst_slots") == [0]
     assert c.state.slot_for_id[2, 0] == 8, "no live resident was evicted while free slots existed"
 
 
 def test_prefill_misses_ship_as_contiguous_expert_runs(adapter):
     """FAILS if each missing expert ships as its own entry (five entries instead of two)."""
-    c = adapter.init(4, 8, 32)
+    c = adapter.cache(4, 8, 32)
     for layer, routes in ((0, range(8)), (2, range(8)), (1, (3, 4, 7))):
         c.ensure(layer, list(routes))  # layer 1's experts land in slots 16, 17, 18
     c.begin_prefill()
     plan = c.prefetch_prefill_layer(1, (BIG_BANK,))
     assert plan.buffer_id == 1
-    assert plan.valid("gather_dst_slots", "gather_count") == [11, 12, 15]
-    assert plan.valid("gather_src_slots", "gather_count") == [16, 17, 18]
-    assert plan.valid("run_starts", "run_count") == [0, 5]
-    assert plan.valid("run_lens", "run_count") == [3, 2]
-    assert plan.entries((BIG_BANK,)) == [
+    assert valid(plan.gather, "dst_slots") == [11, 12, 15]
+    assert valid(plan.gather, "src_slots") == [16, 17, 18]
+    assert valid(plan.runs, "starts") == [0, 5]
+    assert valid(plan.runs, "lens") == [3, 2]
+    assert entries(plan, (BIG_BANK,)) == [
         (0, 8, 0, 3, 3 * BIG_BANK, False),
         (0, 13, 5, 2, 2 * BIG_BANK, False),
     ]
@@ -934,26 +952,26 @@ def test_prefill_misses_ship_as_contiguous_expert_runs(adapter):
 def test_a_small_bank_ships_its_whole_layer_even_with_no_misses(adapter):
     """FAILS if entries are only emitted for misses: the gather skips small banks, so their rows
     would never arrive."""
-    c = adapter.init(4, 8, 32)
+    c = adapter.cache(4, 8, 32)
     for layer in (0, 2, 1):
         c.ensure(layer, list(range(8)))
     c.begin_prefill()
     plan = c.prefetch_prefill_layer(1, (BIG_BANK, SMALL_BANK))
-    assert plan.gather_count == 8 and plan.run_count == 0
-    assert plan.gather_banks.tolist() == [0, -1], "the small bank is not gathered"
-    assert plan.entries((BIG_BANK, SMALL_BANK)) == [(1, 8, 0, 8, 8 * SMALL_BANK, True)]
+    assert plan.gather.count == 8 and plan.runs.count == 0
+    assert plan.gather.banks.tolist() == [0, -1], "the small bank is not gathered"
+    assert entries(plan, (BIG_BANK, SMALL_BANK)) == [(1, 8, 0, 8, 8 * SMALL_BANK, True)]
 
 
 @pytest.mark.traced
 def test_the_two_prefill_buffers_rotate_by_layer_parity(adapter):
-    c = adapter.init(4, 4, 16)
+    c = adapter.cache(4, 4, 16)
     c.begin_prefill()
     assert c.state.prefill_layer.tolist() == [-1, -1]
     assert c.prefetch_prefill_layer(0, (BIG_BANK,)).buffer_id == 0
     assert c.prefetch_prefill_layer(1, (BIG_BANK,)).buffer_id == 1
     assert c.state.prefill_layer.tolist() == [0, 1]
     again = c.prefetch_prefill_layer(1, (BIG_BANK,))
-    assert again.already_loaded and again.entry_count == 0 and again.error == 0
+    assert again.already_loaded and again.transfers.count == 0 and again.error == 0
     assert c.state.prefill_rows == 8, "the no-op staged no rows"
     c.release_prefill_layer(0)
     plan = c.prefetch_prefill_layer(2, (BIG_BANK,))
@@ -963,18 +981,18 @@ def test_the_two_prefill_buffers_rotate_by_layer_parity(adapter):
 
 @pytest.mark.traced
 def test_releasing_a_layer_that_is_not_staged_is_ignored(adapter):
-    c = adapter.init(4, 4, 16)
+    c = adapter.cache(4, 4, 16)
     c.begin_prefill()
     c.prefetch_prefill_layer(0, (BIG_BANK,))
     before = c.state
     for layer in (2, -1, -2, 9):
         c.release_prefill_layer(layer)
-        assert_same_state(c.state, before)
+        assert_same(c.state, before)
     assert c.prefetch_prefill_layer(2, (BIG_BANK,)).error == adapter.errors.ERR_PREFILL_BUSY
 
 
 def test_the_chunk_snapshot_and_the_live_map_agree_on_every_row(adapter):
-    c = adapter.init(4, 4, 16)
+    c = adapter.cache(4, 4, 16)
     for layer in range(4):
         c.ensure(layer, [0, 1, 2, 3])
     c.begin_prefill()
@@ -983,13 +1001,13 @@ def test_the_chunk_snapshot_and_the_live_map_agree_on_every_row(adapter):
         plan = c.prefetch_prefill_layer(layer, (BIG_BANK,))
         c.release_prefill_layer(layer)
         if not plan.already_loaded:
-            assert plan.valid("gather_src_slots", "gather_count") == live
+            assert valid(plan.gather, "src_slots") == live
 
 
 def test_a_pool_that_cannot_lend_the_buffers_their_slots_says_so(adapter):
-    small = adapter.init(2, 8, 12)
+    small = adapter.cache(2, 8, 12)
     assert not small.prefill_overlap_fits()
-    assert adapter.init(2, 8, 16).prefill_overlap_fits()
+    assert adapter.cache(2, 8, 16).prefill_overlap_fits()
     with pytest.raises(adapter.errors.PrefillDoesNotFit, match="12"):
         small.begin_prefill()
     with pytest.raises(adapter.errors.PrefillDoesNotFit):
@@ -997,7 +1015,7 @@ def test_a_pool_that_cannot_lend_the_buffers_their_slots_says_so(adapter):
 
 
 def test_nothing_staged_is_registered_as_resident(adapter):
-    c = adapter.init(2, 4, 8)
+    c = adapter.cache(2, 4, 8)
     c.begin_prefill()
     c.prefetch_prefill_layer(0, (BIG_BANK,))
     assert (c.state.slot_for_id == -1).all() and (c.state.id_of_slot == -1).all()
@@ -1016,15 +1034,15 @@ STALE_BANKS = (1 << 20,)  # one large bank: hits are gathered, misses travel as 
 
 def warm_three_layers(adapter, L, E, S):
     """Layers 0..2 resident; layer 2's experts sit at or above 2E (snapshot hits)."""
-    cache = adapter.init(L, E, S)
+    cache = adapter.cache(L, E, S)
     for layer in range(3):
         cache.ensure(layer, np.arange(E))
     return cache
 
 
 def gathers(plan):
-    return list(zip(plan.valid("gather_dst_slots", "gather_count"),
-                    plan.valid("gather_src_slots", "gather_count")))
+    return list(zip(valid(plan.gather, "dst_slots"),
+                    valid(plan.gather, "src_slots")))
 
 
 def test_an_expert_evicted_after_begin_prefill_is_copied_from_the_host(adapter):
@@ -1039,8 +1057,8 @@ def test_an_expert_evicted_after_begin_prefill_is_copied_from_the_host(adapter):
     assert cache.state.slot_for_id[2].tolist() == [-1, -1]
     before = int(cache.state.prefill_hit_rows)
     plan = cache.prefetch_prefill_layer(2, STALE_BANKS)
-    assert plan.error == 0 and plan.gather_count == 0
-    assert (plan.run_count, plan.run_starts[0], plan.run_lens[0]) == (1, 0, 2)
+    assert plan.error == 0 and plan.gather.count == 0
+    assert (plan.runs.count, plan.runs.starts[0], plan.runs.lens[0]) == (1, 0, 2)
     assert int(cache.state.prefill_hit_rows) == before
 
 
@@ -1070,7 +1088,7 @@ def test_interleaved_decode_and_prefill_gather_only_resident_rows(calls):
         if kind == "prefetch_prefill_layer":
             args["banks"] = STALE_BANKS
         ops.append((kind, args))
-    ref, cache = ADAPTER["reference"].init(L, E, S), ADAPTER["jax-eager"].init(L, E, S)
+    ref, cache = ADAPTER["reference"].cache(L, E, S), ADAPTER["jax-eager"].cache(L, E, S)
     resident = [ref.state.id_of_slot]
 
     def compare(context, op, expected, got):
@@ -1082,8 +1100,8 @@ def test_interleaved_decode_and_prefill_gather_only_resident_rows(calls):
         if mine is None:
             assert theirs is None, context
         else:
-            assert_same_plan(mine, theirs, context)
-        assert_same_state(jax_cache.state, truth.state, context)
+            assert_same(mine, theirs, context)
+        assert_same(jax_cache.state, truth.state, context)
         resident[0] = truth.state.id_of_slot
 
     lockstep.run(ops, lockstep.steps(ref, ops), {"jax-eager": lockstep.steps(cache, ops)},

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import pallas_cache as pc
-from reference import ReferenceCache, ReferencePolicy
+from pallas_cache.reference import ReferenceCache, ReferencePolicy
 
 L, E, S = 4, 8, 16
 ALL_DTYPES = [np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64]

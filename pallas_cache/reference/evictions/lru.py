@@ -6,7 +6,7 @@ from .base import EvictionPolicy
 
 POLICY = EvictionPolicy(
     name="lru",
-    cold=lambda cache: None,
+    init=lambda num_layers, num_experts, history: None,
     observe=lambda cache, layer, distinct: None,
     rank=lambda cache, evictable, layer: sorted(evictable, key=lambda s: (cache.usage[s], s)),
     allows_reuse=True,

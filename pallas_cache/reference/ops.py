@@ -3,8 +3,7 @@
 The imperative twin of ``pallas_cache.ops`` (docs/semantics.md §5.2-§5.7), one rule per comment.
 The plans have the JAX plans' type names and structure (``EnsurePlan`` with a nested ``copy`` of a
 :class:`CopyPlan`), as plain mutable dataclasses over NumPy arrays and ints, so a lockstep test
-compares them field by field with no translation. ``EnsurePlan`` keeps the flat names of the
-reference's earlier plan (``dst_slots``, ``src_rows``, ``count``) as read-only aliases of ``copy``.
+compares them field by field with no translation.
 """
 
 from __future__ import annotations
@@ -14,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import ERR_EXPERT_ID, ERR_LAYER, ERR_SLOT, int_arg
-from .evictions import policy_of, ranked_victims
+from .evictions import ranked_victims
 from .policy import ReferencePolicy
 from .state import FORGOTTEN
 
@@ -35,24 +34,8 @@ class CopyPlan:
         return cls(dst_slots=np.full(width, -1, np.int64), src_rows=np.full(width, -1, np.int64))
 
 
-class _CopyAliases:
-    """The copy plan's fields under the flat names the reference's plans used to have."""
-
-    @property
-    def dst_slots(self) -> np.ndarray:
-        return self.copy.dst_slots
-
-    @property
-    def src_rows(self) -> np.ndarray:
-        return self.copy.src_rows
-
-    @property
-    def count(self) -> int:
-        return self.copy.count
-
-
 @dataclass
-class EnsurePlan(_CopyAliases):
+class EnsurePlan:
     """What one ``ensure``/``ensure_hybrid`` call decided (docs/semantics.md §4): fixed-size and
     -1-padded exactly like the JAX ``EnsurePlan``."""
 
@@ -66,26 +49,11 @@ class EnsurePlan(_CopyAliases):
 
 
 @dataclass
-class MaterializePlan(_CopyAliases):
-    """What ``materialize_layer`` asks the caller to copy: ``(e, e)`` for every expert.
-
-    Besides the copy aliases, the fields the reference's earlier ensure-shaped plan had read the
-    same as before: ``slots`` (the identity over ``[0, E)``; -1 on a refusal), ``cpu`` (all
-    False) and the counters ``active``/``missing``/``fetched`` (0).
-    """
+class MaterializePlan:
+    """What ``materialize_layer`` asks the caller to copy: ``(e, e)`` for every expert."""
 
     copy: CopyPlan
     error: int = 0
-
-    @property
-    def slots(self) -> np.ndarray:
-        return self.copy.dst_slots.copy()
-
-    @property
-    def cpu(self) -> np.ndarray:
-        return np.zeros(self.copy.dst_slots.shape, bool)
-
-    active = missing = fetched = property(lambda self: 0)
 
 
 @dataclass
@@ -137,8 +105,9 @@ class DecodeOps:
             raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
         if admission not in ADMISSIONS:
             raise ValueError(f"admission must be one of {ADMISSIONS}, got {admission!r}")
-        if admission == "reuse" and not policy_of(self).allows_reuse:
-            raise ValueError(f"admission reuse needs eviction lru, got eviction {self.eviction}")
+        if admission == "reuse" and not self.eviction.allows_reuse:
+            raise ValueError(
+                f"admission reuse needs eviction lru, got eviction {self.eviction.name}")
         return self._ensure(layer, expert_ids, policy=policy, order=order, admission=admission)
 
     def _ensure(self, layer, expert_ids, policy, order, admission) -> EnsurePlan:
@@ -177,7 +146,7 @@ class DecodeOps:
                 distinct.append(int(expert))
 
         # The eviction policy sees the call (docs/semantics.md §5.16): PAIR_LFU decays and counts.
-        policy_of(self).observe(self, layer, distinct)
+        self.eviction.observe(self, layer, distinct)
 
         # Hits refresh their slot, which also protects it for the rest of this step.
         missing: list[int] = []
@@ -253,7 +222,7 @@ class DecodeOps:
             for expert in distinct:
                 self.recency[layer, expert] = t
 
-        self.stats_table[layer] += (1, len(distinct), num_missing, num_fetch)
+        self.stats[layer] += (1, len(distinct), num_missing, num_fetch)
         return EnsurePlan(
             slots=slots.reshape(routes.shape),
             cpu=cpu.reshape(routes.shape),
@@ -266,7 +235,7 @@ class DecodeOps:
     def start_token(self) -> None:
         """route_knn: the next accepted call starts a token (docs/semantics.md §5.16); the other
         policies ignore it."""
-        policy_of(self).start_token(self)
+        self.eviction.start_token(self)
 
     def materialize_layer(self, layer) -> MaterializePlan:
         """Copy a whole layer into slots ``[0, E)`` with position == expert id (docs/semantics.md §5.6).

@@ -3,8 +3,8 @@
 :class:`ReferenceState` holds the fields of the JAX ``CacheState`` as mutable int64 NumPy arrays
 and implements construction, cold starts (``reset``, ``rebuild``, docs/semantics.md §5.1, §5.8)
 and the clock tick (§5.12). The operations live in their own modules, as in ``pallas_cache``
-(:mod:`reference.ops`, :mod:`reference.prefill`, :mod:`reference.reports`), and are assembled
-into ``ReferenceCache`` by :mod:`reference.cache`.
+(:mod:`.ops`, :mod:`.prefill`, :mod:`.reports`), and are assembled
+into ``ReferenceCache`` by :mod:`.cache`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from .clock import dense_rank_stamps
 from .errors import ERR_CACHE_SIZE, int_arg
-from .evictions import check_eviction, policy_of
+from .evictions import check_eviction
 
 #: ``usage`` of a slot dropped by ``forget_slot``: older than anything, so it is the first victim.
 FORGOTTEN = -(2**31)
@@ -25,6 +25,13 @@ FORGOTTEN = -(2**31)
 DEFAULT_REBASE_THRESHOLD = 2**30
 #: Default token ring of the route_knn eviction (docs/semantics.md §5.16).
 DEFAULT_HISTORY = 128
+
+
+#: The state's fields: those of the library's ``CacheState``, in its order.
+FIELDS = ("slot_for_id", "id_of_slot", "usage", "cache_size", "step", "recency", "stats",
+          "routing_freq", "collect_routing", "prefill_layer", "prefill_released", "prefill_open",
+          "prefill_snapshot", "prefill_hit_rows", "prefill_rows", "rebase_threshold", "eviction",
+          "eviction_state")
 
 
 class RebuildRejected(ValueError):
@@ -52,13 +59,16 @@ class ResizePlan:
 class ReferenceState:
     """The expert slot cache's state as a mutable object over int64 NumPy arrays.
 
-    Attributes mirror the JAX ``CacheState`` fields: ``slot_for_id [L, E]``, ``id_of_slot [C]``,
-    ``usage [C]`` (``C`` = ``capacity``), ``cache_size`` (the usable size ``S``: slots at or past
-    it always hold -1 with usage 0, docs/semantics.md §5.15), ``step``, ``recency [L, E]``, ``stats_table [L, 4]`` (calls, active, missing,
-    fetched), ``routing_freq [L, E]``, ``collect_routing``, and the prefill bookkeeping
-    ``prefill_layer [2]`` (-1 = none), ``prefill_released [2]``, ``prefill_open``,
-    ``prefill_snapshot [L, E]``, ``prefill_hit_rows``, ``prefill_rows``; ``eviction`` (the
-    policy's name) and, for ``pair_lfu``, ``freq [L, E]`` and ``prot [L, E]``.
+    The attributes named in :data:`FIELDS` are the library's ``CacheState`` fields, same names,
+    same nesting (int64 arrays, Python ints for the scalars): ``slot_for_id [L, E]``,
+    ``id_of_slot [C]``, ``usage [C]`` (``C`` = ``capacity``), ``cache_size`` (the usable size
+    ``S``: slots at or past it always hold -1 with usage 0, docs/semantics.md §5.15), ``step``,
+    ``recency [L, E]``, ``stats [L, 4]`` (calls, active, missing, fetched), ``routing_freq
+    [L, E]``, ``collect_routing``, the prefill bookkeeping ``prefill_layer [2]`` (-1 = none),
+    ``prefill_released [2]``, ``prefill_open``, ``prefill_snapshot [L, E]``,
+    ``prefill_hit_rows``, ``prefill_rows``, ``rebase_threshold``; ``eviction`` (the policy's
+    record, :mod:`.evictions`) and ``eviction_state`` (its bookkeeping under the library record's
+    field names: ``PairLfuState``, ``TokenRingState``; None for lru).
     """
 
     def __init__(self, num_layers, num_experts, cache_size, rebase_threshold=DEFAULT_REBASE_THRESHOLD,
@@ -81,7 +91,7 @@ class ReferenceState:
         self.num_layers = num_layers
         self.num_experts = num_experts
         self.rebase_threshold = int_arg(rebase_threshold, "rebase_threshold")
-        self.eviction = check_eviction(eviction)  # fixed for the cache's life, like its geometry
+        self.eviction = check_eviction(eviction)  # a record, fixed for the cache's life, like its geometry
         self.history = int_arg(history, "history")
         if self.history < 1:
             raise ValueError(f"history must be >= 1, got {self.history}")
@@ -101,7 +111,7 @@ class ReferenceState:
         self.usage = np.zeros(capacity, np.int64)
         self.step = 0
         self.recency = np.full((L, E), -1, np.int64)
-        self.stats_table = np.zeros((L, 4), np.int64)
+        self.stats = np.zeros((L, 4), np.int64)
         self.routing_freq = np.zeros((L, E), np.int64)
         self.prefill_layer = np.full(2, -1, np.int64)
         self.prefill_released = np.ones(2, bool)
@@ -109,7 +119,8 @@ class ReferenceState:
         self.prefill_snapshot = np.full((L, E), -1, np.int64)
         self.prefill_hit_rows = 0
         self.prefill_rows = 0
-        policy_of(self).cold(self)  # the eviction policy's fields (docs/semantics.md §5.16)
+        # The eviction policy's bookkeeping (docs/semantics.md §5.16).
+        self.eviction_state = self.eviction.init(L, E, self.history)
 
     def reset(self):
         """A cold start: residency, clock, recency, counters, histogram and prefill all cleared.

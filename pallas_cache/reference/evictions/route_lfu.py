@@ -4,7 +4,7 @@ routed it and ``NU`` route_knn's prediction (:func:`ring_frequency_key`)."""
 
 from __future__ import annotations
 
-import numpy as np
+import functools
 
 from . import ring
 from .base import EvictionPolicy, free_first
@@ -15,15 +15,14 @@ def ring_frequency_key(cache, layer: int) -> dict[int, tuple[int, int]]:
     """route_lfu's key ``(prot, L * F - NU)`` of every resident, ``{flat id: key}``: ``prot`` =
     routed by the latest call of its layer the ring holds (token ``T`` if ``m <= layer``, else
     ``T - 1``), ``F`` = how many ring tokens routed it, ``NU`` = :func:`next_use`."""
-    W, L, E, T = cache.history, cache.num_layers, cache.num_experts, cache.token
+    rs, L, E = cache.eviction_state, cache.num_layers, cache.num_experts
     predicted = next_use(cache, layer)
     out = {}
     for flat in predicted:
         m, e = divmod(flat, E)
-        latest = T if m <= layer else T - 1
-        prot = ring.in_ring(cache, latest) and bool(cache.ring[latest % W, m, e])
-        freq = sum(int(cache.ring[t % W, m, e]) for t in range(T - W + 1, T + 1)
-                   if ring.in_ring(cache, t))
+        latest = 0 if m <= layer else 1  # tokens back
+        prot = latest < rs.count and bool(rs.ring[ring.position(rs, latest), m, e])
+        freq = sum(int(rs.ring[ring.position(rs, d), m, e]) for d in range(rs.count))
         out[flat] = (int(prot), L * freq - predicted[flat])
     return out
 
@@ -35,10 +34,5 @@ def _rank(cache, evictable, layer) -> list[int]:
                       + (cache.usage[s], s))
 
 
-def _fields(cache) -> dict:
-    # The JAX core keeps F incrementally; the reference recounts its ring.
-    return {**ring.fields(cache), "counts": cache.ring.sum(axis=0).astype(np.int64)}
-
-
-POLICY = EvictionPolicy(name="route_lfu", cold=ring.cold, observe=ring.observe, rank=_rank,
-                        start_token=ring.start_token, fields=_fields)
+POLICY = EvictionPolicy(name="route_lfu", init=functools.partial(ring.init, counts=True),
+                        observe=ring.observe, rank=_rank, start_token=ring.start_token)

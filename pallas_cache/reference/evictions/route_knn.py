@@ -12,10 +12,10 @@ NEIGHBOURS = 3
 
 def next_use(cache, layer: int) -> dict[int, int]:
     """route_knn's predicted next use ``NU`` of every resident, ``{flat id: NU}``."""
-    W, L, E, T = cache.history, cache.num_layers, cache.num_experts, cache.token
-    past = [j for j in range(T - W + 1, T) if ring.in_ring(cache, j)]
-    # The K most similar past tokens, ties to the latest.
-    neighbours = sorted(past, key=lambda j: (int(cache.sim[j % W]), j), reverse=True)[:NEIGHBOURS]
+    rs, L, E = cache.eviction_state, cache.num_layers, cache.num_experts
+    # The K most similar past tokens (d tokens back), ties to the latest.
+    neighbours = sorted(range(1, rs.count), key=lambda d: (int(rs.sim[ring.position(rs, d)]), -d),
+                        reverse=True)[:NEIGHBOURS]
     horizon = -(-cache.cache_size // L)
     out = {}
     for flat in cache.id_of_slot:
@@ -24,12 +24,12 @@ def next_use(cache, layer: int) -> dict[int, int]:
         m, e = divmod(int(flat), E)
         shift = 1 if m <= layer else 0  # layer m of token T is already behind us
         total = len(neighbours) * (((m - layer - 1) % L) + 1)
-        for j in neighbours:
+        for d in neighbours:
             k = horizon
             for kk in range(horizon):
-                t = j + kk + shift
-                seen = t < T or (t == T and m <= layer)
-                if seen and cache.ring[t % W, m, e]:
+                back = d - kk - shift  # the token kk (+ shift) after the neighbour, d back
+                seen = back > 0 or (back == 0 and m <= layer)
+                if seen and rs.ring[ring.position(rs, back), m, e]:
                     k = kk
                     break
             total += L * k
@@ -44,5 +44,5 @@ def _rank(cache, evictable, layer) -> list[int]:
                                                    cache.usage[s], s))
 
 
-POLICY = EvictionPolicy(name="route_knn", cold=ring.cold, observe=ring.observe, rank=_rank,
-                        start_token=ring.start_token, fields=ring.fields)
+POLICY = EvictionPolicy(name="route_knn", init=ring.init, observe=ring.observe, rank=_rank,
+                        start_token=ring.start_token)

@@ -1,11 +1,10 @@
 """The NumPy oracle of the expert slot cache: docs/semantics.md §3-§6 and §5.12, written to be read.
 
 This is the imperative twin of ``pallas_cache``: one method per operation, int64 arrays, plain
-loops, and each rule stated once, in a comment next to the line that implements it. It imports no
-JAX. The operations are split along the JAX modules -- :mod:`reference.state` (fields, cold
-starts, the clock tick), :mod:`reference.ops` (decode), :mod:`reference.prefill`,
-:mod:`reference.reports` -- and this module assembles them into :class:`ReferenceCache`. The
-property tests drive both implementations with the same operations and compare every state field
+loops, and each rule stated once, in a comment next to the line that implements it. It uses no
+JAX. The operations are split along the JAX modules -- :mod:`.state` (fields, cold starts, the
+clock tick), :mod:`.ops` (decode), :mod:`.prefill`, :mod:`.reports` -- and this module
+assembles them into :class:`ReferenceCache`. The property tests drive both implementations with the same operations and compare every state field
 and every plan field after every step, so where the reference and the JAX code disagree, one of
 them is wrong and docs/semantics.md says which.
 
@@ -56,17 +55,15 @@ from .prefill import (  # noqa: F401
 from .reports import COVERAGE_FRACTION, LayerSkew, ReferenceStats, Reports, SkewReport  # noqa: F401
 from .state import (  # noqa: F401
     DEFAULT_REBASE_THRESHOLD,
+    FIELDS,
     FORGOTTEN,
     RebuildRejected,
     ResizePlan,
     ReferenceState,
 )
 
-#: The reference's earlier names of its plan types.
-ReferencePlan = EnsurePlan
-ReferencePrefillPlan = PrefillPlan
-
 
 class ReferenceCache(DecodeOps, PrefillOps, Reports, ReferenceState):
     """The expert slot cache as a mutable object over int64 NumPy arrays: every operation of
-    docs/semantics.md as a method. See :class:`~reference.state.ReferenceState` for the fields."""
+    docs/semantics.md as a method. See :class:`~pallas_cache.reference.state.ReferenceState`
+    for the fields."""

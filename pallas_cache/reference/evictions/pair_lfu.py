@@ -5,6 +5,8 @@ last_use, slot)``. The JAX core forms the decay in 32-bit halves; here it is one
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from .base import EvictionPolicy, free_first
@@ -15,33 +17,38 @@ DECAY_Q16 = 64132
 ONE_Q16 = 65536
 
 
-def _cold(cache) -> None:
-    cache.freq = np.zeros((cache.num_layers, cache.num_experts), np.int64)
-    cache.prot = np.zeros((cache.num_layers, cache.num_experts), bool)
+@dataclass
+class PairLfuState:
+    """PAIR_LFU's bookkeeping, the fields of ``pallas_cache.evictions.PairLfuState``."""
+
+    freq: np.ndarray  # [L, E] Q16 routing frequency
+    prot: np.ndarray  # [L, E] bool: routed by the last accepted call of its layer
+
+
+def _init(num_layers, num_experts, history) -> PairLfuState:
+    return PairLfuState(freq=np.zeros((num_layers, num_experts), np.int64),
+                        prot=np.zeros((num_layers, num_experts), bool))
 
 
 def _observe(cache, layer: int, distinct: list[int]) -> None:
+    lfu = cache.eviction_state
     for expert in range(cache.num_experts):
         # Every expert of the layer decays (exactly: the product fits int64)...
-        cache.freq[layer, expert] = (int(cache.freq[layer, expert]) * DECAY_Q16) >> 16
+        lfu.freq[layer, expert] = (int(lfu.freq[layer, expert]) * DECAY_Q16) >> 16
         # ...and the protection bit says "routed by this, the layer's latest call".
-        cache.prot[layer, expert] = expert in distinct
+        lfu.prot[layer, expert] = expert in distinct
     for expert in distinct:
-        cache.freq[layer, expert] += ONE_Q16
+        lfu.freq[layer, expert] += ONE_Q16
 
 
 def _rank(cache, evictable, layer) -> list[int]:
-    E = cache.num_experts
+    E, lfu = cache.num_experts, cache.eviction_state
 
     def key(slot):
         m, e = divmod(int(cache.id_of_slot[slot]), E)
-        return bool(cache.prot[m, e]), int(cache.freq[m, e]), int(cache.usage[slot]), slot
+        return bool(lfu.prot[m, e]), int(lfu.freq[m, e]), int(cache.usage[slot]), slot
 
     return free_first(cache, evictable, key)
 
 
-POLICY = EvictionPolicy(
-    name="pair_lfu", cold=_cold, observe=_observe, rank=_rank,
-    fields=lambda cache: {"freq": np.array(cache.freq, copy=True),
-                          "prot": np.array(cache.prot, copy=True)},
-)
+POLICY = EvictionPolicy(name="pair_lfu", init=_init, observe=_observe, rank=_rank)

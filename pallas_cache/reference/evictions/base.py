@@ -10,10 +10,6 @@ def _nothing(cache) -> None:
     return None
 
 
-def _no_fields(cache) -> dict:
-    return {}
-
-
 def free_first(cache, evictable, resident_key) -> list[int]:
     """``evictable`` slots in victim order: free slots first by ``(usage, slot)``, then the
     residents ascending by ``resident_key(slot)``."""
@@ -27,20 +23,19 @@ class EvictionPolicy:
     """One reference eviction policy (docs/semantics.md §5.16).
 
     Attributes:
-      name: the policy's string value.
-      cold: ``cache -> None``: sets the bookkeeping fields of a cold cache.
+      name: the policy's string value (the library record's ``name``).
+      init: ``(num_layers, num_experts, history) -> record | None``: the bookkeeping of a cold
+        cache, kept as ``cache.eviction_state`` under the library record's field names.
       observe: ``(cache, layer, distinct) -> None``: an accepted call of ``layer`` routed the
-        experts ``distinct``.
+        experts ``distinct``; updates ``cache.eviction_state`` in place.
       rank: ``(cache, evictable, layer) -> list``: the ``evictable`` slots in victim order.
       start_token: ``cache -> None``: the next accepted call starts a token.
       allows_reuse: whether the REUSE admission may run with the policy.
-      fields: ``cache -> dict``: the bookkeeping under the JAX core's names (the tests' views).
     """
 
     name: str
-    cold: Callable
+    init: Callable
     observe: Callable
     rank: Callable
     start_token: Callable = _nothing
     allows_reuse: bool = False
-    fields: Callable = _no_fields
