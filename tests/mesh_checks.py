@@ -8,8 +8,8 @@ raises ``AssertionError`` on a failure. The lockstep checks compare, after every
 each device's cache with the NumPy reference; the ``naive_*`` checks run the same comparison on a
 naive variant of the layout and pass only when the comparison catches it.
 
-The reference is imported in one place (``_reference``) and its state fields are read through
-``REFERENCE_STATE_FIELDS``, so a reference with the library's field names is a one-line change.
+The reference (``pallas_cache.reference``) has the library's field names, so each compared state
+field is read under one name from both.
 """
 
 from __future__ import annotations
@@ -35,10 +35,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 AXIS = "d"
 NUM_DEVICES = 4
 EVICTIONS = ("lru", "pair_lfu", "route_knn", "route_lfu")
-#: JAX state field -> the reference's attribute of the same content.
-REFERENCE_STATE_FIELDS = {"slot_for_id": "slot_for_id", "id_of_slot": "id_of_slot",
-                          "usage": "usage", "step": "step", "recency": "recency",
-                          "stats": "stats_table"}
+#: The state fields compared with the reference's after every call.
+STATE_FIELDS = ("slot_for_id", "id_of_slot", "usage", "step", "recency", "stats")
 PLAN_FIELDS = ("slots", "cpu", "active", "missing", "fetched", "error")
 COPY_FIELDS = ("dst_slots", "src_rows", "count")
 TOLERANCE = 1e-5  # tests/test_apply.py's, cached against dense
@@ -54,7 +52,7 @@ USER_EXPERTS = ((0, 5, 9), (1, 2), (3, 4, 6, 7), (8,))  # num_local 4
 
 
 def _reference():
-    from reference import ReferenceCache, ReferencePolicy  # after the move: pallas_cache.reference
+    from pallas_cache.reference import ReferenceCache, ReferencePolicy
     return ReferenceCache, ReferencePolicy
 
 
@@ -116,8 +114,8 @@ def _compare(context, got_state, got_plan, cache, plan):
     for field in COPY_FIELDS:
         _equal(f"{context}: plan.copy.{field}", getattr(got_plan.copy, field),
                getattr(plan.copy, field))
-    for field, ref_field in REFERENCE_STATE_FIELDS.items():
-        _equal(f"{context}: state.{field}", getattr(got_state, field), getattr(cache, ref_field))
+    for field in STATE_FIELDS:
+        _equal(f"{context}: state.{field}", getattr(got_state, field), getattr(cache, field))
 
 
 def _equal(what, got, expected):
@@ -216,7 +214,7 @@ def run_expert_lockstep(eviction, *, experts=None, feed="local", seed=0, backend
         previous = got_state
     assert len(traces) == 1, f"the step was traced {len(traces)} times"
     assert all(padding_calls), f"a device saw no all-padding call: {padding_calls}"
-    fetched = [int(references[d].stats_table[:, 3].sum()) for d in range(NUM_DEVICES)]
+    fetched = [int(references[d].stats[:, 3].sum()) for d in range(NUM_DEVICES)]
     assert min(fetched) > 0, fetched
     return (f"{eviction}: {index + 1} calls, shares {sharding.shares}, sizes {sizes}, "
             f"all-padding calls per device {padding_calls}, fetched {fetched}")
