@@ -168,6 +168,9 @@ def check_routes(x, expert_ids, gates):
     gates = jnp.asarray(gates)
     if expert_ids.shape != gates.shape:
         raise ValueError(f"expert_ids {expert_ids.shape} and gates {gates.shape} differ in shape")
+    if not jnp.issubdtype(expert_ids.dtype, jnp.integer):
+        raise TypeError(f"expert_ids must be integer expert ids, got dtype {expert_ids.dtype} "
+                        f"(shape {expert_ids.shape}); a float id would be truncated")
     if expert_ids.ndim < 1 or x.shape[:-1] != expert_ids.shape[:-1]:
         raise ValueError(
             f"x {x.shape} must be [..., H] with the leading axes of expert_ids {expert_ids.shape}")

@@ -1,0 +1,98 @@
+"""Bad input to the library (issue #39): no NaN from an expert a token never chose, nothing read
+for a traced layer outside the bank, no silent wrap of a policy cap or a recorded id, and every
+static misuse refused at trace time naming the value and its range."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_cache as pc
+from pallas_cache import hybrid
+from pallas_cache.moe import apply_copy_plan, put_host_bank
+from pallas_cache.testing import moe_dense
+
+H = 2
+
+
+def _scale_fn(weights, x):
+    """An expert that scales the token by its weights row: ``[H] * [H]``."""
+    return x * weights
+
+
+def _hybrid(x, ids, gates, bank, policy, placement):
+    """``moe_hybrid`` of one fresh layer-call: (output, plan)."""
+    num_experts = bank.shape[0]
+    state, plan = pc.ensure_hybrid(pc.init(1, num_experts, num_experts), 0, ids, policy)
+    pool = jnp.zeros_like(bank)
+    placed = put_host_bank(bank, prefer_host=placement == "host")
+    pool = apply_copy_plan(pool, placed, plan)
+    return pc.moe_hybrid(x, ids, gates, plan, pool, placed, _scale_fn), plan
+
+
+# ---- case 1: inf * 0 and nan * 0 from experts a token never chose -------------------------------
+
+@pytest.mark.parametrize("placement", ["host", "device"])
+@pytest.mark.parametrize("path", ["cpu", "device"])
+def test_an_expert_a_token_did_not_choose_never_turns_it_into_nan(path, placement):
+    """FAILS if the hybrid partials multiply an expert's output by a zero gate for the tokens
+    that did not choose it instead of masking them out (``inf * 0 = nan``): in float16, expert
+    0's output overflows on token 0, which routes only expert 1; token 2 is padding only with
+    NaN activations. ``moe_dense`` gives [300, 300], [60000, 60000] and [0, 0]; the hybrid
+    output must equal it, with every route on the CPU (fixed cap 0) or on the device (full)."""
+    bank = jnp.asarray([[60000, 60000], [150, 150]], jnp.float16)
+    x = jnp.asarray([[2, 2], [1, 1], [jnp.nan, jnp.nan]], jnp.float16)
+    ids = jnp.asarray([[1, -1], [0, -1], [-1, -1]], jnp.int32)
+    gates = jnp.asarray([[1, 0], [1, 0], [0, 0]], jnp.float16)
+    policy = pc.FetchPolicy.fixed_cap(0) if path == "cpu" else pc.FetchPolicy.full()
+    out, plan = jax.jit(_hybrid, static_argnums=(5,))(x, ids, gates, bank, policy, placement)
+    assert bool(np.any(plan.cpu)) == (path == "cpu")
+    want = moe_dense(x, ids, gates, bank, _scale_fn)
+    assert np.all(np.isfinite(np.asarray(want, np.float32)))
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want, np.float32),
+                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(want, np.float32), [[300, 300], [60000, 60000],
+                                                                 [0, 0]])
+
+
+# ---- case 2: a traced layer outside the bank ---------------------------------------------------
+
+@pytest.mark.parametrize("placement", ["host", "device"])
+def test_a_traced_layer_outside_the_bank_reads_no_row(placement):
+    """FAILS if ``cpu_partial`` (or its reference) slices a traced layer outside ``[0, L)``
+    instead of reading nothing: a slice clamps layer 6 onto layer 3 and wraps -3 onto layer 1.
+    The CPU partial must be zeros there, as ``apply_copy_plan`` copies nothing for that layer,
+    and the layers inside the bank must still give their own rows."""
+    num_layers, num_experts = 4, 3
+    bank = (jnp.arange(1, num_layers + 1, dtype=jnp.float32)[:, None, None]
+            * jnp.ones((num_layers, num_experts, H)))
+    placed = put_host_bank(bank, prefer_host=placement == "host")
+    ids = jnp.asarray([[0, 2]], jnp.int32)
+    gates = jnp.ones((1, 2), jnp.float32)
+    x = jnp.ones((1, H), jnp.float32)
+    _, plan = pc.ensure_hybrid(pc.init(num_layers, num_experts, num_experts), 0, ids,
+                               pc.FetchPolicy.fixed_cap(0))
+    assert bool(np.all(plan.cpu))
+
+    @jax.jit
+    def partials(layer):
+        pool = jnp.full((num_experts, H), 7.0)
+        copied = apply_copy_plan(pool, placed, plan, layer=layer)
+        return (pc.cpu_partial(x, ids, gates, plan, placed, _scale_fn, layer=layer),
+                hybrid.cpu_partial_reference(x, ids, gates, plan, placed, _scale_fn, layer=layer),
+                copied)
+
+    for layer in (6, 4, -1, -3):
+        cpu, reference, copied = partials(jnp.int32(layer))
+        np.testing.assert_array_equal(cpu, np.zeros((1, H)), err_msg=f"layer {layer}")
+        np.testing.assert_array_equal(reference, np.zeros((1, H)), err_msg=f"layer {layer}")
+        np.testing.assert_array_equal(copied, np.full((num_experts, H), 7.0))
+    for layer in range(num_layers):
+        cpu, reference, _ = partials(jnp.int32(layer))
+        np.testing.assert_array_equal(cpu, np.full((1, H), 2.0 * (layer + 1)))
+        np.testing.assert_array_equal(reference, cpu)
