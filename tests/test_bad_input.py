@@ -96,3 +96,66 @@ def test_a_traced_layer_outside_the_bank_reads_no_row(placement):
         cpu, reference, _ = partials(jnp.int32(layer))
         np.testing.assert_array_equal(cpu, np.full((1, H), 2.0 * (layer + 1)))
         np.testing.assert_array_equal(reference, cpu)
+
+
+# ---- case 3: policy caps that would wrap in int32 ----------------------------------------------
+
+def _fetched(policy, misses=3):
+    """How many of ``misses`` distinct misses a fresh cache's hybrid step fetches."""
+    ids = jnp.arange(misses, dtype=jnp.int32)[None]
+    _, plan = jax.jit(pc.ensure_hybrid)(pc.init(1, misses, misses), jnp.int32(0), ids, policy)
+    return int(plan.fetched)
+
+
+@pytest.mark.parametrize("fraction16, cap", [
+    (np.int32(0), np.int64(2**32)), (np.int32(0), np.uint32(2**31)), (0, 2**32), (0, -5),
+    (-5, 0), (np.int64(2**32 + 1), 0), (70000, 0)])
+def test_a_concrete_policy_field_outside_its_range_is_refused_in_any_integer_form(fraction16,
+                                                                                   cap):
+    """FAILS if a cap or fraction is range-checked only as a NumPy/JAX array (a Python int
+    -5 passes) or only after an int32 cast (a cap of 2**32 wraps to 0 and fetches no miss):
+    every concrete form is refused naming the field, its range and the value."""
+    name, value = ("cap", cap) if fraction16 in (0,) else ("fraction16", fraction16)
+    high = 2**31 - 1 if name == "cap" else 65536
+    with pytest.raises(ValueError, match=rf"FetchPolicy\.{name} must be in \[0, {high}\], got "
+                                         rf"{int(value)}\b"):
+        pc.FetchPolicy(fraction16, cap)
+
+
+def test_a_traced_wide_cap_saturates_instead_of_wrapping():
+    """FAILS if ``split`` casts a traced cap to int32 before clamping it: a uint32 cap of
+    2**31 (or 0xFFFFFFFF) becomes negative and fetches 0 of 3 misses; it must fetch all 3, as
+    ``fixed_cap`` does with any large cap. A negative narrow cap fetches none."""
+    ids = jnp.arange(3, dtype=jnp.int32)[None]
+
+    @jax.jit
+    def fetched(cap):  # traced: the constructor cannot check it
+        return pc.ensure_hybrid(pc.init(1, 3, 3), 0, ids,
+                                pc.FetchPolicy(jnp.int32(0), cap))[1].fetched
+
+    for cap in (jnp.uint32(2**31), jnp.uint32(2**32 - 1), jnp.uint16(65535)):
+        assert int(fetched(cap)) == 3, cap
+    assert int(fetched(jnp.int8(-3))) == 0
+    assert _fetched(pc.FetchPolicy.fixed_cap(2**40)) == 3
+    assert _fetched(pc.FetchPolicy(0, 2)) == 2  # a Python int in range still works
+
+
+X64_CAPS = r"""
+import jax, jax.numpy as jnp
+jax.config.update("jax_enable_x64", True)
+import pallas_cache as pc
+ids = jnp.arange(3, dtype=jnp.int32)[None]
+step = jax.jit(lambda cap: pc.ensure_hybrid(pc.init(1, 3, 3), 0, ids,
+               pc.FetchPolicy(jnp.int32(0), cap))[1].fetched)
+print([int(step(jnp.int64(c))) for c in (2**32, 2**32 + 1, 2**62, 1, -(2**32) + 1)])
+"""
+
+
+def test_with_x64_a_traced_int64_cap_saturates():
+    """FAILS if an int64 cap is cast to int32 before clamping (x64 on): caps 2**32 and 2**32+1
+    then fetch 0 and 1 of 3 misses; they must fetch all 3 (and -(2**32)+1, which wraps to 1,
+    none)."""
+    done = subprocess.run([sys.executable, "-c", X64_CAPS], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[3, 3, 3, 1, 0]"
