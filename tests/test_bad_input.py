@@ -159,3 +159,71 @@ def test_with_x64_a_traced_int64_cap_saturates():
                           timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "[3, 3, 3, 1, 0]"
+
+
+# ---- case 4: recorded and read ids that would wrap ----------------------------------------------
+
+def test_a_wide_token_or_layer_is_dropped_not_wrapped_onto_row_zero():
+    """FAILS if ``record_routes`` casts a concrete int64 token 2**32 (or layer 2**32 + 1) to
+    int32 before the range check: it wraps to 0 and overwrites token 0's routes with
+    ``dropped == 0``; it must write nothing and count one drop. (Under ``jax.jit`` an int64
+    argument is converted by jit itself before the function sees it; a traced uint32 is compared
+    in its own width.)"""
+    from pallas_cache.sizing.recorder import init_recorder, record_routes
+
+    recorder = record_routes(init_recorder(4, 2, 2), 0, 0, np.array([1, 2]))
+    cases = [(record_routes, np.int64(2**32), 0), (record_routes, 0, np.int64(2**32 + 1)),
+             (record_routes, np.uint64(2**63), 0), (record_routes, jnp.uint32(2**32 - 1), 0),
+             (jax.jit(record_routes), jnp.uint32(2**32 - 1), 0),
+             (jax.jit(record_routes), 0, jnp.uint32(2**31))]
+    for record, token, layer in cases:
+            after = record(recorder, token, layer, np.array([3, 3]))
+            np.testing.assert_array_equal(after.routes, recorder.routes)
+            np.testing.assert_array_equal(after.written, recorder.written)
+            assert int(after.dropped) == 1
+
+
+@pytest.mark.parametrize("jitted", [False, True])
+def test_a_recorded_id_outside_int32_is_refused_not_read_as_padding(jitted):
+    """FAILS if a uint32 expert id 0xFFFFFFFF (or an int64 2**32 - 1) is cast to int32 as it is
+    recorded: it becomes the padding -1 and ``trace_from_routes`` accepts the trace with one
+    route fewer; it must be refused naming the call, as the array path refuses it."""
+    from pallas_cache.sizing.recorder import init_recorder, record_routes, trace_from_routes
+    from pallas_cache.sizing.traces import TraceError
+
+    record = jax.jit(record_routes) if jitted else record_routes
+    wide = [np.array([0xFFFFFFFF, 1], np.uint32), jnp.array([0xFFFFFFFF, 1], jnp.uint32)]
+    if not jitted:  # jit converts an int64 argument itself, before record_routes sees it
+        wide.append(np.array([2**32 - 1, 1], np.int64))
+    for routes in wide:
+        recorder = record(init_recorder(2, 1, 2), 0, 0, np.array([1, 2]))
+        recorder = record(recorder, 1, 0, routes)
+        with pytest.raises(TraceError, match=r"token 1, layer 0: an expert id outside"):
+            trace_from_routes(recorder, 4)
+    with pytest.raises(TraceError, match=r"4294967295 .* outside \[-1, 4\)"):
+        trace_from_routes(np.array([[[1, 2]], [[0xFFFFFFFF, 1]]], np.uint32), 4)
+
+
+@pytest.mark.parametrize("column", ["experts", "layer", "token_idx"])
+def test_a_parquet_uint64_id_above_int64_is_refused_naming_its_row(tmp_path, column):
+    """FAILS if the Parquet reader casts uint64 columns to int64 unchecked: an expert id
+    2**64 - 1 reads as the padding -1 (the trace replays with one route fewer) and a layer
+    2**64 - 1 is reported as "layer -1 is negative"; both must be refused naming the row, the
+    column and the value."""
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    from pallas_cache.sizing.traces import TraceError, load_trace
+
+    big = 2**64 - 1
+    columns = {"layer": [0, 0, 0], "token_idx": [0, 1, 2], "experts": [[1, 2], [1, 2], [1, 2]]}
+    if column == "experts":
+        columns["experts"][2] = [1, big]
+    else:
+        columns[column][2] = big
+    table = pa.table({"layer": pa.array(columns["layer"], pa.uint64()),
+                      "token_idx": pa.array(columns["token_idx"], pa.uint64()),
+                      "experts": pa.array(columns["experts"], pa.list_(pa.uint64()))})
+    path = tmp_path / "trace.parquet"
+    pq.write_table(table, path)
+    with pytest.raises(TraceError, match=rf"row 2: column '{column}': {big} is outside"):
+        load_trace(path)

@@ -31,6 +31,18 @@ def _pyarrow():
     return pyarrow, pyarrow.parquet
 
 
+def _int64(values, path: str, name: str, row_of) -> np.ndarray:
+    """An integer column as int64; a uint64 value above int64's range is refused naming its row
+    (``row_of(index)``) rather than wrapped (``2**64 - 1`` would read as the padding ``-1``)."""
+    if values.dtype == np.uint64:
+        too_big = values > np.iinfo(np.int64).max
+        if too_big.any():
+            index = int(np.argmax(too_big))
+            raise TraceError(f"{path}: row {row_of(index)}: column {name!r}: {int(values[index])}"
+                             f" is outside the int64 range of a layer, token or expert id")
+    return values.astype(np.int64, copy=False)
+
+
 def load_parquet_trace(path: str | os.PathLike, *, num_layers: int | None = None,
                        num_experts: int | None = None, max_memory: int | None = None,
                        fields: Mapping[str, str] | None = None) -> Trace:
@@ -114,7 +126,8 @@ def load_parquet_trace(path: str | os.PathLike, *, num_layers: int | None = None
     for key in ("layer", "token_idx"):
         data = table.column(column[key]).combine_chunks()
         _no_nulls(pa, data, path_str, column[key])
-        parts[key] = data.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+        parts[key] = _int64(data.to_numpy(zero_copy_only=False), path_str, column[key],
+                            lambda index: index)
     lists = table.column(column["experts"]).combine_chunks()
     _no_nulls(pa, lists, path_str, column["experts"])
     if pa.types.is_fixed_size_list(lists.type):
@@ -127,7 +140,8 @@ def load_parquet_trace(path: str | os.PathLike, *, num_layers: int | None = None
         row = int(np.searchsorted(np.cumsum(counts), index, side="right"))
         raise TraceError(f"{path_str}: row {row}: column {column['experts']!r}: a null expert "
                          f"id (use -1 for padding)")
-    experts = flat.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+    experts = _int64(flat.to_numpy(zero_copy_only=False), path_str, column["experts"],
+                     lambda index: int(np.searchsorted(np.cumsum(counts), index, side="right")))
     if sequence_column is not None:
         labels = table.column(sequence_column).combine_chunks().dictionary_encode(
             null_encoding="encode")  # indices in order of first appearance
