@@ -16,6 +16,8 @@ from pallas_cache.sizing import synthetic
 from pallas_cache.sizing.cli_args import (DEFAULT_PRESET, cache_sizes, check_plot_path,
                                           check_state_memory, clamped, cost_options,
                                           model_mismatch, policy_warnings, resolve_policies)
+from pallas_cache.sizing.cli_checks import (check_before_reading, check_geometry,
+                                            check_modeled_numbers)
 from pallas_cache.sizing.progress import Bar, Progress
 from pallas_cache.sizing.report import format_records, records
 from pallas_cache.sizing.traces import TraceError, default_memory_limit, load_trace, parse_fields
@@ -375,11 +377,14 @@ def _replay_with(args, progress: Progress, latch: _InterruptLatch) -> int:
         cost, model, weight_label = cost_options(args)
         requested = resolve_policies(args.policy, cost)
         policies = list(dict.fromkeys(clamped(policy) for policy in requested))
+        check_before_reading(args, cost, policies)
         progress.note(f"reading {args.trace}..." if args.trace else
                       f"generating the {args.synthetic or DEFAULT_PRESET} trace...")
         compiling = None if args.trace else _precompile_synthetic(args, policies, cost)
         trace = _load(args, progress)
         sizes, size_lines = cache_sizes(args.cache_size, trace, cost)
+        check_geometry(trace.num_layers, trace.num_experts, sizes)
+        check_modeled_numbers(cost, trace.num_layers, trace.top_k)
         configs = config_grid(sizes, policies, args.order, args.admission, args.eviction)
         if not configs:
             raise ValueError(f"admission reuse needs eviction lru; got --eviction "

@@ -1,0 +1,160 @@
+"""Bad command lines (issue #39): every flag is checked before the trace is read, as one line and
+exit 2; numbers that would overflow, wrap or leave JSON are refused; a full disk or a closed pipe
+is one line or the pipe's exit, never a traceback; the compile cache is used only in a folder no
+one else can write."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import stat
+import subprocess
+import sys
+
+import pytest
+
+from pallas_cache.sizing import cli
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MISSING = "/nonexistent/pallas-cache-routes.jsonl"
+
+
+def _tiny_trace(path, tokens=30):
+    """2 layers x 4 experts, top-2: a trace that replays in a blink."""
+    with open(path, "w", encoding="ascii") as handle:
+        for token in range(tokens):
+            for layer in range(2):
+                first, second = (token + layer) % 4, (3 * token + layer + 1) % 4
+                experts = [first] if first == second else [first, second]
+                handle.write(json.dumps({"layer": layer, "token_idx": token,
+                                         "experts": experts}) + "\n")
+    return str(path)
+
+
+def run(capsys, *argv):
+    code = cli.main(["replay", *argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def _one_line(err):
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+# ---- cases 9, 10, 11, 12: refused from the flags alone, before the trace is read -----------------
+
+@pytest.mark.parametrize("flags, message", [
+    (["--policy", "half"], r"bad policy 'half'"),
+    (["--cache-size", "0"], r"cache size 0 is outside \[1, 2147483647\]"),
+    (["--cache-size", "abc GiB"], r"cache size 'abc GiB' is not auto"),
+    (["--cache-size", "\u00b2"], r"cache size '\u00b2' is not auto"),
+    (["--cache-size", "\u0663"], r"cache size '\u0663' is not auto"),
+    (["--cache-size", "2147483648"], r"cache size 2147483648 is outside"),
+    (["--cache-size", "12GiB"], r"is in bytes: give --model or --expert-bytes"),
+    (["--tokens", "5"], r"--tokens 5 sets the length of a --synthetic trace"),
+    (["--admission", "reuse", "--eviction", "route_knn"], r"admission reuse needs eviction lru"),
+    (["--num-layers", "65536", "--num-experts", "65536"], r"65536 x --num-experts 65536"),
+    (["--num-experts", "0"], r"--num-experts 0 is outside"),
+    (["--expert-bytes", "1e300", "--link-bandwidth", "1e-300B/s", "--cpu-bandwidth", "1GB/s"],
+     r"overflows a float"),
+])
+def test_every_flag_is_checked_before_the_trace_is_read(capsys, flags, message):
+    """FAILS if a flag the trace does not decide is checked only after reading it (8.7 s for a
+    1.5M-record trace, 83 s at 10^7), or, for --tokens with --trace, ignored: the trace here
+    does not exist, so a refusal that names the flag and not the missing file came first.
+    Also FAILS on Python's own message for a non-ASCII digit ('invalid literal for int()')."""
+    import re
+
+    code, out, err = run(capsys, "--trace", MISSING, *flags)
+    line = _one_line(err)
+    assert code == 2 and out == ""
+    assert re.search(message, line), line
+    assert "nonexistent" not in line and "No such file" not in line, line
+
+
+def test_an_empty_trace_path_is_refused_not_read_as_the_synthetic_default(capsys):
+    """FAILS if ``--trace ""`` (an unset shell variable) replays the built-in synthetic trace."""
+    code, out, err = run(capsys, "--trace", "", "--cache-size", "8")
+    assert code == 2 and out == ""
+    assert "--trace '' is an empty path" in _one_line(err)
+
+
+@pytest.mark.parametrize("flags", [["--tokens", "\u0663"], ["--seed", "\u0663"],
+                                   ["--num-layers", "\u0662"], ["--max-memory", "1e400"],
+                                   ["--max-memory", "1e19"]])
+def test_unicode_digits_and_huge_numbers_are_refused_by_the_parser(capsys, flags):
+    """FAILS if ``int()``'s acceptance of other scripts' digits ('٣' is 3) passes, or if
+    ``--max-memory 1e400`` ends in an OverflowError traceback (exit 1)."""
+    code, out, err = run(capsys, *flags, "--cache-size", "8")
+    assert code == 2 and out == ""
+    assert flags[0] in _one_line(err)
+
+
+def test_a_geometry_the_cache_cannot_hold_is_one_line_not_a_traceback(capsys, tmp_path):
+    """FAILS if a declared geometry whose sizes overflow int32 reaches ``init`` (a ValueError
+    traceback): 2 layers x 2147483647 experts make an auto size of 4294967294 slots."""
+    trace = _tiny_trace(tmp_path / "t.jsonl")
+    code, out, err = run(capsys, "--trace", trace, "--num-experts", "2147483647",
+                         "--max-memory", "1e15")
+    assert code == 2 and out == ""
+    assert "4294967294 experts" in _one_line(err)
+
+
+def test_modeled_numbers_that_overflow_only_with_the_trace_are_refused(capsys, tmp_path):
+    """FAILS if the JSON output can hold ``Infinity``: W / B = 5e304 s passes alone (2e3 * W/B
+    ms is finite) but a token of 2 layers x top-2 at that rate overflows; refused with one line
+    after the trace's geometry is known, nothing on stdout."""
+    trace = _tiny_trace(tmp_path / "t.jsonl")
+    code, out, err = run(capsys, "--trace", trace, "--expert-bytes", "5e304",
+                         "--link-bandwidth", "1B/s", "--cpu-bandwidth", "1B/s",
+                         "--cache-size", "4", "--policy", "full", "--format", "json")
+    assert code == 2 and out == ""
+    assert "overflows a float" in _one_line(err)
+
+
+def test_json_records_never_hold_infinity_or_nan():
+    """FAILS if a non-finite float is written as JSON's invalid ``Infinity``/``NaN``: it must
+    be null, and every line must parse with a strict parser."""
+    from pallas_cache.sizing.report import format_records
+
+    rows = [{"a": math.inf, "b": math.nan, "c": 1.5, "d": None}]
+
+    def strict(text):
+        return json.loads(text, parse_constant=lambda name: pytest.fail(f"{name} in {text}"))
+
+    assert strict(format_records(rows, "json")) == [{"a": None, "b": None, "c": 1.5, "d": None}]
+    assert strict(format_records(rows, "jsonl")) == {"a": None, "b": None, "c": 1.5, "d": None}
+
+
+# ---- case 8: output that cannot be written -----------------------------------------------------
+
+def _console(args, **popen):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO,
+           "PALLAS_CACHE_NO_COMPILE_CACHE": "1"}
+    env.update(popen.pop("env", {}))
+    return subprocess.Popen([sys.executable, "-m", "pallas_cache.sizing.cli", *args],
+                            stderr=subprocess.PIPE, cwd=REPO, env=env, **popen)
+
+
+def test_a_full_disk_or_a_closed_pipe_is_not_a_traceback(tmp_path):
+    """FAILS if stdout on ``/dev/full`` ends in an OSError traceback, or a reader that went
+    away (``| head -1``) in a BrokenPipeError one: the first is one line and exit 2, the second
+    the pipe's conventional exit 141 (128 + SIGPIPE) without a message."""
+    trace = _tiny_trace(tmp_path / "t.jsonl")
+    args = ["replay", "--trace", trace, "--cache-size", "4", "--policy", "full", "-q",
+            "--format", "jsonl"]
+    with open("/dev/full", "wb") as full:
+        process = _console(args, stdout=full)
+        err = process.communicate(timeout=300)[1].decode()
+    assert process.returncode == 2, err
+    assert _one_line(err) == "pallas-cache: cannot write the output: No space left on device"
+
+    process = _console(args, stdout=subprocess.PIPE)
+    process.stdout.close()  # the reader is gone before anything is written
+    err = process.communicate(timeout=300)[1].decode()
+    assert process.returncode == 141, err
+    assert err.strip() == "", err
