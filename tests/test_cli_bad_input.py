@@ -158,3 +158,103 @@ def test_a_full_disk_or_a_closed_pipe_is_not_a_traceback(tmp_path):
     err = process.communicate(timeout=300)[1].decode()
     assert process.returncode == 141, err
     assert err.strip() == "", err
+
+
+# ---- cases 12 and 14: where the compile cache may live ----------------------------------------
+
+ENABLE = ("import jax; from pallas_cache.sizing import cli; cli._enable_compile_cache(); "
+          "print(jax.config.jax_compilation_cache_dir)")
+NOBODY = 65534
+
+
+@pytest.fixture
+def shared_tmp():
+    """A folder every user can reach (pytest's tmp_path is 0700 to root's other users)."""
+    import shutil
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="pallas-cache-cc-", dir="/tmp")
+    os.chmod(folder, 0o755)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def _enable(xdg, **popen):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO, "XDG_CACHE_HOME": xdg}
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    done = subprocess.run([sys.executable, "-c", ENABLE], capture_output=True, text=True,
+                          cwd="/", env=env, timeout=300, **popen)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip(), done.stderr
+
+
+def test_a_new_cache_folder_is_private(shared_tmp):
+    """FAILS if the compile cache folders are created with the umask's 0755 (anyone could read
+    them, and a later chmod mistake is one step from a shared folder): every folder created
+    below XDG_CACHE_HOME is 0700 and the cache is used."""
+    used, err = _enable(shared_tmp)
+    assert used == os.path.join(shared_tmp, "pallas-cache", "jax") and err == ""
+    for folder in (os.path.join(shared_tmp, "pallas-cache"), used):
+        assert stat.S_IMODE(os.stat(folder).st_mode) == 0o700, folder
+
+
+@pytest.mark.parametrize("owner, mode, where", [
+    (NOBODY, 0o777, "pallas-cache"),  # another user's, writable by everyone
+    (None, 0o777, "pallas-cache"),    # the user's own, writable by everyone
+    (None, 0o775, "pallas-cache/jax"),  # group-writable
+    (None, 0o757, "."),               # XDG_CACHE_HOME itself writable by others
+])
+def test_a_cache_folder_others_can_write_is_not_used(shared_tmp, owner, mode, where):
+    """FAILS if the console script uses a compile cache folder that another user owns or that
+    group or others can write (anyone who can write it can put native code there that the next
+    run executes): one warning line naming the folder, and no cache."""
+    if owner is not None and os.geteuid() != 0:
+        pytest.skip("chown to another user needs root")
+    folder = os.path.normpath(os.path.join(shared_tmp, where))
+    os.makedirs(os.path.join(shared_tmp, "pallas-cache", "jax"), mode=0o700, exist_ok=True)
+    if owner is not None:
+        os.chown(folder, owner, owner)
+    os.chmod(folder, mode)
+    used, err = _enable(shared_tmp)
+    assert used in ("", "None"), used
+    line = _one_line(err)
+    assert line.startswith("pallas-cache: warning: running without the compile cache: ")
+    assert folder in line
+
+
+def test_a_cache_folder_that_cannot_be_written_is_one_warning_even_with_q(shared_tmp):
+    """FAILS if a compile cache folder the user owns but cannot write is handed to JAX (54
+    raw JAX warning lines, also with -q): one warning line, with -q, then the replay runs
+    without the cache (exit 0, its output complete)."""
+    import shutil
+
+    cache = os.path.join(shared_tmp, "pallas-cache", "jax")
+    os.makedirs(cache, mode=0o700)
+    if os.geteuid() != 0:
+        os.chmod(cache, 0o500)
+    elif shutil.which("chattr") is None or subprocess.run(
+            ["chattr", "+i", cache], capture_output=True).returncode != 0:
+        pytest.skip("root writes in a 0500 folder, and chattr +i is not available here")
+    try:
+        _replay_without_cache(shared_tmp, cache)
+    finally:
+        if os.geteuid() == 0:
+            subprocess.run(["chattr", "-i", cache], check=True)
+
+
+def _replay_without_cache(shared_tmp, cache):
+    trace = _tiny_trace(os.path.join(shared_tmp, "t.jsonl"))
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO, "XDG_CACHE_HOME": shared_tmp,
+           "HOME": shared_tmp}
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    env.pop("PALLAS_CACHE_NO_COMPILE_CACHE", None)
+    done = subprocess.run([sys.executable, "-m", "pallas_cache.sizing.cli", "replay", "--trace",
+                           trace, "--cache-size", "4", "--policy", "full", "-q", "--format",
+                           "jsonl"], capture_output=True, text=True, cwd="/", env=env,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr
+    line = _one_line(done.stderr)
+    assert line.startswith("pallas-cache: warning: running without the compile cache: cannot "
+                           f"write in {cache}"), line
+    assert len(done.stdout.strip().splitlines()) == 1
+    assert os.listdir(cache) == []
