@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import os
+import signal
 import sys
 
 from pallas_cache.sizing.cli_checks import output_failed
@@ -141,13 +142,37 @@ def console_main() -> int:
     """The ``pallas-cache`` console script: :func:`main` with JAX's persistent compilation cache
     on (see :func:`compile_cache_dir`) unless ``--no-compile-cache`` is given or
     ``PALLAS_CACHE_NO_COMPILE_CACHE`` is set to anything but ``""`` or ``"0"``."""
-    status = _main(None, compile_cache=True)
-    try:  # a failed write is reported here, not as a traceback in the interpreter's exit
-        sys.stdout.flush()
-    except OSError as error:
-        status = output_failed(error)
+    try:
+        status = _main(None, compile_cache=True)
+        try:  # a failed write is reported here, not as a traceback in the interpreter's exit
+            sys.stdout.flush()
+        except OSError as error:
+            status = output_failed(error)
+    except KeyboardInterrupt:  # between the replay's own handling and here
+        print("pallas-cache: interrupted", file=sys.stderr)
+        status = EXIT_INTERRUPTED
+    # Everything is written or refused: a Ctrl-C from here on would only turn the exit into a
+    # traceback.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if status == EXIT_INTERRUPTED:
+        _exit_without_teardown(status)
     exit_now_if_compiling(status)
     return status
+
+
+def _exit_without_teardown(status: int) -> None:
+    """End the process now, after Ctrl-C. Whatever background thread the interrupted phase had
+    (a precompile, the replay's lanes, the offline optima) may still be inside XLA's C++ code
+    (a join interrupted by Ctrl-C stops waiting, and Python 3.11 can then call the thread
+    finished); the interpreter's teardown would stop it there and abort (``terminate called
+    ...``, exit 134) after the CLI printed its line. The output is flushed first; a Ctrl-C
+    writes no output file."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(status)
 
 
 def _main(argv, *, compile_cache: bool) -> int:

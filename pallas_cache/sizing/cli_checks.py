@@ -67,7 +67,6 @@ def check_before_reading(args, cost, policies) -> None:
     if args.trace and args.tokens is not None:
         raise ValueError(f"--tokens {args.tokens} sets the length of a --synthetic trace; a "
                          f"--trace file has its own tokens")
-    _check_count("--tokens", args.tokens)
     _check_count("--num-layers", args.num_layers)
     _check_count("--num-experts", args.num_experts)
     if args.num_layers and args.num_experts and args.num_layers * args.num_experts > INT32_MAX:
