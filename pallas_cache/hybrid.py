@@ -10,7 +10,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.compute_on import compute_on
 
-from pallas_cache.moe import check_bank_layer, check_routes, gather_rows, memory_space, to_space
+from pallas_cache.moe import (check_bank_layer, check_routes, copy_host_rows, gather_rows,
+                              memory_space, to_space)
 
 __all__ = [
     "HOST_COMPUTE",
@@ -96,14 +97,28 @@ def cpu_experts(plan, expert_ids, gates, num_experts: int) -> CpuExperts:
 
 
 def _bank_row(host_bank, layer, expert):
-    """One expert's weights, sliced where the bank lives (host memory inside the host region)."""
+    """One expert's weights, sliced where the bank lives (host memory inside the host region).
+
+    A bank in host memory is sliced by :func:`~pallas_cache.moe.copy_host_rows`, whose
+    ``vmap`` rule turns a batch (of plans, layers or banks) into more rows of its loop: batching
+    a ``dynamic_slice`` makes a gather whose index JAX builds in device memory, which it refuses
+    beside a host operand."""
     def row(leaf):
+        if _is_host(leaf):
+            rows = jnp.reshape(expert, (1,))
+            return copy_host_rows(leaf, rows, layer, memory_space(leaf))[0]
         lead = (expert,) if layer is None else (layer, expert)
         start = lead + (jnp.int32(0),) * (leaf.ndim - len(lead))
         piece = lax.dynamic_slice(leaf, start, (1,) * len(lead) + leaf.shape[len(lead):])
         return piece.reshape(leaf.shape[len(lead):])
 
     return jax.tree.map(row, host_bank)
+
+
+def _is_host(leaf) -> bool:
+    space = memory_space(leaf)
+    return space is not None and space == getattr(getattr(jax, "memory", None), "Space",
+                                                  None).Host
 
 
 def _experts_on_tokens(tokens, chosen, token_gates, routed, host_bank, expert_fn, layer, n,

@@ -227,3 +227,40 @@ def test_a_parquet_uint64_id_above_int64_is_refused_naming_its_row(tmp_path, col
     pq.write_table(table, path)
     with pytest.raises(TraceError, match=rf"row 2: column '{column}': {big} is outside"):
         load_trace(path)
+
+
+# ---- case 7: a host bank under vmap ------------------------------------------------------------
+
+@pytest.mark.parametrize("over", ["layers", "plans", "banks"])
+def test_a_host_bank_under_vmap_gives_the_device_banks_result(over):
+    """FAILS if ``moe_hybrid``/``cpu_partial`` slice a ``put_host_bank`` bank with a plain
+    ``dynamic_slice``: batched by ``vmap`` (over layers, plans or banks) it becomes a gather
+    whose index JAX builds in device memory ("memory_space of all inputs passed to
+    concatenate must be the same"); docs/semantics.md §5.13 promises the device bank's result."""
+    num_layers, num_experts, slots = 2, 4, 4
+    bank = jnp.arange(num_layers * num_experts * H, dtype=jnp.float32).reshape(
+        num_layers, num_experts, H) / 7
+    ids = jnp.asarray([[[0, 1], [2, 3]], [[3, 3], [1, -1]]], jnp.int32)
+    x = jnp.asarray([[1.0, 2.0], [3.0, -1.0]])
+    gates = jnp.asarray([[0.5, 0.25], [1.0, 2.0]])
+
+    def one(bank, layer, routes):
+        _, plan = pc.ensure_hybrid(pc.init(num_layers, num_experts, slots), layer, routes,
+                                   pc.FetchPolicy.fixed_cap(1))
+        pool = apply_copy_plan(jnp.zeros((slots, H)), bank, plan, layer=layer)
+        return (pc.moe_hybrid(x, routes, gates, plan, pool, bank, _scale_fn, layer=layer),
+                pc.cpu_partial(x, routes, gates, plan, bank, _scale_fn, layer=layer))
+
+    layers = jnp.arange(2, dtype=jnp.int32)
+    axes = {"layers": (None, 0, None), "plans": (None, None, 0), "banks": (0, None, None)}[over]
+    want = None
+    for placement in ("host", "device"):
+        banks = jnp.stack([bank, bank[::-1]]) if over == "banks" else bank
+        placed = put_host_bank(banks, prefer_host=placement == "host")
+        args = (placed, layers if over == "layers" else jnp.int32(1),
+                ids if over == "plans" else ids[0])
+        got = jax.jit(jax.vmap(one, in_axes=axes))(*args)
+        if placement == "device":
+            np.testing.assert_allclose(got[0], want[0], rtol=1e-6, atol=1e-6)
+            np.testing.assert_allclose(got[1], want[1], rtol=1e-6, atol=1e-6)
+        want = got
