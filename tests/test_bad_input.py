@@ -264,3 +264,73 @@ def test_a_host_bank_under_vmap_gives_the_device_banks_result(over):
             np.testing.assert_allclose(got[0], want[0], rtol=1e-6, atol=1e-6)
             np.testing.assert_allclose(got[1], want[1], rtol=1e-6, atol=1e-6)
         want = got
+
+
+# ---- case 13: smaller library misuse -----------------------------------------------------------
+
+def test_entry_bytes_past_int64_is_refused_not_wrapped():
+    """FAILS if ``PrefillPlan.entry_bytes`` multiplies in int64: 4 rows of 2**62 bytes wrap to
+    0 bytes; the entry must be refused naming the product (and an in-range size still works)."""
+    from pallas_cache.prefill import begin_prefill, prefetch_prefill_layer
+
+    state = begin_prefill(pc.init(2, 4, 8))
+    _, plan = prefetch_prefill_layer(state, 0, (2**62,))
+    assert int(np.asarray(plan.transfers.rows)[0]) == 4
+    with pytest.raises(ValueError, match=r"entry 0: 4 rows x 4611686018427387904 bytes = "
+                                         r"18446744073709551616 bytes"):
+        plan.entry_bytes((2**62,))
+    assert plan.entry_bytes((2**40,)).tolist() == [4 * 2**40, -1, -1, -1]
+
+
+@pytest.mark.parametrize("field, bad, error, message", [
+    ("recency", jnp.zeros((3, 8), jnp.int32), ValueError,
+     r"state.recency has shape \[3, 8\], expected \[2, 4\]"),
+    ("usage", jnp.zeros((6,), jnp.float32), TypeError,
+     r"state.usage has dtype float32, expected int32"),
+    ("stats", jnp.zeros((2, 3), jnp.int32), ValueError, r"state.stats has shape \[2, 3\]"),
+    ("collect_routing", jnp.int32(0), TypeError, r"state.collect_routing has dtype int32"),
+])
+def test_a_hand_built_state_of_the_wrong_shape_or_dtype_is_refused(field, bad, error, message):
+    """FAILS if a hand-built state whose field has another shape or dtype than ``init`` gives
+    is accepted (error 0, its rows read with clamped indices, float steps rounded) or fails
+    inside ``lax.cond`` with JAX's own message: every public op refuses it at call time naming
+    the field, what it has and what the geometry asks for."""
+    state = pc.init(2, 4, 6).replace(**{field: bad})
+    ids = jnp.asarray([1, 2], jnp.int32)
+    for call in (lambda s: pc.ensure(s, 0, ids),
+                 lambda s: pc.ensure_hybrid(s, 0, ids, pc.FetchPolicy.full()),
+                 lambda s: pc.materialize_layer(s, 0)):
+        with pytest.raises(error, match=message):
+            call(state)
+        with pytest.raises(error, match=message):
+            jax.jit(call)(state)
+
+
+def test_float_expert_ids_are_refused_not_truncated():
+    """FAILS if ``moe_hybrid``/``cpu_partial`` cast float expert ids to int (1.7 -> 1, 2.2 -> 2)
+    as ``ensure`` refuses them: a TypeError naming the dtype."""
+    bank = jnp.ones((4, H))
+    ids = jnp.asarray([[1, 2]], jnp.int32)
+    _, plan = pc.ensure_hybrid(pc.init(1, 4, 4), 0, ids, pc.FetchPolicy.fixed_cap(0))
+    floats = jnp.asarray([[1.7, 2.2]], jnp.float32)
+    for call in (pc.moe_hybrid, pc.cpu_partial):
+        args = ((jnp.ones((1, H)), floats, jnp.ones((1, 2)), plan) +
+                ((jnp.zeros((4, H)),) if call is pc.moe_hybrid else ()) + (bank, _scale_fn))
+        with pytest.raises(TypeError, match=r"expert_ids must be integer expert ids, got dtype "
+                                            r"float32"):
+            call(*args)
+
+
+@pytest.mark.parametrize("path", ["cpu", "device"])
+def test_an_expert_fn_of_another_output_shape_is_named(path):
+    """FAILS if an ``expert_fn`` that returns a scalar per token reaches ``lax.switch`` ("switch
+    branches must have equal output types"): the error names the expected ``[H']`` row."""
+    bank = jnp.ones((4, H))
+    ids = jnp.asarray([[1, 2]], jnp.int32)
+    policy = pc.FetchPolicy.fixed_cap(0) if path == "cpu" else pc.FetchPolicy.full()
+    _, plan = pc.ensure_hybrid(pc.init(1, 4, 4), 0, ids, policy)
+    pool = apply_copy_plan(jnp.zeros((4, H)), bank, plan)
+    with pytest.raises(ValueError, match=r"must return one output row \[H'\] per token row "
+                                         r"x_row \[2\], got shape \[\]"):
+        pc.moe_hybrid(jnp.ones((1, H)), ids, jnp.ones((1, 2)), plan, pool, bank,
+                      lambda w, x: jnp.sum(w * x))
