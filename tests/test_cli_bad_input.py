@@ -258,3 +258,52 @@ def _replay_without_cache(shared_tmp, cache):
                            f"write in {cache}"), line
     assert len(done.stdout.strip().splitlines()) == 1
     assert os.listdir(cache) == []
+
+
+# ---- case 6: --max-memory counts the labels and the step's tables ------------------------------
+
+@pytest.fixture
+def no_replay(monkeypatch):
+    """The replay itself must not start (it would allocate what the limit forbids)."""
+    from pallas_cache.sizing import sweep
+
+    def refuse(*args, **kwargs):
+        pytest.fail("the replay started: the memory estimate let it through")
+
+    monkeypatch.setattr(sweep, "replay", refuse)
+
+
+def test_a_wide_call_is_refused_by_the_memory_limit_before_the_replay(capsys, tmp_path,
+                                                                      no_replay):
+    """FAILS if --max-memory leaves out the replay step's tables: one call routing 20000
+    experts pads every call to 20000 routes and makes K' x C tables per configuration (a 200 KB
+    trace of one 100k-route call peaked at 2.6 GB under --max-memory 128MiB); it must be
+    refused with one line naming the estimate, before the replay."""
+    path = tmp_path / "wide.jsonl"
+    with open(path, "w", encoding="ascii") as handle:
+        handle.write(json.dumps({"layer": 0, "token_idx": 0, "experts": list(range(20000))})
+                     + "\n")
+        for token in range(1, 20):
+            handle.write(json.dumps({"layer": 0, "token_idx": token, "experts": [token]}) + "\n")
+    code, out, err = run(capsys, "--trace", str(path), "--max-memory", "128MiB")
+    line = _one_line(err)
+    assert code == 2 and out == ""
+    assert "the replay step of 2 configuration(s) on calls of up to 20000 routes" in line
+    assert "above the memory limit of 128.0 MiB" in line
+
+
+def test_distinct_sequence_labels_count_against_the_memory_limit(capsys, tmp_path, no_replay):
+    """FAILS if the JSONL reader's estimate leaves out the sequence labels: 200k distinct
+    labels in a 0.5 MB gzip (1M of them peaked at 1578 MiB under --max-memory 128MiB, a
+    one-label run at 266) must be refused while reading, naming the line."""
+    import gzip
+
+    path = tmp_path / "labels.jsonl.gz"
+    with gzip.open(path, "wt", encoding="ascii") as handle:
+        for token in range(200_000):
+            handle.write(json.dumps({"layer": 0, "token_idx": 0, "experts": [token % 4],
+                                     "sequence": f"s{token:08d}"}) + "\n")
+    code, out, err = run(capsys, "--trace", str(path), "--max-memory", "128MiB")
+    line = _one_line(err)
+    assert code == 2 and out == ""
+    assert "reading the records up to this line" in line and "128.0 MiB" in line

@@ -13,7 +13,7 @@ import re
 import sys
 
 __all__ = ["EXIT_BROKEN_PIPE", "INT32_MAX", "ascii_int", "check_before_reading",
-           "check_geometry", "check_modeled_numbers", "use_ascii_ints", "write_output"]
+           "check_geometry", "check_step_memory", "check_modeled_numbers", "use_ascii_ints", "write_output"]
 
 #: The largest slot count, layer count or expert count the cache state holds (int32).
 INT32_MAX = 2**31 - 1
@@ -136,6 +136,38 @@ def check_geometry(num_layers: int, num_experts: int, sizes) -> None:
     too_big = [size for size in sizes if size > INT32_MAX]
     if too_big:
         raise ValueError(f"cache size {too_big[0]} is above the cache's {INT32_MAX} slots")
+
+
+#: Bytes of the replay step's temporaries per (distinct route, slot) pair of one configuration:
+#: the victim search compares each of a call's ``K' = min(top_k, E)`` distinct routes with every
+#: one of the bucket's ``C`` slots (int32 and bool tables, a few alive at once).
+STEP_BYTES_PER_ROUTE_SLOT = 16
+#: The same per (distinct route, expert of the layer) pair: the call's one-hot rows.
+STEP_BYTES_PER_ROUTE_EXPERT = 8
+#: Copies of one chunk's ``[chunk_calls, top_k]`` int32 routes alive while it runs (the host
+#: slice, the padded chunk, the device copy).
+CHUNK_ROUTE_COPIES = 3
+
+
+def check_step_memory(sizes, configs_per_size: int, num_experts: int, top_k: int,
+                      limit: int) -> None:
+    """Refuse a replay whose step would need more than ``limit`` for its temporaries, before
+    any is allocated: a call that routes ``top_k`` experts (a trace with one call of 100k routes
+    pads every call to that width) costs every configuration of a bucket ``K' x C`` and
+    ``K' x E`` tables, and each chunk its routes (what ``--max-memory`` left out: the cache
+    states alone are :func:`~pallas_cache.sizing.cli_args.check_state_memory`'s)."""
+    from pallas_cache.sizing.sweep import DEFAULT_CHUNK_CALLS, capacity_buckets
+    from pallas_cache.sizing.traces import check_memory
+
+    distinct = min(top_k, num_experts)
+    chunk = DEFAULT_CHUNK_CALLS * top_k * 4 * CHUNK_ROUTE_COPIES
+    for bucket in reversed(capacity_buckets(sizes)):
+        size, count = bucket[-1], configs_per_size * len(bucket)
+        step = count * distinct * (size * STEP_BYTES_PER_ROUTE_SLOT
+                                   + num_experts * STEP_BYTES_PER_ROUTE_EXPERT)
+        check_memory(step + chunk, limit, f"--cache-size {size}",
+                     f"the replay step of {count} configuration(s) on calls of up to {top_k} "
+                     f"routes ({distinct} distinct x {size} slots each)")
 
 
 def write_output(text: str, stream=None) -> None:

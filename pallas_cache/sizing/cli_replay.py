@@ -17,7 +17,7 @@ from pallas_cache.sizing.cli_args import (DEFAULT_PRESET, cache_sizes, check_plo
                                           check_state_memory, clamped, cost_options,
                                           model_mismatch, policy_warnings, resolve_policies)
 from pallas_cache.sizing.cli_checks import (check_before_reading, check_geometry,
-                                            check_modeled_numbers)
+                                            check_modeled_numbers, check_step_memory)
 from pallas_cache.sizing.progress import Bar, Progress
 from pallas_cache.sizing.report import format_records, records
 from pallas_cache.sizing.traces import TraceError, default_memory_limit, load_trace, parse_fields
@@ -396,6 +396,8 @@ def _replay_with(args, progress: Progress, latch: _InterruptLatch) -> int:
     try:
         check_state_memory(sizes, len(configs) // len(set(sizes)), trace.num_layers,
                             trace.num_experts, args.max_memory)
+        check_step_memory(sizes, len(configs) // len(set(sizes)), trace.num_experts,
+                          trace.top_k, args.max_memory)
     except (TypeError, ValueError) as error:
         progress.close()
         print(f"pallas-cache: {error}", file=sys.stderr)
