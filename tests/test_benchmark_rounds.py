@@ -38,7 +38,7 @@ def test_a_swamped_slope_takes_more_batches_and_reports_its_spread(hybrid_decode
         return current["batch"][n]
 
     rate, line = hybrid_decode.slope_rate("cpu_partial", 100, seconds, 3, time_limit=60)
-    # medians over 4 batches: t0 = 3.0, t2 = 3.0 -> not yet; over 5: t0 = 1.0, t2 = 3.0 -> 1 s/expert
+    # medians over 4 batches: t0 = t2 = 3.0, not yet; over 5: t0 = 1.0, t2 = 3.0, 1 s/expert
     assert rate == pytest.approx(100.0)
     assert "5 batches of 3 rounds" in line and "per-batch" in line
 

@@ -13,7 +13,8 @@ import re
 import sys
 
 __all__ = ["EXIT_BROKEN_PIPE", "INT32_MAX", "ascii_int", "check_before_reading",
-           "check_geometry", "check_step_memory", "check_modeled_numbers", "use_ascii_ints", "write_output"]
+           "check_geometry", "check_modeled_numbers", "check_step_memory", "output_failed",
+           "use_ascii_ints"]
 
 #: The largest slot count, layer count or expert count the cache state holds (int32).
 INT32_MAX = 2**31 - 1
@@ -168,14 +169,6 @@ def check_step_memory(sizes, configs_per_size: int, num_experts: int, top_k: int
         check_memory(step + chunk, limit, f"--cache-size {size}",
                      f"the replay step of {count} configuration(s) on calls of up to {top_k} "
                      f"routes ({distinct} distinct x {size} slots each)")
-
-
-def write_output(text: str, stream=None) -> None:
-    """Print ``text`` and flush it now, so a failed write is seen here (as ``OSError``), not in
-    the interpreter's exit."""
-    stream = sys.stdout if stream is None else stream
-    print(text, file=stream)
-    stream.flush()
 
 
 def output_failed(error: OSError) -> int:
