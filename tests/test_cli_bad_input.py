@@ -285,7 +285,7 @@ def test_a_wide_call_is_refused_by_the_memory_limit_before_the_replay(capsys, tm
                      + "\n")
         for token in range(1, 20):
             handle.write(json.dumps({"layer": 0, "token_idx": token, "experts": [token]}) + "\n")
-    code, out, err = run(capsys, "--trace", str(path), "--max-memory", "128MiB")
+    code, out, err = run(capsys, "--trace", str(path), "--max-memory", "128MiB", "-q")
     line = _one_line(err)
     assert code == 2 and out == ""
     assert "the replay step of 2 configuration(s) on calls of up to 20000 routes" in line
@@ -303,7 +303,7 @@ def test_distinct_sequence_labels_count_against_the_memory_limit(capsys, tmp_pat
         for token in range(200_000):
             handle.write(json.dumps({"layer": 0, "token_idx": 0, "experts": [token % 4],
                                      "sequence": f"s{token:08d}"}) + "\n")
-    code, out, err = run(capsys, "--trace", str(path), "--max-memory", "128MiB")
+    code, out, err = run(capsys, "--trace", str(path), "--max-memory", "128MiB", "-q")
     line = _one_line(err)
     assert code == 2 and out == ""
     assert "reading the records up to this line" in line and "128.0 MiB" in line
