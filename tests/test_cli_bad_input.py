@@ -307,3 +307,21 @@ def test_distinct_sequence_labels_count_against_the_memory_limit(capsys, tmp_pat
     line = _one_line(err)
     assert code == 2 and out == ""
     assert "reading the records up to this line" in line and "128.0 MiB" in line
+
+
+def test_distinct_parquet_sequence_labels_count_against_the_memory_limit(tmp_path):
+    """FAILS if the Parquet reader's estimate leaves out the sequence labels (it is computed
+    from the file's metadata, which does not count them): 200k distinct labels must be refused
+    under a 128 MiB limit, as the JSONL reader refuses them."""
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    from pallas_cache.sizing.traces import MemoryLimitError, load_trace
+
+    count = 200_000
+    path = tmp_path / "labels.parquet"
+    pq.write_table(pa.table({"layer": pa.array([0] * count), "token_idx": pa.array([0] * count),
+                             "experts": pa.array([[i % 4] for i in range(count)]),
+                             "sequence": pa.array([f"s{i:08d}" for i in range(count)])}), path)
+    with pytest.raises(MemoryLimitError, match=r"200000 distinct sequence labels"):
+        load_trace(path, max_memory=128 * 2**20)
+    assert len(load_trace(path, max_memory=2**30).sequence_names) == count

@@ -12,6 +12,7 @@ import numpy as np
 from pallas_cache.sizing.traces.memory import check_memory, resolve_memory_limit
 from pallas_cache.sizing.traces.records import FIELD_KEYS, SEQUENCE_KEYS, trace_from_records
 from pallas_cache.sizing.traces.base import Trace, TraceError
+from pallas_cache.sizing.traces.jsonl import LABEL_BYTES
 
 __all__ = ["load_parquet_trace", "save_parquet_trace", "PARQUET_EXTRA"]
 
@@ -147,6 +148,10 @@ def load_parquet_trace(path: str | os.PathLike, *, num_layers: int | None = None
             null_encoding="encode")  # indices in order of first appearance
         sequence = labels.indices.to_numpy(zero_copy_only=False).astype(np.int32)
         sequence_names = tuple(labels.dictionary.to_pylist())
+        held += sum(LABEL_BYTES + (len(name) if isinstance(name, str) else 0)
+                    for name in sequence_names)
+        check_memory(held, limit, path_str, f"{rows} rows with {len(sequence_names)} distinct "
+                     f"sequence labels")
     else:
         sequence, sequence_names = np.zeros(rows, np.int32), (None,)
     del table, lists, flat
