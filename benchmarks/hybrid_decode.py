@@ -141,31 +141,53 @@ def bench_bandwidth(hidden, ffn, mib):
             parse_bandwidth(words[words.index("--cpu-bandwidth") + 1]))
 
 
-def copy_path_bandwidth(bank, host, rounds):
-    """Expert bytes per second ``apply_copy_plan`` moves from the host bank into a pool inside
-    a compiled program: the slope of one call copying 0, 1 and 2 experts."""
+def copy_path_seconds(bank, host):
+    """``seconds(n, rounds)``: the median seconds of ``apply_copy_plan`` moving ``n`` experts from
+    the host bank into a pool inside a compiled program."""
     pool = _pool(bank, 2)
     run = jax.jit(apply_copy_plan, static_argnames=())
-    seconds = []
-    for n in (0, 1, 2):
+
+    def seconds(n, rounds):
         plan = pc.CopyPlan(dst_slots=jnp.array([0, 1][:n] + [-1] * (2 - n), jnp.int32),
                            src_rows=jnp.array([0, 1][:n] + [-1] * (2 - n), jnp.int32),
                            count=jnp.int32(n))
-        seconds.append(median_seconds(
-            lambda: jax.block_until_ready(run(pool, host, plan, layer=0)), rounds))
-    expert_bytes = sum(leaf[0, 0].nbytes for leaf in bank.values())
-    return per_expert_rate("the copy path (apply_copy_plan)", expert_bytes, seconds)
+        return median_seconds(lambda: jax.block_until_ready(run(pool, host, plan, layer=0)),
+                              rounds)
+    return seconds
 
 
-def per_expert_rate(what, expert_bytes, seconds):
-    """Bytes per second from the median seconds of 0, 1 and 2 experts (the slope); exits with one
-    line when the slope is not positive (the machine's load swamped the measurement)."""
-    slope = (seconds[2] - seconds[0]) / 2
+#: Seconds a slope measurement may spend on more batches before it reports what it has.
+SLOPE_TIME_LIMIT = 120.0
+
+
+def slope_rate(what, expert_bytes, seconds, rounds, time_limit=SLOPE_TIME_LIMIT):
+    """Bytes per second from the slope of 0, 1 and 2 experts: ``seconds(n, rounds)`` is one
+    batch's median seconds for ``n`` experts. A loaded machine can swamp one batch (2 experts no
+    slower than 0), so batches are added until the medians over the batches give a positive
+    slope (and there are at least two, for a spread), or ``time_limit`` seconds have passed.
+
+    Returns:
+      ``(rate or None, line)``: the rate from the medians over the batches and a line with the
+      batch count and the per-batch rates' range (their spread), or ``None`` and why, when no
+      positive slope came within the time limit (the caller then uses another figure).
+    """
+    start = time.perf_counter()
+    batches = []
+    while True:
+        batches.append([seconds(n, rounds) for n in (0, 1, 2)])
+        medians = [statistics.median(batch[n] for batch in batches) for n in range(3)]
+        slope = (medians[2] - medians[0]) / 2
+        elapsed = time.perf_counter() - start
+        if (slope > 0 and len(batches) >= 2) or elapsed > time_limit:
+            break
+    rates = sorted(expert_bytes * 2 / (b[2] - b[0]) for b in batches if b[2] > b[0])
+    spread = (f"per-batch {format_bandwidth(rates[0])} to {format_bandwidth(rates[-1])}"
+              if rates else "no batch had a positive slope")
+    where = f"{len(batches)} batches of {rounds} rounds in {elapsed:.0f} s; {spread}"
     if slope <= 0:
-        raise SystemExit(f"{what}: 2 experts took no longer than 0 ({seconds[2] * 1e3:.1f} vs "
-                         f"{seconds[0] * 1e3:.1f} ms), so no bandwidth can be measured; the "
-                         "machine is too loaded, rerun with more --rounds")
-    return expert_bytes / slope
+        return None, (f"{what}: 2 experts took no longer than 0 over {where} (the load swamped "
+                      f"the slope)")
+    return expert_bytes / slope, f"{what}: {format_bandwidth(expert_bytes / slope)} ({where})"
 
 
 def relation(a, b):
@@ -192,6 +214,10 @@ def main(argv=None):
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--sizes", default="8,16,24")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--time-limit", type=float, default=SLOPE_TIME_LIMIT,
+                        help="seconds each bandwidth slope may take more batches of --rounds "
+                             f"on a loaded machine before it reports (default: "
+                             f"{SLOPE_TIME_LIMIT:g})")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--mib", type=int, default=256, help="bench-bandwidth's --mib")
     parser.add_argument("--dtype", choices=("bf16", "f32"), default=None,
@@ -218,11 +244,22 @@ def main(argv=None):
           f"MiB {dtype}, bank in {placement!r} memory", flush=True)
 
     link, bench_cpu = bench_bandwidth(hidden, ffn, args.mib)
-    per_expert = [mech_compute_on({n: v[:1] for n, v in bank.items()}, x0,
-                                  jnp.full((1, 2), 0.5), 1, n, 2 * args.rounds + 1)
-                  for n in (0, 1, 2)]
-    path_cpu = per_expert_rate("cpu_partial", expert_bytes, per_expert)
-    copy_link = copy_path_bandwidth(bank, host, 2 * args.rounds + 1)
+    one_layer = {n: v[:1] for n, v in bank.items()}
+    path_cpu, cpu_line = slope_rate(
+        "cpu_partial", expert_bytes,
+        lambda n, rounds: mech_compute_on(one_layer, x0, jnp.full((1, 2), 0.5), 1, n, rounds),
+        2 * args.rounds + 1, args.time_limit)
+    copy_link, copy_line = slope_rate("the copy path (apply_copy_plan)", expert_bytes,
+                                      copy_path_seconds(bank, host), 2 * args.rounds + 1,
+                                      args.time_limit)
+    print(cpu_line, flush=True)
+    print(copy_line, flush=True)
+    if path_cpu is None:
+        path_cpu = bench_cpu
+        cpu_line += "; B_cpu is bench-bandwidth's figure instead"
+    if copy_link is None:
+        copy_link = link
+        copy_line += "; the copy-path model column uses bench-bandwidth's B_link instead"
     cost = CostModel(expert_bytes=expert_bytes, link_bandwidth=link, cpu_bandwidth=path_cpu)
     copy_cost = CostModel(expert_bytes=expert_bytes, link_bandwidth=copy_link,
                           cpu_bandwidth=path_cpu)
@@ -287,7 +324,8 @@ def main(argv=None):
         f"{format_bandwidth(path_cpu)} measured on `cpu_partial` (bench-bandwidth's figure: "
         f"{format_bandwidth(bench_cpu)}); `fraction:auto` = `{policies[1]}`. The copy path "
         f"itself (`apply_copy_plan` in a compiled call) moves {format_bandwidth(copy_link)}: "
-        f"the last model column uses it as `B_link`. Every expert "
+        f"the last model column uses it as `B_link`. Slopes: {cpu_line}; {copy_line}. Every "
+        f"expert "
         f"resident (S = {L * E}): {base:.2f} ms/token. Measured: median of {args.rounds} "
         f"decodes after a warm-up, each from a cold cache. Fetched and CPU-expert counts equal "
         f"the replay's in every row.",

@@ -12,7 +12,8 @@ from jax.experimental.compute_on import compute_on
 
 from pallas_cache.hints import IndexLike, PyTree
 from pallas_cache.ops import EnsurePlan
-from pallas_cache.moe import check_bank_layer, check_routes, gather_rows, memory_space, to_space
+from pallas_cache.moe import (check_bank_layer, check_routes, copy_host_rows, gather_rows,
+                              memory_space, to_space)
 from pallas_cache.tree import varying_like
 
 __all__ = [
@@ -37,11 +38,15 @@ class CpuExperts(NamedTuple):
       count: int32 ``[]``, how many entries of ``ids`` are valid.
       gates: ``[T, K']``: ``gates[t, j]`` sums token ``t``'s router gates on ``ids[j]`` over its
         CPU routes (0 where the token does not route there, and for padding columns).
+      routed: bool ``[T, K']``: whether token ``t`` routes to ``ids[j]`` on the CPU. Only these
+        pairs contribute: another token's output of that expert is never multiplied by its zero
+        gate (``inf * 0`` and ``nan * 0`` are NaN; ``moe_dense`` masks the same way).
     """
 
     ids: jax.Array
     count: jax.Array
     gates: jax.Array
+    routed: jax.Array
 
 
 def _token_routes(x, expert_ids, gates):
@@ -70,7 +75,9 @@ def _distinct(values, take, gates, size: int, width: int) -> CpuExperts:
     chosen = chosen.astype(jnp.int32)
     per_value = jnp.sum(jnp.where(onehot, gates[..., None], 0), axis=1)  # [T, size]
     token_gates = jnp.where(chosen >= 0, per_value[:, jnp.maximum(chosen, 0)], 0)
-    return CpuExperts(chosen, jnp.sum(marked, dtype=jnp.int32), token_gates.astype(gates.dtype))
+    routed = (chosen >= 0) & jnp.any(onehot, axis=1)[:, jnp.maximum(chosen, 0)]  # [T, width]
+    return CpuExperts(chosen, jnp.sum(marked, dtype=jnp.int32), token_gates.astype(gates.dtype),
+                      routed)
 
 
 def cpu_experts(plan, expert_ids, gates, num_experts: int) -> CpuExperts:
@@ -93,8 +100,16 @@ def cpu_experts(plan, expert_ids, gates, num_experts: int) -> CpuExperts:
 
 
 def _bank_row(host_bank, layer, expert):
-    """One expert's weights, sliced where the bank lives (host memory inside the host region)."""
+    """One expert's weights, sliced where the bank lives (host memory inside the host region).
+
+    A bank in host memory is sliced by :func:`~pallas_cache.moe.copy_host_rows`, whose
+    ``vmap`` rule turns a batch (of plans, layers or banks) into more rows of its loop: batching
+    a ``dynamic_slice`` makes a gather whose index JAX builds in device memory, which it refuses
+    beside a host operand."""
     def row(leaf):
+        if _is_host(leaf):
+            rows = jnp.reshape(expert, (1,))
+            return copy_host_rows(leaf, rows, layer, memory_space(leaf))[0]
         lead = (expert,) if layer is None else (layer, expert)
         start = lead + (jnp.int32(0),) * (leaf.ndim - len(lead))
         piece = lax.dynamic_slice(leaf, start, (1,) * len(lead) + leaf.shape[len(lead):])
@@ -103,16 +118,35 @@ def _bank_row(host_bank, layer, expert):
     return jax.tree.map(row, host_bank)
 
 
-def _experts_on_tokens(tokens, chosen, token_gates, host_bank, expert_fn, layer, n):
+def _is_host(leaf) -> bool:
+    space = memory_space(leaf)
+    return space is not None and space == getattr(getattr(jax, "memory", None), "Space",
+                                                  None).Host
+
+
+def _experts_on_tokens(tokens, chosen, token_gates, routed, host_bank, expert_fn, layer, n,
+                       space):
     """``sum_j token_gates[:, j] * expert_fn(W[chosen[j]], tokens)`` over the first ``n`` (static)
-    experts: each read once from the bank and applied to every token as one matrix product."""
+    experts and the tokens ``routed[:, j]`` marks: each expert read once from the bank and
+    applied to every token as one matrix product, whose rows for the other tokens are masked
+    out (not multiplied by 0: an overflow or a NaN there would turn the sum into NaN)."""
     out = None
     for j in range(n):
         weights = _bank_row(host_bank, layer, chosen[j])
         y = jax.vmap(expert_fn, in_axes=(None, 0))(weights, tokens)  # [T, H]
-        term = token_gates[:, j:j + 1].astype(y.dtype) * y
+        _check_expert_output(y, tokens)
+        zero = to_space(jnp.zeros((), y.dtype), space)
+        term = jnp.where(routed[:, j:j + 1], token_gates[:, j:j + 1].astype(y.dtype) * y, zero)
         out = term if out is None else out + term
     return out
+
+
+def _check_expert_output(y, tokens):
+    """``expert_fn`` must map a token ``[H]`` to an output ``[H']``; name the shape it gave."""
+    if y.ndim != 2 or y.shape[0] != tokens.shape[0]:
+        raise ValueError(f"expert_fn(weights, x_row) must return one output row [H'] per token "
+                         f"row x_row {list(tokens.shape[1:])}, got shape "
+                         f"{list(y.shape[1:])}")
 
 
 def cpu_partial(x: jax.Array, expert_ids: jax.Array, gates: jax.Array, plan: EnsurePlan,
@@ -139,7 +173,15 @@ def cpu_partial(x: jax.Array, expert_ids: jax.Array, gates: jax.Array, plan: Ens
       layer: optional int (possibly traced) layer index into a whole-model bank.
 
     Returns:
-      ``[..., H]``: the gate-weighted sum over the plan's CPU routes (zeros when there are none).
+      ``[..., H]``: the gate-weighted sum over the plan's CPU routes (zeros when there are none,
+      and for a traced ``layer`` outside the bank's ``[0, L)``, which reads no row, as
+      ``apply_copy_plan`` copies nothing for it; a concrete one raises ``ValueError``). Only a
+      token's own routes contribute: an expert's output on a token that did not choose it is
+      masked, never multiplied by a zero gate.
+
+    Raises:
+      TypeError: non-integer ``expert_ids``; an ``expert_fn`` that returns a pytree.
+      ValueError: an ``expert_fn`` whose output is not one row ``[H']`` per token row.
     """
     layer = check_bank_layer(host_bank, layer)
     tokens, ids, _ = _token_routes(x, expert_ids, gates)
@@ -148,11 +190,17 @@ def cpu_partial(x: jax.Array, expert_ids: jax.Array, gates: jax.Array, plan: Ens
     _check_bank(plan, host_bank, layer)
     chosen = cpu_experts(plan, expert_ids, gates, num_experts)
     bank_space = memory_space(jax.tree.leaves(host_bank)[0])
-    layer_index = jnp.int32(0) if layer is None else layer
+    count, layer_index = chosen.count, jnp.int32(0)
+    if layer is not None:
+        # A traced layer outside the bank reads no row and adds nothing, as apply_copy_plan
+        # copies nothing for it (a slice would clamp it onto the last layer).
+        layer_ok = _layer_in_bank(host_bank, layer)
+        count = jnp.where(layer_ok, count, 0)
+        layer_index = jnp.where(layer_ok, layer, 0)
     # The region's inputs go to where the bank lives (host memory for a host bank), so every op
     # in it reads one memory space; its result returns to the activations' space.
     inputs = [to_space(v, bank_space)
-              for v in (tokens, chosen.ids, chosen.count, chosen.gates, layer_index)]
+              for v in (tokens, chosen.ids, count, chosen.gates, chosen.routed, layer_index)]
     with compute_on(HOST_COMPUTE):
         partial = jax.jit(functools.partial(_switch_partial, host_bank, expert_fn,
                                             layer is not None, bank_space))(*inputs)
@@ -161,28 +209,39 @@ def cpu_partial(x: jax.Array, expert_ids: jax.Array, gates: jax.Array, plan: Ens
 
 
 def _switch_partial(bank, expert_fn, has_layer, space, tokens, chosen_ids, count, token_gates,
-                    layer_index):
+                    routed, layer_index):
     """``[T, H]`` in memory ``space``: a ``lax.switch`` on ``count`` whose branch ``n`` reads the
     rows of ``chosen_ids[:n]`` from ``bank`` (``[L, E, ...]`` leaves when ``has_layer``, else
-    ``[N, ...]``) and applies each to ``tokens`` (:func:`_experts_on_tokens`); branch 0 is zeros."""
+    ``[N, ...]``) and applies each to the tokens ``routed`` marks (:func:`_experts_on_tokens`);
+    branch 0 is zeros."""
     axis = 1 if has_layer else 0
     out = jax.eval_shape(
         lambda w, t: jax.vmap(expert_fn, in_axes=(None, 0))(w, t),
         jax.tree.map(lambda b: jax.ShapeDtypeStruct(b.shape[axis + 1:], b.dtype), bank),
         jax.ShapeDtypeStruct(tokens.shape, tokens.dtype))
+    if not isinstance(out, jax.ShapeDtypeStruct):
+        raise TypeError(f"expert_fn(weights, x_row) must return one array [H'] per token row "
+                        f"x_row {list(tokens.shape[1:])}, got the pytree {out}")
+    _check_expert_output(out, tokens)
 
     def branch(n):
-        def run(tokens, chosen_ids, token_gates, layer_index):
+        def run(tokens, chosen_ids, token_gates, routed, layer_index):
             if n == 0:
                 zeros = to_space(jnp.zeros(out.shape, out.dtype), space)
-                return varying_like(zeros, bank, tokens, chosen_ids, token_gates,
+                return varying_like(zeros, bank, tokens, chosen_ids, token_gates, routed,
                                      layer_index if has_layer else None)
-            return _experts_on_tokens(tokens, chosen_ids, token_gates, bank, expert_fn,
-                                      layer_index if has_layer else None, n)
+            return _experts_on_tokens(tokens, chosen_ids, token_gates, routed, bank, expert_fn,
+                                      layer_index if has_layer else None, n, space)
         return run
 
     return lax.switch(count, [branch(n) for n in range(chosen_ids.shape[0] + 1)], tokens,
-                      chosen_ids, token_gates, layer_index)
+                      chosen_ids, token_gates, routed, layer_index)
+
+
+def _layer_in_bank(host_bank, layer):
+    """bool ``[]``: ``layer`` (int32, possibly traced) is in ``[0, L)`` of every bank leaf."""
+    num_layers = min(leaf.shape[0] for leaf in jax.tree.leaves(host_bank))
+    return (layer >= 0) & (layer < num_layers)
 
 
 def _check_bank(plan, host_bank, layer):
@@ -203,6 +262,9 @@ def cpu_partial_reference(x, expert_ids, gates, plan, host_bank,
     layer = check_bank_layer(host_bank, layer)
     tokens, ids, gate = _token_routes(x, expert_ids, gates)
     on_cpu = _plan_routes(plan, expert_ids, "cpu") & (ids >= 0)
+    if layer is not None:
+        on_cpu = on_cpu & _layer_in_bank(host_bank, layer)
+        layer = jnp.where(_layer_in_bank(host_bank, layer), layer, 0)
     weights = jax.tree.map(
         lambda b: gather_rows(b, jnp.where(on_cpu, ids, 0).reshape(-1), layer, memory_space(x)),
         host_bank)
@@ -236,7 +298,8 @@ def device_partial(x, expert_ids, gates, plan, pool,
     space = memory_space(jax.tree.leaves(pool)[0])
     partial = _switch_partial(pool, expert_fn, False, space,
                               *[to_space(v, space) for v in (tokens, chosen.ids, chosen.count,
-                                                              chosen.gates, jnp.int32(0))])
+                                                              chosen.gates, chosen.routed,
+                                                              jnp.int32(0))])
     partial = to_space(partial, memory_space(x))
     return partial.reshape(x.shape[:-1] + partial.shape[-1:])
 

@@ -23,6 +23,7 @@ __all__ = [
     "check_bank_layer",
     "check_plan_geometry",
     "check_routes",
+    "copy_host_rows",
     "gather_rows",
     "host_memory_kind",
     "memory_space",
@@ -94,7 +95,7 @@ def gather_rows(bank_leaf, rows, layer, out_space):
     """``bank_leaf[rows]`` (or ``bank_leaf[layer, rows]``) in memory ``out_space``.
 
     From a bank in host memory into another space, each row is copied on its own
-    (:func:`_copy_host_rows`); otherwise one gather where the bank lives, then the rows move.
+    (:func:`copy_host_rows`); otherwise one gather where the bank lives, then the rows move.
 
     Args:
       bank_leaf: ``[E, ...]`` (``layer`` None) or ``[L, E, ...]``; device or host memory.
@@ -107,14 +108,14 @@ def gather_rows(bank_leaf, rows, layer, out_space):
     bank_space = memory_space(bank_leaf)
     if (bank_space is not None and bank_space == getattr(_MEMORY_SPACE, "Host", None)
             and out_space not in (None, bank_space)):
-        return _copy_host_rows(bank_leaf, rows, layer, out_space)
+        return copy_host_rows(bank_leaf, rows, layer, out_space)
     index = rows if layer is None else (jnp.broadcast_to(layer, rows.shape), rows)
     # Move the small index vector to the bank, not the bank to the index.
     index = jax.tree.map(lambda i: to_space(i, bank_space), index)
     return to_space(bank_leaf[index], out_space)
 
 
-def _copy_host_rows(bank_leaf, rows, layer, out_space):
+def copy_host_rows(bank_leaf, rows, layer, out_space):
     """``bank_leaf[rows]`` from host memory into ``out_space``, one row-sized copy per row.
 
     A gather that reads host memory is not something XLA:GPU compiles. It fails at layout
@@ -150,7 +151,7 @@ def _copy_host_rows(bank_leaf, rows, layer, out_space):
 
 def _slice_rows(bank_leaf, indices, out_space):
     """``bank_leaf[indices[0][j], indices[1][j], ...]`` for every ``j``, in ``out_space``: one
-    ``dynamic_slice`` and one transfer per row, in a ``fori_loop`` (see :func:`_copy_host_rows`).
+    ``dynamic_slice`` and one transfer per row, in a ``fori_loop`` (see :func:`copy_host_rows`).
     ``indices``: int arrays of one shape, one per leading axis of the bank."""
     lead = len(indices)
     row_shape = bank_leaf.shape[lead:]
@@ -175,6 +176,9 @@ def check_routes(x, expert_ids, gates):
     gates = jnp.asarray(gates)
     if expert_ids.shape != gates.shape:
         raise ValueError(f"expert_ids {expert_ids.shape} and gates {gates.shape} differ in shape")
+    if not jnp.issubdtype(expert_ids.dtype, jnp.integer):
+        raise TypeError(f"expert_ids must be integer expert ids, got dtype {expert_ids.dtype} "
+                        f"(shape {expert_ids.shape}); a float id would be truncated")
     if expert_ids.ndim < 1 or x.shape[:-1] != expert_ids.shape[:-1]:
         raise ValueError(
             f"x {x.shape} must be [..., H] with the leading axes of expert_ids {expert_ids.shape}")

@@ -17,7 +17,7 @@ from pallas_cache import clock, errors, evictions, selection, validate
 from pallas_cache.kernels import dispatch
 from pallas_cache.hints import Backend, IndexLike, RoutesLike
 from pallas_cache.policy import Admission, FetchOrder, FetchPolicy
-from pallas_cache.state import CacheState
+from pallas_cache.state import CacheState, check_state
 from pallas_cache.tree import Record, in_manual_mesh, pytree_dataclass, static_field
 
 __all__ = [
@@ -414,8 +414,11 @@ def ensure(state: CacheState, layer: IndexLike, expert_ids: RoutesLike, *,
       ``(state, EnsurePlan)``. Misses are fetched in ascending expert id; ``cpu`` is all False.
 
     Raises:
-      TypeError: ``expert_ids`` or ``layer`` is not an integer type.
+      TypeError: ``expert_ids`` or ``layer`` is not an integer type; a state field of another
+        dtype than :func:`~pallas_cache.state.init` gives (:func:`~pallas_cache.state.check_state`).
+      ValueError: a state field of another shape than its geometry asks for.
     """
+    check_state(state)
     return _ensure(state, validate.as_index("layer", layer), validate.as_routes(expert_ids),
                    FetchPolicy.full(),
                    Rules.of(hybrid=False, order=FetchOrder.LOWEST_ID, admission=Admission.NONE),
@@ -444,6 +447,7 @@ def ensure_hybrid(state: CacheState, layer: IndexLike, expert_ids: RoutesLike, p
       TypeError/ValueError: bad input types, a policy that is not scalar, an unknown enum.
     """
     rules = Rules.of(hybrid=True, order=order, admission=admission)
+    check_state(state)
     evictions.check_admission(state.eviction, Admission.coerce(admission) is Admission.REUSE)
     if not isinstance(policy, FetchPolicy):
         raise TypeError(f"policy must be a FetchPolicy, got {policy!r}")
@@ -464,6 +468,7 @@ def materialize_layer(state: CacheState, layer: IndexLike) -> tuple[CacheState, 
       ``(state, MaterializePlan)``: ``plan.copy`` lists ``(e, e)`` for every expert, count ``E``.
       A layer outside ``[0, L)`` sets ERR_LAYER (state unchanged, empty copy).
     """
+    check_state(state)
     return _materialize_layer(state, validate.as_index("layer", layer))
 
 

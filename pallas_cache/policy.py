@@ -64,22 +64,27 @@ class FetchPolicy(Record):
     cap: jax.Array
 
     def __post_init__(self):
-        # Concrete arrays are checked here, once, on the host. Pytree rebuilds pass tracers,
-        # None and vmap axis ints through this constructor: those are left alone, and split()
-        # clamps whatever value arrives on the device (docs/semantics.md §5.3).
-        for name, low, high in (("fraction16", 0, ONE), ("cap", 0, None)):
+        # Concrete values (Python ints, NumPy and concrete JAX arrays) are checked here, once, on
+        # the host, in their own width: a cap of 2**32 must not pass as an int32 0. Pytree
+        # rebuilds pass tracers, None and vmap axis ints through this constructor: those are left
+        # alone, and split() saturates whatever value arrives on the device (docs/semantics.md
+        # §5.3).
+        for name, low, high in (("fraction16", 0, ONE), ("cap", 0, validate.INT32_MAX)):
             value = getattr(self, name)
             concrete = isinstance(value, (np.ndarray, np.generic)) or (
                 isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer))
-            if not concrete or not jnp.issubdtype(value.dtype, jnp.integer):
+            if isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_)):
+                host = np.asarray(int(value), object)
+            elif concrete and jnp.issubdtype(value.dtype, jnp.integer):
+                host = np.asarray(value).astype(object)  # Python ints: no wrap in the compare
+            else:
                 continue
-            host = np.asarray(value)
-            bad = (host < low) | (host > high) if high is not None else host < low
+            bad = (host < low) | (host > high)
             if np.any(bad):
-                allowed = f"[0, {high}]" if high is not None else ">= 0"
                 raise ValueError(
-                    f"FetchPolicy.{name} must be {allowed}, got {host[bad].ravel()[0]} "
-                    f"(build policies with FetchPolicy.fraction, fixed_cap or full)")
+                    f"FetchPolicy.{name} must be in [{low}, {high}], got "
+                    f"{np.asarray(host)[bad].ravel()[0]} (build policies with "
+                    f"FetchPolicy.fraction, fixed_cap (which saturates a larger cap) or full)")
 
     @classmethod
     def fraction(cls, q: float) -> "FetchPolicy":
@@ -156,9 +161,10 @@ class FetchPolicy(Record):
         """
         m = jnp.asarray(num_missing, jnp.int32)
         # A traced policy built by hand may hold anything: clamp it into the valid range, so no
-        # count is ever negative or above M (docs/semantics.md §5.3).
-        f = jnp.clip(jnp.asarray(self.fraction16, jnp.int32), 0, ONE)
-        cap = jnp.maximum(jnp.asarray(self.cap, jnp.int32), 0)
+        # count is ever negative or above M (docs/semantics.md §5.3), in its own dtype before
+        # the int32 cast (a uint32 or int64 cap of 2**32 saturates, it does not wrap to 0).
+        f = _saturated_int32(self.fraction16, ONE)
+        cap = _saturated_int32(self.cap, validate.INT32_MAX)
         a = m >> 16
         b = (m & (ONE - 1)).astype(jnp.uint32)
         bf = b * f.astype(jnp.uint32)  # <= 65535 * 65536 < 2**32
@@ -168,3 +174,14 @@ class FetchPolicy(Record):
         capped = jnp.minimum(m, cap)
         return jnp.where(f > 0, balanced, capped).astype(jnp.int32)
 
+
+
+def _saturated_int32(value, high: int) -> jax.Array:
+    """An integer scalar clamped to ``[0, high]`` in its own dtype, then cast to int32."""
+    value = jnp.asarray(value)
+    if not jnp.issubdtype(value.dtype, jnp.integer):
+        return jnp.clip(value.astype(jnp.int32), 0, high)
+    info = jnp.iinfo(value.dtype)
+    top = jnp.asarray(min(high, int(info.max)), value.dtype)
+    low = jnp.asarray(max(0, int(info.min)), value.dtype)
+    return jnp.clip(value, low, top).astype(jnp.int32)

@@ -134,13 +134,21 @@ class PrefillPlan(Record):
 
     def entry_bytes(self, bank_feat_bytes: Sequence[int]) -> np.ndarray:
         """int64[B*E] on the host: ``rows * bank_feat_bytes[bank]`` per transfer entry, -1 in
-        padding."""
+        padding. Raises ``ValueError`` naming the entry when a product exceeds int64."""
         feat = np.asarray(validate.as_bank_sizes(bank_feat_bytes), np.int64)
         bank = np.asarray(jax.device_get(self.transfers.bank)).astype(np.int64)
         rows = np.asarray(jax.device_get(self.transfers.rows)).astype(np.int64)
         if feat.size == 0:
             return np.full(bank.shape, -1, np.int64)
-        return np.where(bank >= 0, rows * feat[np.clip(bank, 0, feat.size - 1)], -1)
+        # Python ints: a product past int64 is refused, not wrapped (2**62 bytes x 4 rows is 0).
+        exact = np.where(bank >= 0, rows.astype(object) * feat[np.clip(bank, 0, feat.size - 1)]
+                         .astype(object), -1)
+        too_big = np.flatnonzero(exact > np.iinfo(np.int64).max)
+        if too_big.size:
+            i = int(too_big[0])
+            raise ValueError(f"entry {i}: {int(rows[i])} rows x {int(feat[bank[i]])} bytes = "
+                             f"{exact[i]} bytes, above int64's {np.iinfo(np.int64).max}")
+        return exact.astype(np.int64)
 
 
 def prefill_overlap_fits(state: CacheState) -> jax.Array:

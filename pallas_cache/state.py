@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_cache import errors, validate
 from pallas_cache import evictions
@@ -103,6 +104,50 @@ class CacheState(Record):
     def capacity(self) -> int:
         """``C``, the allocated slots (a shape, static); the usable ones are ``cache_size``."""
         return self.id_of_slot.shape[-1]
+
+
+def _field_specs(L: int, E: int, C: int) -> dict:
+    """``{field: (dtype, shape)}`` of one (unbatched) state of geometry ``L, E, C``."""
+    i32, b = jnp.int32, jnp.bool_
+    return {"slot_for_id": (i32, (L, E)), "id_of_slot": (i32, (C,)), "usage": (i32, (C,)),
+            "cache_size": (i32, ()), "step": (i32, ()), "recency": (i32, (L, E)),
+            "stats": (i32, (L, 4)), "routing_freq": (i32, (L, E)), "collect_routing": (b, ()),
+            "prefill_layer": (i32, (2,)), "prefill_released": (b, (2,)), "prefill_open": (b, ()),
+            "prefill_snapshot": (i32, (L, E)), "prefill_hit_rows": (i32, ()),
+            "prefill_rows": (i32, ()), "rebase_threshold": (i32, ())}
+
+
+def check_state(state: CacheState) -> CacheState:
+    """Refuse, at call/trace time, a state whose fields do not have the shapes and dtypes
+    :func:`init` gives (a hand-built or mangled state): ``TypeError`` for a dtype, ``ValueError``
+    for a shape, naming the field, what it has and what the geometry ``L, E, C`` (read from
+    ``slot_for_id`` and ``id_of_slot``) asks for. Unchecked, a wrong shape is read with
+    clamped indices or fails deep inside a ``lax.cond``, and a float ``usage`` compares
+    rounded steps."""
+    if not isinstance(state, CacheState):
+        raise TypeError(f"state must be a CacheState (from init), got {type(state).__name__}")
+    if np.ndim(state.slot_for_id) != 2 or np.ndim(state.id_of_slot) != 1:
+        raise ValueError(f"state.slot_for_id must be [L, E] and state.id_of_slot [C], got "
+                         f"shapes {list(np.shape(state.slot_for_id))} and "
+                         f"{list(np.shape(state.id_of_slot))} (vmap over a stacked state)")
+    L, E = np.shape(state.slot_for_id)
+    (C,) = np.shape(state.id_of_slot)
+    for name, (dtype, shape) in _field_specs(L, E, C).items():
+        value = getattr(state, name)
+        if type(value) in (int, bool) and shape == ():  # a Python scalar: weakly typed
+            if (type(value) is bool) != (dtype is jnp.bool_):
+                raise TypeError(f"state.{name} is {value!r}, expected {np.dtype(dtype).name}")
+            continue
+        got_dtype = getattr(value, "dtype", None)
+        if got_dtype is None:
+            got_dtype = np.asarray(value).dtype
+        if tuple(np.shape(value)) != shape:
+            raise ValueError(f"state.{name} has shape {list(np.shape(value))}, expected "
+                             f"{list(shape)} for L={L} layers, E={E} experts, C={C} slots")
+        if np.dtype(got_dtype) != np.dtype(dtype):
+            raise TypeError(f"state.{name} has dtype {np.dtype(got_dtype).name}, expected "
+                            f"{np.dtype(dtype).name}")
+    return state
 
 
 def usable_slots(state: CacheState) -> jax.Array:

@@ -119,12 +119,12 @@ def test_a_clamped_fraction_warns_what_it_means(capsys, monkeypatch, policy, mea
 
 
 def test_huge_tokens_and_cache_sizes_are_refused_before_allocation(capsys, no_replay):
-    """FAILS if --tokens 100000000 or --cache-size 3000000000 start allocating (MemoryError or a
+    """FAILS if --tokens 100000000 or --cache-size 2000000000 start allocating (MemoryError or a
     raw RESOURCE_EXHAUSTED traceback after minutes)."""
     line = one_line_error(capsys, cli.main(["replay", "--tokens", "100000000"]))
     assert "num_tokens=100000000" in line and "above the memory limit" in line
-    line = one_line_error(capsys, cli.main(SMALL[:-3] + ["3000000000"]))
-    assert line.startswith("pallas-cache: --cache-size 3000000000: ") and "memory limit" in line
+    line = one_line_error(capsys, cli.main(SMALL[:-3] + ["2000000000"]))
+    assert line.startswith("pallas-cache: --cache-size 2000000000: ") and "memory limit" in line
 
 
 def test_max_memory_flag_sets_the_limit(tmp_path, capsys, no_replay):

@@ -6,15 +6,18 @@ script (:func:`console_main`) keeps JAX's compiled programs in the user's cache 
 
 from __future__ import annotations
 
+import errno
 import os
+import signal
 import sys
 
+from pallas_cache.sizing.cli_checks import output_failed
 from pallas_cache.sizing.cli_args import NO_COMPILE_CACHE_ENV, UsageError, build_parser
 from pallas_cache.sizing.cli_replay import exit_now_if_compiling, run_replay
 from pallas_cache.sizing.units import format_bandwidth
 
 __all__ = ["EXIT_INTERRUPTED", "NO_COMPILE_CACHE_ENV", "compile_cache_dir", "console_main",
-           "main"]
+           "main", "private_cache_problem"]
 
 #: Exit status after Ctrl-C (128 + SIGINT), as shells report it.
 EXIT_INTERRUPTED = 130
@@ -67,19 +70,65 @@ def _enable_compile_cache() -> None:
     """Turn on JAX's persistent compilation cache in :func:`compile_cache_dir`, for programs of
     any size and compile time (a replay's programs take seconds to compile, a reread takes
     milliseconds). A cache directory the user set for JAX (``JAX_COMPILATION_CACHE_DIR``) is
-    left as it is; one that cannot be created means running without the cache."""
+    left as it is. A compiled program is native code the next run executes, so the folder is
+    used only where no one else can write it (:func:`private_cache_problem`); otherwise, and
+    where it cannot be created or written, one warning line (shown with ``-q`` too) and the run
+    goes on without the cache."""
     import jax
 
     if jax.config.jax_compilation_cache_dir:
         return
     path = compile_cache_dir()
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError:
+    problem = private_cache_problem(path, os.path.dirname(os.path.dirname(path)))
+    if problem is not None:
+        print(f"pallas-cache: warning: running without the compile cache: {problem}",
+              file=sys.stderr)
         return
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+
+def private_cache_problem(path: str, base: str) -> str | None:
+    """Make ``path`` (a folder under ``base``) a private cache folder; ``None`` when it is one,
+    else the one-line reason it is not used.
+
+    Missing folders from ``base`` down are created ``0700``. ``base`` and every folder below it
+    down to ``path`` must belong to the user and be writable by neither group nor others (anyone
+    who can write one could swap in a program the next run executes); ``path`` must be writable
+    (a real write: permission bits say nothing on a read-only mount)."""
+    import tempfile
+
+    base, path = os.path.abspath(base), os.path.abspath(path)
+    relative = os.path.relpath(path, base)
+    folders = [base] + [os.path.join(base, *relative.split(os.sep)[:i + 1])
+                        for i in range(len(relative.split(os.sep)))]
+    user = os.geteuid()
+    for folder in folders:
+        try:
+            os.mkdir(folder, 0o700)
+        except FileExistsError:
+            pass
+        except OSError as error:
+            return f"cannot create {folder}: {error.strerror or error}"
+        try:
+            info = os.stat(folder)
+        except OSError as error:
+            return f"cannot read {folder}: {error.strerror or error}"
+        if not os.path.isdir(folder):
+            return f"{folder} is not a folder"
+        if info.st_uid != user:
+            return f"{folder} belongs to another user (uid {info.st_uid})"
+        if info.st_mode & 0o022:
+            return (f"{folder} is writable by {'group' if info.st_mode & 0o020 else 'others'} "
+                    f"(mode {oct(info.st_mode & 0o777)}); chmod go-w it to use the cache")
+    try:
+        handle, probe = tempfile.mkstemp(dir=path, prefix=".pallas-cache-probe-")
+        os.close(handle)
+        os.remove(probe)
+    except OSError as error:
+        return f"cannot write in {path}: {error.strerror or error}"
+    return None
 
 
 def main(argv=None) -> int:
@@ -93,9 +142,37 @@ def console_main() -> int:
     """The ``pallas-cache`` console script: :func:`main` with JAX's persistent compilation cache
     on (see :func:`compile_cache_dir`) unless ``--no-compile-cache`` is given or
     ``PALLAS_CACHE_NO_COMPILE_CACHE`` is set to anything but ``""`` or ``"0"``."""
-    status = _main(None, compile_cache=True)
+    try:
+        status = _main(None, compile_cache=True)
+        try:  # a failed write is reported here, not as a traceback in the interpreter's exit
+            sys.stdout.flush()
+        except OSError as error:
+            status = output_failed(error)
+    except KeyboardInterrupt:  # between the replay's own handling and here
+        print("pallas-cache: interrupted", file=sys.stderr)
+        status = EXIT_INTERRUPTED
+    # Everything is written or refused: a Ctrl-C from here on would only turn the exit into a
+    # traceback.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if status == EXIT_INTERRUPTED:
+        _exit_without_teardown(status)
     exit_now_if_compiling(status)
     return status
+
+
+def _exit_without_teardown(status: int) -> None:
+    """End the process now, after Ctrl-C. Whatever background thread the interrupted phase had
+    (a precompile, the replay's lanes, the offline optima) may still be inside XLA's C++ code
+    (a join interrupted by Ctrl-C stops waiting, and Python 3.11 can then call the thread
+    finished); the interpreter's teardown would stop it there and abort (``terminate called
+    ...``, exit 134) after the CLI printed its line. The output is flushed first; a Ctrl-C
+    writes no output file."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(status)
 
 
 def _main(argv, *, compile_cache: bool) -> int:
@@ -115,6 +192,17 @@ def _main(argv, *, compile_cache: bool) -> int:
     except KeyboardInterrupt:
         print("pallas-cache: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except OSError as error:
+        if not _is_output_error(error):
+            raise
+        return output_failed(error)
+
+
+def _is_output_error(error: OSError) -> bool:
+    """Whether ``error`` is a failed write of the output (a closed pipe, a full or failing
+    device), which :func:`~pallas_cache.sizing.cli_checks.output_failed` reports."""
+    return isinstance(error, BrokenPipeError) or error.errno in (
+        errno.EPIPE, errno.ENOSPC, errno.EIO, errno.EDQUOT, errno.EFBIG)
 
 
 if __name__ == "__main__":

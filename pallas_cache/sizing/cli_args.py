@@ -10,6 +10,7 @@ import tempfile
 
 from pallas_cache.evictions import Eviction
 from pallas_cache.sizing import synthetic
+from pallas_cache.sizing.cli_checks import use_ascii_ints
 from pallas_cache.sizing.cost import CostModel
 from pallas_cache.sizing.models import MODELS, resolve_model
 from pallas_cache.sizing.report import FORMATS, legend_text
@@ -204,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--d-expert", type=int, default=14336,
                        help="expert matrix columns (default: 14336, Mixtral-8x7B)")
     bench.add_argument("--repeats", type=int, default=5, help="timed runs, median (default: 5)")
-    return parser
+    return use_ascii_ints(parser)
 
 
 # ---- argument checks: everything that can fail does so before the work ----------------------
@@ -221,7 +222,11 @@ def memory_size(text: str) -> int:
     if match is None or unit not in _UNITS:
         raise argparse.ArgumentTypeError(f"{text!r} is not a memory size (e.g. 8GiB, 512MiB, "
                                          f"2e9)")
-    value = int(float(match.group(1)) * _UNITS[unit])
+    number = float(match.group(1)) * _UNITS[unit]
+    if not number < 2**63:
+        raise argparse.ArgumentTypeError(f"{text!r} is above the largest memory size, 2**63 - 1 "
+                                         f"bytes")
+    value = int(number)
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a positive memory size")
     return value

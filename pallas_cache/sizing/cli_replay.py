@@ -16,6 +16,8 @@ from pallas_cache.sizing import synthetic
 from pallas_cache.sizing.cli_args import (DEFAULT_PRESET, cache_sizes, check_plot_path,
                                           check_state_memory, clamped, cost_options,
                                           model_mismatch, policy_warnings, resolve_policies)
+from pallas_cache.sizing.cli_checks import (check_before_reading, check_geometry,
+                                            check_modeled_numbers, check_step_memory)
 from pallas_cache.sizing.cli_devices import (device_cost, device_header, run_expert_parallel,
                                              tensor_records)
 from pallas_cache.sizing.progress import Bar, Progress
@@ -378,6 +380,7 @@ def _replay_with(args, progress: Progress, latch: _InterruptLatch) -> int:
         cost = device_cost(args, cost)
         requested = resolve_policies(args.policy, cost)
         policies = list(dict.fromkeys(clamped(policy) for policy in requested))
+        check_before_reading(args, cost, policies)
         progress.note(f"reading {args.trace}..." if args.trace else
                       f"generating the {args.synthetic or DEFAULT_PRESET} trace...")
         expert_parallel = getattr(args, "parallel", None) == "expert"
@@ -387,6 +390,8 @@ def _replay_with(args, progress: Progress, latch: _InterruptLatch) -> int:
         if expert_parallel:
             return run_expert_parallel(args, trace, cost, policies, progress, latch)
         sizes, size_lines = cache_sizes(args.cache_size, trace, cost)
+        check_geometry(trace.num_layers, trace.num_experts, sizes)
+        check_modeled_numbers(cost, trace.num_layers, trace.top_k)
         configs = config_grid(sizes, policies, args.order, args.admission, args.eviction)
         if not configs:
             raise ValueError(f"admission reuse needs eviction lru; got --eviction "
@@ -398,6 +403,8 @@ def _replay_with(args, progress: Progress, latch: _InterruptLatch) -> int:
     try:
         check_state_memory(sizes, len(configs) // len(set(sizes)), trace.num_layers,
                             trace.num_experts, args.max_memory)
+        check_step_memory(sizes, len(configs) // len(set(sizes)), trace.num_experts,
+                          trace.top_k, args.max_memory)
     except (TypeError, ValueError) as error:
         progress.close()
         print(f"pallas-cache: {error}", file=sys.stderr)

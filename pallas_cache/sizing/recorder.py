@@ -68,14 +68,16 @@ def record_routes(recorder: RouteRecorder, token: Any, layer: Any, routes: Any) 
         batch of rows): the call's experts, ``-1`` = padding; flattened and ``-1`` padded.
 
     Returns:
-      The new recorder. A ``token`` or ``layer`` outside the buffer writes nothing and counts in
-      ``dropped``; writing a call twice keeps the last routes.
+      The new recorder. A ``token`` or ``layer`` outside the buffer (any integer width: an int64
+      ``2**32`` included) writes nothing and counts in ``dropped``; writing a call twice keeps
+      the last routes. An expert id outside ``[-1, 2**31)`` (a uint32 ``0xFFFFFFFF``) is stored
+      as :data:`OUT_OF_RANGE_ID`, which :func:`trace_from_routes` refuses.
 
     Raises:
       TypeError: non-integer routes, token or layer (at trace time).
       ValueError: more routes than ``top_k`` (at trace time; both shapes named).
     """
-    routes = jnp.asarray(routes)
+    raw, routes = routes, jnp.asarray(routes)
     max_tokens, num_layers, top_k = recorder.routes.shape
     if not jnp.issubdtype(routes.dtype, jnp.integer):
         raise TypeError(f"record_routes: routes must be integer expert ids, got dtype "
@@ -84,13 +86,13 @@ def record_routes(recorder: RouteRecorder, token: Any, layer: Any, routes: Any) 
         raise ValueError(f"record_routes: routes of shape {routes.shape} hold {routes.size} "
                          f"experts but the recorder's calls hold top_k={top_k} (shape "
                          f"{recorder.routes.shape}); init_recorder with top_k >= {routes.size}")
-    token, layer = jnp.asarray(token), jnp.asarray(layer)
+    token, layer = _host_index(token), _host_index(layer)
     for name, value in (("token", token), ("layer", layer)):
         if value.ndim != 0 or not jnp.issubdtype(value.dtype, jnp.integer):
             raise TypeError(f"record_routes: {name} must be an integer scalar, got "
                             f"{value.dtype} {value.shape}")
     row = jnp.full((top_k,), -1, jnp.int32).at[:routes.size].set(
-        routes.reshape(-1).astype(jnp.int32))
+        _int32_ids(raw).reshape(-1))
     inside = (token >= 0) & (token < max_tokens) & (layer >= 0) & (layer < num_layers)
     # Outside the buffer: an index past the end, which mode="drop" skips (a negative one would
     # wrap around to the last row instead).
@@ -100,6 +102,41 @@ def record_routes(recorder: RouteRecorder, token: Any, layer: Any, routes: Any) 
         routes=recorder.routes.at[token, layer].set(row, mode="drop"),
         written=recorder.written.at[token, layer].set(True, mode="drop"),
         dropped=recorder.dropped + (~inside).astype(jnp.int32))
+
+
+#: What an expert id outside int32's range is recorded as: below ``-1``, so
+#: :func:`trace_from_routes` refuses it as it refuses any id outside ``[-1, E)`` (a plain cast
+#: would wrap ``0xFFFFFFFF`` onto the padding ``-1``).
+OUT_OF_RANGE_ID = int(np.iinfo(np.int32).min)
+
+
+def _host_index(value):
+    """A token or layer as a JAX array. A concrete integer outside int32's range (an int64
+    ``2**32``) becomes ``-1``, which is outside the buffer and counts in ``dropped``, instead of
+    wrapping onto ``0`` in the int32 cast; a traced one is compared in its own dtype."""
+    if not isinstance(value, jax.core.Tracer):
+        host = np.asarray(value)
+        if host.ndim == 0 and np.issubdtype(host.dtype, np.integer):
+            if not np.iinfo(np.int32).min <= int(host) <= np.iinfo(np.int32).max:
+                return jnp.asarray(-1, jnp.int32)
+    return jnp.asarray(value)
+
+
+def _int32_ids(routes):
+    """Integer ``routes`` as int32, every id outside ``[-1, 2**31)`` as :data:`OUT_OF_RANGE_ID`
+    (compared in the ids' own width: concrete on the host, traced in their JAX dtype)."""
+    if not isinstance(routes, jax.core.Tracer) and not isinstance(routes, jax.Array):
+        host = np.asarray(routes)
+        bad = (host < -1) | (host > np.iinfo(np.int32).max) if host.size else np.zeros((), bool)
+        return jnp.asarray(np.where(bad, OUT_OF_RANGE_ID, host).astype(np.int32))
+    routes = jnp.asarray(routes)
+    info = jnp.iinfo(routes.dtype)
+    bad = jnp.zeros(routes.shape, bool)
+    if info.min < -1:
+        bad = bad | (routes < -1)
+    if info.max > np.iinfo(np.int32).max:
+        bad = bad | (routes > np.iinfo(np.int32).max)
+    return jnp.where(bad, OUT_OF_RANGE_ID, routes.astype(jnp.int32))
 
 
 def trace_from_routes(routes: Any, num_experts: int, *, num_layers: int | None = None,
@@ -160,6 +197,12 @@ def _calls(part: Any, where: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, i
                              f"{part.written.shape[0]} tokens x {part.written.shape[1]} layers "
                              f"and were not written; init_recorder with more tokens")
         grid, written = np.asarray(part.routes), np.asarray(part.written)
+        wide = (grid == OUT_OF_RANGE_ID) & written[..., None]
+        if wide.any():
+            token, layer, _ = (int(i) for i in np.argwhere(wide)[0])
+            raise TraceError(f"{where}: token {token}, layer {layer}: an expert id outside "
+                             f"[-1, 2**31) was recorded (stored as {OUT_OF_RANGE_ID}); expert "
+                             f"ids are layer-local, in [-1, num_experts)")
     else:
         grid = np.asarray(part)
         if grid.ndim < 2 or not np.issubdtype(grid.dtype, np.integer):

@@ -10,6 +10,7 @@ import csv
 import dataclasses
 import io
 import json
+import math
 import textwrap
 from typing import Iterable, Sequence
 
@@ -205,6 +206,13 @@ def _csv(rows: Sequence[dict]) -> str:
     return buffer.getvalue().rstrip("\n")
 
 
+def _json_safe(row: dict) -> dict:
+    """``row`` with every float that is not finite as ``None`` (JSON has no ``Infinity`` or
+    ``NaN``; the CLI refuses inputs whose modeled numbers overflow before the replay)."""
+    return {key: None if isinstance(value, float) and not math.isfinite(value) else value
+            for key, value in row.items()}
+
+
 def format_records(rows: Sequence[dict], fmt: str = "table", header_lines: Sequence[str] = ()
                    ) -> str:
     """``rows`` (from :func:`records`) as text in one of :data:`FORMATS`.
@@ -219,9 +227,9 @@ def format_records(rows: Sequence[dict], fmt: str = "table", header_lines: Seque
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}: use one of {', '.join(FORMATS)}")
     if fmt == "json":
-        return json.dumps(list(rows), indent=1)
+        return json.dumps([_json_safe(r) for r in rows], indent=1, allow_nan=False)
     if fmt == "jsonl":
-        return "\n".join(json.dumps(r) for r in rows)
+        return "\n".join(json.dumps(_json_safe(r), allow_nan=False) for r in rows)
     if fmt == "csv":
         return _csv(rows)
     if not rows:

@@ -98,10 +98,15 @@ def replay(
             thread.cancel()
         raise
     ordered = [results[i] for i in range(len(configs))]
-    for thread in optima:
-        # The bounds depend on the size only: computed once per size, whatever the evictions.
-        bound_rows = thread.report_to(report)
-        ordered = [dataclasses.replace(r, **bound_rows[r.cache_size]) for r in ordered]
+    try:
+        for thread in optima:
+            # The bounds depend on the size only: computed once per size, whatever the evictions.
+            bound_rows = thread.report_to(report)
+            ordered = [dataclasses.replace(r, **bound_rows[r.cache_size]) for r in ordered]
+    except BaseException:  # Ctrl-C while waiting: the optima stop at their next report
+        for thread in optima:
+            thread.cancel()
+        raise
     report.close()
     return with_costs(ordered, cost)
 

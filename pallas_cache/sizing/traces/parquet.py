@@ -12,6 +12,7 @@ import numpy as np
 from pallas_cache.sizing.traces.memory import check_memory, resolve_memory_limit
 from pallas_cache.sizing.traces.records import FIELD_KEYS, SEQUENCE_KEYS, trace_from_records
 from pallas_cache.sizing.traces.base import Trace, TraceError
+from pallas_cache.sizing.traces.jsonl import LABEL_BYTES
 
 __all__ = ["load_parquet_trace", "save_parquet_trace", "PARQUET_EXTRA"]
 
@@ -29,6 +30,18 @@ def _pyarrow():
         raise ValueError(f"reading or writing a Parquet trace needs pyarrow: {PARQUET_EXTRA}") \
             from None
     return pyarrow, pyarrow.parquet
+
+
+def _int64(values, path: str, name: str, row_of) -> np.ndarray:
+    """An integer column as int64; a uint64 value above int64's range is refused naming its row
+    (``row_of(index)``) rather than wrapped (``2**64 - 1`` would read as the padding ``-1``)."""
+    if values.dtype == np.uint64:
+        too_big = values > np.iinfo(np.int64).max
+        if too_big.any():
+            index = int(np.argmax(too_big))
+            raise TraceError(f"{path}: row {row_of(index)}: column {name!r}: {int(values[index])}"
+                             f" is outside the int64 range of a layer, token or expert id")
+    return values.astype(np.int64, copy=False)
 
 
 def load_parquet_trace(path: str | os.PathLike, *, num_layers: int | None = None,
@@ -114,7 +127,8 @@ def load_parquet_trace(path: str | os.PathLike, *, num_layers: int | None = None
     for key in ("layer", "token_idx"):
         data = table.column(column[key]).combine_chunks()
         _no_nulls(pa, data, path_str, column[key])
-        parts[key] = data.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+        parts[key] = _int64(data.to_numpy(zero_copy_only=False), path_str, column[key],
+                            lambda index: index)
     lists = table.column(column["experts"]).combine_chunks()
     _no_nulls(pa, lists, path_str, column["experts"])
     if pa.types.is_fixed_size_list(lists.type):
@@ -127,12 +141,17 @@ def load_parquet_trace(path: str | os.PathLike, *, num_layers: int | None = None
         row = int(np.searchsorted(np.cumsum(counts), index, side="right"))
         raise TraceError(f"{path_str}: row {row}: column {column['experts']!r}: a null expert "
                          f"id (use -1 for padding)")
-    experts = flat.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+    experts = _int64(flat.to_numpy(zero_copy_only=False), path_str, column["experts"],
+                     lambda index: int(np.searchsorted(np.cumsum(counts), index, side="right")))
     if sequence_column is not None:
         labels = table.column(sequence_column).combine_chunks().dictionary_encode(
             null_encoding="encode")  # indices in order of first appearance
         sequence = labels.indices.to_numpy(zero_copy_only=False).astype(np.int32)
         sequence_names = tuple(labels.dictionary.to_pylist())
+        held += sum(LABEL_BYTES + (len(name) if isinstance(name, str) else 0)
+                    for name in sequence_names)
+        check_memory(held, limit, path_str, f"{rows} rows with {len(sequence_names)} distinct "
+                     f"sequence labels")
     else:
         sequence, sequence_names = np.zeros(rows, np.int32), (None,)
     del table, lists, flat

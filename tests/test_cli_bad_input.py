@@ -1,0 +1,327 @@
+"""Bad command lines (issue #39): every flag is checked before the trace is read, as one line and
+exit 2; numbers that would overflow, wrap or leave JSON are refused; a full disk or a closed pipe
+is one line or the pipe's exit, never a traceback; the compile cache is used only in a folder no
+one else can write."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import stat
+import subprocess
+import sys
+
+import pytest
+
+from pallas_cache.sizing import cli
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MISSING = "/nonexistent/pallas-cache-routes.jsonl"
+
+
+def _tiny_trace(path, tokens=30):
+    """2 layers x 4 experts, top-2: a trace that replays in a blink."""
+    with open(path, "w", encoding="ascii") as handle:
+        for token in range(tokens):
+            for layer in range(2):
+                first, second = (token + layer) % 4, (3 * token + layer + 1) % 4
+                experts = [first] if first == second else [first, second]
+                handle.write(json.dumps({"layer": layer, "token_idx": token,
+                                         "experts": experts}) + "\n")
+    return str(path)
+
+
+def run(capsys, *argv):
+    code = cli.main(["replay", *argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def _one_line(err):
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+# ---- cases 9, 10, 11, 12: refused from the flags alone, before the trace is read -----------------
+
+@pytest.mark.parametrize("flags, message", [
+    (["--policy", "half"], r"bad policy 'half'"),
+    (["--cache-size", "0"], r"cache size 0 is outside \[1, 2147483647\]"),
+    (["--cache-size", "abc GiB"], r"cache size 'abc GiB' is not auto"),
+    (["--cache-size", "\u00b2"], r"cache size '\u00b2' is not auto"),
+    (["--cache-size", "\u0663"], r"cache size '\u0663' is not auto"),
+    (["--cache-size", "2147483648"], r"cache size 2147483648 is outside"),
+    (["--cache-size", "12GiB"], r"is in bytes: give --model or --expert-bytes"),
+    (["--tokens", "5"], r"--tokens 5 sets the length of a --synthetic trace"),
+    (["--admission", "reuse", "--eviction", "route_knn"], r"admission reuse needs eviction lru"),
+    (["--num-layers", "65536", "--num-experts", "65536"], r"65536 x --num-experts 65536"),
+    (["--num-experts", "0"], r"--num-experts 0 is outside"),
+    (["--expert-bytes", "1e300", "--link-bandwidth", "1e-300B/s", "--cpu-bandwidth", "1GB/s"],
+     r"overflows a float"),
+])
+def test_every_flag_is_checked_before_the_trace_is_read(capsys, flags, message):
+    """FAILS if a flag the trace does not decide is checked only after reading it (8.7 s for a
+    1.5M-record trace, 83 s at 10^7), or, for --tokens with --trace, ignored: the trace here
+    does not exist, so a refusal that names the flag and not the missing file came first.
+    Also FAILS on Python's own message for a non-ASCII digit ('invalid literal for int()')."""
+    import re
+
+    code, out, err = run(capsys, "--trace", MISSING, *flags)
+    line = _one_line(err)
+    assert code == 2 and out == ""
+    assert re.search(message, line), line
+    assert "nonexistent" not in line and "No such file" not in line, line
+
+
+def test_an_empty_trace_path_is_refused_not_read_as_the_synthetic_default(capsys):
+    """FAILS if ``--trace ""`` (an unset shell variable) replays the built-in synthetic trace."""
+    code, out, err = run(capsys, "--trace", "", "--cache-size", "8")
+    assert code == 2 and out == ""
+    assert "--trace '' is an empty path" in _one_line(err)
+
+
+@pytest.mark.parametrize("flags", [["--tokens", "\u0663"], ["--seed", "\u0663"],
+                                   ["--num-layers", "\u0662"], ["--max-memory", "1e400"],
+                                   ["--max-memory", "1e19"]])
+def test_unicode_digits_and_huge_numbers_are_refused_by_the_parser(capsys, flags):
+    """FAILS if ``int()``'s acceptance of other scripts' digits ('٣' is 3) passes, or if
+    ``--max-memory 1e400`` ends in an OverflowError traceback (exit 1)."""
+    code, out, err = run(capsys, *flags, "--cache-size", "8")
+    assert code == 2 and out == ""
+    assert flags[0] in _one_line(err)
+
+
+def test_a_geometry_the_cache_cannot_hold_is_one_line_not_a_traceback(capsys, tmp_path):
+    """FAILS if a declared geometry whose sizes overflow int32 reaches ``init`` (a ValueError
+    traceback): 2 layers x 2147483647 experts make an auto size of 4294967294 slots."""
+    trace = _tiny_trace(tmp_path / "t.jsonl")
+    code, out, err = run(capsys, "--trace", trace, "--num-experts", "2147483647",
+                         "--max-memory", "1e15")
+    assert code == 2 and out == ""
+    assert "4294967294 experts" in _one_line(err)
+
+
+def test_modeled_numbers_that_overflow_only_with_the_trace_are_refused(capsys, tmp_path):
+    """FAILS if the JSON output can hold ``Infinity``: W / B = 5e304 s passes alone (2e3 * W/B
+    ms is finite) but a token of 2 layers x top-2 at that rate overflows; refused with one line
+    after the trace's geometry is known, nothing on stdout."""
+    trace = _tiny_trace(tmp_path / "t.jsonl")
+    code, out, err = run(capsys, "--trace", trace, "--expert-bytes", "5e304",
+                         "--link-bandwidth", "1B/s", "--cpu-bandwidth", "1B/s",
+                         "--cache-size", "4", "--policy", "full", "--format", "json")
+    assert code == 2 and out == ""
+    assert "overflows a float" in _one_line(err)
+
+
+def test_json_records_never_hold_infinity_or_nan():
+    """FAILS if a non-finite float is written as JSON's invalid ``Infinity``/``NaN``: it must
+    be null, and every line must parse with a strict parser."""
+    from pallas_cache.sizing.report import format_records
+
+    rows = [{"a": math.inf, "b": math.nan, "c": 1.5, "d": None}]
+
+    def strict(text):
+        return json.loads(text, parse_constant=lambda name: pytest.fail(f"{name} in {text}"))
+
+    assert strict(format_records(rows, "json")) == [{"a": None, "b": None, "c": 1.5, "d": None}]
+    assert strict(format_records(rows, "jsonl")) == {"a": None, "b": None, "c": 1.5, "d": None}
+
+
+# ---- case 8: output that cannot be written -----------------------------------------------------
+
+def _console(args, **popen):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO,
+           "PALLAS_CACHE_NO_COMPILE_CACHE": "1"}
+    env.update(popen.pop("env", {}))
+    return subprocess.Popen([sys.executable, "-m", "pallas_cache.sizing.cli", *args],
+                            stderr=subprocess.PIPE, cwd=REPO, env=env, **popen)
+
+
+def test_a_full_disk_or_a_closed_pipe_is_not_a_traceback(tmp_path):
+    """FAILS if stdout on ``/dev/full`` ends in an OSError traceback, or a reader that went
+    away (``| head -1``) in a BrokenPipeError one: the first is one line and exit 2, the second
+    the pipe's conventional exit 141 (128 + SIGPIPE) without a message."""
+    trace = _tiny_trace(tmp_path / "t.jsonl")
+    args = ["replay", "--trace", trace, "--cache-size", "4", "--policy", "full", "-q",
+            "--format", "jsonl"]
+    with open("/dev/full", "wb") as full:
+        process = _console(args, stdout=full)
+        err = process.communicate(timeout=300)[1].decode()
+    assert process.returncode == 2, err
+    assert _one_line(err) == "pallas-cache: cannot write the output: No space left on device"
+
+    process = _console(args, stdout=subprocess.PIPE)
+    process.stdout.close()  # the reader is gone before anything is written
+    err = process.communicate(timeout=300)[1].decode()
+    assert process.returncode == 141, err
+    assert err.strip() == "", err
+
+
+# ---- cases 12 and 14: where the compile cache may live ----------------------------------------
+
+ENABLE = ("import jax; from pallas_cache.sizing import cli; cli._enable_compile_cache(); "
+          "print(jax.config.jax_compilation_cache_dir)")
+NOBODY = 65534
+
+
+@pytest.fixture
+def shared_tmp():
+    """A folder every user can reach (pytest's tmp_path is 0700 to root's other users)."""
+    import shutil
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="pallas-cache-cc-", dir="/tmp")
+    os.chmod(folder, 0o755)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def _enable(xdg, **popen):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO, "XDG_CACHE_HOME": xdg}
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    done = subprocess.run([sys.executable, "-c", ENABLE], capture_output=True, text=True,
+                          cwd="/", env=env, timeout=300, **popen)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip(), done.stderr
+
+
+def test_a_new_cache_folder_is_private(shared_tmp):
+    """FAILS if the compile cache folders are created with the umask's 0755 (anyone could read
+    them, and a later chmod mistake is one step from a shared folder): every folder created
+    below XDG_CACHE_HOME is 0700 and the cache is used."""
+    used, err = _enable(shared_tmp)
+    assert used == os.path.join(shared_tmp, "pallas-cache", "jax") and err == ""
+    for folder in (os.path.join(shared_tmp, "pallas-cache"), used):
+        assert stat.S_IMODE(os.stat(folder).st_mode) == 0o700, folder
+
+
+@pytest.mark.parametrize("owner, mode, where", [
+    (NOBODY, 0o777, "pallas-cache"),  # another user's, writable by everyone
+    (None, 0o777, "pallas-cache"),    # the user's own, writable by everyone
+    (None, 0o775, "pallas-cache/jax"),  # group-writable
+    (None, 0o757, "."),               # XDG_CACHE_HOME itself writable by others
+])
+def test_a_cache_folder_others_can_write_is_not_used(shared_tmp, owner, mode, where):
+    """FAILS if the console script uses a compile cache folder that another user owns or that
+    group or others can write (anyone who can write it can put native code there that the next
+    run executes): one warning line naming the folder, and no cache."""
+    if owner is not None and os.geteuid() != 0:
+        pytest.skip("chown to another user needs root")
+    folder = os.path.normpath(os.path.join(shared_tmp, where))
+    os.makedirs(os.path.join(shared_tmp, "pallas-cache", "jax"), mode=0o700, exist_ok=True)
+    if owner is not None:
+        os.chown(folder, owner, owner)
+    os.chmod(folder, mode)
+    used, err = _enable(shared_tmp)
+    assert used in ("", "None"), used
+    line = _one_line(err)
+    assert line.startswith("pallas-cache: warning: running without the compile cache: ")
+    assert folder in line
+
+
+def test_a_cache_folder_that_cannot_be_written_is_one_warning_even_with_q(shared_tmp):
+    """FAILS if a compile cache folder the user owns but cannot write is handed to JAX (54
+    raw JAX warning lines, also with -q): one warning line, with -q, then the replay runs
+    without the cache (exit 0, its output complete)."""
+    import shutil
+
+    cache = os.path.join(shared_tmp, "pallas-cache", "jax")
+    os.makedirs(cache, mode=0o700)
+    if os.geteuid() != 0:
+        os.chmod(cache, 0o500)
+    elif shutil.which("chattr") is None or subprocess.run(
+            ["chattr", "+i", cache], capture_output=True).returncode != 0:
+        pytest.skip("root writes in a 0500 folder, and chattr +i is not available here")
+    try:
+        _replay_without_cache(shared_tmp, cache)
+    finally:
+        if os.geteuid() == 0:
+            subprocess.run(["chattr", "-i", cache], check=True)
+
+
+def _replay_without_cache(shared_tmp, cache):
+    trace = _tiny_trace(os.path.join(shared_tmp, "t.jsonl"))
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO, "XDG_CACHE_HOME": shared_tmp,
+           "HOME": shared_tmp}
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    env.pop("PALLAS_CACHE_NO_COMPILE_CACHE", None)
+    done = subprocess.run([sys.executable, "-m", "pallas_cache.sizing.cli", "replay", "--trace",
+                           trace, "--cache-size", "4", "--policy", "full", "-q", "--format",
+                           "jsonl"], capture_output=True, text=True, cwd="/", env=env,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr
+    line = _one_line(done.stderr)
+    assert line.startswith("pallas-cache: warning: running without the compile cache: cannot "
+                           f"write in {cache}"), line
+    assert len(done.stdout.strip().splitlines()) == 1
+    assert os.listdir(cache) == []
+
+
+# ---- case 6: --max-memory counts the labels and the step's tables ------------------------------
+
+@pytest.fixture
+def no_replay(monkeypatch):
+    """The replay itself must not start (it would allocate what the limit forbids)."""
+    from pallas_cache.sizing import sweep
+
+    def refuse(*args, **kwargs):
+        pytest.fail("the replay started: the memory estimate let it through")
+
+    monkeypatch.setattr(sweep, "replay", refuse)
+
+
+def test_a_wide_call_is_refused_by_the_memory_limit_before_the_replay(capsys, tmp_path,
+                                                                      no_replay):
+    """FAILS if --max-memory leaves out the replay step's tables: one call routing 20000
+    experts pads every call to 20000 routes and makes K' x C tables per configuration (a 200 KB
+    trace of one 100k-route call peaked at 2.6 GB under --max-memory 128MiB); it must be
+    refused with one line naming the estimate, before the replay."""
+    path = tmp_path / "wide.jsonl"
+    with open(path, "w", encoding="ascii") as handle:
+        handle.write(json.dumps({"layer": 0, "token_idx": 0, "experts": list(range(20000))})
+                     + "\n")
+        for token in range(1, 20):
+            handle.write(json.dumps({"layer": 0, "token_idx": token, "experts": [token]}) + "\n")
+    code, out, err = run(capsys, "--trace", str(path), "--max-memory", "128MiB", "-q")
+    line = _one_line(err)
+    assert code == 2 and out == ""
+    assert "the replay step of 2 configuration(s) on calls of up to 20000 routes" in line
+    assert "above the memory limit of 128.0 MiB" in line
+
+
+def test_distinct_sequence_labels_count_against_the_memory_limit(capsys, tmp_path, no_replay):
+    """FAILS if the JSONL reader's estimate leaves out the sequence labels: 200k distinct
+    labels in a 0.5 MB gzip (1M of them peaked at 1578 MiB under --max-memory 128MiB, a
+    one-label run at 266) must be refused while reading, naming the line."""
+    import gzip
+
+    path = tmp_path / "labels.jsonl.gz"
+    with gzip.open(path, "wt", encoding="ascii") as handle:
+        for token in range(200_000):
+            handle.write(json.dumps({"layer": 0, "token_idx": 0, "experts": [token % 4],
+                                     "sequence": f"s{token:08d}"}) + "\n")
+    code, out, err = run(capsys, "--trace", str(path), "--max-memory", "128MiB", "-q")
+    line = _one_line(err)
+    assert code == 2 and out == ""
+    assert "reading the records up to this line" in line and "128.0 MiB" in line
+
+
+def test_distinct_parquet_sequence_labels_count_against_the_memory_limit(tmp_path):
+    """FAILS if the Parquet reader's estimate leaves out the sequence labels (it is computed
+    from the file's metadata, which does not count them): 200k distinct labels must be refused
+    under a 128 MiB limit, as the JSONL reader refuses them."""
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    from pallas_cache.sizing.traces import MemoryLimitError, load_trace
+
+    count = 200_000
+    path = tmp_path / "labels.parquet"
+    pq.write_table(pa.table({"layer": pa.array([0] * count), "token_idx": pa.array([0] * count),
+                             "experts": pa.array([[i % 4] for i in range(count)]),
+                             "sequence": pa.array([f"s{i:08d}" for i in range(count)])}), path)
+    with pytest.raises(MemoryLimitError, match=r"200000 distinct sequence labels"):
+        load_trace(path, max_memory=128 * 2**20)
+    assert len(load_trace(path, max_memory=2**30).sequence_names) == count
