@@ -10,6 +10,7 @@ import tempfile
 
 from pallas_cache.evictions import Eviction
 from pallas_cache.sizing import synthetic
+from pallas_cache.sizing.cli_sizing import add_sizing_arguments
 from pallas_cache.sizing.cost import CostModel
 from pallas_cache.sizing.models import MODELS, resolve_model
 from pallas_cache.sizing.report import FORMATS, legend_text
@@ -181,6 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "(e.g. 8GiB, 512MiB, 2e9; default: half the machine's memory)")
     replay.add_argument("-q", "--quiet", action="store_true",
                         help="no progress on stderr (warnings and errors still go there)")
+    add_sizing_arguments(replay)
 
     commands.add_parser("scenarios", help="print the promotion scenarios' table", parents=[common])
 

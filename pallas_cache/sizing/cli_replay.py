@@ -23,10 +23,6 @@ from pallas_cache.sizing.units import format_bandwidth, format_bytes
 
 __all__ = ["READ_PROGRESS_AFTER", "exit_now_if_compiling", "run_replay"]
 
-#: Calls per compiled chunk of the legend's route_knn scan (a Ctrl-C waits at most one).
-_COMPANION_CHUNK = 4096
-
-
 def _load(args, progress: Progress | None = None):
     if args.trace:
         fields = parse_fields(args.field) if args.field is not None else None
@@ -60,14 +56,17 @@ class _ReadProgress:
 
 
 def _knn_companions(configs, args) -> list:
-    """When the sweep is LRU alone and printed as a table: route_knn at each size of one LRU
-    series (policy ``full`` if swept, else the first policy; the first order; the first
-    admission route_knn takes), replayed for the legend's one line only (the rows stay LRU's)."""
+    """When the sweep is LRU alone, printed as a table, with the legend's route_knn line on
+    (``--no-route-knn-legend`` turns it off): route_knn at each size of one LRU series (policy
+    ``full`` if swept, else the first policy; the first order; the first admission route_knn
+    takes). They are replayed by the sweep itself, as lanes of one more compiled program, for
+    the legend's one line only (the rows, their costs and the budget pick stay LRU's)."""
     from pallas_cache.sizing.sweep import ReplayConfig
 
     fmt = args.format or ("json" if args.json else "table")
     admissions = [a for a in args.admission if a != "reuse"]
-    if fmt != "table" or set(args.eviction) != {"lru"} or not configs or not admissions:
+    if (fmt != "table" or not getattr(args, "knn_legend", True) or set(args.eviction) != {"lru"}
+            or not configs or not admissions):
         return []
     policies = [c.policy for c in configs]
     policy = "full" if "full" in policies else policies[0]
@@ -76,70 +75,12 @@ def _knn_companions(configs, args) -> list:
             for size in sizes]
 
 
-def _companion_hit_rates(trace, companions, cancelled=lambda: False) -> list[float]:
-    """The hit rate of each companion configuration (one policy, order and admission, any sizes)
-    on ``trace``: the replay's rule (1 - missing / active over every accepted call) from a plain
-    scan of the library's step per size, all sizes through one compiled program (states at the
-    largest capacity, each with its usable size). Cheaper to compile than the replay's chunk
-    program (not unrolled, no pair counts, no lanes), which is all this one line needs. Runs in
-    chunks of calls (the last padded with refused calls, which change nothing) and returns
-    ``[]`` once ``cancelled()`` says so."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    from pallas_cache.ops import Rules, ensure_with_rules
-    from pallas_cache.sizing.sweep import parse_policy
-    from pallas_cache.state import init
-
-    first = companions[0]
-    sizes = [c.cache_size for c in companions]
-    policy = parse_policy(first.policy)
-    rules = Rules.of(hybrid=True, order=first.order, admission=first.admission)
-
-    @jax.jit
-    def advance(state, layers, routes):
-        def call(state, layer_routes):
-            state, _ = ensure_with_rules(state, layer_routes[0], layer_routes[1], policy, rules,
-                                         backend="xla")
-            return state, None
-        return jax.lax.scan(call, state, (layers, routes))[0]
-
-    layers, routes = trace.to_array()
-    chunk = min(_COMPANION_CHUNK, len(layers))
-    pad = -len(layers) % chunk
-    layers = np.concatenate([layers, np.full(pad, -1, layers.dtype)])  # layer -1: refused
-    routes = np.concatenate([routes, np.full((pad, routes.shape[1]), -1, routes.dtype)])
-    rates = []
-    for size in sizes:
-        state = init(trace.num_layers, trace.num_experts, size, capacity=max(sizes),
-                     eviction=first.eviction)
-        for start in range(0, len(layers), chunk):
-            if cancelled():
-                return []
-            state = advance(state, jnp.asarray(layers[start:start + chunk]),
-                            jnp.asarray(routes[start:start + chunk]))
-        _, active, missing, _ = (int(v) for v in jax.device_get(state.stats.sum(axis=0)))
-        rates.append(1.0 - missing / active if active else 1.0)
-    return rates
-
-
-def _join_companions(thread, stop) -> None:
-    """Wait for the route_knn thread; interrupted, tell it to stop and still wait (a process
-    that exits while XLA runs in a thread aborts instead of exiting 130)."""
-    try:
-        thread.join()
-    except BaseException:
-        stop.set()
-        thread.join()
-        raise
-
-
-def _knn_line(results, companions, hit_rates) -> str | None:
+def _knn_line(results, companions, knn_results) -> str | None:
     """The legend's line: route_knn's hit rate minus LRU's, at each size of the companions'
-    series (``None`` without companions)."""
-    if not companions or len(hit_rates) != len(companions):
+    series (``None`` without companions); ``knn_results`` are the companions' replay results."""
+    if not companions or len(knn_results) != len(companions):
         return None
+    hit_rates = [r.hit_rate for r in knn_results]
     first = companions[0]
     lru = {r.cache_size: r.hit_rate for r in results
            if (r.policy, r.order, r.admission, r.eviction)
@@ -310,6 +251,7 @@ def _precompile_synthetic(args, policies, cost) -> threading.Thread | None:
         return None
     if not configs:
         return None
+    configs = configs + _knn_companions(configs, args)
 
     finished = threading.Event()
     _COMPILES.append(finished)
@@ -361,6 +303,7 @@ def run_replay(args) -> int:
 
 
 def _replay_with(args, progress: Progress, latch: _InterruptLatch) -> int:
+    from pallas_cache.sizing.cost import with_costs
     from pallas_cache.sizing.sweep import config_grid, replay  # jax import deferred until needed
 
     try:
@@ -388,8 +331,9 @@ def _replay_with(args, progress: Progress, latch: _InterruptLatch) -> int:
         progress.close()
         print(f"pallas-cache: {error}", file=sys.stderr)
         return 2
-    try:
-        check_state_memory(sizes, len(configs) // len(set(sizes)), trace.num_layers,
+    companions = _knn_companions(configs, args)
+    try:  # the legend's route_knn lanes are states of the sweep too
+        check_state_memory(sizes, len(configs + companions) // len(set(sizes)), trace.num_layers,
                             trace.num_experts, args.max_memory)
     except (TypeError, ValueError) as error:
         progress.close()
@@ -402,26 +346,11 @@ def _replay_with(args, progress: Progress, latch: _InterruptLatch) -> int:
         print(model_mismatch(model, trace), file=sys.stderr)
     if compiling is not None:
         compiling.join()  # a replay started before its program is compiled compiles it again
-    # route_knn's hit rates for the legend, computed beside the sweep (a thread: XLA runs without
-    # the GIL) and apart from it, so no LRU row (nor its budget pick) depends on them.
-    companions = _knn_companions(configs, args)
-    knn_rates: list = []
-    knn_thread, knn_stop = None, threading.Event()
-    if companions:
-        knn_thread = threading.Thread(
-            target=lambda: knn_rates.extend(
-                _companion_hit_rates(trace, companions, knn_stop.is_set)),
-            daemon=True, name="pallas-cache-route-knn")
-        knn_thread.start()
-    try:
-        results = replay(trace, configs, cost=cost, progress=progress)
-    except BaseException:
-        knn_stop.set()
-        if knn_thread is not None:
-            _join_companions(knn_thread, knn_stop)
-        raise
-    if knn_thread is not None:
-        _join_companions(knn_thread, knn_stop)
+    # route_knn's lanes for the legend ride in the sweep's own programs; the costs (and the
+    # budget pick) are the swept rows' alone.
+    replayed = replay(trace, configs + companions, progress=progress)
+    results = with_costs(replayed[:len(configs)], cost)
+    knn_results = replayed[len(configs):]
     latch.check()  # nothing is written after a Ctrl-C, even one a compile callback swallowed
     fmt = args.format or ("json" if args.json else "table")
     rows = records(results, trace, cost)
@@ -441,7 +370,7 @@ def _replay_with(args, progress: Progress, latch: _InterruptLatch) -> int:
                               f"{cost.auto_fraction():.4f} -> {cost.auto_policy()}")
         header += [f"size: {line}" for line in size_lines]
         print(format_records(rows, "table", header))
-        print("\n".join(_legend(results, trace, cost, _knn_line(results, companions, knn_rates))))
+        print("\n".join(_legend(results, trace, cost, _knn_line(results, companions, knn_results))))
     if args.plot:
         try:
             _plot(rows, args.plot)
