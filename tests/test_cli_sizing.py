@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 import json
 
+import numpy as np
 import pytest
 
 from pallas_cache.sizing import cli
@@ -88,3 +89,69 @@ def test_the_route_knn_lanes_are_counted_in_the_replays_progress(capsys):
     code, _, err = run(capsys, *argv, "--format", "json")
     assert code == 0
     assert "compiling 1 program for 6 configurations" in err
+
+
+@pytest.fixture
+def no_trace(monkeypatch):
+    """Make reading or generating a trace fail the test: flag errors come before it."""
+    import pallas_cache.sizing.cli_replay as cli_replay
+
+    def load(*args, **kwargs):
+        raise AssertionError("the trace was read before the flag error was reported")
+
+    monkeypatch.setattr(cli_replay, "_load", load)
+
+
+def one_line_error(capsys, code):
+    err = capsys.readouterr().err
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("pallas-cache: "), err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+TIMED = ["--model", "mixtral-8x7b", "--link-bandwidth", "25GB/s", "--cpu-bandwidth", "60GB/s"]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--cpu-fixed-cost", "0.08ms"], "--cpu-fixed-cost needs an expert size"),
+    (["--cpu-fixed-cost", "0.08ms", "--model", "mixtral-8x7b"], "--cpu-fixed-cost needs"),
+    (TIMED + ["--cpu-fixed-cost", "5"], "--cpu-fixed-cost: bad duration '5'"),
+    (TIMED + ["--cpu-fixed-cost=-1ms"], "--cpu-fixed-cost: bad duration '-1ms'"),
+], ids=["untimed", "no-bandwidths", "no-unit", "negative"])
+def test_a_bad_cpu_fixed_cost_fails_before_the_trace(capsys, no_trace, argv, message):
+    """FAILS if --cpu-fixed-cost is accepted where it cannot apply (no modeled time), without a
+    unit or negative, or checked only after the trace is read."""
+    line = one_line_error(capsys, cli.main(["replay", "--cache-size", "64", *argv]))
+    assert message in line, line
+
+
+def test_fraction_auto_with_a_fixed_cost_uses_the_traces_routes_per_call(tmp_path, capsys):
+    """FAILS if fraction:auto ignores the fixed CPU cost, or balances another call size than the
+    trace file's min(top_k, E) (known only once the file is read)."""
+    from pallas_cache.sizing.cost import CostModel
+
+    path = tmp_path / "t.npy"
+    np.save(path, np.random.default_rng(0).integers(0, 8, size=(6, 4, 2)).astype(np.int32))
+    code, out, err = run(capsys, "--trace", str(path), "--num-experts", "8", "--cache-size", "8",
+                         "--policy", "fraction:auto", *TIMED, "--cpu-fixed-cost", "1ms",
+                         "--format", "json", "-q")
+    assert code == 0, err
+    w = 3 * 4096 * 14336 * 2
+    expected = CostModel(w, 25e9, 60e9, cpu_fixed_seconds=1e-3).auto_policy(2)
+    assert expected != CostModel(w, 25e9, 60e9).auto_policy()
+    assert [r["policy"] for r in json.loads(out)] == [expected]
+
+
+def test_bench_bandwidth_prints_a_fixed_cpu_cost_that_replay_accepts(capsys):
+    """FAILS if bench-bandwidth leaves out T_cpu, or prints it in a form --cpu-fixed-cost
+    refuses."""
+    from pallas_cache.sizing.units import parse_duration
+
+    assert cli.main(["bench-bandwidth", "--mib", "1", "--d-model", "64", "--d-expert", "128",
+                     "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    flags = next(line for line in out.splitlines() if line.startswith("flags:")).split()
+    assert flags[5] == "--cpu-fixed-cost" and parse_duration(flags[6]) >= 0
+    assert any(line.startswith("T_cpu") for line in out.splitlines())

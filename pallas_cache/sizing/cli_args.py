@@ -10,7 +10,7 @@ import tempfile
 
 from pallas_cache.evictions import Eviction
 from pallas_cache.sizing import synthetic
-from pallas_cache.sizing.cli_sizing import add_sizing_arguments
+from pallas_cache.sizing.cli_sizing import add_sizing_arguments, cpu_fixed_seconds
 from pallas_cache.sizing.cost import CostModel
 from pallas_cache.sizing.models import MODELS, resolve_model
 from pallas_cache.sizing.report import FORMATS, legend_text
@@ -349,6 +349,7 @@ def cost_options(args):
     cpu = parse_bandwidth(args.cpu_bandwidth) if args.cpu_bandwidth else None
     budget = parse_bytes(args.device_budget) if args.device_budget else None
     cost = CostModel(width, link, cpu, budget)
+    cost = CostModel(width, link, cpu, budget, cpu_fixed_seconds(args, cost.timed))
     if budget is not None and not cost.timed:
         raise ValueError("--device-budget needs an expert size (--model or --expert-bytes) and "
                          "both --link-bandwidth and --cpu-bandwidth")
@@ -400,12 +401,13 @@ def cache_sizes(texts, trace, cost):
     return sizes, shown
 
 
-def resolve_policies(requested, cost):
-    """The policy list with ``fraction:auto`` resolved (docs/semantics.md §11.4)."""
+def resolve_policies(requested, cost, top_k=None):
+    """The policy list with ``fraction:auto`` resolved (docs/semantics.md §11.4; with a fixed
+    CPU cost it depends on ``top_k``, the routes per call)."""
     if requested is None:
         requested = DEFAULT_TIMED_POLICIES if cost.link_bandwidth and cost.cpu_bandwidth \
             else DEFAULT_POLICIES
-    resolved = [cost.auto_policy() if p == "fraction:auto" else p for p in requested]
+    resolved = [cost.auto_policy(top_k) if p == "fraction:auto" else p for p in requested]
     return list(dict.fromkeys(resolved))
 
 

@@ -19,7 +19,7 @@ from pallas_cache.sizing.cli_args import (DEFAULT_PRESET, cache_sizes, check_plo
 from pallas_cache.sizing.progress import Bar, Progress
 from pallas_cache.sizing.report import format_records, records
 from pallas_cache.sizing.traces import TraceError, default_memory_limit, load_trace, parse_fields
-from pallas_cache.sizing.units import format_bandwidth, format_bytes
+from pallas_cache.sizing.units import format_bandwidth, format_bytes, format_duration
 
 __all__ = ["READ_PROGRESS_AFTER", "exit_now_if_compiling", "run_replay"]
 
@@ -109,9 +109,10 @@ def _legend(results, trace, cost, knn_line: str | None = None) -> list[str]:
     elif not cost.timed:
         paragraphs.append("For modeled ms per token add --link-bandwidth and --cpu-bandwidth.")
     else:
+        fixed = " + T_cpu if cpu_experts > 0" if cost.cpu_fixed_seconds else ""
         paragraphs.append("modeled_ms_per_token: per layer-call max(fetched*W/B_link, "
-                          "cpu_experts*W/B_cpu), summed per token (docs/semantics.md §11); "
-                          "best = the fastest row at its cache_size.")
+                          f"cpu_experts*W/B_cpu{fixed}), summed per token (docs/semantics.md "
+                          "§11); best = the fastest row at its cache_size.")
         if cost.device_budget is None:
             paragraphs.append("No --device-budget: in this model a bigger cache is never slower, "
                               "so only a budget picks one (e.g. --device-budget 24GiB).")
@@ -234,6 +235,19 @@ class _Checked(Progress):
         self.inner.close()
 
 
+def _auto_top_k(args, cost) -> int | None:
+    """The routes per call ``fraction:auto`` balances with a fixed CPU cost: ``None`` without
+    one (the rule needs none), the synthetic trace's ``min(top_k, E)``, or 0 for a trace file
+    (known once it is read)."""
+    if not cost.cpu_fixed_seconds:
+        return None
+    if args.trace:
+        return 0
+    params, _ = synthetic.checked_params(args.synthetic or DEFAULT_PRESET, args.tokens,
+                                         args.seed, max_memory=args.max_memory)
+    return min(params.top_k, params.num_experts)
+
+
 def _precompile_synthetic(args, policies, cost) -> threading.Thread | None:
     """A thread compiling the replay's programs while the synthetic trace is generated (its
     geometry is the preset's, so the sweep is known before the trace), or ``None`` where the
@@ -316,12 +330,18 @@ def _replay_with(args, progress: Progress, latch: _InterruptLatch) -> int:
         if args.plot:
             args.plot = check_plot_path(args.plot)
         cost, model, weight_label = cost_options(args)
-        requested = resolve_policies(args.policy, cost)
-        policies = list(dict.fromkeys(clamped(policy) for policy in requested))
+        auto_k = _auto_top_k(args, cost)
+        if auto_k != 0:  # else fraction:auto waits for the trace's geometry
+            requested = resolve_policies(args.policy, cost, auto_k)
+            policies = list(dict.fromkeys(clamped(policy) for policy in requested))
         progress.note(f"reading {args.trace}..." if args.trace else
                       f"generating the {args.synthetic or DEFAULT_PRESET} trace...")
         compiling = None if args.trace else _precompile_synthetic(args, policies, cost)
         trace = _load(args, progress)
+        if auto_k == 0:
+            auto_k = min(trace.top_k, trace.num_experts)
+            requested = resolve_policies(args.policy, cost, auto_k)
+            policies = list(dict.fromkeys(clamped(policy) for policy in requested))
         sizes, size_lines = cache_sizes(args.cache_size, trace, cost)
         configs = config_grid(sizes, policies, args.order, args.admission, args.eviction)
         if not configs:
@@ -363,11 +383,17 @@ def _replay_with(args, progress: Progress, latch: _InterruptLatch) -> int:
         if cost.link_bandwidth or cost.cpu_bandwidth:
             header.append("bandwidth: " + "  ".join(
                 f"{name}={format_bandwidth(value)}" for name, value in
-                (("B_link", cost.link_bandwidth), ("B_cpu", cost.cpu_bandwidth)) if value))
+                (("B_link", cost.link_bandwidth), ("B_cpu", cost.cpu_bandwidth)) if value)
+                + (f"  T_cpu={format_duration(cost.cpu_fixed_seconds)}"
+                   if cost.cpu_fixed_seconds else ""))
         if args.policy is None or "fraction:auto" in args.policy:
-            if cost.link_bandwidth and cost.cpu_bandwidth:
+            if cost.link_bandwidth and cost.cpu_bandwidth and not cost.cpu_fixed_seconds:
                 header.append(f"fraction:auto = B_link/(B_link+B_cpu) = "
                               f"{cost.auto_fraction():.4f} -> {cost.auto_policy()}")
+            elif cost.link_bandwidth and cost.cpu_bandwidth:
+                header.append(f"fraction:auto = (k*W/B_cpu + T_cpu)/(k*W/B_link + k*W/B_cpu) at "
+                              f"k = {auto_k} = {cost.auto_fraction(auto_k):.4f} -> "
+                              f"{cost.auto_policy(auto_k)}")
         header += [f"size: {line}" for line in size_lines]
         print(format_records(rows, "table", header))
         print("\n".join(_legend(results, trace, cost, _knn_line(results, companions, knn_results))))
