@@ -491,13 +491,15 @@ def test_cli_mistakes_fail_before_the_replay_with_one_line(capsys):
         assert message in err and len(err.strip().splitlines()) == 1, (argv, err)
 
 
-def test_a_model_that_does_not_match_the_trace_is_warned_about(capsys):
-    """FAILS if a geometry mismatch between --model and the trace passes silently, or a match
-    is warned about."""
-    code, _, err = run(capsys, "--synthetic", "mixtral-like", "--tokens", "2", "--cache-size",
-                       "64", "--policy", "full", "--model", "qwen3-30b-a3b", "--json")
+def test_a_model_that_does_not_match_the_trace_is_warned_about(tmp_path, capsys):
+    """FAILS if a geometry mismatch between --model and a trace file passes silently, or a
+    match is warned about. (A synthetic trace takes --model's geometry: tests/test_cli_sizing.py.)"""
+    path = tmp_path / "mixtral.npy"
+    np.save(path, np.random.default_rng(0).integers(0, 8, size=(2, 32, 2)).astype(np.int32))
+    code, _, err = run(capsys, "--trace", str(path), "--num-experts", "8", "--cache-size",
+                       "128", "--policy", "full", "--model", "qwen3-30b-a3b", "--json")
     assert code == 0 and "warning" in err and "qwen3-30b-a3b has 48 MoE layers" in err
-    code, _, err = run(capsys, "--synthetic", "mixtral-like", "--tokens", "2", "--cache-size",
+    code, _, err = run(capsys, "--trace", str(path), "--num-experts", "8", "--cache-size",
                        "64", "--policy", "full", "--model", "mixtral-8x7b", "--json")
     assert code == 0 and "warning" not in err
 

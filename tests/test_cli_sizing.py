@@ -155,3 +155,76 @@ def test_bench_bandwidth_prints_a_fixed_cpu_cost_that_replay_accepts(capsys):
     flags = next(line for line in out.splitlines() if line.startswith("flags:")).split()
     assert flags[5] == "--cpu-fixed-cost" and parse_duration(flags[6]) >= 0
     assert any(line.startswith("T_cpu") for line in out.splitlines())
+
+
+def test_new_models_default_to_their_released_format_with_its_scales():
+    """FAILS if a new model's W leaves out its block scales, or defaults to bf16, or an existing
+    model's default changes from bf16.
+
+    deepseek-v3 fp8-b128: 3 matrices of 7168 x 2048 bytes plus one float32 per 128 x 128 block
+    (56 x 16 blocks): 3 * (14680064 + 896 * 4) = 44050944 (42.0 MiB).
+    gpt-oss-120b mxfp4: 3 matrices of 2880 x 2880 at 4 bits plus one byte per 32 weights:
+    3 * (4147200 + 259200) = 13219200 (4.25 bits per weight).
+    qwen3-235b-a22b bf16: 3 * 4096 * 1536 * 2 = 37748736 (36 MiB)."""
+    from pallas_cache.sizing.models import MODELS, resolve_model
+
+    assert MODELS["deepseek-v3"].expert_bytes() == 44050944
+    assert MODELS["gpt-oss-120b"].expert_bytes() == 13219200
+    assert 13219200 * 8 / (3 * 2880 * 2880) == 4.25
+    assert MODELS["qwen3-235b-a22b"].expert_bytes() == 37748736
+    assert resolve_model("deepseek-v3") == (MODELS["deepseek-v3"], "fp8-b128")
+    assert resolve_model("deepseek-v3:bf16")[0].expert_bytes("bf16") == 3 * 7168 * 2048 * 2
+    assert resolve_model("mixtral-8x7b") == (MODELS["mixtral-8x7b"], "bf16")
+    geometry = {name: (m.moe_layers, m.routed_experts, m.top_k) for name, m in MODELS.items()}
+    assert geometry["deepseek-v3"] == (58, 256, 8)
+    assert geometry["qwen3-235b-a22b"] == (94, 128, 8)
+    assert geometry["gpt-oss-120b"] == (36, 128, 4)
+
+
+def records_of(capsys, *argv):
+    code, out, err = run(capsys, *argv, "--format", "json", "-q")
+    assert code == 0, err
+    return json.loads(out)
+
+
+def test_a_synthetic_trace_takes_the_models_geometry(capsys):
+    """FAILS if --model's layers, experts and top-k do not reach a synthetic trace (the preset's
+    48 x 128 replayed instead), or its W is not the model's released format."""
+    [row] = records_of(capsys, "--model", "deepseek-v3", "--synthetic", "fine-grained",
+                       "--tokens", "2", "--cache-size", "256", "--policy", "full")
+    assert (row["layers"], row["experts"], row["top_k"], row["calls"]) == (58, 256, 8, 2 * 58)
+    assert row["expert_bytes"] == 44050944
+    assert "[layers=58, experts=256, top_k=8]" in row["source"]
+
+
+def test_explicit_geometry_flags_shape_a_synthetic_trace(capsys):
+    """FAILS if --num-layers / --num-experts / --top-k are ignored by --synthetic (or by the
+    default trace), or a geometry equal to the preset's changes the trace's label."""
+    [row] = records_of(capsys, "--synthetic", "fine-grained", "--num-layers", "6",
+                       "--num-experts", "20", "--top-k", "3", "--tokens", "4",
+                       "--cache-size", "40", "--policy", "full")
+    assert (row["layers"], row["experts"], row["top_k"], row["calls"]) == (6, 20, 3, 24)
+    [row] = records_of(capsys, "--num-layers", "4", "--tokens", "3", "--cache-size", "8",
+                       "--policy", "full")
+    assert (row["layers"], row["experts"], row["top_k"]) == (4, 8, 2)
+    [row] = records_of(capsys, "--num-layers", "32", "--tokens", "3", "--cache-size", "8",
+                       "--policy", "full")
+    assert row["source"] == "synthetic:mixtral-realistic(tokens=3, seed=0)"
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--trace", "missing.npy", "--top-k", "2"], "--top-k applies to a synthetic trace"),
+    (["--synthetic", "fine-grained", "--model", "deepseek-v3", "--num-experts", "128"],
+     "--num-experts 128 contradicts --model deepseek-v3 (256 routed experts)"),
+    (["--synthetic", "fine-grained", "--top-k", "129"], "--top-k 129 exceeds --num-experts 128"),
+    (["--synthetic", "fine-grained", "--num-experts", "4"], "--top-k 8 exceeds --num-experts 4"),
+    (["--num-layers", "0"], "--num-layers 0: must be at least 1"),
+    (["--model", "deepseek-v3:fp9"], "unknown dtype 'fp9'"),
+], ids=["top-k-with-trace", "contradicts-model", "top-k-above-experts", "experts-below-top-k",
+        "zero-layers", "bad-dtype"])
+def test_a_geometry_flag_that_does_not_apply_fails_before_the_trace(capsys, no_trace, argv,
+                                                                     message):
+    """FAILS if a geometry flag that cannot apply is ignored (or fails late) instead of exiting 2
+    with one line naming it."""
+    line = one_line_error(capsys, cli.main(["replay", *argv]))
+    assert message in line, line

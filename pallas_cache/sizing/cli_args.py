@@ -73,7 +73,10 @@ modeled_ms_per_token leaves out GPU compute, attention, dense layers and launch 
 best marks the fastest row at each cache size; --device-budget names the fastest that fits.
 Sizes: auto = max(E, L*k) .. L*E in steps of x1.41; rows below L*k are flagged in `note`.
 Bytes and bandwidths: 336MiB, 24GiB, 12GB; 25GB/s, 12GiB/s, 800MB/s (GB = 10^9 bytes).
-Models: """ + ", ".join(MODELS) + """ (NAME:DTYPE for bf16, fp16, fp32, fp8, int8, int4).
+Models: """ + ", ".join(MODELS) + """
+(NAME:DTYPE for bf16, fp16, fp32, fp8, int8, int4, fp8-b128, mxfp4; default: the released
+format, docs/semantics.md §11.1). A synthetic trace takes L, E and top-k from --model, or from
+--num-layers, --num-experts and --top-k.
 
 Columns (the keys of every record; json, jsonl and csv carry all of them, table and markdown
 the informative ones; an absent value is null in json, empty in csv, - in a table):
@@ -141,7 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     weight = replay.add_mutually_exclusive_group()
     weight.add_argument("--model", metavar="NAME[:DTYPE]",
                         help=f"take the expert size W from a model: {', '.join(MODELS)} "
-                             f"(dtype default bf16)")
+                             f"(dtype default: the released format); with --synthetic, also "
+                             f"its layers, experts and top-k")
     weight.add_argument("--expert-bytes", metavar="SIZE",
                         help="bytes of one routed expert, e.g. 336MiB")
     replay.add_argument("--link-bandwidth", metavar="RATE",
@@ -340,8 +344,7 @@ def cost_options(args):
     if args.model:
         model, dtype = resolve_model(args.model)
         width = model.expert_bytes(dtype)
-        label = (f"{model.name} {dtype}: W = 3 x {model.d_model} x {model.d_expert} x "
-                 f"{width * 8 // (3 * model.d_model * model.d_expert)} bits = {format_bytes(width)}")
+        label = model.weight_label(dtype)
     elif args.expert_bytes:
         width = parse_bytes(args.expert_bytes)
         label = f"W = {format_bytes(width)} ({width} bytes)"

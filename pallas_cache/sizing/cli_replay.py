@@ -13,6 +13,7 @@ import threading
 import time
 
 from pallas_cache.sizing import synthetic
+from pallas_cache.sizing.cli_sizing import synthetic_geometry
 from pallas_cache.sizing.cli_args import (DEFAULT_PRESET, cache_sizes, check_plot_path,
                                           check_state_memory, clamped, cost_options,
                                           model_mismatch, policy_warnings, resolve_policies)
@@ -31,7 +32,16 @@ def _load(args, progress: Progress | None = None):
                           max_memory=args.max_memory, fields=fields,
                           trace_format=args.trace_format, progress=report)
     return synthetic.synthetic_trace(args.synthetic or DEFAULT_PRESET, num_tokens=args.tokens,
-                                     seed=args.seed, max_memory=args.max_memory)
+                                     seed=args.seed, max_memory=args.max_memory,
+                                     geometry=_geometry(args))
+
+
+def _geometry(args) -> dict:
+    """The synthetic trace's geometry overrides (checked by :func:`synthetic_geometry` before
+    the trace is read)."""
+    if getattr(args, "geometry", None) is None:
+        args.geometry = synthetic_geometry(args, DEFAULT_PRESET)
+    return args.geometry
 
 
 #: Seconds a trace may take to read before its progress is shown (a phase of the replay's).
@@ -244,7 +254,8 @@ def _auto_top_k(args, cost) -> int | None:
     if args.trace:
         return 0
     params, _ = synthetic.checked_params(args.synthetic or DEFAULT_PRESET, args.tokens,
-                                         args.seed, max_memory=args.max_memory)
+                                         args.seed, max_memory=args.max_memory,
+                                         geometry=_geometry(args))
     return min(params.top_k, params.num_experts)
 
 
@@ -256,7 +267,8 @@ def _precompile_synthetic(args, policies, cost) -> threading.Thread | None:
 
     try:  # a refused trace starts no compile: the thread never outlives a refusal
         params, _ = synthetic.checked_params(args.synthetic or DEFAULT_PRESET, args.tokens,
-                                             args.seed, max_memory=args.max_memory)
+                                             args.seed, max_memory=args.max_memory,
+                                             geometry=_geometry(args))
         sizes, _ = cache_sizes(args.cache_size, params, cost)
         configs = config_grid(sizes, policies, args.order, args.admission, args.eviction)
         check_state_memory(sizes, len(configs) // len(set(sizes)), params.num_layers,
@@ -330,6 +342,7 @@ def _replay_with(args, progress: Progress, latch: _InterruptLatch) -> int:
         if args.plot:
             args.plot = check_plot_path(args.plot)
         cost, model, weight_label = cost_options(args)
+        _geometry(args)
         auto_k = _auto_top_k(args, cost)
         if auto_k != 0:  # else fraction:auto waits for the trace's geometry
             requested = resolve_policies(args.policy, cost, auto_k)

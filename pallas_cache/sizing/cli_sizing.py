@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import argparse
 
+from pallas_cache.sizing import synthetic
 from pallas_cache.sizing.units import parse_duration
 
-__all__ = ["add_sizing_arguments", "cpu_fixed_seconds"]
+__all__ = ["add_sizing_arguments", "cpu_fixed_seconds", "synthetic_geometry"]
 
 
 def add_sizing_arguments(replay: argparse.ArgumentParser) -> None:
@@ -19,6 +20,10 @@ def add_sizing_arguments(replay: argparse.ArgumentParser) -> None:
                        help="leave out the table legend's route_knn line (an LRU-only table "
                             "replays route_knn at each size beside the sweep, in the same "
                             "compiled programs, for that line)")
+    group.add_argument("--top-k", type=int, default=None, metavar="K",
+                       help="routes per layer-call of a synthetic trace (with --num-layers and "
+                            "--num-experts, its geometry; default: --model's, else the "
+                            "preset's); a --trace's routes give its own")
     group.add_argument("--cpu-fixed-cost", metavar="TIME", default=None,
                        help="T_cpu, the CPU partial's fixed cost per layer-call that has at "
                             "least one CPU expert, e.g. 0.08ms (pallas-cache bench-bandwidth "
@@ -39,3 +44,50 @@ def cpu_fixed_seconds(args, timed: bool) -> float:
         raise ValueError("--cpu-fixed-cost needs an expert size (--model or --expert-bytes) and "
                          "both --link-bandwidth and --cpu-bandwidth")
     return seconds
+
+
+_GEOMETRY_FLAGS = (("num_layers", "--num-layers", "moe_layers", "MoE layers"),
+                   ("num_experts", "--num-experts", "routed_experts", "routed experts"),
+                   ("top_k", "--top-k", "top_k", "top-k"))
+
+
+def synthetic_geometry(args, default_preset: str) -> dict:
+    """The geometry a synthetic trace (named by ``--synthetic``, or the default one) is
+    generated with: ``{"num_layers": L, "num_experts": E, "top_k": k}`` for the fields that
+    differ from the preset, from ``--model`` (its MoE layers, routed experts and top-k) and the
+    explicit ``--num-layers`` / ``--num-experts`` / ``--top-k``; ``{}`` for a ``--trace``, whose
+    ``--num-layers`` / ``--num-experts`` declare its counts and whose routes give its top-k.
+
+    Raises ValueError naming the flag: ``--top-k`` with a ``--trace``; an explicit count that
+    contradicts ``--model``'s; a count below 1; a top-k above the experts."""
+    from pallas_cache.sizing.models import resolve_model
+
+    if getattr(args, "trace", None):
+        if getattr(args, "top_k", None) is not None:
+            raise ValueError("--top-k applies to a synthetic trace; a --trace's routes give its "
+                             "top-k")
+        return {}
+    geometry = {}
+    model = resolve_model(args.model)[0] if getattr(args, "model", None) else None
+    for field, flag, model_field, what in _GEOMETRY_FLAGS:
+        value = getattr(args, field, None)
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} {value}: must be at least 1")
+        if model is not None:
+            theirs = getattr(model, model_field)
+            if value is not None and value != theirs:
+                raise ValueError(f"{flag} {value} contradicts --model {model.name} ({theirs} "
+                                 f"{what}); give one or the other (--expert-bytes sets W "
+                                 f"without a geometry)")
+            value = theirs
+        if value is not None:
+            geometry[field] = value
+    preset = synthetic.PRESETS.get(args.synthetic or default_preset)
+    if preset is not None:
+        experts = geometry.get("num_experts", preset.num_experts)
+        top_k = geometry.get("top_k", preset.top_k)
+        if top_k > experts:  # a model's own geometry never does this: explicit flags only
+            raise ValueError(f"--top-k {top_k} exceeds --num-experts {experts} (the experts per "
+                             f"layer of the synthetic trace)")
+    return geometry
+
