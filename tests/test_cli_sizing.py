@@ -228,3 +228,32 @@ def test_a_geometry_flag_that_does_not_apply_fails_before_the_trace(capsys, no_t
     with one line naming it."""
     line = one_line_error(capsys, cli.main(["replay", *argv]))
     assert message in line, line
+
+
+BUDGET = ["--synthetic", "mixtral-like", "--tokens", "4", *TIMED, "--policy", "full"]
+
+
+def test_the_device_budgets_exact_fit_is_replayed_beside_the_grid(capsys):
+    """FAILS if --device-budget only chooses among the grid's sizes (36 slots, 11.8 GiB of a
+    24 GiB budget), or the added size is not floor(budget / W) = floor(24 * 1024 / 336) = 73,
+    or it is not the one picked (a bigger full-policy pool is never slower here)."""
+    rows = records_of(capsys, *BUDGET, "--cache-size", "12GiB", "--device-budget", "24GiB")
+    assert [r["cache_size"] for r in rows] == [36, 73]
+    assert [r["budget_best"] for r in rows] == [False, True]
+    code, out, _ = run(capsys, *BUDGET, "--cache-size", "12GiB", "--device-budget", "24GiB",
+                       "-q")
+    assert code == 0
+    assert ("size: --device-budget 24.0GiB fits 73 slots of 336MiB (24.0GiB): replayed beside "
+            "the grid") in out
+
+
+def test_the_exact_fit_stops_at_every_expert_and_is_not_repeated(capsys):
+    """FAILS if a budget above the whole model adds a pool bigger than L*E = 256 slots, or a
+    budget that fits a grid size exactly replays that size twice, or one below a layer's
+    experts adds a size."""
+    rows = records_of(capsys, *BUDGET, "--cache-size", "64", "--device-budget", "1TiB")
+    assert [r["cache_size"] for r in rows] == [64, 256]
+    rows = records_of(capsys, *BUDGET, "--cache-size", "64", "--device-budget", "21504MiB")
+    assert [r["cache_size"] for r in rows] == [64]
+    rows = records_of(capsys, *BUDGET, "--cache-size", "64", "--device-budget", "1GiB")
+    assert [r["cache_size"] for r in rows] == [64]

@@ -13,7 +13,7 @@ import threading
 import time
 
 from pallas_cache.sizing import synthetic
-from pallas_cache.sizing.cli_sizing import synthetic_geometry
+from pallas_cache.sizing.cli_sizing import synthetic_geometry, with_budget_fit
 from pallas_cache.sizing.cli_args import (DEFAULT_PRESET, cache_sizes, check_plot_path,
                                           check_state_memory, clamped, cost_options,
                                           model_mismatch, policy_warnings, resolve_policies)
@@ -269,7 +269,8 @@ def _precompile_synthetic(args, policies, cost) -> threading.Thread | None:
         params, _ = synthetic.checked_params(args.synthetic or DEFAULT_PRESET, args.tokens,
                                              args.seed, max_memory=args.max_memory,
                                              geometry=_geometry(args))
-        sizes, _ = cache_sizes(args.cache_size, params, cost)
+        sizes, _ = with_budget_fit(*cache_sizes(args.cache_size, params, cost), cost,
+                                   params.num_layers, params.num_experts)
         configs = config_grid(sizes, policies, args.order, args.admission, args.eviction)
         check_state_memory(sizes, len(configs) // len(set(sizes)), params.num_layers,
                             params.num_experts, args.max_memory)
@@ -355,7 +356,8 @@ def _replay_with(args, progress: Progress, latch: _InterruptLatch) -> int:
             auto_k = min(trace.top_k, trace.num_experts)
             requested = resolve_policies(args.policy, cost, auto_k)
             policies = list(dict.fromkeys(clamped(policy) for policy in requested))
-        sizes, size_lines = cache_sizes(args.cache_size, trace, cost)
+        sizes, size_lines = with_budget_fit(*cache_sizes(args.cache_size, trace, cost), cost,
+                                            trace.num_layers, trace.num_experts)
         configs = config_grid(sizes, policies, args.order, args.admission, args.eviction)
         if not configs:
             raise ValueError(f"admission reuse needs eviction lru; got --eviction "

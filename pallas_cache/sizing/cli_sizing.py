@@ -10,7 +10,8 @@ import argparse
 from pallas_cache.sizing import synthetic
 from pallas_cache.sizing.units import parse_duration
 
-__all__ = ["add_sizing_arguments", "cpu_fixed_seconds", "synthetic_geometry"]
+__all__ = ["add_sizing_arguments", "budget_fit", "cpu_fixed_seconds", "synthetic_geometry",
+           "with_budget_fit"]
 
 
 def add_sizing_arguments(replay: argparse.ArgumentParser) -> None:
@@ -91,3 +92,28 @@ def synthetic_geometry(args, default_preset: str) -> dict:
                              f"layer of the synthetic trace)")
     return geometry
 
+
+
+def budget_fit(cost, num_layers: int, num_experts: int) -> int | None:
+    """The pool size that exactly fills ``--device-budget``: ``floor(budget / W)`` slots, at most
+    ``L * E`` (every expert resident; a bigger pool holds nothing more); ``None`` without a
+    budget or when it holds less than one layer's ``E`` experts."""
+    if cost.device_budget is None or cost.expert_bytes is None:
+        return None
+    slots = min(cost.device_budget // cost.expert_bytes, num_layers * num_experts)
+    return slots if slots >= num_experts else None
+
+
+def with_budget_fit(sizes, lines, cost, num_layers: int, num_experts: int):
+    """``(sizes, lines)`` of the sweep with :func:`budget_fit`'s size added beside the grid's
+    (sorted in), and a line saying so; unchanged when the grid has it already or there is none."""
+    from pallas_cache.sizing.units import format_bytes
+
+    fit = budget_fit(cost, num_layers, num_experts)
+    if fit is None or fit in sizes:
+        return sizes, lines
+    whole = " (every expert)" if fit == num_layers * num_experts else ""
+    line = (f"--device-budget {format_bytes(cost.device_budget)} fits {fit} slots of "
+            f"{format_bytes(cost.expert_bytes)} ({format_bytes(fit * cost.expert_bytes)})"
+            f"{whole}: replayed beside the grid")
+    return sorted([*sizes, fit]), [*lines, line]
