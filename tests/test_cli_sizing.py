@@ -257,3 +257,43 @@ def test_the_exact_fit_stops_at_every_expert_and_is_not_repeated(capsys):
     assert [r["cache_size"] for r in rows] == [64]
     rows = records_of(capsys, *BUDGET, "--cache-size", "64", "--device-budget", "1GiB")
     assert [r["cache_size"] for r in rows] == [64]
+
+
+CLIFF = ["--synthetic", "mixtral-like", "--tokens", "48", "--policy", "full", "fraction:0.4",
+         "--no-route-knn-legend"]
+
+
+def test_the_cliff_note_carries_the_rows_measured_hit_rate(capsys):
+    """FAILS if a row below L*k = 64 is not flagged, its note lacks its own measured hit rate,
+    or a row at L*k is flagged."""
+    rows = records_of(capsys, *CLIFF, "--cache-size", "32", "64")
+    for row in rows:
+        if row["cache_size"] == 32:
+            assert (f"S < L*k = 64: LRU thrashes on the cyclic layer sweep (hit rate "
+                    f"{row['hit_rate']:.3f} here)") in row["note"]
+        else:
+            assert row["note"] == ""
+
+
+def test_the_table_names_the_sizes_past_each_cliff_with_measured_hit_rates(capsys):
+    """FAILS if the line under the table misses a size below L*k (or names one at it), gives
+    another hit rate than the best row's of that size, or if the per-layer cliff uses floor(S/L)
+    instead of round(S/L) (S = 91: 2.84 -> 3 slots, S = 181: 5.66 -> 6, not below 3*top_k = 6),
+    or quotes a per-layer LRU rate other than per_layer_lru_hit_rate at round(S/L) slots."""
+    from pallas_cache.sizing.synthetic import synthetic_trace
+    from pallas_cache.sizing.trace_stats import per_layer_lru_hit_rate
+
+    rows = records_of(capsys, *CLIFF, "--cache-size", "32", "64", "91", "181")
+    best32 = max(r["hit_rate"] for r in rows if r["cache_size"] == 32)
+    code, out, _ = run(capsys, *CLIFF, "--cache-size", "32", "64", "91", "181", "-q")
+    assert code == 0
+    flat = " ".join(out.split())
+    assert (f"Below one token's working set (S < L*k = 64): S = 32 (hit rate {best32:.3f}): "
+            f"LRU evicts") in flat
+    trace = synthetic_trace("mixtral-like", num_tokens=48)
+    rate64 = per_layer_lru_hit_rate(trace, 64)
+    rate91 = per_layer_lru_hit_rate(trace, 96)
+    assert rate91 != per_layer_lru_hit_rate(trace, 64)
+    assert (f"per-layer LRU measured on this trace, S = 32: 1 < top_k slots per layer; "
+            f"S = 64: {rate64:.3f}; S = 91: {rate91:.3f}.") in flat
+    assert "S = 181:" not in flat

@@ -13,7 +13,7 @@ import threading
 import time
 
 from pallas_cache.sizing import synthetic
-from pallas_cache.sizing.cli_sizing import synthetic_geometry, with_budget_fit
+from pallas_cache.sizing.cli_sizing import cliff_lines, synthetic_geometry, with_budget_fit
 from pallas_cache.sizing.cli_args import (DEFAULT_PRESET, cache_sizes, check_plot_path,
                                           check_state_memory, clamped, cost_options,
                                           model_mismatch, policy_warnings, resolve_policies)
@@ -105,6 +105,7 @@ def _legend(results, trace, cost, knn_line: str | None = None) -> list[str]:
     """What a newcomer needs to read the table: the bounds, the model, the verdict, and (an LRU
     sweep) what route_knn changes (one line, not wrapped)."""
     k = min(trace.top_k, trace.num_experts)
+    cliffs = cliff_lines(results, trace)
     paragraphs = [
         "hit_rate = 1 - missing/active per layer-call. Bounds: belady_hit_rate bounds the `full` "
         "rows (every miss admitted); bypass_optimum_hit_rate bounds every row (a miss may be "
@@ -140,8 +141,8 @@ def _legend(results, trace, cost, knn_line: str | None = None) -> list[str]:
                     f"admission={r.admission}"
                     f"{'' if r.eviction == 'lru' else ' eviction=' + r.eviction}: "
                     f"{r.modeled_ms_per_token:.1f} ms/token modeled.")
-    return ([textwrap.fill(text, width=100, break_on_hyphens=False) for text in paragraphs]
-            + ([knn_line] if knn_line else []))
+    return ([textwrap.fill(text, width=100, break_on_hyphens=False)
+             for text in cliffs + paragraphs] + ([knn_line] if knn_line else []))
 
 
 

@@ -10,8 +10,8 @@ import argparse
 from pallas_cache.sizing import synthetic
 from pallas_cache.sizing.units import parse_duration
 
-__all__ = ["add_sizing_arguments", "budget_fit", "cpu_fixed_seconds", "synthetic_geometry",
-           "with_budget_fit"]
+__all__ = ["add_sizing_arguments", "budget_fit", "cliff_lines", "cpu_fixed_seconds",
+           "synthetic_geometry", "with_budget_fit"]
 
 
 def add_sizing_arguments(replay: argparse.ArgumentParser) -> None:
@@ -117,3 +117,37 @@ def with_budget_fit(sizes, lines, cost, num_layers: int, num_experts: int):
             f"{format_bytes(cost.expert_bytes)} ({format_bytes(fit * cost.expert_bytes)})"
             f"{whole}: replayed beside the grid")
     return sorted([*sizes, fit]), [*lines, line]
+
+
+def cliff_lines(results, trace) -> list[str]:
+    """The lines under the table that name the sizes past a cliff (docs/semantics.md §11.3):
+    below ``L*k`` slots, one token's working set, where global LRU thrashes (with each size's
+    measured hit rate, the best row's of that size); and, beside the stationary per-layer
+    oracle, sizes whose ``round(S/L)`` slots per layer are below ``3 * top_k``, where per-layer
+    LRU falls far below the oracle (peers measured about no hits there on fine-grained models),
+    with per-layer LRU's hit rate measured on this trace at ``round(S/L)`` slots per layer."""
+    from pallas_cache.sizing.trace_stats import per_layer_lru_hit_rate
+
+    num_layers, top_k = trace.num_layers, min(trace.top_k, trace.num_experts)
+    sizes = sorted({r.cache_size for r in results})
+    lines = []
+    below = [size for size in sizes if size < num_layers * top_k]
+    if below:
+        best = {size: max(r.hit_rate for r in results if r.cache_size == size) for size in below}
+        lines.append(f"Below one token's working set (S < L*k = {num_layers * top_k}): "
+                     + ", ".join(f"S = {size} (hit rate {best[size]:.3f})" for size in below)
+                     + ": LRU evicts what the next token's same layer needs.")
+    thin = [size for size in sizes if round(size / num_layers) < 3 * top_k]
+    if thin:
+        measured = []
+        for size in thin:
+            per_layer = round(size / num_layers)
+            if per_layer < trace.top_k:
+                measured.append(f"S = {size}: {per_layer} < top_k slots per layer")
+            else:
+                rate = per_layer_lru_hit_rate(trace, per_layer * num_layers)
+                measured.append(f"S = {size}: {rate:.3f}")
+        lines.append(f"Per-layer cliff (round(S/L) < 3*top_k = {3 * top_k} slots per layer; "
+                     f"oracle_hit_rate assumes each layer's best fixed set): per-layer LRU "
+                     f"measured on this trace, {'; '.join(measured)}.")
+    return lines
