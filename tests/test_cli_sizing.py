@@ -297,3 +297,54 @@ def test_the_table_names_the_sizes_past_each_cliff_with_measured_hit_rates(capsy
     assert (f"per-layer LRU measured on this trace, S = 32: 1 < top_k slots per layer; "
             f"S = 64: {rate64:.3f}; S = 91: {rate91:.3f}.") in flat
     assert "S = 181:" not in flat
+
+
+def test_the_plot_explains_its_markers_skips_zero_cpu_series_and_clears_the_labels(capsys):
+    """FAILS if the legend has no entry for the right panel's CPU marker (x) or the hollow
+    modeled-ms markers, the `full` policy's CPU series (0 at every size) is drawn as a row of
+    markers along zero, or the title overlaps the right panel's y-label."""
+    pytest.importorskip("matplotlib")
+    from pallas_cache.sizing import plot
+    from pallas_cache.sizing.plotting import CPU_MARKER
+
+    rows = records_of(capsys, "--synthetic", "mixtral-like", "--tokens", "8", "--cache-size",
+                      "64", "128", *TIMED, "--policy", "full", "fraction:0.4")
+    figure = plot(rows)  # titled by the records' source
+    legend = figure.legends[0]
+    keys = [(text.get_text(), handle) for text, handle in
+            zip(legend.get_texts(), legend.legend_handles) if text.get_text().startswith("right:")]
+    assert [handle.get_marker() for _, handle in keys] == ["o", CPU_MARKER, "o"]
+    assert keys[2][1].get_markerfacecolor() == "none"
+    assert "CPU" in keys[1][0] and "modeled ms" in keys[2][0]
+    traffic_axes = figure.axes[1]
+    cpu_lines = [l.get_gid() for l in traffic_axes.get_lines() if l.get_gid().startswith("cpu:")]
+    assert cpu_lines == ["cpu:fraction:0.4 / recency / promote_one / lru"]
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(figure)
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    title = figure._suptitle.get_window_extent(renderer)
+    right_label = figure.axes[1].yaxis.label.get_window_extent(renderer)
+    assert title.x1 < right_label.x0  # the title ends before the right panel's y-label begins
+
+
+def test_the_notebooks_replay_text_names_columns_of_the_table_it_prints():
+    """FAILS if the notebook's reading of its replay table names a record key the printed
+    table does not show (e.g. `cpu_routes`, `fetched`: keys of the CSV/JSON records only)."""
+    import os
+    import re
+
+    from pallas_cache.sizing.report import RECORD_KEYS, table_columns
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        "examples", "explore_cache.ipynb")
+    cells = json.load(open(path, encoding="utf-8"))["cells"]
+    outro = "".join(next(c["source"] for c in cells if c.get("id") == "c-outro"))
+    named = [key for key in re.findall(r"`([a-z_]+)`", outro) if key in RECORD_KEYS]
+    assert named  # the text does name columns
+    untimed = [{key: None for key in RECORD_KEYS} | {"order": "recency",
+                                                      "admission": "promote_one",
+                                                      "eviction": "lru"}]
+    shown = table_columns(untimed)
+    assert [key for key in named if key not in shown] == []
