@@ -348,3 +348,63 @@ def test_the_notebooks_replay_text_names_columns_of_the_table_it_prints():
                                                       "eviction": "lru"}]
     shown = table_columns(untimed)
     assert [key for key in named if key not in shown] == []
+
+
+SMALL = ["--synthetic", "mixtral-like", "--tokens", "6", "--cache-size", "64", "--policy",
+         "full", "fraction:0.4", "-q"]
+
+
+@pytest.mark.parametrize("fmt", ["table", "json", "jsonl", "csv", "markdown"])
+def test_batch_one_is_the_plain_replay_byte_for_byte(capsys, fmt):
+    """FAILS if --batch 1 changes any byte of any format (an added column or key, a merged
+    trace's label, the legend's route_knn line dropped)."""
+    code, plain, _ = run(capsys, *SMALL, *TIMED, "--format", fmt)
+    assert code == 0
+    code, one, _ = run(capsys, *SMALL, *TIMED, "--format", fmt, "--batch", "1")
+    assert code == 0
+    assert one == plain
+
+
+def test_batched_rows_count_per_generated_token_and_per_step(capsys):
+    """FAILS if a batched row is not the replay of the merged calls, counts per step where it
+    says per generated token (tokens = the requests' 40 tokens), or its per-step time is not
+    the per-token time times tokens / steps; or B = 1's rows differ from the plain replay's."""
+    from pallas_cache.sizing.batching import batched_trace, split_requests
+    from pallas_cache.sizing.sweep import config_grid, replay
+    from pallas_cache.sizing.synthetic import synthetic_trace
+
+    argv = ["--synthetic", "mixtral-like", "--tokens", "40", "--requests", "6", "--cache-size",
+            "128", "--policy", "full", *TIMED]
+    rows = records_of(capsys, *argv, "--batch", "1", "4")
+    plain = records_of(capsys, *argv)
+    assert [r["batch"] for r in rows] == [1, 4]
+    one, four = rows
+    assert {k: v for k, v in one.items() if k not in ("batch", "steps", "modeled_ms_per_step")} \
+        == plain[0]
+    merged = batched_trace(split_requests(synthetic_trace("mixtral-like", num_tokens=40), 6), 4)
+    [result] = replay(merged.trace, config_grid([128], ["full"]), progress=lambda s: None)
+    assert (four["active"], four["missing"], four["fetched"]) == (
+        result.active, result.missing, result.fetched)
+    assert four["tokens"] == 40 and four["steps"] == merged.steps < 40
+    assert four["fetched_per_token"] == pytest.approx(result.fetched / 40)
+    assert four["modeled_ms_per_step"] == pytest.approx(
+        four["modeled_ms_per_token"] * 40 / merged.steps)
+    assert four["sequences"] == 6 and four["top_k"] == 2
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--batch", "0"], "--batch 0: must be at least 1"),
+    (["--trace", "missing.npy", "--requests", "3"], "--requests applies to a synthetic trace"),
+    (["--requests", "0"], "--requests 0: must be at least 1"),
+], ids=["zero-batch", "requests-with-trace", "zero-requests"])
+def test_a_bad_batch_flag_fails_before_the_trace(capsys, no_trace, argv, message):
+    """FAILS if a bad --batch or --requests is found only after the trace is read."""
+    line = one_line_error(capsys, cli.main(["replay", *argv]))
+    assert message in line, line
+
+
+def test_batching_a_one_request_trace_says_it_needs_several(capsys):
+    """FAILS if --batch on a one-request trace replays (B = 4 of one request is B = 1) instead
+    of saying in one line that batching needs several requests."""
+    line = one_line_error(capsys, cli.main(["replay", *SMALL, "--batch", "4"]))
+    assert "--batch needs several requests; the trace has one (give --requests N)" in line

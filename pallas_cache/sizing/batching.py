@@ -17,7 +17,7 @@ import numpy as np
 
 from pallas_cache.sizing.traces import Trace
 
-__all__ = ["Batched", "batched_trace"]
+__all__ = ["Batched", "batched_records", "batched_trace", "split_requests"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,3 +105,64 @@ def batched_trace(trace: Trace, batch: int) -> Batched:
                          sequence=np.zeros(len(steps_out), np.int32),
                          source=f"{trace.source} batch={batch}")
     return Batched(merged_trace, batch, len(requests), trace.num_tokens, step)
+
+
+def split_requests(trace: Trace, requests: int, seed: int = 0) -> Trace:
+    """A one-sequence trace (a synthetic one) cut into ``requests`` consecutive requests of
+    unequal, seeded lengths (each between about half and one and a half times the mean, at
+    least one token); each request's tokens count from 0. The calls stay as they were.
+
+    Raises:
+      ValueError: ``requests`` is not a positive integer, exceeds the tokens, or the trace has
+        several sequences already.
+    """
+    if isinstance(requests, bool) or not isinstance(requests, (int, np.integer)) or requests < 1:
+        raise ValueError(f"requests must be a positive integer, got {requests!r}")
+    tokens = trace.num_tokens
+    if requests > tokens:
+        raise ValueError(f"--requests {requests} exceeds the trace's {tokens} tokens")
+    if len(np.unique(trace.sequence)) != 1:
+        raise ValueError("split_requests cuts a one-sequence trace")
+    weights = np.random.default_rng([seed, 35]).uniform(0.5, 1.5, int(requests))
+    cuts = np.floor(np.cumsum(weights) / weights.sum() * (tokens - requests)).astype(np.int64)
+    lengths = np.diff(np.concatenate([[0], cuts])) + 1
+    lengths[-1] += tokens - lengths.sum()
+    rank = np.searchsorted(np.unique(trace.token_idx), trace.token_idx)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    request = np.searchsorted(np.cumsum(lengths), rank, side="right").astype(np.int32)
+    return Trace(trace.routes, trace.layers, trace.num_layers, trace.num_experts,
+                 token_idx=(rank - starts[request]).astype(np.int64), sequence=request,
+                 sequence_names=tuple(f"request-{i}" for i in range(int(requests))),
+                 source=f"{trace.source} requests={int(requests)}")
+
+
+def batched_records(trace: Trace, configs, cost, batches, replay, progress) -> tuple[list, list]:
+    """``(results, records)`` of replaying ``configs`` on ``trace`` decoded ``B`` requests at a
+    time, for each ``B`` of ``batches`` (B = 1: the trace itself), in that order.
+
+    Per generated token: ``tokens`` is the requests' tokens, and the per-token fields and the
+    cost model's ``modeled_ms_per_token`` divide by it; ``best`` and ``budget_best`` are per
+    ``B``. Each record gains ``batch``, ``steps`` (decode steps) and ``modeled_ms_per_step``
+    (a step's modeled time: every active request's token at once); ``top_k`` stays the
+    trace's, ``sequences`` its requests, ``source`` its own.
+    """
+    from pallas_cache.sizing.cost import with_costs
+    from pallas_cache.sizing.report import records
+
+    all_results, rows = [], []
+    for batch in batches:
+        merged = batched_trace(trace, batch)
+        replayed = replay(merged.trace, configs, progress=progress)
+        generated = merged.generated
+        results = with_costs([dataclasses.replace(
+            r, tokens=generated, fetched_per_token=r.fetched / generated,
+            cpu_experts_per_token=r.cpu_experts / generated) for r in replayed], cost)
+        for record in records(results, merged.trace, cost):
+            ms = record["modeled_ms_per_token"]
+            record.update(source=str(trace.source), top_k=int(trace.top_k),
+                          sequences=merged.requests, batch=batch, steps=merged.steps,
+                          modeled_ms_per_step=None if ms is None
+                          else ms * generated / merged.steps)
+            rows.append(record)
+        all_results += results
+    return all_results, rows

@@ -12,8 +12,11 @@ import textwrap
 import threading
 import time
 
+import numpy as np
+
 from pallas_cache.sizing import synthetic
-from pallas_cache.sizing.cli_sizing import cliff_lines, synthetic_geometry, with_budget_fit
+from pallas_cache.sizing.cli_sizing import (batches, cliff_lines, synthetic_geometry,
+                                            with_budget_fit)
 from pallas_cache.sizing.cli_args import (DEFAULT_PRESET, cache_sizes, check_plot_path,
                                           check_state_memory, clamped, cost_options,
                                           model_mismatch, policy_warnings, resolve_policies)
@@ -31,9 +34,14 @@ def _load(args, progress: Progress | None = None):
         return load_trace(args.trace, num_layers=args.num_layers, num_experts=args.num_experts,
                           max_memory=args.max_memory, fields=fields,
                           trace_format=args.trace_format, progress=report)
-    return synthetic.synthetic_trace(args.synthetic or DEFAULT_PRESET, num_tokens=args.tokens,
-                                     seed=args.seed, max_memory=args.max_memory,
-                                     geometry=_geometry(args))
+    trace = synthetic.synthetic_trace(args.synthetic or DEFAULT_PRESET, num_tokens=args.tokens,
+                                      seed=args.seed, max_memory=args.max_memory,
+                                      geometry=_geometry(args))
+    if getattr(args, "requests", None) is not None:
+        from pallas_cache.sizing.batching import split_requests
+
+        trace = split_requests(trace, args.requests, args.seed)
+    return trace
 
 
 def _geometry(args) -> dict:
@@ -345,6 +353,7 @@ def _replay_with(args, progress: Progress, latch: _InterruptLatch) -> int:
             args.plot = check_plot_path(args.plot)
         cost, model, weight_label = cost_options(args)
         _geometry(args)
+        batched = batches(args)
         auto_k = _auto_top_k(args, cost)
         if auto_k != 0:  # else fraction:auto waits for the trace's geometry
             requested = resolve_policies(args.policy, cost, auto_k)
@@ -363,11 +372,14 @@ def _replay_with(args, progress: Progress, latch: _InterruptLatch) -> int:
         if not configs:
             raise ValueError(f"admission reuse needs eviction lru; got --eviction "
                              f"{' '.join(args.eviction)}")
+        if batched and len(np.unique(trace.sequence)) < 2:
+            raise ValueError("--batch needs several requests; the trace has one"
+                             + ("" if args.trace else " (give --requests N)"))
     except (TraceError, OSError, KeyError, TypeError, ValueError) as error:
         progress.close()
         print(f"pallas-cache: {error}", file=sys.stderr)
         return 2
-    companions = _knn_companions(configs, args)
+    companions = [] if batched else _knn_companions(configs, args)
     try:  # the legend's route_knn lanes are states of the sweep too
         check_state_memory(sizes, len(configs + companions) // len(set(sizes)), trace.num_layers,
                             trace.num_experts, args.max_memory)
@@ -384,12 +396,18 @@ def _replay_with(args, progress: Progress, latch: _InterruptLatch) -> int:
         compiling.join()  # a replay started before its program is compiled compiles it again
     # route_knn's lanes for the legend ride in the sweep's own programs; the costs (and the
     # budget pick) are the swept rows' alone.
-    replayed = replay(trace, configs + companions, progress=progress)
-    results = with_costs(replayed[:len(configs)], cost)
-    knn_results = replayed[len(configs):]
+    if batched:
+        from pallas_cache.sizing.batching import batched_records
+
+        results, rows = batched_records(trace, configs, cost, batched, replay, progress)
+        knn_results = []
+    else:
+        replayed = replay(trace, configs + companions, progress=progress)
+        results = with_costs(replayed[:len(configs)], cost)
+        knn_results = replayed[len(configs):]
+        rows = records(results, trace, cost)
     latch.check()  # nothing is written after a Ctrl-C, even one a compile callback swallowed
     fmt = args.format or ("json" if args.json else "table")
-    rows = records(results, trace, cost)
     if fmt != "table":
         print(format_records(rows, fmt))
     else:

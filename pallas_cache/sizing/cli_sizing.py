@@ -10,7 +10,7 @@ import argparse
 from pallas_cache.sizing import synthetic
 from pallas_cache.sizing.units import parse_duration
 
-__all__ = ["add_sizing_arguments", "budget_fit", "cliff_lines", "cpu_fixed_seconds",
+__all__ = ["add_sizing_arguments", "batches", "budget_fit", "cliff_lines", "cpu_fixed_seconds",
            "synthetic_geometry", "with_budget_fit"]
 
 
@@ -25,6 +25,14 @@ def add_sizing_arguments(replay: argparse.ArgumentParser) -> None:
                        help="routes per layer-call of a synthetic trace (with --num-layers and "
                             "--num-experts, its geometry; default: --model's, else the "
                             "preset's); a --trace's routes give its own")
+    group.add_argument("--batch", type=int, nargs="+", default=None, metavar="B",
+                       help="replay B requests decoding together (continuous batching: a "
+                            "finished request's place goes to the next), each layer-call "
+                            "carrying every active request's token; a sweep axis like "
+                            "--cache-size (default: 1, one token per call)")
+    group.add_argument("--requests", type=int, default=None, metavar="N",
+                       help="cut a synthetic trace into N requests of unequal length (for "
+                            "--batch; a --trace's sequences are its requests)")
     group.add_argument("--cpu-fixed-cost", metavar="TIME", default=None,
                        help="T_cpu, the CPU partial's fixed cost per layer-call that has at "
                             "least one CPU expert, e.g. 0.08ms (pallas-cache bench-bandwidth "
@@ -151,3 +159,24 @@ def cliff_lines(results, trace) -> list[str]:
                      f"oracle_hit_rate assumes each layer's best fixed set): per-layer LRU "
                      f"measured on this trace, {'; '.join(measured)}.")
     return lines
+
+
+def batches(args) -> list[int] | None:
+    """``--batch``'s sizes, distinct, in the order given; ``None`` when the replay is not batched
+    (no ``--batch``, or ``--batch 1``: one token per call, the plain replay). Checks
+    ``--requests`` too (ValueError naming the flag)."""
+    requests = getattr(args, "requests", None)
+    if requests is not None:
+        if getattr(args, "trace", None):
+            raise ValueError("--requests applies to a synthetic trace; a --trace's sequences "
+                             "are its requests")
+        if requests < 1:
+            raise ValueError(f"--requests {requests}: must be at least 1")
+    sizes = getattr(args, "batch", None)
+    if sizes is None:
+        return None
+    bad = [size for size in sizes if size < 1]
+    if bad:
+        raise ValueError(f"--batch {bad[0]}: must be at least 1")
+    sizes = list(dict.fromkeys(sizes))
+    return None if sizes == [1] else sizes
