@@ -15,17 +15,18 @@ import time
 import numpy as np
 
 from pallas_cache.sizing import synthetic
-from pallas_cache.sizing.cli_sizing import (batches, cliff_lines, synthetic_geometry,
-                                            with_budget_fit)
 from pallas_cache.sizing.cli_args import (DEFAULT_PRESET, cache_sizes, check_plot_path,
                                           check_state_memory, clamped, cost_options,
                                           model_mismatch, policy_warnings, resolve_policies)
+from pallas_cache.sizing.cli_sizing import (batches, cliff_lines, synthetic_geometry,
+                                            with_budget_fit)
 from pallas_cache.sizing.progress import Bar, Progress
 from pallas_cache.sizing.report import format_records, records
 from pallas_cache.sizing.traces import TraceError, default_memory_limit, load_trace, parse_fields
 from pallas_cache.sizing.units import format_bandwidth, format_bytes, format_duration
 
 __all__ = ["READ_PROGRESS_AFTER", "exit_now_if_compiling", "run_replay"]
+
 
 def _load(args, progress: Progress | None = None):
     if args.trace:
@@ -274,6 +275,8 @@ def _precompile_synthetic(args, policies, cost) -> threading.Thread | None:
     sweep's options are off (the replay reports them after the trace, as for a trace file)."""
     from pallas_cache.sizing.sweep import config_grid, precompile
 
+    if getattr(args, "batch", None) and batches(args):
+        return None  # the merged calls' width is B * top_k: other programs than the trace's
     try:  # a refused trace starts no compile: the thread never outlives a refusal
         params, _ = synthetic.checked_params(args.synthetic or DEFAULT_PRESET, args.tokens,
                                              args.seed, max_memory=args.max_memory,
