@@ -427,7 +427,7 @@ def test_json_rows_carry_every_cost_key_and_flag_undersized_rows(capsys):
     budget pick ignores cache_bytes, or a size below L*k (= 64 on mixtral-like) is not flagged
     while one at L*k is."""
     code, out, err = run(capsys, "--synthetic", "mixtral-like", "--tokens", "6", *TIMED,
-                         "--cache-size", "8", "64", "--device-budget", "20GiB", "--json")
+                         "--cache-size", "8", "64", "--device-budget", "2688MiB", "--json")
     assert code == 0, err
     rows = json.loads(out)
     assert len(rows) == 6
@@ -446,7 +446,8 @@ def test_json_rows_carry_every_cost_key_and_flag_undersized_rows(capsys):
         group = [r for r in rows if r["cache_size"] == size]
         fastest = min(r["modeled_ms_per_token"] for r in group)
         assert [r["best"] for r in group] == [r["modeled_ms_per_token"] == fastest for r in group]
-    # 20 GiB holds the 8-slot pool (2.6 GiB) but not the 64-slot one (21 GiB).
+    # 2688 MiB holds the 8-slot pool (2.6 GiB, its exact fit: no size added) but not the
+    # 64-slot one (21 GiB).
     small = [r for r in rows if r["cache_size"] == 8]
     assert [r["budget_best"] for r in rows[3:]] == [False] * 3
     assert [r["budget_best"] for r in small] == [r["best"] for r in small]
@@ -458,7 +459,8 @@ def test_the_table_names_the_columns_by_their_keys_and_says_what_bounds_what(cap
     """FAILS if the table loses a cost column, hides the resolved auto split or the byte-size
     rounding, or does not say which bound applies to which rows and which row the budget picks.
 
-    12 GiB of 336 MiB experts: 12 * 1024 / 336 = 36.57 -> 36 slots."""
+    12 GiB of 336 MiB experts: 12 * 1024 / 336 = 36.57 -> 36 slots; the 24 GiB budget's exact
+    fit, 73 slots, is replayed beside it and picked."""
     code, out, err = run(capsys, "--synthetic", "mixtral-like", "--tokens", "4", *TIMED,
                          "--cache-size", "12GiB", "--device-budget", "24GiB")
     assert code == 0, err
@@ -471,7 +473,7 @@ def test_the_table_names_the_columns_by_their_keys_and_says_what_bounds_what(cap
     assert "fraction:auto = B_link/(B_link+B_cpu) = 0.2941" in out
     assert "belady_hit_rate bounds the `full` rows" in flat
     assert "bypass_optimum_hit_rate bounds every row" in flat
-    assert "Best within 24.0GiB: cache_size=36" in flat
+    assert "Best within 24.0GiB: cache_size=73" in flat
     assert "S < L*k = 64" in out
 
 
@@ -491,13 +493,15 @@ def test_cli_mistakes_fail_before_the_replay_with_one_line(capsys):
         assert message in err and len(err.strip().splitlines()) == 1, (argv, err)
 
 
-def test_a_model_that_does_not_match_the_trace_is_warned_about(capsys):
-    """FAILS if a geometry mismatch between --model and the trace passes silently, or a match
-    is warned about."""
-    code, _, err = run(capsys, "--synthetic", "mixtral-like", "--tokens", "2", "--cache-size",
-                       "64", "--policy", "full", "--model", "qwen3-30b-a3b", "--json")
+def test_a_model_that_does_not_match_the_trace_is_warned_about(tmp_path, capsys):
+    """FAILS if a geometry mismatch between --model and a trace file passes silently, or a
+    match is warned about. (A synthetic trace takes --model's geometry: tests/test_cli_sizing.py.)"""
+    path = tmp_path / "mixtral.npy"
+    np.save(path, np.random.default_rng(0).integers(0, 8, size=(2, 32, 2)).astype(np.int32))
+    code, _, err = run(capsys, "--trace", str(path), "--num-experts", "8", "--cache-size",
+                       "128", "--policy", "full", "--model", "qwen3-30b-a3b", "--json")
     assert code == 0 and "warning" in err and "qwen3-30b-a3b has 48 MoE layers" in err
-    code, _, err = run(capsys, "--synthetic", "mixtral-like", "--tokens", "2", "--cache-size",
+    code, _, err = run(capsys, "--trace", str(path), "--num-experts", "8", "--cache-size",
                        "64", "--policy", "full", "--model", "mixtral-8x7b", "--json")
     assert code == 0 and "warning" not in err
 
@@ -572,7 +576,8 @@ def test_json_and_csv_of_an_lru_sweep_are_the_lru_replays_records_exactly(capsys
 
     trace = synthetic_trace("mixtral-realistic", num_tokens=24, seed=0)
     cost = CostModel(W_MIXTRAL, 25e9, 60e9, 20 * 2**30)
-    results = replay(trace, config_grid([64, 96, 128], ["full", "fraction:0.4"]), cost=cost,
+    # 20 GiB of 336 MiB experts: 60 slots, the budget's exact fit, replayed beside the grid.
+    results = replay(trace, config_grid([60, 64, 96, 128], ["full", "fraction:0.4"]), cost=cost,
                      progress=lambda status: None)
     rows = records(results, trace, cost)
     for fmt in ("json", "csv"):

@@ -42,18 +42,24 @@ def _bench_bandwidth(args) -> int:
         return 2
     import jax
 
-    from pallas_cache.sizing.bandwidth import cpu_bandwidth, link_bandwidth
+    from pallas_cache.sizing.bandwidth import cpu_bandwidth, cpu_fixed_cost, link_bandwidth
+    from pallas_cache.sizing.units import format_duration
 
     device = jax.devices()[0]
     link = link_bandwidth(args.mib * 2**20, args.repeats, device)
     cpu = cpu_bandwidth(args.d_model, args.d_expert, args.repeats)
+    fixed, per_expert = cpu_fixed_cost(args.d_model, args.d_expert, args.repeats)
     print(f"device: {device.platform}:{device.id} ({device.device_kind})")
     where = "host -> device" if device.platform != "cpu" else "host -> host (no accelerator)"
     print(f"B_link ~ {format_bandwidth(link)}  ({where} copy of {args.mib}MiB, pageable memory, "
           f"median of {args.repeats})")
     print(f"B_cpu  ~ {format_bandwidth(cpu)}  (one-token float32 x @ W, W {args.d_model} x "
           f"{args.d_expert}, median of {args.repeats})")
-    print(f"flags: --link-bandwidth {format_bandwidth(link)} --cpu-bandwidth {format_bandwidth(cpu)}")
+    print(f"T_cpu  ~ {format_duration(fixed)}  (fixed cost per layer-call of cpu_partial: the "
+          f"intercept of a line through its time with 1-4 CPU experts, "
+          f"{format_duration(per_expert)} per expert; median of {args.repeats})")
+    print(f"flags: --link-bandwidth {format_bandwidth(link)} --cpu-bandwidth {format_bandwidth(cpu)}"
+          f" --cpu-fixed-cost {format_duration(fixed)}")
     return 0
 
 

@@ -11,6 +11,7 @@ import tempfile
 from pallas_cache.evictions import Eviction
 from pallas_cache.sizing import synthetic
 from pallas_cache.sizing.cli_checks import use_ascii_ints
+from pallas_cache.sizing.cli_sizing import add_sizing_arguments, cpu_fixed_seconds
 from pallas_cache.sizing.cost import CostModel
 from pallas_cache.sizing.models import MODELS, resolve_model
 from pallas_cache.sizing.report import FORMATS, legend_text
@@ -73,7 +74,10 @@ modeled_ms_per_token leaves out GPU compute, attention, dense layers and launch 
 best marks the fastest row at each cache size; --device-budget names the fastest that fits.
 Sizes: auto = max(E, L*k) .. L*E in steps of x1.41; rows below L*k are flagged in `note`.
 Bytes and bandwidths: 336MiB, 24GiB, 12GB; 25GB/s, 12GiB/s, 800MB/s (GB = 10^9 bytes).
-Models: """ + ", ".join(MODELS) + """ (NAME:DTYPE for bf16, fp16, fp32, fp8, int8, int4).
+Models: """ + ", ".join(MODELS) + """
+(NAME:DTYPE for bf16, fp16, fp32, fp8, int8, int4, fp8-b128, mxfp4; default: the released
+format, docs/semantics.md §11.1). A synthetic trace takes L, E and top-k from --model, or from
+--num-layers, --num-experts and --top-k.
 
 Columns (the keys of every record; json, jsonl and csv carry all of them, table and markdown
 the informative ones; an absent value is null in json, empty in csv, - in a table):
@@ -141,7 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
     weight = replay.add_mutually_exclusive_group()
     weight.add_argument("--model", metavar="NAME[:DTYPE]",
                         help=f"take the expert size W from a model: {', '.join(MODELS)} "
-                             f"(dtype default bf16)")
+                             f"(dtype default: the released format); with --synthetic, also "
+                             f"its layers, experts and top-k")
     weight.add_argument("--expert-bytes", metavar="SIZE",
                         help="bytes of one routed expert, e.g. 336MiB")
     replay.add_argument("--link-bandwidth", metavar="RATE",
@@ -188,6 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "(e.g. 8GiB, 512MiB, 2e9; default: half the machine's memory)")
     replay.add_argument("-q", "--quiet", action="store_true",
                         help="no progress on stderr (warnings and errors still go there)")
+    add_sizing_arguments(replay)
 
     commands.add_parser("scenarios", help="print the promotion scenarios' table", parents=[common])
 
@@ -349,8 +355,7 @@ def cost_options(args):
     if args.model:
         model, dtype = resolve_model(args.model)
         width = model.expert_bytes(dtype)
-        label = (f"{model.name} {dtype}: W = 3 x {model.d_model} x {model.d_expert} x "
-                 f"{width * 8 // (3 * model.d_model * model.d_expert)} bits = {format_bytes(width)}")
+        label = model.weight_label(dtype)
     elif args.expert_bytes:
         width = parse_bytes(args.expert_bytes)
         label = f"W = {format_bytes(width)} ({width} bytes)"
@@ -358,6 +363,7 @@ def cost_options(args):
     cpu = parse_bandwidth(args.cpu_bandwidth) if args.cpu_bandwidth else None
     budget = parse_bytes(args.device_budget) if args.device_budget else None
     cost = CostModel(width, link, cpu, budget)
+    cost = CostModel(width, link, cpu, budget, cpu_fixed_seconds(args, cost.timed))
     if budget is not None and not cost.timed:
         raise ValueError("--device-budget needs an expert size (--model or --expert-bytes) and "
                          "both --link-bandwidth and --cpu-bandwidth")
@@ -409,12 +415,13 @@ def cache_sizes(texts, trace, cost):
     return sizes, shown
 
 
-def resolve_policies(requested, cost):
-    """The policy list with ``fraction:auto`` resolved (docs/semantics.md §11.4)."""
+def resolve_policies(requested, cost, top_k=None):
+    """The policy list with ``fraction:auto`` resolved (docs/semantics.md §11.4; with a fixed
+    CPU cost it depends on ``top_k``, the routes per call)."""
     if requested is None:
         requested = DEFAULT_TIMED_POLICIES if cost.link_bandwidth and cost.cpu_bandwidth \
             else DEFAULT_POLICIES
-    resolved = [cost.auto_policy() if p == "fraction:auto" else p for p in requested]
+    resolved = [cost.auto_policy(top_k) if p == "fraction:auto" else p for p in requested]
     return list(dict.fromkeys(resolved))
 
 

@@ -12,6 +12,8 @@ import textwrap
 import threading
 import time
 
+import numpy as np
+
 from pallas_cache.sizing import synthetic
 from pallas_cache.sizing.cli_args import (DEFAULT_PRESET, cache_sizes, check_plot_path,
                                           check_state_memory, clamped, cost_options,
@@ -20,15 +22,14 @@ from pallas_cache.sizing.cli_checks import (check_before_reading, check_geometry
                                             check_modeled_numbers, check_step_memory)
 from pallas_cache.sizing.cli_devices import (device_cost, device_header, run_expert_parallel,
                                              tensor_records)
+from pallas_cache.sizing.cli_sizing import (batches, cliff_lines, synthetic_geometry,
+                                            with_budget_fit)
 from pallas_cache.sizing.progress import Bar, Progress
 from pallas_cache.sizing.report import format_records, records
 from pallas_cache.sizing.traces import TraceError, default_memory_limit, load_trace, parse_fields
-from pallas_cache.sizing.units import format_bandwidth, format_bytes
+from pallas_cache.sizing.units import format_bandwidth, format_bytes, format_duration
 
 __all__ = ["READ_PROGRESS_AFTER", "exit_now_if_compiling", "run_replay"]
-
-#: Calls per compiled chunk of the legend's route_knn scan (a Ctrl-C waits at most one).
-_COMPANION_CHUNK = 4096
 
 
 def _load(args, progress: Progress | None = None):
@@ -38,8 +39,22 @@ def _load(args, progress: Progress | None = None):
         return load_trace(args.trace, num_layers=args.num_layers, num_experts=args.num_experts,
                           max_memory=args.max_memory, fields=fields,
                           trace_format=args.trace_format, progress=report)
-    return synthetic.synthetic_trace(args.synthetic or DEFAULT_PRESET, num_tokens=args.tokens,
-                                     seed=args.seed, max_memory=args.max_memory)
+    trace = synthetic.synthetic_trace(args.synthetic or DEFAULT_PRESET, num_tokens=args.tokens,
+                                      seed=args.seed, max_memory=args.max_memory,
+                                      geometry=_geometry(args))
+    if getattr(args, "requests", None) is not None:
+        from pallas_cache.sizing.batching import split_requests
+
+        trace = split_requests(trace, args.requests, args.seed)
+    return trace
+
+
+def _geometry(args) -> dict:
+    """The synthetic trace's geometry overrides (checked by :func:`synthetic_geometry` before
+    the trace is read)."""
+    if getattr(args, "geometry", None) is None:
+        args.geometry = synthetic_geometry(args, DEFAULT_PRESET)
+    return args.geometry
 
 
 #: Seconds a trace may take to read before its progress is shown (a phase of the replay's).
@@ -64,14 +79,17 @@ class _ReadProgress:
 
 
 def _knn_companions(configs, args) -> list:
-    """When the sweep is LRU alone and printed as a table: route_knn at each size of one LRU
-    series (policy ``full`` if swept, else the first policy; the first order; the first
-    admission route_knn takes), replayed for the legend's one line only (the rows stay LRU's)."""
+    """When the sweep is LRU alone, printed as a table, with the legend's route_knn line on
+    (``--no-route-knn-legend`` turns it off): route_knn at each size of one LRU series (policy
+    ``full`` if swept, else the first policy; the first order; the first admission route_knn
+    takes). They are replayed by the sweep itself, as lanes of one more compiled program, for
+    the legend's one line only (the rows, their costs and the budget pick stay LRU's)."""
     from pallas_cache.sizing.sweep import ReplayConfig
 
     fmt = args.format or ("json" if args.json else "table")
     admissions = [a for a in args.admission if a != "reuse"]
-    if fmt != "table" or set(args.eviction) != {"lru"} or not configs or not admissions:
+    if (fmt != "table" or not getattr(args, "knn_legend", True) or set(args.eviction) != {"lru"}
+            or not configs or not admissions):
         return []
     policies = [c.policy for c in configs]
     policy = "full" if "full" in policies else policies[0]
@@ -80,70 +98,12 @@ def _knn_companions(configs, args) -> list:
             for size in sizes]
 
 
-def _companion_hit_rates(trace, companions, cancelled=lambda: False) -> list[float]:
-    """The hit rate of each companion configuration (one policy, order and admission, any sizes)
-    on ``trace``: the replay's rule (1 - missing / active over every accepted call) from a plain
-    scan of the library's step per size, all sizes through one compiled program (states at the
-    largest capacity, each with its usable size). Cheaper to compile than the replay's chunk
-    program (not unrolled, no pair counts, no lanes), which is all this one line needs. Runs in
-    chunks of calls (the last padded with refused calls, which change nothing) and returns
-    ``[]`` once ``cancelled()`` says so."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    from pallas_cache.ops import Rules, ensure_with_rules
-    from pallas_cache.sizing.sweep import parse_policy
-    from pallas_cache.state import init
-
-    first = companions[0]
-    sizes = [c.cache_size for c in companions]
-    policy = parse_policy(first.policy)
-    rules = Rules.of(hybrid=True, order=first.order, admission=first.admission)
-
-    @jax.jit
-    def advance(state, layers, routes):
-        def call(state, layer_routes):
-            state, _ = ensure_with_rules(state, layer_routes[0], layer_routes[1], policy, rules,
-                                         backend="xla")
-            return state, None
-        return jax.lax.scan(call, state, (layers, routes))[0]
-
-    layers, routes = trace.to_array()
-    chunk = min(_COMPANION_CHUNK, len(layers))
-    pad = -len(layers) % chunk
-    layers = np.concatenate([layers, np.full(pad, -1, layers.dtype)])  # layer -1: refused
-    routes = np.concatenate([routes, np.full((pad, routes.shape[1]), -1, routes.dtype)])
-    rates = []
-    for size in sizes:
-        state = init(trace.num_layers, trace.num_experts, size, capacity=max(sizes),
-                     eviction=first.eviction)
-        for start in range(0, len(layers), chunk):
-            if cancelled():
-                return []
-            state = advance(state, jnp.asarray(layers[start:start + chunk]),
-                            jnp.asarray(routes[start:start + chunk]))
-        _, active, missing, _ = (int(v) for v in jax.device_get(state.stats.sum(axis=0)))
-        rates.append(1.0 - missing / active if active else 1.0)
-    return rates
-
-
-def _join_companions(thread, stop) -> None:
-    """Wait for the route_knn thread; interrupted, tell it to stop and still wait (a process
-    that exits while XLA runs in a thread aborts instead of exiting 130)."""
-    try:
-        thread.join()
-    except BaseException:
-        stop.set()
-        thread.join()
-        raise
-
-
-def _knn_line(results, companions, hit_rates) -> str | None:
+def _knn_line(results, companions, knn_results) -> str | None:
     """The legend's line: route_knn's hit rate minus LRU's, at each size of the companions'
-    series (``None`` without companions)."""
-    if not companions or len(hit_rates) != len(companions):
+    series (``None`` without companions); ``knn_results`` are the companions' replay results."""
+    if not companions or len(knn_results) != len(companions):
         return None
+    hit_rates = [r.hit_rate for r in knn_results]
     first = companions[0]
     lru = {r.cache_size: r.hit_rate for r in results
            if (r.policy, r.order, r.admission, r.eviction)
@@ -158,6 +118,7 @@ def _legend(results, trace, cost, knn_line: str | None = None) -> list[str]:
     """What a newcomer needs to read the table: the bounds, the model, the verdict, and (an LRU
     sweep) what route_knn changes (one line, not wrapped)."""
     k = min(trace.top_k, trace.num_experts)
+    cliffs = cliff_lines(results, trace)
     paragraphs = [
         "hit_rate = 1 - missing/active per layer-call. Bounds: belady_hit_rate bounds the `full` "
         "rows (every miss admitted); bypass_optimum_hit_rate bounds every row (a miss may be "
@@ -172,9 +133,10 @@ def _legend(results, trace, cost, knn_line: str | None = None) -> list[str]:
     elif not cost.timed:
         paragraphs.append("For modeled ms per token add --link-bandwidth and --cpu-bandwidth.")
     else:
+        fixed = " + T_cpu if cpu_experts > 0" if cost.cpu_fixed_seconds else ""
         paragraphs.append("modeled_ms_per_token: per layer-call max(fetched*W/B_link, "
-                          "cpu_experts*W/B_cpu), summed per token (docs/semantics.md §11); "
-                          "best = the fastest row at its cache_size.")
+                          f"cpu_experts*W/B_cpu{fixed}), summed per token (docs/semantics.md "
+                          "§11); best = the fastest row at its cache_size.")
         if cost.device_budget is None:
             paragraphs.append("No --device-budget: in this model a bigger cache is never slower, "
                               "so only a budget picks one (e.g. --device-budget 24GiB).")
@@ -192,8 +154,8 @@ def _legend(results, trace, cost, knn_line: str | None = None) -> list[str]:
                     f"admission={r.admission}"
                     f"{'' if r.eviction == 'lru' else ' eviction=' + r.eviction}: "
                     f"{r.modeled_ms_per_token:.1f} ms/token modeled.")
-    return ([textwrap.fill(text, width=100, break_on_hyphens=False) for text in paragraphs]
-            + ([knn_line] if knn_line else []))
+    return ([textwrap.fill(text, width=100, break_on_hyphens=False)
+             for text in cliffs + paragraphs] + ([knn_line] if knn_line else []))
 
 
 
@@ -297,16 +259,34 @@ class _Checked(Progress):
         self.inner.close()
 
 
+def _auto_top_k(args, cost) -> int | None:
+    """The routes per call ``fraction:auto`` balances with a fixed CPU cost: ``None`` without
+    one (the rule needs none), the synthetic trace's ``min(top_k, E)``, or 0 for a trace file
+    (known once it is read)."""
+    if not cost.cpu_fixed_seconds:
+        return None
+    if args.trace:
+        return 0
+    params, _ = synthetic.checked_params(args.synthetic or DEFAULT_PRESET, args.tokens,
+                                         args.seed, max_memory=args.max_memory,
+                                         geometry=_geometry(args))
+    return min(params.top_k, params.num_experts)
+
+
 def _precompile_synthetic(args, policies, cost) -> threading.Thread | None:
     """A thread compiling the replay's programs while the synthetic trace is generated (its
     geometry is the preset's, so the sweep is known before the trace), or ``None`` where the
     sweep's options are off (the replay reports them after the trace, as for a trace file)."""
     from pallas_cache.sizing.sweep import config_grid, precompile
 
+    if getattr(args, "batch", None) and batches(args):
+        return None  # the merged calls' width is B * top_k: other programs than the trace's
     try:  # a refused trace starts no compile: the thread never outlives a refusal
         params, _ = synthetic.checked_params(args.synthetic or DEFAULT_PRESET, args.tokens,
-                                             args.seed, max_memory=args.max_memory)
-        sizes, _ = cache_sizes(args.cache_size, params, cost)
+                                             args.seed, max_memory=args.max_memory,
+                                             geometry=_geometry(args))
+        sizes, _ = with_budget_fit(*cache_sizes(args.cache_size, params, cost), cost,
+                                   params.num_layers, params.num_experts)
         configs = config_grid(sizes, policies, args.order, args.admission, args.eviction)
         check_state_memory(sizes, len(configs) // len(set(sizes)), params.num_layers,
                             params.num_experts, args.max_memory)
@@ -314,6 +294,7 @@ def _precompile_synthetic(args, policies, cost) -> threading.Thread | None:
         return None
     if not configs:
         return None
+    configs = configs + _knn_companions(configs, args)
 
     finished = threading.Event()
     _COMPILES.append(finished)
@@ -365,6 +346,7 @@ def run_replay(args) -> int:
 
 
 def _replay_with(args, progress: Progress, latch: _InterruptLatch) -> int:
+    from pallas_cache.sizing.cost import with_costs
     from pallas_cache.sizing.sweep import config_grid, replay  # jax import deferred until needed
 
     try:
@@ -378,7 +360,15 @@ def _replay_with(args, progress: Progress, latch: _InterruptLatch) -> int:
             args.plot = check_plot_path(args.plot)
         cost, model, weight_label = cost_options(args)
         cost = device_cost(args, cost)
-        requested = resolve_policies(args.policy, cost)
+        _geometry(args)
+        batched = batches(args)
+        if batched and getattr(args, "devices", None) is not None:
+            raise ValueError(f"--batch replays one device's cache; it does not combine with "
+                             f"--devices {args.devices}")
+        auto_k = _auto_top_k(args, cost)
+        # fraction:auto with a fixed CPU cost waits for a trace file's routes per call (auto_k
+        # 0); until then the policies are checked as resolved at one route per call
+        requested = resolve_policies(args.policy, cost, 1 if auto_k == 0 else auto_k)
         policies = list(dict.fromkeys(clamped(policy) for policy in requested))
         check_before_reading(args, cost, policies)
         progress.note(f"reading {args.trace}..." if args.trace else
@@ -387,21 +377,30 @@ def _replay_with(args, progress: Progress, latch: _InterruptLatch) -> int:
         compiling = (None if args.trace or expert_parallel
                      else _precompile_synthetic(args, policies, cost))
         trace = _load(args, progress)
+        if auto_k == 0:
+            auto_k = min(trace.top_k, trace.num_experts)
+            requested = resolve_policies(args.policy, cost, auto_k)
+            policies = list(dict.fromkeys(clamped(policy) for policy in requested))
         if expert_parallel:
             return run_expert_parallel(args, trace, cost, policies, progress, latch)
-        sizes, size_lines = cache_sizes(args.cache_size, trace, cost)
+        sizes, size_lines = with_budget_fit(*cache_sizes(args.cache_size, trace, cost), cost,
+                                            trace.num_layers, trace.num_experts)
         check_geometry(trace.num_layers, trace.num_experts, sizes)
         check_modeled_numbers(cost, trace.num_layers, trace.top_k)
         configs = config_grid(sizes, policies, args.order, args.admission, args.eviction)
         if not configs:
             raise ValueError(f"admission reuse needs eviction lru; got --eviction "
                              f"{' '.join(args.eviction)}")
+        if batched and len(np.unique(trace.sequence)) < 2:
+            raise ValueError("--batch needs several requests; the trace has one"
+                             + ("" if args.trace else " (give --requests N)"))
     except (TraceError, OSError, KeyError, TypeError, ValueError) as error:
         progress.close()
         print(f"pallas-cache: {error}", file=sys.stderr)
         return 2
-    try:
-        check_state_memory(sizes, len(configs) // len(set(sizes)), trace.num_layers,
+    companions = [] if batched else _knn_companions(configs, args)
+    try:  # the legend's route_knn lanes are states of the sweep too
+        check_state_memory(sizes, len(configs + companions) // len(set(sizes)), trace.num_layers,
                             trace.num_experts, args.max_memory)
         check_step_memory(sizes, len(configs) // len(set(sizes)), trace.num_experts,
                           trace.top_k, args.max_memory)
@@ -416,29 +415,21 @@ def _replay_with(args, progress: Progress, latch: _InterruptLatch) -> int:
         print(model_mismatch(model, trace), file=sys.stderr)
     if compiling is not None:
         compiling.join()  # a replay started before its program is compiled compiles it again
-    # route_knn's hit rates for the legend, computed beside the sweep (a thread: XLA runs without
-    # the GIL) and apart from it, so no LRU row (nor its budget pick) depends on them.
-    companions = _knn_companions(configs, args)
-    knn_rates: list = []
-    knn_thread, knn_stop = None, threading.Event()
-    if companions:
-        knn_thread = threading.Thread(
-            target=lambda: knn_rates.extend(
-                _companion_hit_rates(trace, companions, knn_stop.is_set)),
-            daemon=True, name="pallas-cache-route-knn")
-        knn_thread.start()
-    try:
-        results = replay(trace, configs, cost=cost, progress=progress)
-    except BaseException:
-        knn_stop.set()
-        if knn_thread is not None:
-            _join_companions(knn_thread, knn_stop)
-        raise
-    if knn_thread is not None:
-        _join_companions(knn_thread, knn_stop)
+    # route_knn's lanes for the legend ride in the sweep's own programs; the costs (and the
+    # budget pick) are the swept rows' alone.
+    if batched:
+        from pallas_cache.sizing.batching import batched_records
+
+        results, rows = batched_records(trace, configs, cost, batched, replay, progress)
+        knn_results = []
+    else:
+        replayed = replay(trace, configs + companions, progress=progress)
+        results = with_costs(replayed[:len(configs)], cost)
+        knn_results = replayed[len(configs):]
+        rows = records(results, trace, cost)
     latch.check()  # nothing is written after a Ctrl-C, even one a compile callback swallowed
     fmt = args.format or ("json" if args.json else "table")
-    rows = tensor_records(records(results, trace, cost), args)
+    rows = tensor_records(rows, args)
     if fmt != "table":
         print(format_records(rows, fmt))
     else:
@@ -448,14 +439,20 @@ def _replay_with(args, progress: Progress, latch: _InterruptLatch) -> int:
         if cost.link_bandwidth or cost.cpu_bandwidth:
             header.append("bandwidth: " + "  ".join(
                 f"{name}={format_bandwidth(value)}" for name, value in
-                (("B_link", cost.link_bandwidth), ("B_cpu", cost.cpu_bandwidth)) if value))
+                (("B_link", cost.link_bandwidth), ("B_cpu", cost.cpu_bandwidth)) if value)
+                + (f"  T_cpu={format_duration(cost.cpu_fixed_seconds)}"
+                   if cost.cpu_fixed_seconds else ""))
         if args.policy is None or "fraction:auto" in args.policy:
-            if cost.link_bandwidth and cost.cpu_bandwidth:
+            if cost.link_bandwidth and cost.cpu_bandwidth and not cost.cpu_fixed_seconds:
                 header.append(f"fraction:auto = B_link/(B_link+B_cpu) = "
                               f"{cost.auto_fraction():.4f} -> {cost.auto_policy()}")
+            elif cost.link_bandwidth and cost.cpu_bandwidth:
+                header.append(f"fraction:auto = (k*W/B_cpu + T_cpu)/(k*W/B_link + k*W/B_cpu) at "
+                              f"k = {auto_k} = {cost.auto_fraction(auto_k):.4f} -> "
+                              f"{cost.auto_policy(auto_k)}")
         header += [f"size: {line}" for line in size_lines] + device_header(args, cost)
         print(format_records(rows, "table", header))
-        print("\n".join(_legend(results, trace, cost, _knn_line(results, companions, knn_rates))))
+        print("\n".join(_legend(results, trace, cost, _knn_line(results, companions, knn_results))))
     if args.plot:
         try:
             _plot(rows, args.plot)

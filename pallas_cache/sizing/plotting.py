@@ -37,6 +37,30 @@ def series_style(index: int, eviction: str | None = None) -> dict:
             "linestyle": linestyle}
 
 
+#: ``gid`` of the legend's entries that explain the right panel's markers.
+MARKER_KEY_GID = "marker-key"
+
+
+def _marker_labels(weighed: bool, timed: bool) -> list[str]:
+    unit = "GiB" if weighed else "experts"
+    labels = [f"right: fetched {unit} per token (series marker)",
+              f"right: CPU-computed {unit} per token ({CPU_MARKER}; none drawn where 0)"]
+    return labels + (["right: modeled ms per token (thin line, hollow marker)"] if timed else [])
+
+
+def _marker_keys(weighed: bool, timed: bool) -> list:
+    """Legend entries for the right panel's markers: grey proxies of the fetched (filled), CPU
+    (:data:`CPU_MARKER`) and modeled-ms (hollow, thin) series."""
+    from matplotlib.lines import Line2D
+
+    keys = [Line2D([], [], color="0.3", marker="o", linestyle="-", gid=MARKER_KEY_GID),
+            Line2D([], [], color="0.3", marker=CPU_MARKER, linestyle="-", gid=MARKER_KEY_GID)]
+    if timed:
+        keys.append(Line2D([], [], color="0.3", marker="o", markerfacecolor="none",
+                           linewidth=0.8, alpha=0.7, linestyle="-", gid=MARKER_KEY_GID))
+    return keys
+
+
 def _rows(results: Iterable) -> list[dict]:
     rows = [r if isinstance(r, dict) else dataclasses.asdict(r) for r in results]
     if not rows:
@@ -58,9 +82,11 @@ def plot(results: Sequence, axes=None, *, title: str | None = None):
     ``full`` rows) and the stationary ``oracle_hit_rate`` (a reference). Right panel: per token,
     the host-to-device traffic (``fetched_bytes_per_token`` in GiB, or ``fetched_per_token``
     experts without ``W``; the series' marker) beside the experts the CPU computes
-    (``cpu_bytes_per_token`` or ``cpu_experts_per_token``; marker :data:`CPU_MARKER`), and, when
-    the rows are timed, ``modeled_ms_per_token`` on a second y axis (thin, hollow markers). The
-    legend sits outside the data, right of the panels.
+    (``cpu_bytes_per_token`` or ``cpu_experts_per_token``; marker :data:`CPU_MARKER`; not drawn
+    for a series whose CPU traffic is 0 at every size, e.g. ``full``), and, when the rows are
+    timed, ``modeled_ms_per_token`` on a second y axis (thin, hollow markers). The legend sits
+    outside the data, right of the panels, and ends with an entry per marker kind of the right
+    panel. The title is left-aligned above the left panel.
 
     Args:
       results: :class:`~pallas_cache.sizing.sweep.ReplayResult` rows or their records
@@ -110,7 +136,8 @@ def plot(results: Sequence, axes=None, *, title: str | None = None):
         traffic_axes.plot(xs, traffic, gid=f"traffic:{label}", **style)
         cpu = [_gib(r["cpu_bytes_per_token"]) if weighed else r["cpu_experts_per_token"]
                for r in group]
-        traffic_axes.plot(xs, cpu, gid=f"cpu:{label}", **{**style, "marker": CPU_MARKER})
+        if any(cpu):  # a series that never computes on the CPU (`full`) draws no zero line
+            traffic_axes.plot(xs, cpu, gid=f"cpu:{label}", **{**style, "marker": CPU_MARKER})
         if ms_axes is not None:
             ms_axes.plot(xs, [r["modeled_ms_per_token"] for r in group], gid=f"ms:{label}",
                          linewidth=0.8, alpha=0.7, markerfacecolor="none", **style)
@@ -136,18 +163,19 @@ def plot(results: Sequence, axes=None, *, title: str | None = None):
     hit_axes.set_ylim(0, 1.02)
     hit_axes.grid(alpha=0.3)
     traffic_axes.set_xlabel(unit)
-    traffic_axes.set_ylabel(("GiB per token" if weighed else "experts per token")
-                            + f": fetched (series marker), CPU-computed ({CPU_MARKER})")
+    traffic_axes.set_ylabel("GiB per token" if weighed else "experts per token")
     traffic_axes.set_ylim(bottom=0)
     traffic_axes.grid(alpha=0.3)
     if ms_axes is not None:
-        ms_axes.set_ylabel("modeled ms per token (thin, hollow)")
+        ms_axes.set_ylabel("modeled ms per token")
         ms_axes.set_ylim(bottom=0)
     if title is None:
         title = rows[0].get("source")
-    if title:
-        figure.suptitle(str(title), fontsize=9)
+    if title:  # left-aligned, above the left panel: clear of the right panel's axis labels
+        figure.suptitle(str(title), fontsize=9, x=0.01, horizontalalignment="left")
     handles, labels = hit_axes.get_legend_handles_labels()
+    handles, labels = handles + _marker_keys(weighed, timed), labels + _marker_labels(weighed,
+                                                                                      timed)
     columns = -(-len(labels) // 16)  # at most 16 entries a column: the legend fits the height
     if own:
         figure.set_figwidth(12 + 2.8 * (columns - 1))

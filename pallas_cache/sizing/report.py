@@ -121,6 +121,11 @@ def table_columns(rows: Sequence[dict]) -> list[str]:
                 else ["fetched_per_token", "cpu_experts_per_token"])
     if timed:
         columns += ["modeled_ms_per_token", "best"]
+    if "batch" in rows[0]:  # a batched replay (pallas_cache.sizing.batching): per B
+        columns.insert(1, "batch")
+        columns.insert(2, "steps")
+        if timed:
+            columns.insert(columns.index("best"), "modeled_ms_per_step")
     return columns + ["note"]
 
 
@@ -134,7 +139,7 @@ def _cell(key: str, value) -> str:
         return "yes" if value else ""
     if key.endswith("_rate"):
         return f"{value:.4f}"
-    if key == "modeled_ms_per_token":
+    if key in ("modeled_ms_per_token", "modeled_ms_per_step"):
         return f"{value:.1f}"
     if isinstance(value, float):
         return f"{value:.2f}"
@@ -197,12 +202,14 @@ def _markdown(rows: Sequence[dict], header_lines: Sequence[str]) -> str:
 
 def _csv(rows: Sequence[dict]) -> str:
     buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=RECORD_KEYS, lineterminator="\n")
+    # RECORD_KEYS, then any keys a batched replay adds (pallas_cache.sizing.batching).
+    keys = list(RECORD_KEYS) + [key for key in (rows[0] if rows else {}) if key not in RECORD_KEYS]
+    writer = csv.DictWriter(buffer, fieldnames=keys, lineterminator="\n")
     writer.writeheader()
     for r in rows:
         writer.writerow({key: ("" if r[key] is None else
                                json.dumps(r[key]) if key == "pair_counts" else r[key])
-                         for key in RECORD_KEYS})
+                         for key in keys})
     return buffer.getvalue().rstrip("\n")
 
 

@@ -160,7 +160,7 @@ def run_groups(plan: SweepPlan, report: Progress, compiled: Callable[[], None]) 
                 cpu_experts_per_token=(missing - fetched) / max(num_tokens, 1),
                 pair_counts=tuple((int(f), int(c), int(pairs[row][f, c]))
                                   for f, c in zip(fetched_of, cpu_of)),
-                note=_note(size, trace),
+                note=_note(size, trace, 1.0 - missing / active if active else 1.0),
                 eviction=eviction,
             )
     return results
@@ -277,12 +277,14 @@ class OptimaThread:
                 return value
 
 
-def _note(size: int, trace: Trace) -> str:
-    """Why a row of this size deserves a second look (docs/semantics.md §11.3), else ``""``."""
+def _note(size: int, trace: Trace, hit_rate: float) -> str:
+    """Why a row of this size deserves a second look (docs/semantics.md §11.3), else ``""``;
+    ``hit_rate``: the row's, quoted beside the cliff it fell off."""
     num_layers, top_k = trace.num_layers, min(trace.top_k, trace.num_experts)
     notes = []
     if size < num_layers * top_k:
-        notes.append(f"S < L*k = {num_layers * top_k}: LRU thrashes on the cyclic layer sweep")
+        notes.append(f"S < L*k = {num_layers * top_k}: LRU thrashes on the cyclic layer sweep "
+                     f"(hit rate {hit_rate:.3f} here)")
     if size < num_layers:
         notes.append(f"oracle assumes 1 slot/layer = {num_layers} > S")
     return "; ".join(notes)

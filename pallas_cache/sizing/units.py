@@ -10,7 +10,8 @@ from __future__ import annotations
 import math
 import re
 
-__all__ = ["parse_bytes", "parse_bandwidth", "format_bytes", "format_bandwidth"]
+__all__ = ["parse_bytes", "parse_bandwidth", "parse_duration", "format_bytes", "format_bandwidth",
+           "format_duration"]
 
 _PREFIX = {
     "": 1, "k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
@@ -69,3 +70,27 @@ def format_bandwidth(rate: float) -> str:
         if rate >= scale:
             return f"{rate / scale:.4g}{unit}"
     return f"{rate:.4g}B/s"
+
+
+_DURATION = re.compile(r"^\s*(?P<number>[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*"
+                       r"(?P<unit>s|ms|us|µs|ns)\s*$")
+_SECONDS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
+
+
+def parse_duration(text: str) -> float:
+    """``"0.08ms"`` -> ``8e-5`` seconds; ``s``, ``ms``, ``us`` (or ``µs``) and ``ns``; the unit is
+    required, and 0 is allowed (``"0ms"``)."""
+    match = _DURATION.match(str(text))
+    if match is None:
+        raise ValueError(f"bad duration {text!r}: expected a number with a unit such as "
+                         f"0.08ms, 80us or 0s")
+    value = float(match.group("number")) * _SECONDS[match.group("unit")]
+    if not math.isfinite(value):
+        raise ValueError(f"bad duration {text!r}: not finite")
+    return value
+
+
+def format_duration(seconds: float) -> str:
+    """``8e-5`` -> ``"0.08ms"``: milliseconds to 4 significant digits (``parse_duration`` reads
+    it back)."""
+    return f"{seconds * 1e3:.4g}ms"

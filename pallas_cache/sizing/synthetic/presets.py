@@ -35,7 +35,7 @@ PRESETS: dict[str, SyntheticParams | RealisticParams] = {
 
 
 def checked_params(preset_or_params, num_tokens: int | None = None, seed: int = 0, *,
-                   max_memory: int | None = None):
+                   max_memory: int | None = None, geometry: dict | None = None):
     """``(params, label)`` of a :func:`synthetic_trace` call, every argument checked and nothing
     generated; raises exactly what :func:`synthetic_trace` raises for them."""
     if isinstance(preset_or_params, str):
@@ -48,6 +48,20 @@ def checked_params(preset_or_params, num_tokens: int | None = None, seed: int = 
     else:
         raise TypeError(f"expected a preset name, SyntheticParams or RealisticParams, got "
                         f"{type(preset_or_params).__name__}")
+    changed = {field: value for field, value in (geometry or {}).items()
+               if field in _GEOMETRY and getattr(params, field) != value}
+    unknown = set(geometry or {}) - set(_GEOMETRY)
+    if unknown:
+        raise TypeError(f"geometry takes {', '.join(_GEOMETRY)}; got {sorted(unknown)}")
+    if changed:
+        for field, value in changed.items():
+            if not is_int(value) or value < 1:
+                raise ValueError(f"{field} must be a positive integer, got {value!r}")
+        params = replace(params, **changed)
+        if params.top_k > params.num_experts:
+            raise ValueError(f"top_k {params.top_k} exceeds num_experts {params.num_experts}")
+        label += "[" + ", ".join(f"{_GEOMETRY[field]}={getattr(params, field)}"
+                                 for field in _GEOMETRY) + "]"
     if num_tokens is not None:
         params = replace(params, num_tokens=num_tokens)
     if not is_int(seed) or seed < 0:
@@ -60,9 +74,13 @@ def checked_params(preset_or_params, num_tokens: int | None = None, seed: int = 
     return params, label
 
 
+#: The geometry fields a ``geometry=`` override may set, with their names in the trace's label.
+_GEOMETRY = {"num_layers": "layers", "num_experts": "experts", "top_k": "top_k"}
+
+
 def synthetic_trace(preset_or_params: str | SyntheticParams | RealisticParams,
                     num_tokens: int | None = None, seed: int = 0, *,
-                    max_memory: int | None = None) -> Trace:
+                    max_memory: int | None = None, geometry: dict | None = None) -> Trace:
     """Generate a seeded synthetic routing trace.
 
     Args:
@@ -73,6 +91,9 @@ def synthetic_trace(preset_or_params: str | SyntheticParams | RealisticParams,
             a larger ``num_tokens`` with the same seed extends it (the first tokens are equal).
         max_memory: bytes the generated arrays may take (``None``: the trace module's
             ``default_memory_limit()``); checked before anything is generated.
+        geometry: ``num_layers``, ``num_experts`` and/or ``top_k`` replacing the preset's (the
+            other knobs kept); a changed geometry is named in the trace's ``source``, e.g.
+            ``synthetic:fine-grained[layers=58, experts=256, top_k=8](tokens=..., seed=0)``.
 
     Returns:
         A dense trace: one sequence, tokens ``0..T-1``, each calling layers ``0..L-1`` in order
@@ -85,7 +106,8 @@ def synthetic_trace(preset_or_params: str | SyntheticParams | RealisticParams,
         MemoryLimitError: (a ``ValueError``) ``num_tokens`` whose arrays would exceed
             ``max_memory``.
     """
-    params, label = checked_params(preset_or_params, num_tokens, seed, max_memory=max_memory)
+    params, label = checked_params(preset_or_params, num_tokens, seed, max_memory=max_memory,
+                                   geometry=geometry)
     if isinstance(params, RealisticParams):
         return Trace.from_dense(realistic_routes(params, seed), num_layers=params.num_layers,
                                 num_experts=params.num_experts,

@@ -1,0 +1,182 @@
+"""``pallas-cache replay``'s sizing flags (the legend's route_knn line, the model geometry of a
+synthetic trace, the exact-fit size of a device budget, batched decode, the CPU's fixed cost):
+their argument group and the checks that refuse a bad value or combination before the trace is
+read (each as a ``ValueError`` whose text is the one line the CLI prints, exit 2)."""
+
+from __future__ import annotations
+
+import argparse
+
+from pallas_cache.sizing import synthetic
+from pallas_cache.sizing.units import parse_duration
+
+__all__ = ["add_sizing_arguments", "batches", "budget_fit", "cliff_lines", "cpu_fixed_seconds",
+           "synthetic_geometry", "with_budget_fit"]
+
+
+def add_sizing_arguments(replay: argparse.ArgumentParser) -> None:
+    """Add the sizing flags to the ``replay`` subcommand's parser, as one argument group."""
+    group = replay.add_argument_group("sizing")
+    group.add_argument("--no-route-knn-legend", dest="knn_legend", action="store_false",
+                       help="leave out the table legend's route_knn line (an LRU-only table "
+                            "replays route_knn at each size beside the sweep, in the same "
+                            "compiled programs, for that line)")
+    group.add_argument("--top-k", type=int, default=None, metavar="K",
+                       help="routes per layer-call of a synthetic trace (with --num-layers and "
+                            "--num-experts, its geometry; default: --model's, else the "
+                            "preset's); a --trace's routes give its own")
+    group.add_argument("--batch", type=int, nargs="+", default=None, metavar="B",
+                       help="replay B requests decoding together (continuous batching: a "
+                            "finished request's place goes to the next), each layer-call "
+                            "carrying every active request's token; a sweep axis like "
+                            "--cache-size (default: 1, one token per call)")
+    group.add_argument("--requests", type=int, default=None, metavar="N",
+                       help="cut a synthetic trace into N requests of unequal length (for "
+                            "--batch; a --trace's sequences are its requests)")
+    group.add_argument("--cpu-fixed-cost", metavar="TIME", default=None,
+                       help="T_cpu, the CPU partial's fixed cost per layer-call that has at "
+                            "least one CPU expert, e.g. 0.08ms (pallas-cache bench-bandwidth "
+                            "measures it; needs W and both bandwidths; default 0)")
+
+
+def cpu_fixed_seconds(args, timed: bool) -> float:
+    """``--cpu-fixed-cost`` in seconds (0 when not given); ``timed``: whether ``W`` and both
+    bandwidths are known, without which the flag does not apply (an error naming it)."""
+    text = getattr(args, "cpu_fixed_cost", None)
+    if text is None:
+        return 0.0
+    try:
+        seconds = parse_duration(text)
+    except ValueError as error:
+        raise ValueError(f"--cpu-fixed-cost: {error}") from None
+    if not timed:
+        raise ValueError("--cpu-fixed-cost needs an expert size (--model or --expert-bytes) and "
+                         "both --link-bandwidth and --cpu-bandwidth")
+    return seconds
+
+
+_GEOMETRY_FLAGS = (("num_layers", "--num-layers", "moe_layers", "MoE layers"),
+                   ("num_experts", "--num-experts", "routed_experts", "routed experts"),
+                   ("top_k", "--top-k", "top_k", "top-k"))
+
+
+def synthetic_geometry(args, default_preset: str) -> dict:
+    """The geometry a synthetic trace (named by ``--synthetic``, or the default one) is
+    generated with: ``{"num_layers": L, "num_experts": E, "top_k": k}`` for the fields that
+    differ from the preset, from ``--model`` (its MoE layers, routed experts and top-k) and the
+    explicit ``--num-layers`` / ``--num-experts`` / ``--top-k``; ``{}`` for a ``--trace``, whose
+    ``--num-layers`` / ``--num-experts`` declare its counts and whose routes give its top-k.
+
+    Raises ValueError naming the flag: ``--top-k`` with a ``--trace``; an explicit count that
+    contradicts ``--model``'s; a count below 1; a top-k above the experts."""
+    from pallas_cache.sizing.models import resolve_model
+
+    if getattr(args, "trace", None):
+        if getattr(args, "top_k", None) is not None:
+            raise ValueError("--top-k applies to a synthetic trace; a --trace's routes give its "
+                             "top-k")
+        return {}
+    geometry = {}
+    model = resolve_model(args.model)[0] if getattr(args, "model", None) else None
+    for field, flag, model_field, what in _GEOMETRY_FLAGS:
+        value = getattr(args, field, None)
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} {value}: must be at least 1")
+        if model is not None:
+            theirs = getattr(model, model_field)
+            if value is not None and value != theirs:
+                raise ValueError(f"{flag} {value} contradicts --model {model.name} ({theirs} "
+                                 f"{what}); give one or the other (--expert-bytes sets W "
+                                 f"without a geometry)")
+            value = theirs
+        if value is not None:
+            geometry[field] = value
+    preset = synthetic.PRESETS.get(args.synthetic or default_preset)
+    if preset is not None:
+        experts = geometry.get("num_experts", preset.num_experts)
+        top_k = geometry.get("top_k", preset.top_k)
+        if top_k > experts:  # a model's own geometry never does this: explicit flags only
+            raise ValueError(f"--top-k {top_k} exceeds --num-experts {experts} (the experts per "
+                             f"layer of the synthetic trace)")
+    return geometry
+
+
+
+def budget_fit(cost, num_layers: int, num_experts: int) -> int | None:
+    """The pool size that exactly fills ``--device-budget``: ``floor(budget / W)`` slots, at most
+    ``L * E`` (every expert resident; a bigger pool holds nothing more); ``None`` without a
+    budget or when it holds less than one layer's ``E`` experts."""
+    if cost.device_budget is None or cost.expert_bytes is None:
+        return None
+    slots = min(cost.device_budget // cost.expert_bytes, num_layers * num_experts)
+    return slots if slots >= num_experts else None
+
+
+def with_budget_fit(sizes, lines, cost, num_layers: int, num_experts: int):
+    """``(sizes, lines)`` of the sweep with :func:`budget_fit`'s size added beside the grid's
+    (sorted in), and a line saying so; unchanged when the grid has it already or there is none."""
+    from pallas_cache.sizing.units import format_bytes
+
+    fit = budget_fit(cost, num_layers, num_experts)
+    if fit is None or fit in sizes:
+        return sizes, lines
+    whole = " (every expert)" if fit == num_layers * num_experts else ""
+    line = (f"--device-budget {format_bytes(cost.device_budget)} fits {fit} slots of "
+            f"{format_bytes(cost.expert_bytes)} ({format_bytes(fit * cost.expert_bytes)})"
+            f"{whole}: replayed beside the grid")
+    return sorted([*sizes, fit]), [*lines, line]
+
+
+def cliff_lines(results, trace) -> list[str]:
+    """The lines under the table that name the sizes past a cliff (docs/semantics.md §11.3):
+    below ``L*k`` slots, one token's working set, where global LRU thrashes (with each size's
+    measured hit rate, the best row's of that size); and, beside the stationary per-layer
+    oracle, sizes whose ``round(S/L)`` slots per layer are below ``3 * top_k``, where per-layer
+    LRU falls far below the oracle (peers measured about no hits there on fine-grained models),
+    with per-layer LRU's hit rate measured on this trace at ``round(S/L)`` slots per layer."""
+    from pallas_cache.sizing.trace_stats import per_layer_lru_hit_rate
+
+    num_layers, top_k = trace.num_layers, min(trace.top_k, trace.num_experts)
+    sizes = sorted({r.cache_size for r in results})
+    lines = []
+    below = [size for size in sizes if size < num_layers * top_k]
+    if below:
+        best = {size: max(r.hit_rate for r in results if r.cache_size == size) for size in below}
+        lines.append(f"Below one token's working set (S < L*k = {num_layers * top_k}): "
+                     + ", ".join(f"S = {size} (hit rate {best[size]:.3f})" for size in below)
+                     + ": LRU evicts what the next token's same layer needs.")
+    thin = [size for size in sizes if round(size / num_layers) < 3 * top_k]
+    if thin:
+        measured = []
+        for size in thin:
+            per_layer = round(size / num_layers)
+            if per_layer < trace.top_k:
+                measured.append(f"S = {size}: {per_layer} < top_k slots per layer")
+            else:
+                rate = per_layer_lru_hit_rate(trace, per_layer * num_layers)
+                measured.append(f"S = {size}: {rate:.3f}")
+        lines.append(f"Per-layer cliff (round(S/L) < 3*top_k = {3 * top_k} slots per layer; "
+                     f"oracle_hit_rate assumes each layer's best fixed set): per-layer LRU "
+                     f"measured on this trace, {'; '.join(measured)}.")
+    return lines
+
+
+def batches(args) -> list[int] | None:
+    """``--batch``'s sizes, distinct, in the order given; ``None`` when the replay is not batched
+    (no ``--batch``, or ``--batch 1``: one token per call, the plain replay). Checks
+    ``--requests`` too (ValueError naming the flag)."""
+    requests = getattr(args, "requests", None)
+    if requests is not None:
+        if getattr(args, "trace", None):
+            raise ValueError("--requests applies to a synthetic trace; a --trace's sequences "
+                             "are its requests")
+        if requests < 1:
+            raise ValueError(f"--requests {requests}: must be at least 1")
+    sizes = getattr(args, "batch", None)
+    if sizes is None:
+        return None
+    bad = [size for size in sizes if size < 1]
+    if bad:
+        raise ValueError(f"--batch {bad[0]}: must be at least 1")
+    sizes = list(dict.fromkeys(sizes))
+    return None if sizes == [1] else sizes
