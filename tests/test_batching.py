@@ -6,7 +6,6 @@ import pytest
 
 from pallas_cache import reference
 from pallas_cache.reference import ReferenceCache, ReferencePolicy
-
 from pallas_cache.sizing.batching import batched_trace
 from pallas_cache.sizing.sweep import config_grid, replay
 from pallas_cache.sizing.traces import Trace
