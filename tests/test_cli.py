@@ -534,8 +534,9 @@ def test_bench_bandwidth_prints_flags_that_replay_accepts(capsys):
     assert ">= 1" in capsys.readouterr().err
 
 
-KNN_SWEEP = ["--synthetic", "mixtral-realistic", "--tokens", "24", "--cache-size", "64", "96",
+KNN_BASE = ["--synthetic", "mixtral-realistic", "--tokens", "24", "--cache-size", "64", "96",
              "128", "--policy", "full", "fraction:0.4", "-q"]
+KNN_SWEEP = KNN_BASE + ["--route-knn-legend"]
 
 
 def knn_legend_lines(out):
@@ -546,9 +547,9 @@ def test_an_lru_only_table_says_in_one_line_what_route_knn_changes_at_each_size(
     """FAILS if the legend of an LRU-only table lacks the route_knn line, spreads it over
     several lines, gives a size's change other than route_knn's hit rate (from its own rows of
     a sweep that includes it) minus LRU's, or prints the line when another eviction is swept."""
-    code, out, _ = run(capsys, *KNN_SWEEP, "--format", "json")
+    code, out, _ = run(capsys, *KNN_BASE, "--format", "json")
     lru = {r["cache_size"]: r["hit_rate"] for r in json.loads(out) if r["policy"] == "full"}
-    code, out, _ = run(capsys, *KNN_SWEEP, "--eviction", "lru", "route_knn", "--format", "json")
+    code, out, _ = run(capsys, *KNN_BASE, "--eviction", "lru", "route_knn", "--format", "json")
     assert code == 0
     knn = {r["cache_size"]: r["hit_rate"] for r in json.loads(out)
            if r["policy"] == "full" and r["eviction"] == "route_knn"}
@@ -560,7 +561,7 @@ def test_an_lru_only_table_says_in_one_line_what_route_knn_changes_at_each_size(
     assert "policy full: hit rate " + ", ".join(
         f"{change:+.3f} at {size}" for change, size in zip(changes, (64, 96, 128))) in line
     assert line.endswith("(add --eviction lru route_knn to see its rows).")
-    code, out, _ = run(capsys, *KNN_SWEEP, "--eviction", "route_knn")  # compiled above
+    code, out, _ = run(capsys, *KNN_BASE, "--eviction", "route_knn")  # compiled above
     assert code == 0 and "hit_rate = 1 - missing/active" in out
     assert knn_legend_lines(out) == []
 
@@ -581,7 +582,7 @@ def test_json_and_csv_of_an_lru_sweep_are_the_lru_replays_records_exactly(capsys
                      progress=lambda status: None)
     rows = records(results, trace, cost)
     for fmt in ("json", "csv"):
-        code, out, _ = run(capsys, *KNN_SWEEP, *TIMED, "--device-budget", "20GiB",
+        code, out, _ = run(capsys, *KNN_BASE, *TIMED, "--device-budget", "20GiB",
                            "--format", fmt)
         assert code == 0
         assert out == format_records(rows, fmt) + "\n"

@@ -10,12 +10,13 @@ import json
 import numpy as np
 import pytest
 
-from pallas_cache.sizing import cli
+from pallas_cache.sizing import cli, cli_replay
 
 sweep_mod = importlib.import_module("pallas_cache.sizing.sweep")  # the module of replay()
 
-KNN_SWEEP = ["--synthetic", "mixtral-realistic", "--tokens", "24", "--cache-size", "64", "96",
+KNN_BASE = ["--synthetic", "mixtral-realistic", "--tokens", "24", "--cache-size", "64", "96",
              "128", "--policy", "full", "fraction:0.4", "-q"]
+KNN_SWEEP = KNN_BASE + ["--route-knn-legend"]
 
 
 def run(capsys, *argv):
@@ -66,17 +67,30 @@ def test_the_route_knn_legend_comes_from_the_sweeps_own_replay(capsys, replays, 
     assert outside == []
 
 
-def test_no_route_knn_legend_turns_the_line_and_its_lanes_off(capsys, replays):
-    """FAILS if --no-route-knn-legend still replays route_knn lanes or prints the line, or
-    changes anything else of the table."""
+@pytest.mark.parametrize("off", [[], ["--no-route-knn-legend"]], ids=["default", "no-flag"])
+def test_the_route_knn_legend_is_off_unless_asked_for(capsys, replays, off):
+    """FAILS if the default table (or --no-route-knn-legend) replays route_knn lanes or prints
+    their line instead of the pointer to the flag, or if the flag changes anything else of the
+    table."""
     code, with_line, _ = run(capsys, *KNN_SWEEP)
     assert code == 0
-    code, without, _ = run(capsys, *KNN_SWEEP, "--no-route-knn-legend")
+    code, without, _ = run(capsys, *KNN_BASE, *off)
     assert code == 0
-    assert knn_lines(without) == [] and len(knn_lines(with_line)) == 1
+    assert knn_lines(without) == [cli_replay.KNN_POINTER] and len(knn_lines(with_line)) == 1
+    assert knn_lines(with_line) != knn_lines(without)
     assert [line for line in with_line.splitlines() if not line.startswith("route_knn (")] \
-        == without.splitlines()
+        == [line for line in without.splitlines() if not line.startswith("route_knn (")]
     assert [e for e, _, _ in replays[1]] == ["lru"] * 6
+
+
+@pytest.mark.parametrize("flags", [["--format", "json"], ["--eviction", "lru", "route_knn"],
+                                   ["--batch", "2", "--requests", "4"]],
+                         ids=["json", "other-eviction", "batch"])
+def test_the_route_knn_legend_where_there_is_none_is_refused(capsys, flags, no_trace):
+    """FAILS if --route-knn-legend is accepted (ignored) where no LRU-only table legend of
+    one-token calls is printed, or refused only after the trace is read."""
+    code, _, err = run(capsys, *KNN_SWEEP, *flags)
+    assert code == 2 and err.count("\n") == 1 and "--route-knn-legend" in err
 
 
 def test_the_route_knn_lanes_are_counted_in_the_replays_progress(capsys):
@@ -86,7 +100,7 @@ def test_the_route_knn_lanes_are_counted_in_the_replays_progress(capsys):
     code, _, err = run(capsys, *argv)
     assert code == 0
     assert "compiling 2 programs for 9 configurations" in err
-    code, _, err = run(capsys, *argv, "--format", "json")
+    code, _, err = run(capsys, *[a for a in KNN_BASE if a != "-q"])  # the default: no lanes
     assert code == 0
     assert "compiling 1 program for 6 configurations" in err
 

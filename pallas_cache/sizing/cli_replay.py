@@ -79,8 +79,8 @@ class _ReadProgress:
 
 
 def _knn_companions(configs, args) -> list:
-    """When the sweep is LRU alone, printed as a table, with the legend's route_knn line on
-    (``--no-route-knn-legend`` turns it off): route_knn at each size of one LRU series (policy
+    """When the sweep is LRU alone, printed as a table, with the legend's route_knn line asked
+    for (``--route-knn-legend``): route_knn at each size of one LRU series (policy
     ``full`` if swept, else the first policy; the first order; the first admission route_knn
     takes). They are replayed by the sweep itself, as lanes of one more compiled program, for
     the legend's one line only (the rows, their costs and the budget pick stay LRU's)."""
@@ -88,7 +88,7 @@ def _knn_companions(configs, args) -> list:
 
     fmt = args.format or ("json" if args.json else "table")
     admissions = [a for a in args.admission if a != "reuse"]
-    if (fmt != "table" or not getattr(args, "knn_legend", True) or set(args.eviction) != {"lru"}
+    if (fmt != "table" or not getattr(args, "knn_legend", False) or set(args.eviction) != {"lru"}
             or not configs or not admissions):
         return []
     policies = [c.policy for c in configs]
@@ -98,11 +98,32 @@ def _knn_companions(configs, args) -> list:
             for size in sizes]
 
 
-def _knn_line(results, companions, knn_results) -> str | None:
+def _check_knn_legend(args, batched) -> None:
+    """``--route-knn-legend`` ends the legend of an LRU-only table of one-token calls; refuse it
+    where there is no such legend (ValueError, one line)."""
+    fmt = args.format or ("json" if args.json else "table")
+    if fmt != "table":
+        raise ValueError(f"--route-knn-legend is a line of the table's legend; --format {fmt} "
+                         f"has none")
+    if set(args.eviction) != {"lru"}:
+        raise ValueError(f"--route-knn-legend compares route_knn with an LRU-only sweep; "
+                         f"--eviction {' '.join(args.eviction)} shows each eviction's rows")
+    if batched:
+        raise ValueError("--route-knn-legend is not computed for --batch; add --eviction lru "
+                         "route_knn to see its rows")
+
+
+#: The legend's last line of an LRU-only table without ``--route-knn-legend``.
+KNN_POINTER = ("route_knn (the eviction that wins on real Mixtral routing): add --eviction lru "
+               "route_knn to see its rows, or --route-knn-legend for one line of its changes.")
+
+
+def _knn_line(results, companions, knn_results, lru_table: bool) -> str | None:
     """The legend's line: route_knn's hit rate minus LRU's, at each size of the companions'
-    series (``None`` without companions); ``knn_results`` are the companions' replay results."""
+    series; ``knn_results`` are the companions' replay results. Without companions, an LRU-only
+    table (``lru_table``) gets :data:`KNN_POINTER`, any other ``None``."""
     if not companions or len(knn_results) != len(companions):
-        return None
+        return KNN_POINTER if lru_table else None
     hit_rates = [r.hit_rate for r in knn_results]
     first = companions[0]
     lru = {r.cache_size: r.hit_rate for r in results
@@ -365,6 +386,8 @@ def _replay_with(args, progress: Progress, latch: _InterruptLatch) -> int:
         if batched and getattr(args, "devices", None) is not None:
             raise ValueError(f"--batch replays one device's cache; it does not combine with "
                              f"--devices {args.devices}")
+        if getattr(args, "knn_legend", False):
+            _check_knn_legend(args, batched)
         auto_k = _auto_top_k(args, cost)
         # fraction:auto with a fixed CPU cost waits for a trace file's routes per call (auto_k
         # 0); until then the policies are checked as resolved at one route per call
@@ -452,7 +475,8 @@ def _replay_with(args, progress: Progress, latch: _InterruptLatch) -> int:
                               f"{cost.auto_policy(auto_k)}")
         header += [f"size: {line}" for line in size_lines] + device_header(args, cost)
         print(format_records(rows, "table", header))
-        print("\n".join(_legend(results, trace, cost, _knn_line(results, companions, knn_results))))
+        knn_line = _knn_line(results, companions, knn_results, set(args.eviction) == {"lru"})
+        print("\n".join(_legend(results, trace, cost, knn_line)))
     if args.plot:
         try:
             _plot(rows, args.plot)

@@ -17,10 +17,11 @@ __all__ = ["add_sizing_arguments", "batches", "budget_fit", "cliff_lines", "cpu_
 def add_sizing_arguments(replay: argparse.ArgumentParser) -> None:
     """Add the sizing flags to the ``replay`` subcommand's parser, as one argument group."""
     group = replay.add_argument_group("sizing")
-    group.add_argument("--no-route-knn-legend", dest="knn_legend", action="store_false",
-                       help="leave out the table legend's route_knn line (an LRU-only table "
-                            "replays route_knn at each size beside the sweep, in the same "
-                            "compiled programs, for that line)")
+    group.add_argument("--route-knn-legend", dest="knn_legend",
+                       action=argparse.BooleanOptionalAction, default=False,
+                       help="end an LRU-only table's legend with route_knn's hit rate change at "
+                            "each size: route_knn replayed beside the sweep, in the same "
+                            "compiled programs (one more program to compile; off by default)")
     group.add_argument("--top-k", type=int, default=None, metavar="K",
                        help="routes per layer-call of a synthetic trace (with --num-layers and "
                             "--num-experts, its geometry; default: --model's, else the "
