@@ -13,7 +13,8 @@ import sys
 
 from pallas_cache.sizing.cli_checks import output_failed
 from pallas_cache.sizing.cli_args import NO_COMPILE_CACHE_ENV, UsageError, build_parser
-from pallas_cache.sizing.cli_replay import exit_now_if_compiling, run_replay
+from pallas_cache.sizing.cli_replay import (exit_now_if_compiling, exit_without_teardown,
+                                            run_replay)
 from pallas_cache.sizing.units import format_bandwidth
 
 __all__ = ["EXIT_INTERRUPTED", "NO_COMPILE_CACHE_ENV", "compile_cache_dir", "console_main",
@@ -161,24 +162,12 @@ def console_main() -> int:
     # traceback.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if status == EXIT_INTERRUPTED:
-        _exit_without_teardown(status)
+        # Whatever background thread the interrupted phase had (a precompile, the replay's
+        # lanes, the offline optima) may still be inside XLA's C++ code, where the
+        # interpreter's teardown would abort it (exit 134) after the CLI printed its line.
+        exit_without_teardown(status)
     exit_now_if_compiling(status)
     return status
-
-
-def _exit_without_teardown(status: int) -> None:
-    """End the process now, after Ctrl-C. Whatever background thread the interrupted phase had
-    (a precompile, the replay's lanes, the offline optima) may still be inside XLA's C++ code
-    (a join interrupted by Ctrl-C stops waiting, and Python 3.11 can then call the thread
-    finished); the interpreter's teardown would stop it there and abort (``terminate called
-    ...``, exit 134) after the CLI printed its line. The output is flushed first; a Ctrl-C
-    writes no output file."""
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(status)
 
 
 def _main(argv, *, compile_cache: bool) -> int:

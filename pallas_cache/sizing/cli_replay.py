@@ -29,7 +29,7 @@ from pallas_cache.sizing.report import format_records, records
 from pallas_cache.sizing.traces import TraceError, default_memory_limit, load_trace, parse_fields
 from pallas_cache.sizing.units import format_bandwidth, format_bytes, format_duration
 
-__all__ = ["READ_PROGRESS_AFTER", "exit_now_if_compiling", "run_replay"]
+__all__ = ["READ_PROGRESS_AFTER", "exit_now_if_compiling", "exit_without_teardown", "run_replay"]
 
 
 def _load(args, progress: Progress | None = None):
@@ -346,8 +346,13 @@ def exit_now_if_compiling(status: int) -> None:
     code then aborts the process (``terminate called ...``, exit 134) after the CLI has printed
     its line. A refusal starts no such thread, but a Ctrl-C can arrive while one compiles, so
     the console script flushes its output and leaves without the interpreter's teardown."""
-    if all(finished.is_set() for finished in _COMPILES):
-        return
+    if not all(finished.is_set() for finished in _COMPILES):
+        exit_without_teardown(status)
+
+
+def exit_without_teardown(status: int) -> None:
+    """Flush the output and end the process with ``status`` without the interpreter's teardown
+    (see :func:`exit_now_if_compiling`)."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
