@@ -39,6 +39,7 @@ from hypothesis import HealthCheck, settings
 import pallas_cache as pc
 from pallas_cache import reference
 from pallas_cache.reference.checks import assert_invariants, assert_plan_well_formed  # noqa: F401
+from pallas_cache.testing import record_difference
 
 _SLOW_OK = [HealthCheck.too_slow, HealthCheck.data_too_large]
 settings.register_profile("ci", max_examples=25, deadline=None, derandomize=True,
@@ -137,36 +138,12 @@ def _np(x):
     return np.asarray(jax.device_get(x))
 
 
-def _fields(record) -> dict:
-    if isinstance(record, reference.ReferenceCache):
-        return {name: getattr(record, name) for name in reference.FIELDS}
-    # No reference twin: a copy plan's static geometry, the ring's incremental ``match``.
-    return {f.name: getattr(record, f.name) for f in dataclasses.fields(record)
-            if f.name not in ("num_slots", "num_experts", "match")}
-
-
-_EVICTIONS = (pc.Eviction, pc.evictions.EvictionPolicy, reference.EvictionPolicy)
-
-
 def assert_same(a, b, context="", path="state"):
     """Two records (states, plans, reports; library or reference) equal field by field, nested
-    records included. The library's ring is bitmask words (``masks``), the reference's bools
-    (``ring``); an eviction compares by name."""
-    if isinstance(a, _EVICTIONS) or isinstance(b, _EVICTIONS):
-        names = [x.policy.name if isinstance(x, pc.Eviction) else x.name for x in (a, b)]
-        assert names[0] == names[1], f"{path}: {names} {context}"
-    elif isinstance(a, reference.ReferenceCache) or dataclasses.is_dataclass(a):
-        fa, fb = _fields(a), _fields(b)
-        for mine, theirs in ((fa, fb), (fb, fa)):
-            if "masks" in mine and "ring" in theirs:
-                mine["ring"] = pc.evictions.ring_bits(mine.pop("masks"), theirs["ring"].shape[-1])
-        assert fa.keys() == fb.keys(), f"{path}: {sorted(fa.keys() ^ fb.keys())} on one side {context}"
-        for name in fa:
-            assert_same(fa[name], fb[name], context, f"{path}.{name}")
-    elif a is None or b is None:
-        assert a is None and b is None, f"{path} on one side only {context}"
-    else:
-        np.testing.assert_array_equal(_np(a), _np(b), err_msg=f"{path} {context}")
+    records included: :func:`pallas_cache.testing.record_difference` (the ring as bools, an
+    eviction by name, values not dtypes)."""
+    difference = record_difference(a, b, path)
+    assert difference is None, f"{difference} {context}"
 
 
 def slot_of(state, layer, expert):

@@ -310,3 +310,97 @@ def test_check_plan_rejects_wrong_state_changes():
     broken = after.replace(id_of_slot=after.id_of_slot.at[0].set(-1))
     with pytest.raises(AssertionError, match="state_after: slot_for_id"):
         pct.check_plan(state, 0, routes, plan, broken)
+
+
+# ---- assert_lockstep ---------------------------------------------------------------------------
+
+
+@settings(max_examples=40 if DEEP else 4, deadline=None)
+@given(geometry=pcst.geometries(max_layers=3, max_experts=6), data=st.data())
+@pytest.mark.parametrize("backend, jit, bad_values", [("xla", False, False),
+                                                      ("xla", True, True),
+                                                      ("interpret", True, False)])
+def test_assert_lockstep_passes_on_random_sequences(backend, jit, bad_values, geometry, data):
+    """FAILS if the reference and the library part on any drawn sequence (any backend, eager or
+    under jit, refused values included), or if the comparison sees a difference where none is."""
+    sequence = data.draw(pcst.operations(geometry, max_size=8, bad_values=bad_values))
+    assert pct.assert_lockstep(sequence, geometry=geometry, backend=backend,
+                               jit=jit) == len(sequence)
+
+
+NO_EVICTION = pct.Geometry(1, 4, 4, 4)  # every expert fits: no step's plan reads ``usage``
+MID_SEQUENCE = [pct.Ensure(0, (0, 1)), pct.Ensure(0, (1,)), pct.Ensure(0, (2, 1)), pct.Reset()]
+
+
+def _break_ensure(monkeypatch, routes, change):
+    """Make the library's ensure of exactly ``routes`` return ``change(state, plan)``."""
+    real = pc.ensure
+
+    def broken(state, layer, ids, **kwargs):
+        state, plan = real(state, layer, ids, **kwargs)
+        return change(state, plan) if tuple(np.asarray(ids).tolist()) == routes else (state, plan)
+
+    monkeypatch.setattr(pc, "ensure", broken)
+
+
+def _plus_one(array, index):
+    return array.at[index].add(1)
+
+
+def _naive_lockstep(sequence, geometry, *, plans_only=False, at_end=False):
+    """The naive variants: compare the plans only, or only the last step's plan and state."""
+    from pallas_cache.testing.lockstep import _reference_step
+    truth, state = pc.reference.init(1, 4, 4, capacity=4), geometry.init()
+    for index, op in enumerate(sequence):
+        truth, expected = _reference_step(truth, op)
+        state, plan = pct.run_operation(state, op)
+        if at_end and index < len(sequence) - 1:
+            continue
+        pairs = [(expected, plan)] + ([] if plans_only else [(truth, state)])
+        for a, b in pairs:
+            assert pct.record_difference(a, b) is None, f"op {index}"
+
+
+def test_assert_lockstep_names_the_step_operation_and_state_field(monkeypatch):
+    """FAILS if a state that differs only between two steps (``usage`` bumped at step 1, cleared
+    by the reset of step 3; no plan reads it) goes unseen: comparing only plans or only the last
+    step (both shown passing here) misses it."""
+    _break_ensure(monkeypatch, (1,), lambda s, p: (dataclasses.replace(s, usage=_plus_one(s.usage, 1)), p))
+    _naive_lockstep(MID_SEQUENCE, NO_EVICTION, plans_only=True)
+    _naive_lockstep(MID_SEQUENCE, NO_EVICTION, at_end=True)
+    with pytest.raises(AssertionError) as failure:
+        pct.assert_lockstep(MID_SEQUENCE, geometry=NO_EVICTION)
+    assert str(failure.value) == ("op 1 Ensure(layer=0, routes=(1,)) on xla: states differ at "
+                                  ".usage[1]: 2 != 3 (reference != library)")
+
+
+def test_assert_lockstep_names_the_plan_field(monkeypatch):
+    """FAILS if a wrong plan at step 2 is reported at another step, as a state difference, or
+    without the plan's field and index."""
+    _break_ensure(monkeypatch, (2, 1), lambda s, p: (s, dataclasses.replace(p, slots=_plus_one(p.slots, 1))))
+    with pytest.raises(AssertionError, match=r"^op 2 Ensure\(layer=0, routes=\(2, 1\)\) on interpret: "
+                       r"plans differ at \.slots\[1\]: 1 != 2 \(reference != library\)$"):
+        pct.assert_lockstep(MID_SEQUENCE, geometry=NO_EVICTION, backend="interpret")
+
+
+def test_assert_lockstep_sees_a_different_eviction():
+    """FAILS if the library's and the reference's eviction are not compared (a geometry whose
+    eviction the library runs differently from the one the reference is given)."""
+    class Mismatch(pct.Geometry):
+        def init(self):
+            return pc.init(1, 2, 2, capacity=2, eviction="pair_lfu")
+
+    with pytest.raises(AssertionError, match=r"^op 0 Reset\(\) on xla: states differ at "
+                       r"\.eviction: 'lru' != 'pair_lfu'"):
+        pct.assert_lockstep([pct.Reset()], geometry=Mismatch(1, 2, 2, 2))
+
+
+def test_record_difference_reads_across_the_reference_and_the_library():
+    """FAILS if an int64 reference against the int32 library, or the ring as bools against
+    bitmask words, count as differences; or if a value difference is not named."""
+    for eviction in ("lru", "route_knn"):
+        ours = pc.init(2, 3, 4, eviction=eviction, history=5)
+        theirs = pc.reference.init(2, 3, 4, eviction=eviction, history=5)
+        assert pct.record_difference(theirs, ours, "state") is None
+    theirs.usage[2] = 7
+    assert pct.record_difference(theirs, ours, "state") == "state.usage[2]: 7 != 0"

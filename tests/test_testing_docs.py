@@ -35,3 +35,13 @@ def test_the_block_is_about_twenty_lines():
     code = property_test_block(PAGE.read_text(encoding="utf-8"))
     lines = [line for line in code.splitlines() if line.strip()]
     assert len(lines) <= 26, len(lines)
+
+
+def test_the_docs_lockstep_example_passes():
+    """FAILS if the page's ``assert_lockstep`` block raises: a renamed argument or strategy, or a
+    drawn sequence on which the library and the reference part."""
+    blocks = [b for b in re.findall(r"^```python[ \t]*\n(.*?)^```",
+                                    PAGE.read_text(encoding="utf-8"), re.M | re.S)
+              if "pct.assert_lockstep(" in b]
+    assert len(blocks) == 1, f"{PAGE.name}: {len(blocks)} blocks call assert_lockstep"
+    exec(compile(blocks[0], f"{PAGE.name}:assert_lockstep", "exec"), {"__name__": "docs_lockstep"})

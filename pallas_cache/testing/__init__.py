@@ -5,6 +5,9 @@ invariants every plan holds, and cache operations as plain data.
   (docs/semantics.md §5.13).
 - :func:`assert_states_equal`, :func:`assert_plans_equal`: exact whole-tree equality, the message
   naming the first differing field and index.
+- :func:`assert_lockstep`: an operation sequence on the NumPy reference and on the library,
+  whole plans and states compared after every step (:func:`record_difference` compares a
+  reference record with a library one).
 - :func:`check_plan`, :func:`check_state`: the invariants of docs/semantics.md §3-§5 on one
   ``ensure`` / ``ensure_hybrid`` call of your own loop, without the reference.
 - :class:`Geometry`, :class:`PolicySpec` and the operation records (:class:`Ensure`, ...), run by
@@ -16,6 +19,7 @@ invariants every plan holds, and cache operations as plain data.
 from pallas_cache.testing.assertions import assert_plans_equal, assert_states_equal
 from pallas_cache.testing.dense import moe_combine, moe_dense
 from pallas_cache.testing.invariants import check_plan, check_state
+from pallas_cache.testing.lockstep import assert_lockstep, record_difference
 from pallas_cache.testing.operations import (
     BeginPrefill,
     Ensure,
@@ -46,12 +50,14 @@ __all__ = [
     "ReleasePrefill",
     "Reset",
     "Resize",
+    "assert_lockstep",
     "assert_plans_equal",
     "assert_states_equal",
     "check_plan",
     "check_state",
     "moe_combine",
     "moe_dense",
+    "record_difference",
     "run_operation",
     "run_operations",
 ]

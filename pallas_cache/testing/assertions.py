@@ -26,12 +26,13 @@ def _index_text(index: tuple[int, ...]) -> str:
     return "[" + ", ".join(str(i) for i in index) + "]" if index else ""
 
 
-def _leaf_difference(name: str, a: Any, b: Any) -> str | None:
-    """Why two leaves differ (shape, dtype, then the first unequal entry), or None."""
+def _leaf_difference(name: str, a: Any, b: Any, *, dtypes: bool = True) -> str | None:
+    """Why two leaves differ (shape, dtype unless ``dtypes`` is False, then the first unequal
+    entry), or None."""
     x, y = np.asarray(jax.device_get(a)), np.asarray(jax.device_get(b))
     if x.shape != y.shape:
         return f"{name}: shape {x.shape} != {y.shape}"
-    if x.dtype != y.dtype:
+    if dtypes and x.dtype != y.dtype:
         return f"{name}: dtype {x.dtype} != {y.dtype}"
     if x.dtype.kind in "fc":
         unequal = ~((x == y) | (np.isnan(x) & np.isnan(y)))

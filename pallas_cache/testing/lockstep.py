@@ -1,0 +1,185 @@
+"""One operation sequence run on the NumPy reference and on the library together, compared after
+every step: :func:`assert_lockstep`, and the comparison of a reference record with a library one
+(:func:`record_difference`) that the project's own lockstep tests use too.
+
+The reference (:mod:`pallas_cache.reference`) has the library's field names and nesting, int64
+where the library has int32, and the token ring as bools where the library keeps bitmask words;
+:func:`record_difference` compares values across those (a dtype is not a difference) and names
+the first differing field and index in :func:`~pallas_cache.testing.assert_states_equal`'s
+style. Host-side, no hypothesis.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import pallas_cache as pc
+from pallas_cache import reference
+from pallas_cache.reference import lockstep as driver
+from pallas_cache.state import CacheState
+from pallas_cache.testing.assertions import _leaf_difference
+from pallas_cache.testing.operations import (BeginPrefill, Ensure, EnsureHybrid, Forget, Geometry,
+                                             Materialize, Operation, PrefetchPrefill,
+                                             ReleasePrefill, Reset, Resize, run_operation)
+
+__all__ = ["assert_lockstep", "record_difference"]
+
+_EVICTIONS = (pc.Eviction, pc.evictions.EvictionPolicy, reference.EvictionPolicy)
+
+
+def _fields(record: Any) -> dict[str, Any]:
+    if isinstance(record, reference.ReferenceCache):
+        return {name: getattr(record, name) for name in reference.FIELDS}
+    # No reference twin: a copy plan's static geometry, the ring's incremental ``match``.
+    return {f.name: getattr(record, f.name) for f in dataclasses.fields(record)
+            if f.name not in ("num_slots", "num_experts", "match")}
+
+
+def record_difference(a: Any, b: Any, path: str = "") -> str | None:
+    """The first difference of two records (states, plans, reports; library or reference, nested
+    records included) as one line (``"state.usage[0, 3]: 5 != 7"``), or None when equal.
+
+    Values compare exactly, not dtypes (the reference is int64). The library's ring is bitmask
+    words (``masks``), the reference's bools (``ring``): compared as bools. An eviction compares
+    by name."""
+    if isinstance(a, _EVICTIONS) or isinstance(b, _EVICTIONS):
+        names = [x.policy.name if isinstance(x, pc.Eviction) else getattr(x, "name", x)
+                 for x in (a, b)]
+        return None if names[0] == names[1] else f"{path}: {names[0]!r} != {names[1]!r}"
+    if isinstance(a, reference.ReferenceCache) or dataclasses.is_dataclass(a):
+        if not (isinstance(b, reference.ReferenceCache) or dataclasses.is_dataclass(b)):
+            return f"{path}: a record != {type(b).__name__}"
+        fa, fb = _fields(a), _fields(b)
+        for mine, theirs in ((fa, fb), (fb, fa)):
+            if "masks" in mine and "ring" in theirs:
+                mine["ring"] = pc.evictions.ring_bits(mine.pop("masks"), theirs["ring"].shape[-1])
+        if fa.keys() != fb.keys():
+            return f"{path}: fields only in one: {sorted(fa.keys() ^ fb.keys())}"
+        for name in fa:
+            difference = record_difference(fa[name], fb[name], f"{path}.{name}")
+            if difference is not None:
+                return difference
+        return None
+    if a is None or b is None:
+        return None if a is None and b is None else f"{path}: on one side only"
+    x, y = np.asarray(jax.device_get(a)), np.asarray(jax.device_get(b))
+    if x.dtype != y.dtype and x.dtype.kind in "biu" and y.dtype.kind in "biu":
+        x, y = x.astype(np.int64), y.astype(np.int64)
+    return _leaf_difference(path, x, y, dtypes=False)
+
+
+# ---- the two implementations, one step each ----------------------------------------------------
+
+def _reference_step(state: Any, op: Operation) -> tuple[Any, Any]:
+    routes = lambda r: np.asarray(r, np.int64)  # noqa: E731
+    if isinstance(op, Ensure):
+        return reference.ensure(state, op.layer, routes(op.routes))
+    if isinstance(op, EnsureHybrid):
+        spec = op.policy
+        policy = (reference.ReferencePolicy.full() if spec.kind == "full"
+                  else getattr(reference.ReferencePolicy, spec.kind)(spec.value))
+        return reference.ensure_hybrid(state, op.layer, routes(op.routes), policy,
+                                       order=op.order, admission=op.admission)
+    if isinstance(op, Materialize):
+        return reference.materialize_layer(state, op.layer)
+    if isinstance(op, Forget):
+        return reference.forget_slot(state, op.slot)
+    if isinstance(op, Resize):
+        return reference.resize(state, op.cache_size)
+    if isinstance(op, Reset):
+        return reference.reset(state), None
+    if isinstance(op, BeginPrefill):
+        return reference.begin_prefill(state), None
+    if isinstance(op, PrefetchPrefill):
+        return reference.prefetch_prefill_layer(state, op.layer, op.bank_feat_bytes)
+    if isinstance(op, ReleasePrefill):
+        return reference.release_prefill_layer(state, op.layer), None
+    raise TypeError(f"not a cache operation record: {op!r}")
+
+
+_JITTED: dict[str, Callable[..., Any]] = {}
+
+
+def _jitted(name: str) -> Callable[..., Any]:
+    static = {"ensure": ("backend",), "ensure_hybrid": ("order", "admission", "backend"),
+              "prefetch_prefill_layer": ("bank_feat_bytes",)}.get(name, ())
+    if name not in _JITTED:
+        _JITTED[name] = jax.jit(getattr(pc, name), static_argnames=static)
+    return _JITTED[name]
+
+
+def _jit_step(state: CacheState, op: Operation, backend: str) -> tuple[CacheState, Any]:
+    """``run_operation`` under ``jax.jit``: layers, slots and sizes traced, one compile per
+    operation kind and shape."""
+    i32 = jnp.int32
+    if isinstance(op, Ensure):
+        return _jitted("ensure")(state, i32(op.layer), jnp.asarray(op.routes, jnp.int32),
+                                 backend=backend)
+    if isinstance(op, EnsureHybrid):
+        return _jitted("ensure_hybrid")(state, i32(op.layer), jnp.asarray(op.routes, jnp.int32),
+                                        op.policy.build(), order=op.order,
+                                        admission=op.admission, backend=backend)
+    if isinstance(op, PrefetchPrefill):
+        return _jitted("prefetch_prefill_layer")(state, i32(op.layer),
+                                                 bank_feat_bytes=tuple(op.bank_feat_bytes))
+    names = {Materialize: ("materialize_layer", "layer"), Forget: ("forget_slot", "slot"),
+             Resize: ("resize", "cache_size"), Reset: ("reset", None),
+             BeginPrefill: ("begin_prefill", None), ReleasePrefill: ("release_prefill_layer", "layer")}
+    if type(op) not in names:
+        raise TypeError(f"not a cache operation record: {op!r}")
+    name, arg = names[type(op)]
+    out = _jitted(name)(state, *([i32(getattr(op, arg))] if arg else []))
+    return out if isinstance(out, tuple) else (out, None)
+
+
+def _steps(step: Callable[[Any, Operation], tuple[Any, Any]], state: Any,
+           sequence: Sequence[Operation]) -> Iterator[tuple[Any, Any]]:
+    for op in sequence:
+        state, plan = step(state, op)
+        yield state, plan
+
+
+def _compare(context: str, op: Any, expected: tuple[Any, Any], got: tuple[Any, Any]) -> None:
+    for what, mine, theirs in (("plans", expected[1], got[1]), ("states", expected[0], got[0])):
+        difference = record_difference(mine, theirs)
+        if difference is not None:
+            raise AssertionError(f"{context}: {what} differ at {difference} "
+                                 "(reference != library)")
+
+
+def assert_lockstep(sequence: Sequence[Operation], *, geometry: Geometry,
+                    backend: str = "xla", jit: bool = False) -> int:
+    """Run ``sequence`` (operation records, e.g. drawn by
+    :func:`pallas_cache.testing.strategies.operations`) from a cold cache of ``geometry`` on the
+    NumPy reference and on the library, and compare the whole plan and the whole state after
+    every step. Returns the number of steps run.
+
+    Args:
+      sequence: the operations, in order.
+      geometry: the cache both start from (:class:`~pallas_cache.testing.Geometry`).
+      backend: the library's ensure backend (``"xla"``, ``"interpret"``, ``"pallas"``...).
+      jit: run every library operation under ``jax.jit`` with layers, slots and sizes traced
+        (else eagerly, as :func:`~pallas_cache.testing.run_operation`).
+
+    Raises:
+      AssertionError: at the first step whose plan or state differs, naming the step index, the
+        operation, and the first differing field and index, e.g. ``op 3 Ensure(layer=0,
+        routes=(1, 2)) on xla: states differ at .usage[0, 1]: 2 != 3 (reference != library)``.
+    """
+    ops = [(type(op).__name__, {f.name: getattr(op, f.name) for f in dataclasses.fields(op)})
+           for op in sequence]
+    if jit:
+        library = lambda state, op: _jit_step(state, op, backend)  # noqa: E731
+    else:
+        library = lambda state, op: run_operation(state, op, backend=backend)  # noqa: E731
+    truth = reference.init(geometry.num_layers, geometry.num_experts, geometry.cache_size,
+                           capacity=geometry.capacity, eviction=geometry.eviction,
+                           history=geometry.history)
+    name = f"{backend}{' under jit' if jit else ''}"
+    return driver.run(ops, _steps(_reference_step, truth, sequence),
+                      {name: _steps(library, geometry.init(), sequence)}, _compare)
