@@ -81,7 +81,7 @@ def test_expert_parallel_rows_are_replays_of_each_devices_routes_then_the_busies
     (["--devices", "2"], "--devices and --parallel go together"),
     (["--parallel", "tensor"], "--devices and --parallel go together"),
     (["--devices", "0", "--parallel", "expert"], "--devices must be at least 1, got 0"),
-    (["--devices", "two", "--parallel", "expert"], "--devices: invalid int value: 'two'"),
+    (["--devices", "two", "--parallel", "expert"], "--devices: 'two' is not an integer"),
     (["--devices", "2", "--parallel", "pipeline"], "--parallel: invalid choice: 'pipeline'"),
     (["--devices", "3", "--parallel", "tensor", "--expert-bytes", "1000"],
      "an expert of 1000 bytes does not split into 3 equal slices"),

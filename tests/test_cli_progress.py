@@ -352,7 +352,7 @@ def test_the_cli_compiles_a_synthetic_sweep_while_it_generates_the_trace(caplog)
         with caplog.at_level(logging.WARNING):
             assert cli.main(["replay", "--synthetic", "mixtral-like", "--tokens", "3",
                              "--cache-size", "8", "16", "--policy", "full", "fraction:0.4",
-                             "--quiet"]) == 0
+                             "--quiet", "--route-knn-legend"]) == 0
     finally:
         jax.config.update("jax_log_compiles", False)
     compiles = [r for r in caplog.records if "Compiling jit(_replay_chunk)" in r.getMessage()]

@@ -26,7 +26,7 @@ def _index_text(index: tuple[int, ...]) -> str:
     return "[" + ", ".join(str(i) for i in index) + "]" if index else ""
 
 
-def _leaf_difference(name: str, a: Any, b: Any, *, dtypes: bool = True) -> str | None:
+def leaf_difference(name: str, a: Any, b: Any, *, dtypes: bool = True) -> str | None:
     """Why two leaves differ (shape, dtype unless ``dtypes`` is False, then the first unequal
     entry), or None."""
     x, y = np.asarray(jax.device_get(a)), np.asarray(jax.device_get(b))
@@ -83,7 +83,7 @@ def first_difference(a: Any, b: Any) -> str | None:
         detail = f"fields only in one: {only}" if only else f"{def_a} != {def_b}"
         return f"tree structure differs: {detail}"
     for (name, x), (_, y) in zip(leaves_a, leaves_b):
-        difference = _leaf_difference(name, x, y)
+        difference = leaf_difference(name, x, y)
         if difference is not None:
             return difference
     return None

@@ -22,7 +22,7 @@ import pallas_cache as pc
 from pallas_cache import reference
 from pallas_cache.reference import lockstep as driver
 from pallas_cache.state import CacheState
-from pallas_cache.testing.assertions import _leaf_difference
+from pallas_cache.testing.assertions import leaf_difference
 from pallas_cache.testing.operations import (BeginPrefill, Ensure, EnsureHybrid, Forget, Geometry,
                                              Materialize, Operation, PrefetchPrefill,
                                              ReleasePrefill, Reset, Resize, run_operation)
@@ -70,7 +70,7 @@ def record_difference(a: Any, b: Any, path: str = "") -> str | None:
     x, y = np.asarray(jax.device_get(a)), np.asarray(jax.device_get(b))
     if x.dtype != y.dtype and x.dtype.kind in "biu" and y.dtype.kind in "biu":
         x, y = x.astype(np.int64), y.astype(np.int64)
-    return _leaf_difference(path, x, y, dtypes=False)
+    return leaf_difference(path, x, y, dtypes=False)
 
 
 # ---- the two implementations, one step each ----------------------------------------------------
