@@ -24,8 +24,9 @@ from pallas_cache.reference import lockstep as driver
 from pallas_cache.state import CacheState
 from pallas_cache.testing.assertions import leaf_difference
 from pallas_cache.testing.operations import (BeginPrefill, Ensure, EnsureHybrid, Forget, Geometry,
-                                             Materialize, Operation, PrefetchPrefill,
-                                             ReleasePrefill, Reset, Resize, run_operation)
+                                             Materialize, Operation, PolicySpec,
+                                             PrefetchPrefill, ReleasePrefill, Reset, Resize,
+                                             apply_operation, run_operation)
 
 __all__ = ["assert_lockstep", "record_difference"]
 
@@ -75,31 +76,14 @@ def record_difference(a: Any, b: Any, path: str = "") -> str | None:
 
 # ---- the two implementations, one step each ----------------------------------------------------
 
+def _reference_policy(spec: PolicySpec) -> Any:
+    return (reference.ReferencePolicy.full() if spec.kind == "full"
+            else getattr(reference.ReferencePolicy, spec.kind)(spec.value))
+
+
 def _reference_step(state: Any, op: Operation) -> tuple[Any, Any]:
-    routes = lambda r: np.asarray(r, np.int64)  # noqa: E731
-    if isinstance(op, Ensure):
-        return reference.ensure(state, op.layer, routes(op.routes))
-    if isinstance(op, EnsureHybrid):
-        spec = op.policy
-        policy = (reference.ReferencePolicy.full() if spec.kind == "full"
-                  else getattr(reference.ReferencePolicy, spec.kind)(spec.value))
-        return reference.ensure_hybrid(state, op.layer, routes(op.routes), policy,
-                                       order=op.order, admission=op.admission)
-    if isinstance(op, Materialize):
-        return reference.materialize_layer(state, op.layer)
-    if isinstance(op, Forget):
-        return reference.forget_slot(state, op.slot)
-    if isinstance(op, Resize):
-        return reference.resize(state, op.cache_size)
-    if isinstance(op, Reset):
-        return reference.reset(state), None
-    if isinstance(op, BeginPrefill):
-        return reference.begin_prefill(state), None
-    if isinstance(op, PrefetchPrefill):
-        return reference.prefetch_prefill_layer(state, op.layer, op.bank_feat_bytes)
-    if isinstance(op, ReleasePrefill):
-        return reference.release_prefill_layer(state, op.layer), None
-    raise TypeError(f"not a cache operation record: {op!r}")
+    return apply_operation(reference, state, op, routes=lambda r: np.asarray(r, np.int64),
+                           policy=_reference_policy)
 
 
 _JITTED: dict[str, Callable[..., Any]] = {}

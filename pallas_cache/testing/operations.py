@@ -9,7 +9,7 @@ records. No hypothesis here: the records and the driver need only the library.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Union
+from typing import Any, Callable, Union
 
 import numpy as np
 
@@ -154,25 +154,36 @@ def run_operation(state: CacheState, op: Operation, *, backend: str | None = Non
     """Run one operation record on the library: ``(new_state, plan)``, ``plan`` None for the
     operations that return only a state (reset, begin/release prefill). ``backend`` goes to the
     ensure calls."""
+    return apply_operation(pc, state, op, routes=_routes, policy=PolicySpec.build,
+                           backend=backend)
+
+
+def apply_operation(api: Any, state: Any, op: Operation, *, routes: Callable[[tuple], Any],
+                    policy: Callable[[PolicySpec], Any], **ensure_options: Any
+                    ) -> tuple[Any, Any]:
+    """One operation record through ``api``: the library (``pallas_cache``) or its twin
+    (``pallas_cache.reference``), which name and take the operations alike. ``routes`` and
+    ``policy`` build that side's routes array and fetch policy; ``ensure_options`` go to the
+    ensure calls only."""
     if isinstance(op, Ensure):
-        return pc.ensure(state, op.layer, _routes(op.routes), backend=backend)
+        return api.ensure(state, op.layer, routes(op.routes), **ensure_options)
     if isinstance(op, EnsureHybrid):
-        return pc.ensure_hybrid(state, op.layer, _routes(op.routes), op.policy.build(),
-                                order=op.order, admission=op.admission, backend=backend)
+        return api.ensure_hybrid(state, op.layer, routes(op.routes), policy(op.policy),
+                                 order=op.order, admission=op.admission, **ensure_options)
     if isinstance(op, Materialize):
-        return pc.materialize_layer(state, op.layer)
+        return api.materialize_layer(state, op.layer)
     if isinstance(op, Forget):
-        return pc.forget_slot(state, op.slot)
+        return api.forget_slot(state, op.slot)
     if isinstance(op, Resize):
-        return pc.resize(state, op.cache_size)
+        return api.resize(state, op.cache_size)
     if isinstance(op, Reset):
-        return pc.reset(state), None
+        return api.reset(state), None
     if isinstance(op, BeginPrefill):
-        return pc.begin_prefill(state), None
+        return api.begin_prefill(state), None
     if isinstance(op, PrefetchPrefill):
-        return pc.prefetch_prefill_layer(state, op.layer, op.bank_feat_bytes)
+        return api.prefetch_prefill_layer(state, op.layer, op.bank_feat_bytes)
     if isinstance(op, ReleasePrefill):
-        return pc.release_prefill_layer(state, op.layer), None
+        return api.release_prefill_layer(state, op.layer), None
     raise TypeError(f"not a cache operation record: {op!r}")
 
 
