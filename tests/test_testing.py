@@ -404,3 +404,31 @@ def test_record_difference_reads_across_the_reference_and_the_library():
         assert pct.record_difference(theirs, ours, "state") is None
     theirs.usage[2] = 7
     assert pct.record_difference(theirs, ours, "state") == "state.usage[2]: 7 != 0"
+
+
+def test_each_operation_record_runs_its_own_operation_on_both_sides():
+    """FAILS if the one dispatch of the records (``apply_operation``) runs a record as another
+    operation or skips it: a symmetric mistake there would pass every lockstep comparison, so
+    each record's result is checked against the library's and the reference's own call."""
+    from pallas_cache import reference
+    from pallas_cache.testing import operations as ops
+
+    lib, ref = pc.init(2, 4, 6), reference.init(2, 4, 6)
+    lib, _ = pc.ensure(lib, 0, np.array([1, 2], np.int32))
+    ref, _ = reference.ensure(ref, 0, np.array([1, 2], np.int64))
+    slot = int(np.asarray(lib.slot_for_id)[0, 1])
+    cases = [(ops.Forget(slot=slot), lambda s: pc.forget_slot(s, slot),
+              lambda s: reference.forget_slot(s, slot)),
+             (ops.Resize(cache_size=4), lambda s: pc.resize(s, 4),
+              lambda s: reference.resize(s, 4)),
+             (ops.Materialize(layer=1), lambda s: pc.materialize_layer(s, 1),
+              lambda s: reference.materialize_layer(s, 1)),
+             (ops.Reset(), lambda s: (pc.reset(s), None), lambda s: (reference.reset(s), None))]
+    for record, on_lib, on_ref in cases:
+        got, want = pct.run_operation(lib, record), on_lib(lib)
+        pct.assert_states_equal(got[0], want[0])
+        assert pct.record_difference(got[0], lib) is not None, record  # it did something
+        got_ref = ops.apply_operation(reference, ref, record,
+                                      routes=lambda r: np.asarray(r, np.int64),
+                                      policy=lambda spec: None)
+        assert pct.record_difference(got_ref[0], on_ref(ref)[0]) is None, record
