@@ -25,11 +25,19 @@ class KernelRanking:
         reads and rewrites in place (``()`` for none).
       from_tables: ``tuple of [L, E] arrays -> state``, the inverse of ``tables``.
       width: the number of victim key components (the usage last), as ``key`` returns them.
-      key: ``(tables at each slot's occupant, occupant, usage, own) -> keys``: the victim key of
-        a block of slots, from the tables as they stood *before* this call (``own``: the occupant
-        is an expert of this call's layer, so this call's bookkeeping changes its entries).
+      key: ``(tables at each slot's occupant, occupant, usage, own, computed) -> keys``: the
+        victim key of a block of slots, from the tables as they stood *before* this call
+        (``own``: the occupant is an expert of this call's layer, so this call's bookkeeping
+        changes its entries) and the per-call inputs ``computed`` (``None`` without
+        ``per_call``; else a namespace of the names in ``per_call``, each int32 per slot, and
+        ``num_layers``).
       observe_row: ``(rows, routed) -> rows``: the layer's rows of ``tables`` after an accepted
         call routing ``routed`` (bool[E]).
+      per_call: what the key reads that the kernel computes per call from the token ring
+        (:class:`~pallas_cache.evictions.ring.TokenRingState`, which the kernel then updates in
+        place), not stored: ``"next_use"`` (ROUTE_KNN's predicted next use of the occupant),
+        ``"prot"`` (routed by the latest call of its layer), ``"freq"`` (the ring tokens that
+        routed it). ``()``: the bookkeeping is ``tables`` alone.
     """
 
     tables: Callable[[Any], tuple]
@@ -37,6 +45,7 @@ class KernelRanking:
     width: int
     key: Callable[..., tuple]
     observe_row: Callable[[tuple, Any], tuple]
+    per_call: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

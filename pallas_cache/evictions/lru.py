@@ -21,6 +21,6 @@ POLICY = EvictionPolicy(
     victim_keys=_victim_keys,
     allows_reuse=True,
     kernel=KernelRanking(tables=lambda state: (), from_tables=lambda tables: None, width=1,
-                         key=lambda tables, occupant, usage, own: (usage,),
+                         key=lambda tables, occupant, usage, own, computed: (usage,),
                          observe_row=lambda rows, routed: ()),
 )

@@ -79,7 +79,7 @@ def _victim_keys(state, id_of_slot, usage, layer, num_experts, cache_size):
     return _key(freq, prot, id_of_slot < 0, usage)
 
 
-def _kernel_key(tables, occupant, usage, own):
+def _kernel_key(tables, occupant, usage, own, computed):
     """:func:`_key` in the kernel, from the tables before the call: this layer's evictable
     residents were not routed (a routed resident is a hit), so this call's bookkeeping decays
     their frequency and clears their protection."""

@@ -11,7 +11,7 @@ from jax import lax
 
 from pallas_cache import selection
 from pallas_cache.evictions import ring as ring_module
-from pallas_cache.evictions.base import EvictionPolicy
+from pallas_cache.evictions.base import EvictionPolicy, KernelRanking
 from pallas_cache.validate import INT32_MAX
 
 #: ROUTE_KNN's neighbours per call (``K``).
@@ -22,6 +22,11 @@ def _victim_keys(state, id_of_slot, usage, layer, num_experts, cache_size):
     # Largest predicted next use first: free slots below every -NU.
     return (jnp.where(id_of_slot < 0, -(1 << 30),
                       -next_use(state, id_of_slot, layer, num_experts, cache_size)), usage)
+
+
+def _kernel_key(tables, occupant, usage, own, computed):
+    """:func:`_victim_keys` in the fused kernel, from the next use it computes per call."""
+    return jnp.where(occupant < 0, -(1 << 30), -computed.next_use), usage
 
 
 def next_use(ring, id_of_slot, layer, num_experts, cache_size=None, per_slot=None):
@@ -162,4 +167,7 @@ POLICY = EvictionPolicy(
     victim_keys=_victim_keys,
     start_token=ring_module.start_token,
     history_of=ring_module.history_of,
+    kernel=KernelRanking(tables=lambda state: (), from_tables=lambda tables: None, width=2,
+                         key=_kernel_key, observe_row=lambda rows, routed: (),
+                         per_call=("next_use",)),
 )

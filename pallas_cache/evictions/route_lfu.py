@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_cache.evictions import ring
-from pallas_cache.evictions.base import EvictionPolicy
+from pallas_cache.evictions.base import EvictionPolicy, KernelRanking
 from pallas_cache.evictions.ring import unpacked
 from pallas_cache.evictions.route_knn import next_use
 
@@ -19,6 +19,14 @@ def _victim_keys(state, id_of_slot, usage, layer, num_experts, cache_size):
     prot, score = ring_frequency_key(state, id_of_slot, layer, num_experts, cache_size)
     # Class 0 = free (ranked by usage alone), 1 = unprotected, 2 = protected resident.
     return jnp.where(free, 0, 1 + prot), jnp.where(free, 0, score), usage
+
+
+def _kernel_key(tables, occupant, usage, own, computed):
+    """:func:`_victim_keys` in the fused kernel, from the protection, ring frequency and next use
+    it computes per call."""
+    free = occupant < 0
+    score = computed.num_layers * computed.freq - computed.next_use
+    return jnp.where(free, 0, 1 + computed.prot), jnp.where(free, 0, score), usage
 
 
 def ring_frequency_key(ring, id_of_slot, layer, num_experts, cache_size=None):
@@ -47,4 +55,7 @@ POLICY = EvictionPolicy(
     victim_keys=_victim_keys,
     start_token=ring.start_token,
     history_of=ring.history_of,
+    kernel=KernelRanking(tables=lambda state: (), from_tables=lambda tables: None, width=3,
+                         key=_kernel_key, observe_row=lambda rows, routed: (),
+                         per_call=("next_use", "prot", "freq")),
 )

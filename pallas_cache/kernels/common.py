@@ -1,19 +1,21 @@
-"""The fused kernel's launch parameters: power-of-two widths, the pool scan's block, the Triton
-compiler parameters. A Triton tensor must have a power-of-two size, so every in-kernel vector is
-``next_pow2`` wide and loaded from the unpadded ref with a mask (``other`` fills the lanes past
+"""The fused kernel's launch parameters (power-of-two widths, the pool scan's block, the Triton
+compiler parameters) and its vector helpers. A Triton tensor must have a power-of-two size, so
+every in-kernel vector is ``next_pow2`` wide and loaded from the unpadded ref with a mask (``other`` fills the lanes past
 the end, and each reduction masks them out again), the pattern of JAX's shipped
 ``pallas/ops/gpu/softmax.py``: no padded copy of an input is made in device memory.
 """
 
 from __future__ import annotations
 
-
+import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_cache.validate import INT32_MAX, INT32_MIN  # noqa: F401  (re-exported to the kernels)
 
-__all__ = ["INT32_MAX", "INT32_MIN", "check_block", "compiler_params", "default_block", "next_pow2"]
+__all__ = ["INT32_MAX", "INT32_MIN", "after", "any_true", "check_block", "compiler_params",
+           "default_block", "lane", "lex_max", "lex_min", "next_pow2", "scatter"]
 
 
 # Widest block a kernel reduces at once (elements). 4096 x i32 spread over 8 warps is 16
@@ -44,3 +46,49 @@ def check_block(block: int, size: int) -> int:
     if block < 1 or block & (block - 1) or size_pad % block:
         raise ValueError(f"block must be a power of two dividing {size_pad}, got {block}")
     return block
+
+
+# In-kernel vector helpers (Triton has no element read of a value, and reductions take a mask).
+
+def lane(vector, k):
+    """Entry ``k`` of an in-kernel vector (Triton has no element read of a value)."""
+    position = lax.iota(jnp.int32, vector.shape[0])
+    return jnp.min(jnp.where(position == k, vector, INT32_MAX))
+
+
+def any_true(mask):
+    return jnp.max(jnp.where(mask, 1, 0)) > 0
+
+
+def after(key, index, prev_key, prev_index):
+    """``(key..., index)`` strictly after ``(prev_key..., prev_index)`` lexicographically."""
+    out = index > prev_index
+    for k, p in zip(reversed(key), reversed(prev_key)):
+        out = (k > p) | ((k == p) & out)
+    return out
+
+
+def lex_max(key, index, live):
+    """The largest live ``(key..., index)`` as scalars; index ``INT32_MIN`` when none."""
+    best, ok = [], live
+    for k in key:
+        m = jnp.max(jnp.where(ok, k, INT32_MIN))
+        best.append(m)
+        ok = ok & (k == m)
+    return tuple(best), jnp.max(jnp.where(ok, index, INT32_MIN))
+
+
+def lex_min(key, index, live):
+    """The smallest live ``(key..., index)`` as scalars; index ``INT32_MAX`` when none."""
+    best, ok = [], live
+    for k in key:
+        m = jnp.min(jnp.where(ok, k, INT32_MAX))
+        best.append(m)
+        ok = ok & (k == m)
+    return tuple(best), jnp.min(jnp.where(ok, index, INT32_MAX))
+
+
+def scatter(ref, index, value, mask):
+    """A masked vector store at ``index``; masked lanes point past the ref (the interpreter's
+    scatter drops them, where a duplicate in-range index could rewrite a stored entry)."""
+    plgpu.store(ref.at[jnp.where(mask, index, ref.shape[0])], value, mask=mask)

@@ -14,6 +14,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_cache import errors, evictions
 from pallas_cache.kernels import common
+from pallas_cache.kernels import ring as token_ring
 from pallas_cache.kernels.common import INT32_MAX, INT32_MIN
 from pallas_cache.policy import FetchPolicy
 
@@ -48,6 +49,7 @@ class StateRefs(NamedTuple):
     routing_freq: Any  # i32[L * E]
     step: Any  # i32[1]: the clock
     tables: tuple  # the eviction's [L * E] tables (KernelRanking.tables), flat
+    ring: tuple  # (RingRefs,) for an eviction with per-call inputs (its token ring), else ()
 
 
 class PlanRefs(NamedTuple):
@@ -70,7 +72,8 @@ def _state_refs(state, ranking) -> StateRefs:
         slot_for_id=flat(state.slot_for_id), id_of_slot=state.id_of_slot, usage=state.usage,
         recency=flat(state.recency), stats=flat(state.stats),
         routing_freq=flat(state.routing_freq), step=flat(state.step),
-        tables=tuple(flat(t) for t in ranking.tables(state.eviction_state)))
+        tables=tuple(flat(t) for t in ranking.tables(state.eviction_state)),
+        ring=(token_ring.refs_of(state.eviction_state),) if ranking.per_call else ())
 
 
 def _with_state(state, ranking, out: StateRefs):
@@ -79,6 +82,8 @@ def _with_state(state, ranking, out: StateRefs):
     eviction_state = state.eviction_state
     if out.tables:
         eviction_state = ranking.from_tables(tuple(x.reshape(L, E) for x in out.tables))
+    if out.ring:
+        eviction_state = token_ring.ring_from(eviction_state, out.ring[0])
     return state.replace(
         slot_for_id=out.slot_for_id.reshape(L, E), id_of_slot=out.id_of_slot, usage=out.usage,
         step=out.step.reshape(()), recency=out.recency.reshape(L, E),
@@ -91,18 +96,9 @@ def supports(state, rules, num_routes: int) -> bool:
     kernel hooks, a route."""
     static = all(isinstance(getattr(rules, f), bool)
                  for f in ("hybrid", "by_recency", "promote_one", "reuse"))
-    return (static and evictions.policy_of(state.eviction).kernel is not None
-            and num_routes >= 1)
-
-
-def _lane(vector, k):
-    """Entry ``k`` of an in-kernel vector (Triton has no element read of a value)."""
-    position = lax.iota(jnp.int32, vector.shape[0])
-    return jnp.min(jnp.where(position == k, vector, INT32_MAX))
-
-
-def _any(mask):
-    return jnp.max(jnp.where(mask, 1, 0)) > 0
+    ranking = evictions.policy_of(state.eviction).kernel
+    return (static and ranking is not None and num_routes >= 1
+            and (not ranking.per_call or token_ring.supports(state.eviction_state)))
 
 
 def _zero(ref):
@@ -114,49 +110,15 @@ def _store_scalar(ref, value, mask):
     plgpu.store(ref.at[pl.ds(0, 1)], jnp.full((1,), value, ref.dtype), mask=jnp.full((1,), mask))
 
 
-def _scatter(ref, index, value, mask):
-    """A masked vector store at ``index``; masked lanes point past the ref (the interpreter's
-    scatter drops them, where a duplicate in-range index could rewrite a stored entry)."""
-    plgpu.store(ref.at[jnp.where(mask, index, ref.shape[0])], value, mask=mask)
-
-
-def _after(key, index, prev_key, prev_index):
-    """``(key..., index)`` strictly after ``(prev_key..., prev_index)`` lexicographically."""
-    out = index > prev_index
-    for k, p in zip(reversed(key), reversed(prev_key)):
-        out = (k > p) | ((k == p) & out)
-    return out
-
-
 def _candidate(key, index, prev_key, prev_index):
     """A pool block's slots still in the search: eligible (``index`` is ``INT32_MAX`` for a slot
     that is not: one vector, not an index and a mask, to spare registers) and strictly after
     ``(prev_key..., prev_index)``."""
-    return (index != INT32_MAX) & _after(key, index, prev_key, prev_index)
-
-
-def _lex_max(key, index, live):
-    """The largest live ``(key..., index)`` as scalars; index ``INT32_MIN`` when none."""
-    best, ok = [], live
-    for k in key:
-        m = jnp.max(jnp.where(ok, k, INT32_MIN))
-        best.append(m)
-        ok = ok & (k == m)
-    return tuple(best), jnp.max(jnp.where(ok, index, INT32_MIN))
-
-
-def _lex_min(key, index, live):
-    """The smallest live ``(key..., index)`` as scalars; index ``INT32_MAX`` when none."""
-    best, ok = [], live
-    for k in key:
-        m = jnp.min(jnp.where(ok, k, INT32_MAX))
-        best.append(m)
-        ok = ok & (k == m)
-    return tuple(best), jnp.min(jnp.where(ok, index, INT32_MAX))
+    return (index != INT32_MAX) & common.after(key, index, prev_key, prev_index)
 
 
 def step_kernel(
-    call: CallRefs, state: StateRefs, state_out: StateRefs, plan: PlanRefs, *,
+    call: CallRefs, state: StateRefs, state_out: StateRefs, plan: PlanRefs, scratch: tuple, *,
     num_layers: int, num_experts: int, num_out: int, hybrid: bool, by_recency: bool,
     promote_one: bool, reuse: bool, ranking: evictions.KernelRanking, block: int,
     stamp_block: int, interpret: bool,
@@ -191,7 +153,7 @@ def step_kernel(
     def observe(c, carry):  # the histogram row and the bad-route flag, one chunk of routes
         observed, bad = carry
         r, _, lane = chunk(c)
-        bad = bad | _any(lane & ((r < -1) | (r >= E)))
+        bad = bad | common.any_true(lane & ((r < -1) | (r >= E)))
         match = (r[:, None] == e_idx[None, :]) & lane[:, None]
         return observed + jnp.sum(match.astype(jnp.int32), axis=0), bad
 
@@ -218,6 +180,11 @@ def step_kernel(
     row = pl.ds(base, e_width)
     slot_row = plgpu.load(state.slot_for_id.at[row], mask=e_ok, other=-1)
     routed = e_ok & (observed > 0)
+    if state.ring:  # the token ring's bookkeeping, before the hit refresh's barrier
+        ring_call = token_ring.observe(state.ring[0], state_out.ring[0], layer=layer,
+                                       layer_c=layer_c, routed=routed, e_idx=e_idx,
+                                       accepted=accepted, num_layers=L, num_experts=E,
+                                       barrier=barrier)
     hit = routed & (slot_row >= 0)
     miss = routed & (slot_row < 0)
     num_active = jnp.sum(routed.astype(jnp.int32))
@@ -227,9 +194,9 @@ def step_kernel(
 
     # The hit refresh, also what makes a hit slot ineligible as a victim of this step: the pool
     # scan below skips it by its usage, once per block, as it skips every slot touched this step.
-    _scatter(state_out.usage, jnp.where(hit, slot_row, -1), jnp.full((e_width,), step),
+    common.scatter(state_out.usage, jnp.where(hit, slot_row, -1), jnp.full((e_width,), step),
              hit & accepted)
-    barrier()  # the hit refresh before the pool scan's usage loads by other threads
+    barrier()  # the hit refresh (and the ring) before the scan's loads by other threads
 
     o_idx = lax.iota(jnp.int32, o_width)
     minus = jnp.full((o_width,), -1, jnp.int32)
@@ -252,19 +219,25 @@ def step_kernel(
         valid = (index < C) & searching  # masked off: no pool read when no victim is needed
         u = plgpu.load(state_out.usage.at[pl.ds(start, width)], mask=valid, other=0)
         ok = valid & (index < limit) & (u != step)
-        if not state.tables:
-            return ranking.key((), None, u, None), jnp.where(ok, index, INT32_MAX)
+        if not state.tables and not state.ring:
+            return ranking.key((), None, u, None, None), jnp.where(ok, index, INT32_MAX)
         occupant = plgpu.load(state.id_of_slot.at[pl.ds(start, width)], mask=valid, other=-1)
         at = jnp.maximum(occupant, 0)
         tables = tuple(plgpu.load(ref.at[at], mask=valid, other=_zero(ref))
                        for ref in state.tables)
         own = (occupant >= base) & (occupant < base + E)
-        return ranking.key(tables, occupant, u, own), jnp.where(ok, index, INT32_MAX)
+        computed = (token_ring.per_slot(prediction, occupant, valid, ranking.per_call,
+                                        num_layers=L, num_experts=E) if state.ring else None)
+        return ranking.key(tables, occupant, u, own, computed), jnp.where(ok, index, INT32_MAX)
 
     # No branch around the search (a branch there costs registers and spills under ptxas, see
     # benchmarks/kernel_compile.py): with need 0 its loads are masked off and its loops run 0
     # rounds.
     searching = need > 0
+    if state.ring:  # the per-call inputs of the key, only when a victim is searched
+        prediction = token_ring.predict(ring_call, state_out.ring[0], scratch[0],
+                                        layer_c=layer_c, size=limit, searching=searching,
+                                        num_layers=L, capacity=C, barrier=barrier)
     search = _victims_one_block if -(-C // block) == 1 else _victims_streamed
     victims, vusage, occupants = search(pool_block, state.id_of_slot, need, o_idx,
                                         width=ranking.width, block=block)
@@ -272,9 +245,9 @@ def step_kernel(
     # The admissions (docs/semantics.md §5.5), in the reference's order.
     fraction_on = call.fraction16[0] > 0
     if promote_one:
-        promoted = (fraction_on & (num_fetch == 0) & (_lane(experts, 0) >= 0)
-                    & (_lane(recs, 0) >= 0) & (_lane(victims, 0) >= 0)
-                    & (_lane(occupants, 0) == -1))
+        promoted = (fraction_on & (num_fetch == 0) & (common.lane(experts, 0) >= 0)
+                    & (common.lane(recs, 0) >= 0) & (common.lane(victims, 0) >= 0)
+                    & (common.lane(occupants, 0) == -1))
         num_fetch = jnp.where(promoted, 1, num_fetch)
     if reuse:
         admitted = (o_idx < num_fetch) | ((experts >= 0) & (victims >= 0) & (recs >= 0)
@@ -311,10 +284,10 @@ def step_kernel(
     barrier()  # every read of id_of_slot / slot_for_id / the rows (victims, plan) before the writes
 
     # The writes: only the touched entries, only when accepted.
-    _scatter(state_out.usage, victims, jnp.full((o_width,), step), installs)
-    _scatter(state_out.id_of_slot, victims, base + experts, installs)
-    _scatter(state_out.slot_for_id, occupants, minus, installs & (occupants >= 0))
-    _scatter(state_out.slot_for_id, base + experts, victims, installs)
+    common.scatter(state_out.usage, victims, jnp.full((o_width,), step), installs)
+    common.scatter(state_out.id_of_slot, victims, base + experts, installs)
+    common.scatter(state_out.slot_for_id, occupants, minus, installs & (occupants >= 0))
+    common.scatter(state_out.slot_for_id, base + experts, victims, installs)
     if hybrid:
         plgpu.store(state_out.recency.at[row], jnp.full((e_width,), step),
                     mask=routed & accepted)
@@ -385,8 +358,8 @@ def _fetch_order(routes_ref, sfi_ref, rec_ref, base, miss, num_missing, o_idx, *
 
     def order_round(k, carry):
         prev_key, prev_e, experts, recs = carry
-        live = miss & _after((order_key,), e_idx, (prev_key,), prev_e)
-        (key,), e = _lex_min((order_key,), e_idx, live)
+        live = miss & common.after((order_key,), e_idx, (prev_key,), prev_e)
+        (key,), e = common.lex_min((order_key,), e_idx, live)
         return (key, e, jnp.where(o_idx == k, e, experts),
                 jnp.where(o_idx == k, ~key, recs))
 
@@ -409,7 +382,7 @@ def _victims_one_block(pool_block, ios_ref, need, o_idx, *, width, block):
 
     def victim_round(carry):
         count, prev_key, prev_i, done, victims, vusage = carry
-        m, i = _lex_min(key, index, _candidate(key, index, prev_key, prev_i))
+        m, i = common.lex_min(key, index, _candidate(key, index, prev_key, prev_i))
         found = i != INT32_MAX
         at = found & (o_idx == count)
         return (count + found.astype(jnp.int32), m, i, ~found, jnp.where(at, i, victims),
@@ -439,11 +412,11 @@ def _victims_streamed(pool_block, ios_ref, need, o_idx, *, width, block):
 
         def victim_round(c):
             best_key, best_i, count, prev_key, prev_i, _ = c
-            m, i = _lex_min(key, index, _candidate(key, index, prev_key, prev_i))
+            m, i = common.lex_min(key, index, _candidate(key, index, prev_key, prev_i))
             full = count >= need
             filled = o_idx < count
-            worst_key, worst_i = _lex_max(best_key, best_i, filled)
-            enters = (i != INT32_MAX) & (~full | _after(worst_key, worst_i, m, i))
+            worst_key, worst_i = common.lex_max(best_key, best_i, filled)
+            enters = (i != INT32_MAX) & (~full | common.after(worst_key, worst_i, m, i))
             at = enters & jnp.where(full, best_i == worst_i, o_idx == count)
             best_key = tuple(jnp.where(at, x, y) for x, y in zip(m, best_key))
             return (best_key, jnp.where(at, i, best_i),
@@ -459,7 +432,7 @@ def _victims_streamed(pool_block, ios_ref, need, o_idx, *, width, block):
     best_key, best_i, count = lax.fori_loop(
         0, num_blocks, block_pass, ((none,) * width, none, jnp.int32(0)))
     filled = o_idx < count
-    ahead = filled[None, :] & _after(tuple(k[:, None] for k in best_key), best_i[:, None],
+    ahead = filled[None, :] & common.after(tuple(k[:, None] for k in best_key), best_i[:, None],
                                      tuple(k[None, :] for k in best_key), best_i[None, :])
     rank = jnp.sum(ahead.astype(jnp.int32), axis=1)
     placed = (rank[None, :] == o_idx[:, None]) & filled[None, :]
@@ -493,7 +466,7 @@ def _rebase(usage_ref, rec_ref, usage_out, rec_out, step0, *, block, stamp_block
                             mask=live & (v == m) & (r >= 1))
                 above = live & (v > m)
                 return (jnp.minimum(best[0], jnp.min(jnp.where(above, v, INT32_MAX))),
-                        best[1] | _any(above))
+                        best[1] | common.any_true(above))
 
             return lax.fori_loop(0, -(-src.shape[0] // width), body,
                                  (jnp.int32(INT32_MAX), jnp.bool_(False)))
@@ -551,9 +524,11 @@ def fused_step(state, layer, routes, policy, rules, *, interpret: bool, debug: b
         by_recency=rules.by_recency, promote_one=rules.promote_one, reuse=rules.reuse,
         ranking=ranking, block=block,
         stamp_block=common.default_block(L * E, interpret), interpret=interpret)
-    state_out, plan = pl.pallas_call(
+    # Per-call buffers the kernel writes and reads back (the token ring's counters).
+    scratch = ((token_ring.scratch_shape(state.eviction_state, C),) if ranking.per_call else ())
+    state_out, plan, _ = pl.pallas_call(
         kernel,
-        out_shape=(state_shape, plan_shape),
+        out_shape=(state_shape, plan_shape, scratch),
         grid=(),
         input_output_aliases=aliases,
         compiler_params=common.compiler_params(block),

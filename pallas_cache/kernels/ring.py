@@ -1,0 +1,293 @@
+"""The token ring of ROUTE_KNN and ROUTE_LFU inside the fused kernel (kernels/step.py): the call's
+bookkeeping written in place, and what the victim key reads per call, computed, not stored: the
+neighbours' first uses as bit-sliced counters in a scratch buffer, then per slot the occupant's
+predicted next use, protection and ring frequency (docs/semantics.md §5.16, §7).
+
+The arithmetic is :mod:`~pallas_cache.evictions.ring`'s and
+:mod:`~pallas_cache.evictions.route_knn`'s, integer for integer; only the layout differs: a
+vector per ring position or per mask word, gathers from the flat refs for the rest.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any, NamedTuple
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_cache.evictions.ring import TokenRingState
+from pallas_cache.evictions.route_knn import NEIGHBOURS
+from pallas_cache.kernels import common
+from pallas_cache.kernels.common import INT32_MIN
+
+__all__ = ["RingCall", "RingPrediction", "RingRefs", "observe", "per_slot", "predict",
+           "refs_of", "ring_from", "scratch_shape", "supports"]
+
+
+class RingRefs(NamedTuple):
+    """The ring's leaves as the kernel's 1-D refs (``W`` = history, ``w = ceil(E / 32)``), each
+    an input aliased to the output of the same name."""
+
+    masks: Any  # u32[W * L * w]: TokenRingState.masks, flat
+    sim: Any  # i32[W]
+    match: Any  # i32[W]
+    head: Any  # i32[1]
+    count: Any  # i32[1]
+    last_layer: Any  # i32[1]
+    counts: tuple  # (i32[L * E],) under ROUTE_LFU; () under ROUTE_KNN
+
+
+class RingCall(NamedTuple):
+    """The ring after this call's bookkeeping, as the prediction reads it (in-kernel values)."""
+
+    head: Any  # i32[]: the current token's ring position
+    count: Any  # i32[]: tokens in the ring
+    sim: Any  # i32[W']: similarity per ring position (W' = next_pow2(W))
+    age: Any  # i32[W']: (head - position) mod W
+
+
+class RingPrediction(NamedTuple):
+    """What each slot's key reads: the neighbours found, the horizon, and the refs to gather."""
+
+    found: Any  # i32[]: neighbours found (<= NEIGHBOURS)
+    horizon: Any  # i32[]: H = ceil(S / L)
+    layer: Any  # i32[]: the call's layer (clamped)
+    call: RingCall
+    planes: Any  # u32[P * w']: the first-use counters, plane b at [b * w', (b + 1) * w')
+    refs: RingRefs  # the ring as this call left it (the outputs)
+
+
+def _words(ring) -> int:
+    return ring.masks.shape[-1]
+
+
+def supports(ring: TokenRingState) -> bool:
+    """Whether the kernel holds the ring in single vectors: ``next_pow2(W)`` and
+    ``next_pow2(L * w)`` at most :data:`~pallas_cache.kernels.common.MAX_BLOCK`."""
+    history, num_layers, words = ring.masks.shape
+    return max(common.next_pow2(history),
+               common.next_pow2(num_layers * words)) <= common.MAX_BLOCK
+
+
+def refs_of(ring: TokenRingState) -> RingRefs:
+    flat = lambda x: jnp.reshape(x, (-1,))  # noqa: E731
+    return RingRefs(masks=flat(ring.masks), sim=ring.sim, match=ring.match, head=flat(ring.head),
+                    count=flat(ring.count), last_layer=flat(ring.last_layer),
+                    counts=() if ring.counts is None else (flat(ring.counts),))
+
+
+def ring_from(ring: TokenRingState, out: RingRefs) -> TokenRingState:
+    """``ring`` with the kernel's outputs, back in their shapes."""
+    return TokenRingState(
+        masks=out.masks.reshape(ring.masks.shape), sim=out.sim, match=out.match,
+        head=out.head.reshape(()), count=out.count.reshape(()),
+        last_layer=out.last_layer.reshape(()),
+        counts=out.counts[0].reshape(ring.counts.shape) if out.counts else None)
+
+
+def _num_neighbours(history: int) -> int:
+    return min(NEIGHBOURS, history)
+
+
+def _num_planes(history: int, num_layers: int, capacity: int) -> int:
+    """Bits of the largest first-use count, ``NEIGHBOURS * ceil(C / L)``."""
+    return (_num_neighbours(history) * -(-capacity // num_layers)).bit_length()
+
+
+def scratch_shape(ring: TokenRingState, capacity: int):
+    """The per-call buffer of the first-use counters, ``u32[P * next_pow2(L * w)]``."""
+    import jax
+
+    history, num_layers, words = ring.masks.shape
+    width = common.next_pow2(num_layers * words)
+    return jax.ShapeDtypeStruct((_num_planes(history, num_layers, capacity) * width,),
+                                jnp.uint32)
+
+
+def _bit(word, position):
+    """Bit ``position`` (int32 in [0, 32)) of uint32 ``word``, as int32 0/1."""
+    return ((word >> position.astype(jnp.uint32)) & 1).astype(jnp.int32)
+
+
+def observe(ring: RingRefs, out: RingRefs, *, layer, layer_c, routed, e_idx, accepted,
+            num_layers: int, num_experts: int, barrier) -> RingCall:
+    """The ring after an accepted call of ``layer`` routing ``routed`` (bool[E'] over ``e_idx``),
+    written to ``out``; a refused call writes nothing. All reads come before ``barrier()``, all
+    writes after it (the outputs alias the inputs): a token start if the layer does not increase,
+    the call's bitmask recorded in the current token's row and matched against every past
+    token's same layer, and under ROUTE_LFU the ring frequency following the changed row."""
+    L, E = num_layers, num_experts
+    history = ring.sim.shape[0]
+    words = ring.masks.shape[0] // (history * L)
+    row_words = L * words
+    w_pad = common.next_pow2(history)
+
+    start = accepted & (layer <= ring.last_layer[0])
+    head = jnp.where(start, (ring.head[0] + 1) % history, ring.head[0])
+    count = jnp.where(start, jnp.minimum(ring.count[0] + 1, history), ring.count[0])
+    bits = [jnp.sum(jnp.where(routed & (e_idx // 32 == t),
+                              jnp.uint32(1) << (e_idx % 32).astype(jnp.uint32), jnp.uint32(0)),
+                    dtype=jnp.uint32) for t in range(words)]
+
+    # Per ring position j: at a token start sim_j takes the previous token's match_{j-1} (0 if
+    # j-1 left the ring) and match restarts; then both add this layer's overlap with the call.
+    j = lax.iota(jnp.int32, w_pad)
+    in_ring = j < history
+    at = jnp.minimum(j, history - 1)
+    age = (head - j + history) % history
+    sim = plgpu.load(ring.sim.at[pl.ds(0, w_pad)], mask=in_ring, other=0)
+    match = plgpu.load(ring.match.at[pl.ds(0, w_pad)], mask=in_ring, other=0)
+    aligned = plgpu.load(ring.match.at[(at + history - 1) % history], mask=in_ring, other=0)
+    sim = jnp.where(start, jnp.where((age >= 1) & (age + 2 <= count), aligned, 0), sim)
+    match = jnp.where(start, 0, match)
+    past = accepted & in_ring & (age >= 1) & (age <= count - 1)
+    common_bits = jnp.zeros((w_pad,), jnp.int32)
+    for t in range(words):
+        word = plgpu.load(ring.masks.at[at * row_words + layer_c * words + t], mask=past,
+                          other=0)
+        common_bits = common_bits + lax.population_count(word & bits[t]).astype(jnp.int32)
+    sim = sim + 2 * common_bits
+    match = match + common_bits
+
+    if ring.counts:
+        # F follows the ring's one changed row R[T, ·] (the new head's): at a token start the
+        # oldest token leaves (every layer's old bits subtracted), and the layer's word becomes
+        # the call's bitmask.
+        counts, counts_out = ring.counts[0], out.counts[0]
+        e_ok = e_idx < E
+        row = layer_c * E + e_idx
+        old = plgpu.load(ring.masks.at[head * row_words + layer_c * words + e_idx // 32],
+                         mask=e_ok, other=0)
+        row_counts = (plgpu.load(counts.at[row], mask=e_ok, other=0)
+                      + routed.astype(jnp.int32) - _bit(old, e_idx % 32))
+        width = min(common.next_pow2(L * E), common.MAX_BLOCK)
+
+        def leave(b, _):
+            index = pl.multiple_of(b * width, width) + lax.iota(jnp.int32, width)
+            m, e = index // E, index % E
+            ok = (index < L * E) & (m != layer_c)
+            word = plgpu.load(ring.masks.at[head * row_words + m * words + e // 32], mask=ok,
+                              other=0)
+            value = plgpu.load(counts.at[index], mask=ok, other=0) - _bit(word, e % 32)
+            plgpu.store(counts_out.at[index], value, mask=ok)
+            return 0
+
+        # Other threads write no entry this reads: the row's own layer is stored below.
+        lax.fori_loop(0, jnp.where(start, -(-(L * E) // width), 0), leave, 0)
+
+    barrier()  # every read of the ring above before the writes below
+    plgpu.store(out.sim.at[pl.ds(0, w_pad)], sim, mask=in_ring & accepted)
+    plgpu.store(out.match.at[pl.ds(0, w_pad)], match, mask=in_ring & accepted)
+    l_pad = common.next_pow2(L)
+    m = lax.iota(jnp.int32, l_pad)
+    written = (m < L) & accepted & (start | (m == layer_c))
+    for t in range(words):
+        common.scatter(out.masks, head * row_words + m * words + t,
+                       jnp.where(m == layer_c, bits[t], jnp.uint32(0)), written)
+    if ring.counts:
+        common.scatter(out.counts[0], row, row_counts, e_ok & accepted)
+    for ref, value in ((out.head, head), (out.count, count), (out.last_layer, layer)):
+        plgpu.store(ref.at[pl.ds(0, 1)], jnp.full((1,), value, jnp.int32),
+                    mask=jnp.full((1,), accepted))
+    return RingCall(head=head, count=count, sim=sim, age=age)
+
+
+def predict(call: RingCall, out: RingRefs, planes_ref, *, layer_c, size, searching,
+            num_layers: int, capacity: int, barrier) -> RingPrediction:
+    """The neighbours (the past tokens of largest ``(sim, token)``) and, per mask word of the
+    ring, the bit-sliced count of ``(j, k)`` with ``k < H`` whose prefix ``P_jk`` (the neighbour
+    ``j``'s seen routes over its next ``k + 1`` tokens, shifted by one for layers at or before
+    this one) holds the expert, written to ``planes_ref`` before ``barrier()``. Reads the ring
+    as :func:`observe` left it; does nothing unless ``searching``."""
+    L = num_layers
+    history = out.sim.shape[0]
+    row_words = out.masks.shape[0] // history
+    words = row_words // L
+    w_pad = call.sim.shape[0]
+    num = _num_neighbours(history)
+
+    # Descending (sim, token) = ascending (-sim, age); ages are distinct.
+    past = (lax.iota(jnp.int32, w_pad) < history) & (call.age >= 1) & (call.age <= call.count - 1)
+    key = -call.sim
+    p_idx = lax.iota(jnp.int32, common.next_pow2(num))
+
+    def pick(k, carry):
+        prev_key, prev_age, picks = carry
+        (m,), a = common.lex_min((key,), call.age,
+                                 past & common.after((key,), call.age, (prev_key,), prev_age))
+        picks = jnp.where((p_idx == k) & (a != common.INT32_MAX), a, picks)
+        return m, a, picks
+
+    _, _, picks = lax.fori_loop(
+        0, jnp.where(searching, num, 0), pick,
+        (jnp.int32(INT32_MIN), jnp.int32(-1), jnp.full(p_idx.shape, -1, jnp.int32)))
+    found = jnp.sum((picks >= 0).astype(jnp.int32))
+    horizon = (size + L - 1) // L
+
+    width = common.next_pow2(row_words)
+    i = lax.iota(jnp.int32, width)
+    i_ok = i < row_words
+    shifted = (i // words) <= layer_c  # layer m was already called in this token
+    zero = jnp.zeros((width,), jnp.uint32)
+    planes = [zero] * (planes_ref.shape[0] // width)
+    for n in range(num):
+        age = common.lane(picks, n)
+        rounds = jnp.where(age >= 0, horizon, 0)  # 0 when not searching
+
+        def first_uses(k, carry, age=age):
+            # Token j + k + shift has age a_j - k - shift: row (head - a_j + k') mod W.
+            word, prefix, *planes = carry
+            nxt = plgpu.load(out.masks.at[((call.head - age + k + 1 + history) % history)
+                                          * row_words + i], mask=i_ok, other=0)
+            seen = jnp.where(k <= age - 1, jnp.where(shifted, nxt, word), jnp.uint32(0))
+            prefix = prefix | seen
+            ripple = prefix
+            for b in range(len(planes)):
+                planes[b], ripple = planes[b] ^ ripple, planes[b] & ripple
+            return (nxt, prefix, *planes)
+
+        first = plgpu.load(out.masks.at[((call.head - age + history) % history) * row_words + i],
+                           mask=i_ok & (rounds > 0), other=0)
+        _, _, *planes = lax.fori_loop(0, rounds, first_uses, (first, zero, *planes))
+    for b, plane in enumerate(planes):
+        plgpu.store(planes_ref.at[pl.ds(b * width, width)], plane, mask=i_ok & searching)
+    barrier()  # the counters before the pool scan's gathers of them by other threads
+    return RingPrediction(found=found, horizon=horizon, layer=layer_c, call=call,
+                          planes=planes_ref, refs=out)
+
+
+def per_slot(pred: RingPrediction, occupant, valid, names, *, num_layers: int,
+             num_experts: int):
+    """The per-call inputs of the victim key for a block of slots (``occupant`` -1 when free;
+    ``valid``: the lanes read), int32 each: ``next_use`` (``found * distance + L * steps``,
+    ``steps`` the neighbours' first uses within ``H``), ``prot`` and ``freq``."""
+    L, E = num_layers, num_experts
+    history = pred.refs.sim.shape[0]
+    row_words = pred.refs.masks.shape[0] // history
+    words = row_words // L
+    width = common.next_pow2(row_words)
+    occ = jnp.maximum(occupant, 0)
+    m, e = occ // E, occ % E
+    word_at = m * words + e // 32
+    out = {"num_layers": L}  # names as the record's per_call
+    if "next_use" in names:
+        uses = jnp.zeros(occupant.shape, jnp.int32)
+        for b in range(pred.planes.shape[0] // width):
+            word = plgpu.load(pred.planes.at[b * width + word_at], mask=valid, other=0)
+            uses = uses + (_bit(word, e % 32) << b)
+        distance = (m - pred.layer - 1 + L) % L + 1
+        out["next_use"] = pred.found * distance + L * (pred.found * pred.horizon - uses)
+    if "prot" in names:
+        # Routed by the latest call of its layer the ring holds: this token's for layers up to
+        # this one, the previous token's after it.
+        mine = m <= pred.layer
+        position = jnp.where(mine, pred.call.head, (pred.call.head - 1 + history) % history)
+        word = plgpu.load(pred.refs.masks.at[position * row_words + word_at],
+                          mask=valid & (mine | (pred.call.count >= 2)), other=0)
+        out["prot"] = _bit(word, e % 32)
+    if "freq" in names:
+        out["freq"] = plgpu.load(pred.refs.counts[0].at[occ], mask=valid, other=0)
+    return types.SimpleNamespace(**out)
