@@ -42,11 +42,12 @@ import pallas_cache as pc  # noqa: E402
 GEOMETRIES = [(8, 16, 64, 8), (32, 8, 128, 2), (48, 128, 2048, 8), (48, 128, 4096, 8),
               (64, 512, 16384, 8)]
 TEST_GEOMETRIES = [(8, 16, 64, 8), (48, 128, 4096, 8), (64, 512, 16384, 8)]
-EVICTIONS = ("lru", "pair_lfu")
+EVICTIONS = ("lru", "pair_lfu", "route_knn", "route_lfu")
 HYBRID = [(order, admission) for order in ("recency", "lowest_id")
           for admission in ("promote_one", "none", "reuse")]
 # The loop bodies whose reductions are counted (function names in the TTIR's locations).
-LOOPS = {"victim": "victim_round", "order": "order_round"}
+LOOPS = {"victim": "victim_round", "order": "order_round", "first_uses": "first_uses",
+         "neighbours": "pick"}
 
 
 def variants(eviction: str, ci: bool = False) -> list[str]:
@@ -213,15 +214,21 @@ def measure(geometry, eviction: str, variant: str) -> dict:
 
 
 HEADER = ("| L,E,S,k | eviction | call | warps | regs | spill B (st/ld) | smem B | SASS | BAR "
-          "| reduce: victim loop | fetch-order loop | all |\n"
-          "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| reduce: victim loop | fetch-order loop | ring first uses | neighbours | all |\n"
+          "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 
 
 def table_row(r: dict) -> str:
     return (f"| {','.join(map(str, r['geometry']))} | {r['eviction']} | {r['variant']} "
             f"| {r['num_warps']} | {r['registers']} | {r['spill_stores']}/{r['spill_loads']} "
             f"| {r['shared']} | {r['sass']} | {r['barriers']} | {r['reduce_victim']} "
-            f"| {r['reduce_order']} | {r['reduce_all']} |")
+            f"| {r['reduce_order']} | {ring(r, 'first_uses')} | {ring(r, 'neighbours')} "
+            f"| {r['reduce_all']} |")
+
+
+def ring(r: dict, loop: str) -> str:
+    """A ring loop's column: ``-`` for an eviction without a token ring."""
+    return str(r[f"reduce_{loop}"]) if r["eviction"].startswith("route_") else "-"
 
 
 def main(argv=None) -> int:

@@ -60,4 +60,5 @@ def test_the_reduction_counter_finds_the_loops():
         '#loc3 = loc("reduce_min:"(#loc2))',
         '#loc4 = loc("while:"(#loc1))',
     ])
-    assert kernel_compile.reductions(ttir) == {"all": 2, "victim": 1, "order": 0}
+    assert kernel_compile.reductions(ttir) == {"all": 2, "victim": 1, "order": 0,
+                                              "first_uses": 0, "neighbours": 0}

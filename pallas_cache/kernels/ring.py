@@ -112,6 +112,15 @@ def _bit(word, position):
     return ((word >> position.astype(jnp.uint32)) & 1).astype(jnp.int32)
 
 
+def _popcount(x):
+    """Set bits of uint32 ``x``, as int32 (the bit-parallel sum: Triton's NVIDIA backend has no
+    lowering of ``math.ctpop``)."""
+    x = x - ((x >> 1) & jnp.uint32(0x55555555))
+    x = (x & jnp.uint32(0x33333333)) + ((x >> 2) & jnp.uint32(0x33333333))
+    x = (x + (x >> 4)) & jnp.uint32(0x0F0F0F0F)
+    return ((x * jnp.uint32(0x01010101)) >> 24).astype(jnp.int32)
+
+
 def observe(ring: RingRefs, out: RingRefs, *, layer, layer_c, routed, e_idx, accepted,
             num_layers: int, num_experts: int, barrier) -> RingCall:
     """The ring after an accepted call of ``layer`` routing ``routed`` (bool[E'] over ``e_idx``),
@@ -148,7 +157,7 @@ def observe(ring: RingRefs, out: RingRefs, *, layer, layer_c, routed, e_idx, acc
     for t in range(words):
         word = plgpu.load(ring.masks.at[at * row_words + layer_c * words + t], mask=past,
                           other=0)
-        common_bits = common_bits + lax.population_count(word & bits[t]).astype(jnp.int32)
+        common_bits = common_bits + _popcount(word & bits[t])
     sim = sim + 2 * common_bits
     match = match + common_bits
 
@@ -165,7 +174,7 @@ def observe(ring: RingRefs, out: RingRefs, *, layer, layer_c, routed, e_idx, acc
                       + routed.astype(jnp.int32) - _bit(old, e_idx % 32))
         width = min(common.next_pow2(L * E), common.MAX_BLOCK)
 
-        def leave(b, _):
+        def leave(b, carry):
             index = pl.multiple_of(b * width, width) + lax.iota(jnp.int32, width)
             m, e = index // E, index % E
             ok = (index < L * E) & (m != layer_c)
@@ -173,10 +182,10 @@ def observe(ring: RingRefs, out: RingRefs, *, layer, layer_c, routed, e_idx, acc
                               other=0)
             value = plgpu.load(counts.at[index], mask=ok, other=0) - _bit(word, e % 32)
             plgpu.store(counts_out.at[index], value, mask=ok)
-            return 0
+            return carry
 
         # Other threads write no entry this reads: the row's own layer is stored below.
-        lax.fori_loop(0, jnp.where(start, -(-(L * E) // width), 0), leave, 0)
+        lax.fori_loop(0, jnp.where(start, jnp.int32(-(-(L * E) // width)), jnp.int32(0)), leave, jnp.int32(0))
 
     barrier()  # every read of the ring above before the writes below
     plgpu.store(out.sim.at[pl.ds(0, w_pad)], sim, mask=in_ring & accepted)
@@ -222,7 +231,7 @@ def predict(call: RingCall, out: RingRefs, planes_ref, *, layer_c, size, searchi
         return m, a, picks
 
     _, _, picks = lax.fori_loop(
-        0, jnp.where(searching, num, 0), pick,
+        0, jnp.where(searching, jnp.int32(num), jnp.int32(0)), pick,
         (jnp.int32(INT32_MIN), jnp.int32(-1), jnp.full(p_idx.shape, -1, jnp.int32)))
     found = jnp.sum((picks >= 0).astype(jnp.int32))
     horizon = (size + L - 1) // L
@@ -235,7 +244,7 @@ def predict(call: RingCall, out: RingRefs, planes_ref, *, layer_c, size, searchi
     planes = [zero] * (planes_ref.shape[0] // width)
     for n in range(num):
         age = common.lane(picks, n)
-        rounds = jnp.where(age >= 0, horizon, 0)  # 0 when not searching
+        rounds = jnp.where(age >= 0, horizon, jnp.int32(0))  # 0 when not searching
 
         def first_uses(k, carry, age=age):
             # Token j + k + shift has age a_j - k - shift: row (head - a_j + k') mod W.
