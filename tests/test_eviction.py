@@ -45,10 +45,14 @@ def test_pair_lfu_jitted_matches_the_reference_after_every_step(data):
 
 
 @examples(0.25, ci=0.16)
+@pytest.mark.parametrize("eviction", evictions_under_test(kernel=True, default=False))
 @given(data=st.data())
-def test_pair_lfu_interpret_backend_matches_the_reference_after_every_step(data):
-    """As above with backend="interpret" (PAIR_LFU ranks in XLA on every backend)."""
-    run_lockstep(data, "jax-interpret", eviction=PAIR_LFU)
+def test_the_fused_kernel_matches_the_reference_after_every_step_under_each_eviction(
+        eviction, data):
+    """As above with backend="interpret": ``ensure`` / ``ensure_hybrid`` are the fused kernel,
+    which ranks PAIR_LFU by its tables and ROUTE_KNN / ROUTE_LFU from the token ring it updates
+    in place (docs/semantics.md §7), every other op as on the XLA backend."""
+    run_lockstep(data, "jax-interpret", eviction=eviction)
 
 
 def test_pair_lfu_long_run_across_the_clock_rebase_matches_the_reference():
@@ -414,12 +418,13 @@ def test_route_knn_jitted_matches_the_reference_after_every_step(data):
     run_lockstep(data, "jax-jit", eviction=ROUTE_KNN)
 
 
+@pytest.mark.parametrize("backend", ["xla", "interpret"])
 @pytest.mark.parametrize("eviction", evictions_under_test(ring=True))
-def test_route_knn_in_a_scan_and_vmapped_equals_the_reference(eviction):
+def test_route_knn_in_a_scan_and_vmapped_equals_the_reference(eviction, backend):
     """FAILS if ROUTE_KNN's (or ROUTE_LFU's) ring, token detection or ranking differ inside
     ``lax.scan`` with a traced layer, or across the lanes of a ``vmap`` (each lane its own
-    trace), from the reference called one layer-call at a time; a rebase threshold is crossed
-    on the way."""
+    trace, and on the interpret backend its own kernel program), from the reference called one
+    layer-call at a time; a rebase threshold is crossed on the way."""
     L, E, S, K, lanes, W = 4, 6, 10, 2, 3, 5
     rng = np.random.default_rng(8)
     layers = np.tile(np.arange(L, dtype=np.int32), 30)[None].repeat(lanes, 0)
@@ -431,7 +436,7 @@ def test_route_knn_in_a_scan_and_vmapped_equals_the_reference(eviction):
     @jax.jit
     def loop(state, layers, routes):
         def body(s, xs):
-            return pc.ensure_hybrid(s, xs[0], xs[1], policy)
+            return pc.ensure_hybrid(s, xs[0], xs[1], policy, backend=backend)
         return jax.lax.scan(body, state, (layers, routes))
 
     state = pc.init(L, E, S, eviction=eviction, history=W, rebase_threshold=50)
@@ -447,12 +452,13 @@ def test_route_knn_in_a_scan_and_vmapped_equals_the_reference(eviction):
         assert ref.eviction_state.count == W and ref.step < 50  # the ring wrapped
 
 
-def test_route_knn_neighbours_at_the_similarity_bound():
+@pytest.mark.parametrize("backend", ["xla", "interpret"])
+def test_route_knn_neighbours_at_the_similarity_bound(backend):
     """FAILS if the neighbours' one-key selection under-bounds the similarity (``sim`` reaches
     ``3 L E`` when consecutive tokens route every expert of every layer: ``L E`` aligned plus
     ``2 L E`` matched), breaks a tie other than to the latest token, or if the step's XLA:CPU
-    branches (unbatched, inside a scan) change a plan: every call checked against the
-    reference."""
+    branches (unbatched, inside a scan) or the fused kernel change a plan: every call checked
+    against the reference."""
     L, E, S, W = 3, 4, 8, 6
     rng = np.random.default_rng(40)
     tokens = 24
@@ -466,7 +472,7 @@ def test_route_knn_neighbours_at_the_similarity_bound():
     @jax.jit
     def loop(state, layers, routes):
         def body(s, xs):
-            s, plan = pc.ensure_hybrid(s, xs[0], xs[1], policy)
+            s, plan = pc.ensure_hybrid(s, xs[0], xs[1], policy, backend=backend)
             return s, (plan, s.eviction_state.sim)
         return jax.lax.scan(body, state, (layers, routes))
 
@@ -514,6 +520,7 @@ def test_route_knn_next_use_per_slot_equals_the_per_layer_expert_form(L, E, S, u
 
 
 @pytest.mark.traced
+@pytest.mark.kernels
 def test_route_knn_without_history_is_plain_lru(adapter):
     """FAILS if the predicted next use does not vanish with no past token (``NU = K'·d(m) +
     ...`` with ``K' = 0``): e.g. ``d(m)`` counted without the ``K'`` factor would evict the
@@ -529,6 +536,7 @@ def test_route_knn_without_history_is_plain_lru(adapter):
 
 
 @pytest.mark.traced
+@pytest.mark.kernels
 def test_similarities_realign_at_each_token_start(adapter):
     """FAILS if a token start does not recompute ``sim_j`` from the *previous* tokens aligned
     (``R[j-1] & R[T-1]``, 0 when ``j-1`` left the ring): carried-over sims, or ``R[j] & R[T-1]``,
@@ -548,6 +556,7 @@ def test_similarities_realign_at_each_token_start(adapter):
 
 
 @pytest.mark.traced
+@pytest.mark.kernels
 def test_neighbour_ties_go_to_the_latest_token(adapter):
     """FAILS if neighbours tie to the older token (or to the ring position): at the last call
     the four past tokens have sims (2, 0, 1, 0); tokens 1 and 3 tie for the third neighbour,
@@ -563,6 +572,7 @@ def test_neighbour_ties_go_to_the_latest_token(adapter):
 
 
 @pytest.mark.traced
+@pytest.mark.kernels
 def test_start_token_starts_a_token_the_layers_do_not_show(adapter):
     """FAILS if ``start_token`` is ignored (a token calling only layer 1 after one calling only
     layer 0 would merge with it) or if it changes an LRU or PAIR_LFU state."""
@@ -608,6 +618,7 @@ def _route_lfu_run(adapter, L, E, S, calls):
 
 
 @pytest.mark.traced
+@pytest.mark.kernels
 def test_route_lfu_protection_outranks_the_score(adapter):
     """FAILS if ROUTE_LFU drops ``prot`` (ranks residents by ``L * F - NU`` alone): layer 0's
     expert 1, routed by this token, has the lowest score and would go.
@@ -622,6 +633,7 @@ def test_route_lfu_protection_outranks_the_score(adapter):
 
 
 @pytest.mark.traced
+@pytest.mark.kernels
 def test_route_lfu_protects_the_previous_tokens_pair_of_a_layer_not_yet_called(adapter):
     """FAILS if ``prot`` reads this token's routes for every layer (``R[T, m]``, empty for the
     layers after the call) instead of the previous token's for ``m > l``: layer 1's expert 1,
@@ -635,6 +647,7 @@ def test_route_lfu_protects_the_previous_tokens_pair_of_a_layer_not_yet_called(a
 
 
 @pytest.mark.traced
+@pytest.mark.kernels
 def test_route_lfu_ring_frequency_outweighs_a_nearer_predicted_use(adapter):
     """FAILS if ROUTE_LFU ranks the unprotected residents by the predicted next use alone
     (ROUTE_KNN's order, ``-NU``): layer 0's expert 1 (routed by all three past tokens, ``F = 3``,
@@ -647,6 +660,7 @@ def test_route_lfu_ring_frequency_outweighs_a_nearer_predicted_use(adapter):
 
 
 @pytest.mark.traced
+@pytest.mark.kernels
 def test_route_lfu_predicted_next_use_separates_equal_frequencies(adapter):
     """FAILS if ROUTE_LFU ranks by the ring frequency alone (``L * F``, then LRU): two
     unprotected residents routed once each tie on ``F``, and the older (slot 0, layer 0's expert
@@ -658,6 +672,7 @@ def test_route_lfu_predicted_next_use_separates_equal_frequencies(adapter):
 
 
 @pytest.mark.traced
+@pytest.mark.kernels
 def test_route_lfu_frequency_counts_the_current_tokens_routes(adapter):
     """FAILS if ``F`` leaves out the current token ``T`` (counts only past tokens): it then no
     longer separates two protected residents. L=3, E=3, S=3; token 0 routes expert 0 at every

@@ -351,7 +351,8 @@ def test_count_ops_follows_the_rule():
 
 
 # (L, E, S, k): the geometries the one-kernel-per-call rule is held to.
-STEP_GEOMETRIES = [(8, 16, 64, 8), (32, 8, 128, 2), (48, 128, 2048, 8), (64, 320, 16384, 8)]
+STEP_GEOMETRIES = [(8, 16, 64, 8), (32, 8, 128, 2), (48, 128, 2048, 8), (48, 128, 4096, 8),
+                   (64, 320, 16384, 8)]
 HYBRID_RULES = [(order, admission) for order in ("recency", "lowest_id")
                 for admission in ("promote_one", "none", "reuse")]
 MAX_OTHER_OPS = 16
@@ -360,10 +361,10 @@ MAX_OTHER_OPS = 16
 SCAN_BOOKKEEPING = 16
 
 
-def _step_calls(num_layers, num_experts, size, top_k, eviction="lru"):
+def _step_calls(num_layers, num_experts, size, top_k, eviction="lru", **options):
     import pallas_cache as pc
 
-    state = pc.init(num_layers, num_experts, size, eviction=eviction)
+    state = pc.init(num_layers, num_experts, size, eviction=eviction, **options)
     routes = jnp.arange(top_k, dtype=jnp.int32) % num_experts
     policy = pc.FetchPolicy.fraction(0.4)
     calls = {"ensure": lambda s, layer: pc.ensure(s, layer, routes, backend="pallas")}
@@ -400,11 +401,18 @@ def test_one_kernel_and_at_most_16_other_ops_per_call(geometry, eviction, triton
     check_triton(lower_cuda(lambda s: calls["ensure"](s, jnp.int32(0)), state), triton_modules)
 
 
-@pytest.mark.parametrize("eviction", evictions_under_test(kernel=False))
-def test_ring_evictions_keep_their_step_outside_the_kernel(eviction):
-    """The ring policies rank in XLA (docs/semantics.md §5.16): FAILS if their ``backend="pallas"``
-    step launches a Pallas kernel it was not built for, or stops lowering for CUDA."""
-    state, calls = _step_calls(8, 16, 64, 8, eviction=eviction)
+@pytest.mark.parametrize("eviction", evictions_under_test(ring=True))
+def test_the_ring_evictions_are_one_kernel_at_mixtrals_geometry(eviction):
+    """The ring policies rank in the fused kernel (docs/semantics.md §5.16, §7): FAILS if a call
+    of ``ensure`` / ``ensure_hybrid`` at Mixtral's (L, E, S, k) = (32, 8, 128, 2) with a ring of
+    128 tokens is anything but one Pallas call and at most 16 other ops (their XLA step lowers
+    to 850-1070), or if a ring the kernel does not hold in single vectors (8192 tokens) does
+    not fall back to the XLA step."""
+    state, calls = _step_calls(32, 8, 128, 2, eviction=eviction, history=128)
+    for name, call in calls.items():
+        pallas, others = count_ops(lower_cuda(lambda s: call(s, jnp.int32(1)), state))
+        assert pallas == 1 and others <= MAX_OTHER_OPS, (name, pallas, others)
+    state, calls = _step_calls(4, 8, 16, 2, eviction=eviction, history=8192)
     pallas, others = count_ops(lower_cuda(lambda s: calls["ensure"](s, jnp.int32(1)), state))
     assert pallas == 0 and others > MAX_OTHER_OPS
 
