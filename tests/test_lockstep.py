@@ -451,26 +451,25 @@ def test_capacity_above_the_usable_size_equals_a_pool_of_that_size(adapter_name)
     drawn(run_equivalence, adapter_name, CAPACITY_BUDGET)
 
 
-EVICTION_CAPACITY_BUDGET = {"jax-jit": examples(0.25, ci=0.16),
-                            "jax-interpret": examples(0.125, ci=0.08)}
+@examples(0.25, ci=0.16)
+@pytest.mark.parametrize("eviction", evictions_under_test(default=False))
+@given(data=st.data())
+def test_capacity_above_the_usable_size_equals_a_pool_of_that_size_under_each_eviction(
+        eviction, data):
+    """FAILS if PAIR_LFU's or ROUTE_KNN's ranking takes an unusable slot (id -1 ranks it as a
+    free slot, usage 0 before every filled one) or ROUTE_KNN's horizon ``ceil(S / L)`` is read
+    from the capacity instead of the traced usable size."""
+    run_equivalence(data, "jax-jit", eviction)
 
 
 @pytest.mark.parametrize("adapter_name", ["jax-jit", "jax-interpret"])
 @pytest.mark.parametrize("eviction", evictions_under_test(default=False))
-def test_capacity_above_the_usable_size_equals_a_pool_of_that_size_under_each_eviction(
+def test_a_long_run_with_capacity_equals_a_pool_of_the_usable_size_under_each_eviction(
         eviction, adapter_name):
-    """FAILS if PAIR_LFU's or ROUTE_KNN's ranking takes an unusable slot (id -1 ranks it as a
-    free slot, usage 0 before every filled one) or ROUTE_KNN's horizon ``ceil(S / L)`` is read
-    from the capacity instead of the traced usable size: in the XLA step, and in the fused
-    kernel, whose counters' static bound is the capacity's horizon."""
-    drawn(run_equivalence, adapter_name, EVICTION_CAPACITY_BUDGET, eviction=eviction)
-
-
-@pytest.mark.parametrize("eviction", evictions_under_test(default=False))
-def test_a_long_run_with_capacity_equals_a_pool_of_the_usable_size_under_each_eviction(eviction):
     """FAILS if ROUTE_KNN's (or ROUTE_LFU's) horizon ``H = ceil(S / L)`` comes from the capacity
     (here 8 tokens instead of 2: neighbours' routes 2..7 tokens ahead would count), or a
-    ranking reads a slot past the usable size. A long run of one geometry, so that such a
+    ranking reads a slot past the usable size: in the XLA step, and in the fused kernel, whose
+    counters' static bound is the capacity's horizon. A long run of one geometry, so that such a
     difference shows up for sure (the drawn sequences above are short)."""
     L, E, S, C = 2, 4, 4, 16
     options = {"eviction": eviction, "history": 16} if eviction in RING_EVICTIONS else {
@@ -484,8 +483,8 @@ def test_a_long_run_with_capacity_equals_a_pool_of_the_usable_size_under_each_ev
             "policy": ("fraction", 0.5) if call % 3 == 0 else ("full", None),
             "order": "recency", "admission": "promote_one"}))
     truth = ADAPTER["reference"].cache(L, E, S, **options)
-    big = ADAPTER["jax-jit"].cache(L, E, S, capacity=C, **options)
-    lockstep.run(ops, lockstep.steps(truth, ops), {"jax-jit": lockstep.steps(big, ops)},
+    big = ADAPTER[adapter_name].cache(L, E, S, capacity=C, **options)
+    lockstep.run(ops, lockstep.steps(truth, ops), {adapter_name: lockstep.steps(big, ops)},
                  compare_usable)
 
 
