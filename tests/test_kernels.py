@@ -206,6 +206,30 @@ def test_a_scan_of_layer_calls_with_a_traced_layer(eviction):
     assert_trees_equal(run("interpret"), run("xla"), eviction)
 
 
+@pytest.mark.parametrize("eviction", evictions_under_test(ring=True))
+def test_the_ring_kernel_reads_every_mask_word(eviction):
+    """FAILS if the kernel's ring reads a bit of an expert's second mask word from the first
+    (E = 40: two words per layer), or its token starts, neighbours or horizon differ from the
+    XLA step's over a long run of whole tokens with a usable size below the capacity: every
+    state and plan equal, with evictions on the way."""
+    L, E, S, C, W = 3, 40, 70, 96, 6
+    rng = np.random.default_rng(25)
+    layers = np.tile(np.arange(L, dtype=np.int32), 30)
+    layers[9] = 0  # a token cut short
+    routes = jnp.asarray(np.stack([rng.choice(E, 3, replace=False) for _ in layers]), jnp.int32)
+    state = pc.init(L, E, S, capacity=C, eviction=eviction, history=W)
+    policy = pc.FetchPolicy.full()
+
+    def run(backend):
+        def body(s, x):
+            return pc.ensure_hybrid(s, x[0], x[1], policy, backend=backend)
+        return jax.jit(lambda s: lax.scan(body, s, (jnp.asarray(layers), routes)))(state)
+
+    ours, theirs = run("interpret"), run("xla")
+    assert_trees_equal(ours, theirs, eviction)
+    assert int(np.sum(np.asarray(theirs[1].copy.count))) > S  # the pool turned over
+
+
 @pytest.mark.parametrize("eviction", evictions_under_test(kernel=True))
 def test_the_blocked_pool_scan_equals_one_block(eviction):
     """FAILS if the victim scan over several blocks (the GPU path for pools above 4096 slots)
