@@ -238,9 +238,10 @@ def ensure_with_rules(state: CacheState, layer, routes, policy: FetchPolicy, rul
     loop calls the public ops. Not jitted itself (call it under ``jit``/``scan``); inputs are not
     coerced: ``layer`` an int32 scalar, ``routes`` int32 of any shape, ``policy`` a scalar
     :class:`FetchPolicy`, ``backend`` a resolved name. With ``"pallas"``/``"interpret"``, Python-bool
-    rules and an eviction the kernel ranks (its record's ``kernel``: LRU, PAIR_LFU), the whole call
-    is the fused kernel of :mod:`~pallas_cache.kernels.step`; otherwise (traced rules, the ring
-    evictions) the XLA step below runs on every backend, loop-free (docs/semantics.md §7.1).
+    rules and an eviction the kernel ranks (its record's ``kernel``: the four built-in ones), the
+    whole call is the fused kernel of :mod:`~pallas_cache.kernels.step`; otherwise (traced rules,
+    a record without kernel hooks) the XLA step below runs on every backend, loop-free
+    (docs/semantics.md §7.1).
 
     Returns:
       ``(state, EnsurePlan)``, exactly as the public op with the same options.
