@@ -3,10 +3,11 @@ fit 15 minutes of GPU time with the machine's start (the run itself estimated at
 ``--budget-seconds``). In order: a one-call compile-and-compare pre-flight per cost geometry (a
 failing kernel stops the cost phase, the report written); the per-call cost at exactly m misses
 per call, the largest pool's rows first, with the kernel's device time from ``jax.profiler``
-beside the wall time and whether the step ran inside a CUDA graph; equality against XLA (every
-state and plan leaf) for LRU and PAIR_LFU, a low ``rebase_threshold``, a usable size below the
-capacity, more than 4096 slots (the streamed multi-block search) and ``vmap``; then the random
-operation sequences. The report is rewritten after every row. Run from the repository root,
+beside the wall time and whether the step ran inside a CUDA graph; the per-call cost of a decode
+scan under each eviction (the ring evictions' kernel among them) at Mixtral's and the
+fine-grained geometry; equality against XLA (every state and plan leaf) for each eviction, a low
+``rebase_threshold``, a usable size below the capacity, more than 4096 slots (the streamed
+multi-block search) and ``vmap``; then the random operation sequences. The report is rewritten after every row. Run from the repository root,
 e.g. ``PYTHONUNBUFFERED=1 timeout 540 python benchmarks/gpu_check.py --out $OUT/gpu_check.md``;
 ``--smoke`` runs it on a CPU (interpret), ``--dry-run`` prints the plan and its estimate and
 exits. Exit status: 0 matched, 1 a difference or a failed backend, 2 a row without m misses per
@@ -876,11 +877,20 @@ EQUALITY_CASES = (
     ("PAIR_LFU, 8192 slots (two blocks)", "pair_lfu", 16, 640, 8192, 8192, None, None),
     ("LRU, vmap over 3 caches", "lru", 8, 16, 64, 64, None, 3),
     ("PAIR_LFU, vmap over 3 caches, threshold 80", "pair_lfu", 8, 16, 64, 64, 80, 3),
+    ("ROUTE_KNN", "route_knn", 8, 16, 64, 64, None, None),
+    ("ROUTE_LFU, usable 40 of capacity 64, threshold 80", "route_lfu", 8, 16, 40, 64, 80, None),
+    ("ROUTE_KNN, 8192 slots (two blocks)", "route_knn", 16, 640, 8192, 8192, None, None),
+    ("ROUTE_LFU, vmap over 3 caches", "route_lfu", 8, 16, 64, 64, None, 3),
 )
 SMOKE_EQUALITY_CASES = (
     ("LRU, 8192 slots", "lru", 16, 640, 8192, 8192, None, None),
     ("PAIR_LFU, vmap over 2 caches, threshold 40", "pair_lfu", 4, 16, 32, 40, 40, 2),
+    ("ROUTE_LFU, vmap over 2 caches, threshold 40", "route_lfu", 4, 16, 32, 40, 40, 2),
 )
+#: (L, E, S, k) of the per-eviction cost rows: Mixtral's geometry and the fine-grained one.
+EVICTION_COST_GEOMETRIES = ((32, 8, 128, 2), (48, 128, 2048, 8))
+SMOKE_EVICTION_COST_GEOMETRIES = ((4, 16, 32, 4),)
+EVICTIONS = ("lru", "pair_lfu", "route_knn", "route_lfu")
 
 
 def _case_program(eviction, backend):
@@ -943,6 +953,87 @@ def check_case(case, steps, args, results) -> None:
     log(f"equality [{label}]: {'MISMATCH' if diff else 'MATCH'} ({detail})")
 
 
+def eviction_cost_row(L, E, S, k, eviction, args, results) -> dict:
+    """The per-call cost of ``ensure_hybrid`` (full policy) under ``eviction`` in a decode scan:
+    ``--calls`` layer-calls per dispatch, whole tokens of random top-k routes (uniform, so most
+    calls miss), from a filled pool, on both backends from the same state; us per call (median
+    of ``--repeats`` trials of ``--replays`` dispatches), kernels and Pallas calls per scan
+    iteration, misses per call, and the final states and plans compared leaf by leaf."""
+    rng = np.random.default_rng(args.seed + S + len(eviction))
+    state = _filled_state(rng, eviction, L, E, S, S)
+    policy = pc.FetchPolicy.full()
+    n = args.calls
+    windows = [(jnp.asarray(np.arange(n) % L, jnp.int32),
+                jnp.asarray(np.stack([rng.choice(E, k, replace=False) for _ in range(n)]),
+                            jnp.int32))
+               for _ in range(1 + args.repeats * args.replays)]
+    row = {"L": L, "E": E, "S": S, "k": k, "eviction": eviction, "us": {}, "kernels": {},
+           "compile_s": {}}
+    finals = []
+    for backend in ("xla", args.candidate):
+        def run(s, layers, routes, backend=backend):
+            def body(s, x):
+                s, plan = pc.ensure_hybrid(s, x[0], x[1], policy, backend=backend)
+                return s, plan
+            return lax.scan(body, s, (layers, routes))
+
+        t0 = time.perf_counter()
+        prog = jax.jit(run).lower(state, *windows[0]).compile()
+        row["compile_s"][backend] = time.perf_counter() - t0
+        s, plans = prog(_fresh(state), *windows[0])
+        outs = [plans]
+        samples = []
+        for trial in range(args.repeats):
+            t0 = time.perf_counter()
+            for r in range(args.replays):
+                s, plans = prog(s, *windows[1 + trial * args.replays + r])
+                outs.append(plans)
+            jax.block_until_ready(s)
+            samples.append(time.perf_counter() - t0)
+        row["us"][backend] = _per_call_us(samples, args.replays * n)
+        row["kernels"][backend] = kernel_count(prog.as_text(), loop=True)
+        host = jax.device_get(outs)
+        row["misses"] = float(np.mean([np.asarray(p.missing).mean() for p in host]))
+        finals.append((jax.device_get(s), _concat(host)))
+    diff = tree_difference(finals[0], finals[1])
+    row["match"] = not diff
+    if diff:
+        msg = (f"MISMATCH [cost {eviction} L={L},E={E},S={S},k={k}]: xla and {args.candidate} "
+               f"differ in: {', '.join(diff[:6])}")
+        print(msg, flush=True)
+        results["failures"].append(msg)
+    log(f"eviction cost [{eviction} L={L},E={E},S={S},k={k}]: "
+        + ", ".join(f"{b} {us:.2f} us/call" for b, us in row["us"].items())
+        + f"; {row['misses']:.2f} misses/call; {'match' if not diff else 'MISMATCH'}")
+    return row
+
+
+def eviction_cost_markdown(args, rows) -> list[str]:
+    cand = args.candidate
+    lines = ["", f"Per-call cost under each eviction: `ensure_hybrid` (full policy) in a "
+             f"`lax.scan` of {args.calls} layer-calls per dispatch (whole tokens, uniform random "
+             f"top-k routes), from a filled pool, {args.replays} dispatches per trial, median of "
+             f"{args.repeats} trials, us per call including the scan's own per-iteration cost; "
+             "kernels per scan iteration from the compiled program (in brackets the Pallas "
+             "calls); the final states and every plan compared.", "",
+             f"| L, E, S, k | eviction | misses/call | {cand} us | xla us | xla / {cand} | "
+             f"{cand} kernels/iter | xla kernels/iter | compile s ({cand}; xla) | equal |",
+             "|---|---|---:|---:|---:|---:|---|---|---|---|"]
+    for row in rows:
+        geo = f"{row['L']}, {row['E']}, {row['S']}, {row['k']}"
+        if "skipped" in row:
+            lines.append(f"| {geo} | {row['eviction']} | {row['skipped']} | | | | | | | |")
+            continue
+        kc, pc_ = row["kernels"][cand]
+        kx, px = row["kernels"]["xla"]
+        lines.append(
+            f"| {geo} | {row['eviction']} | {row['misses']:.2f} | {row['us'][cand]:.2f} | "
+            f"{row['us']['xla']:.2f} | {row['us']['xla'] / row['us'][cand]:.1f} | {kc} ({pc_}) | "
+            f"{kx} ({px}) | {row['compile_s'][cand]:.1f}; {row['compile_s']['xla']:.1f} | "
+            f"{'yes' if row['match'] else 'NO'} |")
+    return lines
+
+
 # --------------------------------------------------------------------------------------------
 # Driver and report.
 # --------------------------------------------------------------------------------------------
@@ -980,6 +1071,9 @@ def parse_args(argv=None):
                    help="dispatches per trial (default 10, smoke 2)")
     p.add_argument("--repeats", type=int, default=None,
                    help="trials, median taken (default 5, smoke 3)")
+    p.add_argument("--evictions", default=",".join(EVICTIONS),
+                   help="the evictions of the per-eviction cost rows, comma separated "
+                        "(default all four; empty: none)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--case-steps", type=int, default=None,
                    help="calls per equality case (default 96, smoke 12)")
@@ -1001,6 +1095,12 @@ def parse_args(argv=None):
     args.case_steps = args.case_steps or (12 if smoke else 96)
     args.cases = SMOKE_EQUALITY_CASES if smoke else EQUALITY_CASES
     args.cost_geometries = SMOKE_COST_GEOMETRIES if smoke else COST_GEOMETRIES
+    args.eviction_geometries = (SMOKE_EVICTION_COST_GEOMETRIES if smoke
+                                else EVICTION_COST_GEOMETRIES)
+    args.evictions = tuple(e for e in args.evictions.split(",") if e)
+    unknown = set(args.evictions) - set(EVICTIONS)
+    if unknown:
+        p.error(f"--evictions: unknown {sorted(unknown)}; expected some of {EVICTIONS}")
     if args.sizes:
         keep = {int(x) for x in args.sizes.split(",")}
         args.cost_geometries = tuple(g for g in args.cost_geometries if g[2] in keep)
@@ -1138,6 +1238,7 @@ def markdown(args, results, cost, matched, elapsed) -> str:
         lines += ["", "Rows without exactly m misses per call:", "", "```"]
         lines += results["scenario_failures"] + ["```"]
     lines += cost_markdown(args, cost)
+    lines += eviction_cost_markdown(args, cost["evictions"])
     return "\n".join(lines) + "\n"
 
 
@@ -1146,7 +1247,7 @@ def markdown(args, results, cost, matched, elapsed) -> str:
 # geometry's first row compiles six programs and times 4 x 5 x 10 dispatches, a later row only
 # times, an equality case compiles two scans.
 ESTIMATE_S = {"preflight": 12.0, "first row": 35.0, "row": 12.0, "case": 15.0, "sequence": 40.0,
-              "start": 15.0}
+              "start": 15.0, "eviction row": 20.0}
 
 
 def dry_run(args) -> str:
@@ -1156,6 +1257,10 @@ def dry_run(args) -> str:
     for L, E, S, k in args.cost_geometries:
         lines.append(f"pre-flight L={L},E={E},S={S},k={k}")
         est += ESTIMATE_S["preflight"]
+    for L, E, S, k in args.eviction_geometries:
+        for eviction in args.evictions:
+            lines.append(f"eviction cost L={L},E={E},S={S},k={k} {eviction}")
+            est += ESTIMATE_S["eviction row"]
     for L, E, S, k in args.cost_geometries:
         for j, m in enumerate(args.misses):
             lines.append(f"cost L={L},E={E},S={S},k={k} m={m} ({args.op})")
@@ -1187,7 +1292,7 @@ def main(argv=None) -> int:
         return 3
 
     results = {"equality": [], "failures": [], "scenario_failures": []}
-    cost = {"rows": [], "floors": {}, "notes": []}
+    cost = {"rows": [], "floors": {}, "notes": [], "evictions": []}
 
     def report() -> str:
         ok = all(status in ("match", "skipped (budget)")
@@ -1215,6 +1320,26 @@ def main(argv=None) -> int:
             preflight_ok = False
             write_report()
             break
+
+    # The per-call cost under each eviction first (the ring evictions' kernel is the newest
+    # path), while the budget lasts.
+    for L, E, S, k in args.eviction_geometries:
+        for eviction in args.evictions:
+            if time.perf_counter() - start + ESTIMATE_S["eviction row"] > args.budget_seconds:
+                cost["evictions"].append({"L": L, "E": E, "S": S, "k": k, "eviction": eviction,
+                                          "skipped": "skipped (budget)"})
+                continue
+            try:
+                cost["evictions"].append(eviction_cost_row(L, E, S, k, eviction, args, results))
+            except Exception as exc:
+                traceback.print_exc()
+                msg = (f"eviction cost [{eviction} L={L},E={E},S={S},k={k}] failed: "
+                       f"{type(exc).__name__}: {exc}")
+                print(msg, flush=True)
+                results["failures"].append(msg)
+                cost["evictions"].append({"L": L, "E": E, "S": S, "k": k, "eviction": eviction,
+                                          "skipped": "error"})
+            write_report()
 
     # Budget: a geometry's first row compiles (estimated from the previous geometry's first row,
     # scaled up), a later row only runs (estimated from the row before it).
