@@ -65,12 +65,15 @@ def test_no_import_circle_between_the_ops_and_the_kernel():
 
 def test_the_backend_choice_is_dispatch_s():
     """FAILS if ``fused_step_for`` runs the kernel on ``"xla"``, for traced rules or a ring
-    eviction, or does not hand back the interpreter for ``"interpret"``."""
+    longer than the kernel holds, or skips it for a ring eviction it holds, or does not hand
+    back the interpreter for ``"interpret"``."""
     state = pc.init(2, 4, 6)
     rules = pc.ops.Rules.of(hybrid=False, order="lowest_id", admission="none")
     assert dispatch.fused_step_for(state, rules, 3, "xla") is None
     assert dispatch.fused_step_for(pc.init(2, 4, 6, eviction="route_lfu"), rules, 3,
-                                   "pallas") is None
+                                   "pallas") is not None
+    assert dispatch.fused_step_for(pc.init(2, 4, 6, eviction="route_lfu", history=4097), rules,
+                                   3, "pallas") is None
     assert dispatch.fused_step_for(state, rules, 0, "pallas") is None
     traced = dataclasses.replace(rules, hybrid=jnp.bool_(True))
     assert dispatch.fused_step_for(state, traced, 3, "pallas") is None
