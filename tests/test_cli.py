@@ -138,7 +138,7 @@ def test_max_memory_flag_sets_the_limit(tmp_path, capsys, no_replay):
     # trace may add
     line = one_line_error(capsys, cli.main(["replay", "--trace", str(path), "--max-memory",
                                             str(RUN_FIXED_BYTES + 1024)]))
-    assert "t.jsonl:" in line and "above the memory limit of 448.0 MiB less the 448.0 MiB" in line
+    assert "t.jsonl:" in line and "above the memory limit of 512.0 MiB less the 512.0 MiB" in line
     line = one_line_error(capsys, cli.main(["replay", "--max-memory", "lots"]))
     assert "'lots' is not a memory size" in line
     assert memory_size("8GiB") == 8 * 2**30 and memory_size("2e9") == 2 * 10**9

@@ -289,7 +289,7 @@ def test_a_wide_call_is_refused_by_the_memory_limit_before_the_replay(capsys, tm
     line = _one_line(err)
     assert code == 2 and out == ""
     assert "the replay step of 2 configuration(s) on calls of up to 20000 routes" in line
-    assert "above the memory limit of 1.0 GiB less the 448.0 MiB a minimal run takes" in line
+    assert "above the memory limit of 1.0 GiB less the 512.0 MiB a minimal run takes" in line
 
 
 def test_distinct_sequence_labels_count_against_the_memory_limit(capsys, tmp_path, no_replay):
@@ -386,13 +386,13 @@ def _wide_trace(path, width: int) -> str:
 
 @pytest.mark.parametrize("width, accepted", [(56, True), (128, False)])
 def test_the_peak_stays_within_the_memory_limit(tmp_path, width, accepted):
-    """FAILS if --max-memory is not a bound on the process: under a limit of 640 MiB (a minimal
-    run's 448 MiB and 192 MiB for the inputs) the peak resident memory must stay within 110% of
+    """FAILS if --max-memory is not a bound on the process: under a limit of 704 MiB (a minimal
+    run's 512 MiB and 192 MiB for the inputs) the peak resident memory must stay within 110% of
     the limit. A call of 128 routes costs XLA about 470 MiB to compile the step (the estimate
     left that out: 4 MiB) and a minimal run 410 MiB on top (the estimate left that out too): it
     peaked at 873 MiB, and must be refused in one line instead. A call of 56 routes (about
     140 MiB to compile) fits, and must run: a bound that refuses everything is no bound."""
-    limit = 640 * 2**20
+    limit = 704 * 2**20
     code, peak, err = _peak_run(limit, "--trace", _wide_trace(tmp_path / "wide.jsonl", width))
     assert peak <= limit * 1.1, (f"peak {peak / 2**20:.0f} MiB above 110% of the "
                                  f"{limit / 2**20:.0f} MiB limit (exit {code}): {err}")
@@ -401,7 +401,7 @@ def test_the_peak_stays_within_the_memory_limit(tmp_path, width, accepted):
     else:
         assert code == 2 and len(err.splitlines()) == 1, err
         assert "compiling and running the replay step" in err
-        assert "above the memory limit of 640.0 MiB less the 448.0 MiB a minimal run takes" in err
+        assert "above the memory limit of 704.0 MiB less the 512.0 MiB a minimal run takes" in err
 
 
 def test_a_memory_limit_below_a_minimal_run_is_refused_before_reading(capsys, monkeypatch,
@@ -421,9 +421,9 @@ def test_a_memory_limit_below_a_minimal_run_is_refused_before_reading(capsys, mo
     code, out, err = run(capsys, "--trace", path, "--max-memory", "256MiB")
     line = _one_line(err)
     assert code == 2 and out == ""
-    assert "--max-memory 256MiB is below the 448MiB a minimal replay takes" in line
+    assert "--max-memory 256MiB is below the 512MiB a minimal replay takes" in line
     code, _, err = run(capsys, "--trace", path, "--max-memory", str(RUN_FIXED_BYTES - 1))
-    assert code == 2 and "is below the 448MiB" in _one_line(err)
+    assert code == 2 and "is below the 512MiB" in _one_line(err)
     monkeypatch.setattr(cli_replay, "default_memory_limit", lambda: 300 * 2**20)
     code, out, err = run(capsys, "--trace", path)
     line = _one_line(err)
@@ -432,4 +432,4 @@ def test_a_memory_limit_below_a_minimal_run_is_refused_before_reading(capsys, mo
     monkeypatch.undo()
     code, out, err = run(capsys, "--trace", path, "--max-memory", str(RUN_FIXED_BYTES),
                          "--format", "csv")
-    assert code == 2 and "above the memory limit of 448.0 MiB less the 448.0 MiB" in err
+    assert code == 2 and "above the memory limit of 512.0 MiB less the 512.0 MiB" in err
