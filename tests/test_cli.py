@@ -18,6 +18,7 @@ import pytest
 
 from pallas_cache.sizing import cli
 from pallas_cache.sizing.cli_args import check_state_memory, memory_size
+from pallas_cache.sizing.traces import RUN_FIXED_BYTES
 replay_mod = importlib.import_module("pallas_cache.sizing.sweep")  # the module of replay()
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -133,9 +134,11 @@ def test_max_memory_flag_sets_the_limit(tmp_path, capsys, no_replay):
     path = tmp_path / "t.jsonl"
     path.write_text("".join(json.dumps({"layer": 0, "token_idx": t, "experts": [1, 2]}) + "\n"
                             for t in range(100)))
+    # the limit covers the whole process: 1 KiB above a minimal run's fixed cost is all the
+    # trace may add
     line = one_line_error(capsys, cli.main(["replay", "--trace", str(path), "--max-memory",
-                                            "1KiB"]))
-    assert "t.jsonl:" in line and "above the memory limit of 1.0 KiB" in line
+                                            str(RUN_FIXED_BYTES + 1024)]))
+    assert "t.jsonl:" in line and "above the memory limit of 512.0 MiB less the 512.0 MiB" in line
     line = one_line_error(capsys, cli.main(["replay", "--max-memory", "lots"]))
     assert "'lots' is not a memory size" in line
     assert memory_size("8GiB") == 8 * 2**30 and memory_size("2e9") == 2 * 10**9

@@ -330,8 +330,9 @@ _STATE_BYTES_PER_SLOT = 8
 
 
 def check_state_memory(sizes, configs_per_size: int, num_layers: int, num_experts: int,
-                        limit: int) -> None:
-    """Refuse cache sizes whose replay state would exceed ``limit``, before any is allocated.
+                        limit: int) -> int:
+    """Refuse cache sizes whose replay state would exceed ``limit``, before any is allocated;
+    returns the largest bucket's bytes (what the replay step's check adds to its own).
 
     A bucket of sizes replays its ``n`` configurations (``configs_per_size`` per size) as one
     batch of states at the bucket's largest size (``sweep.capacity_buckets``): the stacked
@@ -339,6 +340,7 @@ def check_state_memory(sizes, configs_per_size: int, num_layers: int, num_expert
     """
     from pallas_cache.sizing.sweep import capacity_buckets  # after config_grid's jax import
 
+    largest = 0
     for bucket in reversed(capacity_buckets(sizes)):
         size, count = bucket[-1], configs_per_size * len(bucket)
         state = (num_layers * num_experts * _STATE_BYTES_PER_ID + size * _STATE_BYTES_PER_SLOT
@@ -346,6 +348,8 @@ def check_state_memory(sizes, configs_per_size: int, num_layers: int, num_expert
         check_memory((2 * count + 1) * state, limit, f"--cache-size {size}",
                      f"{count} cache state(s) of {size} slots for {num_layers} "
                      f"layers x {num_experts} experts")
+        largest = max(largest, (2 * count + 1) * state)
+    return largest
 
 
 def cost_options(args):

@@ -12,7 +12,8 @@ import os
 import re
 import sys
 
-__all__ = ["EXIT_BROKEN_PIPE", "INT32_MAX", "ascii_int", "check_before_reading",
+__all__ = ["COMPILE_BYTES_PER_WIDTH", "COMPILE_BYTES_PER_WIDTH_WIDE", "COMPILE_WIDE_ABOVE",
+           "EXIT_BROKEN_PIPE", "INT32_MAX", "ascii_int", "check_before_reading",
            "check_geometry", "check_modeled_numbers", "check_step_memory", "output_failed",
            "use_ascii_ints"]
 
@@ -148,15 +149,26 @@ STEP_BYTES_PER_ROUTE_EXPERT = 8
 #: Copies of one chunk's ``[chunk_calls, top_k]`` int32 routes alive while it runs (the host
 #: slice, the padded chunk, the device copy).
 CHUNK_ROUTE_COPIES = 3
+#: Bytes XLA:CPU takes to compile the replay step, per ``top_k ** 1.5``: the step's selections
+#: are unrolled over a call's routes, so the program, and the compiler's memory, grow faster than
+#: the width (measured: 32 routes +51 MiB, 64 +166 MiB, 128 +463 MiB, 256 +1.3 GiB over a
+#: minimal run, about 0.32 MiB x K**1.5; docs/design.md). ``_WIDE`` where the layer's experts or
+#: the cache's slots pass :data:`COMPILE_WIDE_ABOVE` (a two-level selection: about 1.0 MiB x
+#: K**1.5); both rounded up.
+COMPILE_BYTES_PER_WIDTH = 3 * 2**17
+COMPILE_BYTES_PER_WIDTH_WIDE = 9 * 2**17
+#: Experts or slots above which the step's selections take their two-level form.
+COMPILE_WIDE_ABOVE = 256
 
 
 def check_step_memory(sizes, configs_per_size: int, num_experts: int, top_k: int,
-                      limit: int) -> None:
-    """Refuse a replay whose step would need more than ``limit`` for its temporaries, before
+                      limit: int, held: int = 0) -> None:
+    """Refuse a replay whose step would need more than ``limit`` to compile and run, before
     any is allocated: a call that routes ``top_k`` experts (a trace with one call of 100k routes
-    pads every call to that width) costs every configuration of a bucket ``K' x C`` and
-    ``K' x E`` tables, and each chunk its routes (what ``--max-memory`` left out: the cache
-    states alone are :func:`~pallas_cache.sizing.cli_args.check_state_memory`'s)."""
+    pads every call to that width) costs the compiler about ``top_k ** 1.5`` times
+    :data:`COMPILE_BYTES_PER_WIDTH`, every configuration of a bucket ``K' x C`` and ``K' x E``
+    tables, and each chunk its routes. ``held``: bytes alive beside them (the trace and the
+    cache states, :func:`~pallas_cache.sizing.cli_args.check_state_memory`'s), counted too."""
     from pallas_cache.sizing.sweep import DEFAULT_CHUNK_CALLS, capacity_buckets
     from pallas_cache.sizing.traces import check_memory
 
@@ -166,9 +178,13 @@ def check_step_memory(sizes, configs_per_size: int, num_experts: int, top_k: int
         size, count = bucket[-1], configs_per_size * len(bucket)
         step = count * distinct * (size * STEP_BYTES_PER_ROUTE_SLOT
                                    + num_experts * STEP_BYTES_PER_ROUTE_EXPERT)
-        check_memory(step + chunk, limit, f"--cache-size {size}",
-                     f"the replay step of {count} configuration(s) on calls of up to {top_k} "
-                     f"routes ({distinct} distinct x {size} slots each)")
+        per_width = (COMPILE_BYTES_PER_WIDTH_WIDE if max(size, num_experts) > COMPILE_WIDE_ABOVE
+                     else COMPILE_BYTES_PER_WIDTH)
+        compile_bytes = math.ceil(per_width * top_k ** 1.5)
+        check_memory(held + step + chunk + compile_bytes, limit, f"--cache-size {size}",
+                     f"compiling and running the replay step of {count} configuration(s) on "
+                     f"calls of up to {top_k} routes ({distinct} distinct x {size} slots each)"
+                     + (", with the trace and the cache states" if held else ""))
 
 
 def output_failed(error: OSError) -> int:

@@ -26,10 +26,29 @@ from pallas_cache.sizing.cli_sizing import (batches, cliff_lines, synthetic_geom
                                             with_budget_fit)
 from pallas_cache.sizing.progress import Bar, Progress
 from pallas_cache.sizing.report import format_records, records
-from pallas_cache.sizing.traces import TraceError, default_memory_limit, load_trace, parse_fields
+from pallas_cache.sizing.traces import (RUN_FIXED_BYTES, ProcessBudget, TraceError,
+                                        default_memory_limit, load_trace, parse_fields)
 from pallas_cache.sizing.units import format_bandwidth, format_bytes, format_duration
 
-__all__ = ["READ_PROGRESS_AFTER", "exit_now_if_compiling", "exit_without_teardown", "run_replay"]
+__all__ = ["READ_PROGRESS_AFTER", "exit_now_if_compiling", "exit_without_teardown",
+           "process_budget", "run_replay"]
+
+
+def process_budget(max_memory: int | None) -> ProcessBudget:
+    """``--max-memory`` (``None``: the default limit) as what it leaves for the inputs: the limit
+    covers the whole process, so a minimal run's :data:`RUN_FIXED_BYTES` comes off it. A limit
+    below that is refused (ValueError, one line), before anything is read."""
+    if isinstance(max_memory, ProcessBudget):
+        return max_memory
+    given = max_memory is not None
+    limit = max_memory if given else default_memory_limit()
+    if limit < RUN_FIXED_BYTES:
+        what = (f"--max-memory {format_bytes(limit)}" if given else
+                f"the default memory limit ({format_bytes(limit)}, half of this machine's memory)")
+        raise ValueError(f"{what} is below the {format_bytes(RUN_FIXED_BYTES)} a minimal replay "
+                         f"takes (the interpreter, JAX and XLA); give --max-memory "
+                         f"{format_bytes(RUN_FIXED_BYTES)} or more")
+    return ProcessBudget.of(limit)
 
 
 def _load(args, progress: Progress | None = None):
@@ -309,8 +328,10 @@ def _precompile_synthetic(args, policies, cost) -> threading.Thread | None:
         sizes, _ = with_budget_fit(*cache_sizes(args.cache_size, params, cost), cost,
                                    params.num_layers, params.num_experts)
         configs = config_grid(sizes, policies, args.order, args.admission, args.eviction)
-        check_state_memory(sizes, len(configs) // len(set(sizes)), params.num_layers,
-                            params.num_experts, args.max_memory)
+        states = check_state_memory(sizes, len(configs) // len(set(sizes)), params.num_layers,
+                                    params.num_experts, args.max_memory)
+        check_step_memory(sizes, len(configs) // len(set(sizes)), params.num_experts,
+                          params.top_k, args.max_memory, states)
     except (KeyError, TypeError, ValueError, ZeroDivisionError):
         return None
     if not configs:
@@ -376,8 +397,7 @@ def _replay_with(args, progress: Progress, latch: _InterruptLatch) -> int:
     from pallas_cache.sizing.sweep import config_grid, replay  # jax import deferred until needed
 
     try:
-        if args.max_memory is None:
-            args.max_memory = default_memory_limit()
+        args.max_memory = process_budget(args.max_memory)
         if args.field is not None:
             if not args.trace:
                 raise ValueError("--field names the keys of a JSONL or Parquet --trace")
@@ -428,10 +448,14 @@ def _replay_with(args, progress: Progress, latch: _InterruptLatch) -> int:
         return 2
     companions = [] if batched else _knn_companions(configs, args)
     try:  # the legend's route_knn lanes are states of the sweep too
-        check_state_memory(sizes, len(configs + companions) // len(set(sizes)), trace.num_layers,
-                            trace.num_experts, args.max_memory)
+        states = check_state_memory(sizes, len(configs + companions) // len(set(sizes)),
+                                    trace.num_layers, trace.num_experts, args.max_memory)
+        # the trace and the states stay alive while the step compiles and runs: one sum
+        held = states + sum(array.nbytes for array in (trace.routes, trace.layers,
+                                                        trace.token_idx, trace.sequence)
+                            if array is not None)
         check_step_memory(sizes, len(configs) // len(set(sizes)), trace.num_experts,
-                          trace.top_k, args.max_memory)
+                          trace.top_k, args.max_memory, held)
     except (TypeError, ValueError) as error:
         progress.close()
         print(f"pallas-cache: {error}", file=sys.stderr)

@@ -6,7 +6,8 @@ from pallas_cache.sizing.traces.files import (ARRAY_SUFFIXES, JSONL_SUFFIXES, PA
                                               TRACE_FORMATS, load_trace, save_trace,
                                               trace_format_of)
 from pallas_cache.sizing.traces.jsonl import load_jsonl_trace
-from pallas_cache.sizing.traces.memory import (MemoryLimitError, check_memory,
+from pallas_cache.sizing.traces.memory import (RUN_FIXED_BYTES, MemoryLimitError,
+                                               ProcessBudget, check_memory,
                                                default_memory_limit, format_bytes,
                                                resolve_memory_limit, trace_bytes)
 from pallas_cache.sizing.traces.records import (FIELD_KEYS, SEQUENCE_KEYS, parse_fields,
@@ -31,6 +32,8 @@ __all__ = [
     "FIELD_KEYS",
     "SEQUENCE_KEYS",
     "MemoryLimitError",
+    "ProcessBudget",
+    "RUN_FIXED_BYTES",
     "default_memory_limit",
     "resolve_memory_limit",
     "check_memory",

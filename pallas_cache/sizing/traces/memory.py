@@ -9,8 +9,8 @@ import numpy as np
 from pallas_cache.sizing.traces.base import TraceError
 
 __all__ = ["MemoryLimitError", "DEFAULT_MEMORY_FRACTION", "FALLBACK_MEMORY_LIMIT",
-           "BYTES_PER_FLAT_ID", "default_memory_limit", "resolve_memory_limit", "format_bytes",
-           "trace_bytes", "check_memory"]
+           "BYTES_PER_FLAT_ID", "RUN_FIXED_BYTES", "ProcessBudget", "default_memory_limit",
+           "resolve_memory_limit", "format_bytes", "trace_bytes", "check_memory"]
 
 #: Share of the machine's physical memory the default limit lets one trace (and the tables its
 #: geometry sizes) take.
@@ -22,6 +22,12 @@ FALLBACK_MEMORY_LIMIT = 4 * 2**30
 #: ``[L, E]`` histograms of the bounds and reports. A floor, used to refuse a geometry before any
 #: of them is allocated.
 BYTES_PER_FLAT_ID = 32
+#: The peak resident memory of a minimal ``pallas-cache replay`` (a trace of a few records, on the
+#: CPU backend): the interpreter, NumPy, JAX, and XLA compiling and running the replay's program,
+#: whatever the inputs add. ``--max-memory`` limits the whole process, so the inputs may add the
+#: limit less this, and a limit below it is refused. Measured at 366 to 458 MiB (two series of
+#: fresh runs, medians 410 and 444 MiB, benchmarks/RESULTS.md), rounded up (docs/design.md).
+RUN_FIXED_BYTES = 512 * 2**20
 
 
 class MemoryLimitError(TraceError):
@@ -30,6 +36,25 @@ class MemoryLimitError(TraceError):
     Raised before the array is allocated; the message names the file and the line (JSONL) or
     array (NumPy) that set the size, the estimate and the limit.
     """
+
+
+class ProcessBudget(int):
+    """What a memory limit on the whole process leaves for the inputs: ``limit - fixed`` bytes,
+    the int every estimate is checked against, which keeps ``limit`` and ``fixed`` for the
+    messages. Build it with :meth:`of`."""
+
+    limit: int
+    fixed: int
+
+    @classmethod
+    def of(cls, limit: int, fixed: int = RUN_FIXED_BYTES) -> "ProcessBudget":
+        """The budget ``limit - fixed`` (``ValueError`` when ``limit < fixed``)."""
+        if limit < fixed:
+            raise ValueError(f"memory limit {format_bytes(limit)} is below the "
+                             f"{format_bytes(fixed)} a minimal run takes")
+        budget = super().__new__(cls, int(limit) - int(fixed))
+        budget.limit, budget.fixed = int(limit), int(fixed)
+        return budget
 
 
 def default_memory_limit() -> int:
@@ -56,9 +81,12 @@ def default_memory_limit() -> int:
 
 
 def resolve_memory_limit(max_memory: int | None) -> int:
-    """``None`` -> :func:`default_memory_limit`; else ``max_memory`` bytes (a positive int)."""
+    """``None`` -> :func:`default_memory_limit`; a :class:`ProcessBudget` as it is (it may be 0);
+    else ``max_memory`` bytes (a positive int)."""
     if max_memory is None:
         return default_memory_limit()
+    if isinstance(max_memory, ProcessBudget):
+        return max_memory
     if isinstance(max_memory, bool) or not isinstance(max_memory, (int, np.integer)) \
             or max_memory < 1:
         raise ValueError(f"max_memory must be a positive number of bytes or None, got "
@@ -84,8 +112,13 @@ def trace_bytes(calls: int, top_k: int) -> int:
 
 def check_memory(nbytes: int, limit: int, where: str, what: str) -> None:
     """Raise :class:`MemoryLimitError` (``"{where}: {what} would need about ..."``) when
-    ``nbytes > limit``."""
+    ``nbytes > limit``. A :class:`ProcessBudget` is named as the process's limit less the fixed
+    cost."""
     if nbytes > limit:
+        if isinstance(limit, ProcessBudget):
+            bound = (f"the memory limit of {format_bytes(limit.limit)} less the "
+                     f"{format_bytes(limit.fixed)} a minimal run takes")
+        else:
+            bound = f"the memory limit of {format_bytes(limit)}"
         raise MemoryLimitError(f"{where}: {what} would need about {format_bytes(nbytes)}, above "
-                               f"the memory limit of {format_bytes(limit)} (raise it with "
-                               f"max_memory= or --max-memory)")
+                               f"{bound} (raise it with max_memory= or --max-memory)")
