@@ -124,8 +124,9 @@ def _popcount(x):
 def observe(ring: RingRefs, out: RingRefs, *, layer, layer_c, routed, e_idx, accepted,
             num_layers: int, num_experts: int, barrier) -> RingCall:
     """The ring after an accepted call of ``layer`` routing ``routed`` (bool[E'] over ``e_idx``),
-    written to ``out``; a refused call writes nothing. All reads come before ``barrier()``, all
-    writes after it (the outputs alias the inputs): a token start if the layer does not increase,
+    written to ``out``; a refused call writes nothing. Every read of an entry another thread
+    writes comes before ``barrier()`` and that write after it (the outputs alias the inputs):
+    a token start if the layer does not increase,
     the call's bitmask recorded in the current token's row and matched against every past
     token's same layer, and under ROUTE_LFU the ring frequency following the changed row."""
     L, E = num_layers, num_experts
@@ -184,8 +185,10 @@ def observe(ring: RingRefs, out: RingRefs, *, layer, layer_c, routed, e_idx, acc
             plgpu.store(counts_out.at[index], value, mask=ok)
             return carry
 
-        # Other threads write no entry this reads: the row's own layer is stored below.
-        lax.fori_loop(0, jnp.where(start, jnp.int32(-(-(L * E) // width)), jnp.int32(0)), leave, jnp.int32(0))
+        # Each lane writes only the entry it read (the layer's own row is stored after the
+        # barrier), so this pass needs none.
+        blocks = jnp.where(start, jnp.int32(-(-(L * E) // width)), jnp.int32(0))
+        lax.fori_loop(0, blocks, leave, jnp.int32(0))
 
     barrier()  # every read of the ring above before the writes below
     plgpu.store(out.sim.at[pl.ds(0, w_pad)], sim, mask=in_ring & accepted)
