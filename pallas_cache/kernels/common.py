@@ -1,8 +1,9 @@
 """The fused kernel's launch parameters (power-of-two widths, the pool scan's block, the Triton
 compiler parameters) and its vector helpers. A Triton tensor must have a power-of-two size, so
-every in-kernel vector is ``next_pow2`` wide and loaded from the unpadded ref with a mask (``other`` fills the lanes past
-the end, and each reduction masks them out again), the pattern of JAX's shipped
-``pallas/ops/gpu/softmax.py``: no padded copy of an input is made in device memory.
+every in-kernel vector is ``next_pow2`` wide and loaded from the unpadded ref with a mask
+(``other`` fills the lanes past the end, and each reduction masks them out again), the pattern of
+JAX's shipped ``pallas/ops/gpu/softmax.py``: no padded copy of an input is made in device
+memory.
 """
 
 from __future__ import annotations
