@@ -69,24 +69,23 @@ def after(key, index, prev_key, prev_index):
     return out
 
 
-def lex_max(key, index, live):
-    """The largest live ``(key..., index)`` as scalars; index ``INT32_MIN`` when none."""
+def _lex_extreme(key, index, live, reduce, none):
     best, ok = [], live
     for k in key:
-        m = jnp.max(jnp.where(ok, k, INT32_MIN))
+        m = reduce(jnp.where(ok, k, none))
         best.append(m)
         ok = ok & (k == m)
-    return tuple(best), jnp.max(jnp.where(ok, index, INT32_MIN))
+    return tuple(best), reduce(jnp.where(ok, index, none))
+
+
+def lex_max(key, index, live):
+    """The largest live ``(key..., index)`` as scalars; index ``INT32_MIN`` when none."""
+    return _lex_extreme(key, index, live, jnp.max, INT32_MIN)
 
 
 def lex_min(key, index, live):
     """The smallest live ``(key..., index)`` as scalars; index ``INT32_MAX`` when none."""
-    best, ok = [], live
-    for k in key:
-        m = jnp.min(jnp.where(ok, k, INT32_MAX))
-        best.append(m)
-        ok = ok & (k == m)
-    return tuple(best), jnp.min(jnp.where(ok, index, INT32_MAX))
+    return _lex_extreme(key, index, live, jnp.min, INT32_MAX)
 
 
 def scatter(ref, index, value, mask):
