@@ -54,6 +54,12 @@ os.environ["PALLAS_CACHE_NO_COMPILE_CACHE"] = "1"
 settings.load_profile(PROFILE)
 
 
+#: A test the ``deep`` profile runs and ``ci`` skips (visibly): one whose rules other tests of the
+#: fast profile already cover on another path.
+deep_only = pytest.mark.skipif(PROFILE != "deep", reason="deep profile only "
+                               "(PALLAS_CACHE_PROFILE=deep)")
+
+
 def examples(share: float, *, ci: float | None = None) -> settings:
     """Settings that run ``share`` of the loaded profile's examples (at least 4; ``ci``, if given,
     is the share under the ``ci`` profile instead): for the cross-product lockstep runs, which

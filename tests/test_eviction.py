@@ -12,7 +12,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import pallas_cache as pc
-from conftest import ADAPTER, assert_same, evictions_under_test, examples, slot_of, valid
+from conftest import (ADAPTER, assert_same, deep_only, evictions_under_test, examples, slot_of,
+                      valid)
 from pallas_cache import reference
 from pallas_cache.reference import ReferenceCache, ReferencePolicy
 from test_lockstep import assert_same_caches, build_policy, run_lockstep
@@ -403,6 +404,7 @@ def test_the_cli_sweeps_evictions_and_refuses_reuse_with_pair_lfu(capsys):
 ROUTE_KNN = "route_knn"
 
 
+@deep_only  # the fused kernel's lockstep below runs every op; the XLA step: test_lockstep
 @examples(0.2, ci=0.16)
 @given(data=st.data())
 def test_route_knn_eager_matches_the_reference_after_every_step(data):
@@ -411,6 +413,7 @@ def test_route_knn_eager_matches_the_reference_after_every_step(data):
     run_lockstep(data, "jax-eager", eviction=ROUTE_KNN)
 
 
+@deep_only  # the fused kernel's lockstep below runs every op; the XLA step: test_lockstep
 @examples(0.2, ci=0.16)
 @given(data=st.data())
 def test_route_knn_jitted_matches_the_reference_after_every_step(data):
@@ -594,6 +597,7 @@ def test_start_token_starts_a_token_the_layers_do_not_show(adapter):
 ROUTE_LFU = "route_lfu"
 
 
+@deep_only  # the fused kernel's lockstep below runs every op; the XLA step: test_lockstep
 @examples(0.2, ci=0.16)
 @given(data=st.data())
 def test_route_lfu_eager_matches_the_reference_after_every_step(data):
@@ -603,6 +607,7 @@ def test_route_lfu_eager_matches_the_reference_after_every_step(data):
     run_lockstep(data, "jax-eager", eviction=ROUTE_LFU)
 
 
+@deep_only  # the fused kernel's lockstep below runs every op; the XLA step: test_lockstep
 @examples(0.2, ci=0.16)
 @given(data=st.data())
 def test_route_lfu_jitted_matches_the_reference_after_every_step(data):
