@@ -137,6 +137,19 @@ def adapter(request):
     return ADAPTER[request.param]
 
 
+# ---- the CLI's refusals ------------------------------------------------------------------------
+
+def one_line_error(capsys, code):
+    """The one line a refused ``pallas-cache`` call wrote to stderr, after checking its exit 2,
+    its prefix and that no traceback came with it."""
+    err = capsys.readouterr().err
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("pallas-cache: "), err
+    assert "Traceback" not in err
+    return lines[0]
+
+
 # ---- the one comparison, and readers of records ----------------------------------------------
 
 

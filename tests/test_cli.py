@@ -16,9 +16,11 @@ import sys
 import numpy as np
 import pytest
 
+from conftest import one_line_error
 from pallas_cache.sizing import cli
 from pallas_cache.sizing.cli_args import check_state_memory, memory_size
 from pallas_cache.sizing.traces import RUN_FIXED_BYTES
+
 replay_mod = importlib.import_module("pallas_cache.sizing.sweep")  # the module of replay()
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -33,15 +35,6 @@ def no_replay(monkeypatch):
         raise AssertionError("the replay ran before the argument error was reported")
 
     monkeypatch.setattr(replay_mod, "replay", replay)
-
-
-def one_line_error(capsys, code):
-    err = capsys.readouterr().err
-    assert code == 2, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("pallas-cache: "), err
-    assert "Traceback" not in err
-    return lines[0]
 
 
 @pytest.mark.parametrize("make_path,message", [

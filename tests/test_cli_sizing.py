@@ -10,6 +10,7 @@ import json
 import numpy as np
 import pytest
 
+from conftest import one_line_error
 from pallas_cache.sizing import cli, cli_replay
 
 sweep_mod = importlib.import_module("pallas_cache.sizing.sweep")  # the module of replay()
@@ -114,15 +115,6 @@ def no_trace(monkeypatch):
         raise AssertionError("the trace was read before the flag error was reported")
 
     monkeypatch.setattr(cli_replay, "_load", load)
-
-
-def one_line_error(capsys, code):
-    err = capsys.readouterr().err
-    assert code == 2, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("pallas-cache: "), err
-    assert "Traceback" not in err
-    return lines[0]
 
 
 TIMED = ["--model", "mixtral-8x7b", "--link-bandwidth", "25GB/s", "--cpu-bandwidth", "60GB/s"]

@@ -18,6 +18,7 @@ from pallas_cache import reference
 from pallas_cache.reference import ReferenceCache, ReferencePolicy
 from test_lockstep import assert_same_caches, build_policy, run_lockstep
 from test_loop_free import primitives, trace
+from toy_policies import MRU, REFERENCE_MRU
 
 PAIR_LFU = "pair_lfu"
 
@@ -743,23 +744,6 @@ def test_ring_bookkeeping_under_vmap_equals_each_lane_alone(eviction):
 
 
 # ---- a policy outside the registry ---------------------------------------------------------
-
-
-def _mru_keys(state, id_of_slot, usage, layer, num_experts, cache_size):
-    """Free slots first by (usage, slot), then the most recently used resident."""
-    free = id_of_slot < 0
-    return jnp.where(free, 0, 1), jnp.where(free, usage, -usage)
-
-
-#: A toy policy: one record and its NumPy twin, nothing else.
-MRU = pc.evictions.EvictionPolicy(name="mru", init=lambda num_layers, num_experts, history: None,
-                                  observe=lambda state, layer, routed, accepted: state,
-                                  victim_keys=_mru_keys)
-REFERENCE_MRU = reference.EvictionPolicy(
-    name="mru", init=lambda num_layers, num_experts, history: None,
-    observe=lambda cache, layer, distinct: None,
-    rank=lambda cache, evictable, layer: reference.evictions.free_first(
-        cache, evictable, lambda s: (-cache.usage[s], s)))
 
 
 @examples(0.1, ci=0.08)

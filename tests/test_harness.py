@@ -22,31 +22,13 @@ TESTS = Path(__file__).resolve().parent
 #: The test files with eviction-parametrised tests.
 EVICTION_FILES = ("test_eviction.py", "test_kernels.py", "test_lockstep.py")
 
-#: Registers a toy policy (MRU: the most recently used resident goes first; test_eviction's,
-#: restated so that no test module is imported before collection) and its reference twin, and
+#: Registers a toy policy (MRU: the most recently used resident goes first; tests/toy_policies.py,
+#: not a test module, so none is imported before collection) and its reference twin, and
 #: writes, per eviction-parametrised item, its test, its other parameters and its eviction.
 TOY_PLUGIN = '''
 import json
 
-import jax.numpy as jnp
-
-import pallas_cache as pc
-from pallas_cache import reference
-
-
-def _mru_keys(state, id_of_slot, usage, layer, num_experts, cache_size):
-    free = id_of_slot < 0
-    return jnp.where(free, 0, 1), jnp.where(free, usage, -usage)
-
-
-MRU = pc.evictions.EvictionPolicy(name="mru", init=lambda num_layers, num_experts, history: None,
-                                  observe=lambda state, layer, routed, accepted: state,
-                                  victim_keys=_mru_keys)
-REFERENCE_MRU = reference.EvictionPolicy(
-    name="mru", init=lambda num_layers, num_experts, history: None,
-    observe=lambda cache, layer, distinct: None,
-    rank=lambda cache, evictable, layer: reference.evictions.free_first(
-        cache, evictable, lambda s: (-cache.usage[s], s)))
+from toy_policies import MRU, REFERENCE_MRU
 
 
 def pytest_configure(config):
