@@ -120,3 +120,21 @@ def test_the_gpu_path_orders_its_read_after_writes_with_barriers(capacity):
     # a store (the hit refresh) between the first two, the map scatters after the last
     assert any("tt.store" in x for x in lines[barriers[0]:barriers[1]])
     assert any("tt.store" in x for x in lines[barriers[2]:])
+
+
+def test_per_call_inputs_are_checked_where_the_record_is_made_and_where_the_kernel_runs():
+    """FAILS if a record may ask for a per-call input the kernel does not compute (a typo would
+    surface as an AttributeError deep in a trace) or pass a bare string, or if a policy without a
+    token ring that asks for one reaches the kernel instead of a TypeError naming its
+    bookkeeping."""
+    ranking = pc.evictions.Eviction.ROUTE_KNN.policy.kernel
+    for bad in (("next_uses",), "next_use"):
+        with pytest.raises(ValueError, match=r"KernelRanking.per_call must be a tuple of names"):
+            dataclasses.replace(ranking, per_call=bad)
+    lru = pc.evictions.Eviction.LRU.policy
+    record = dataclasses.replace(lru, name="lru_per_call", allows_reuse=False,
+                                 kernel=dataclasses.replace(lru.kernel, per_call=("next_use",)))
+    state = pc.init(2, 4, 6, eviction=record)
+    rules = pc.ops.Rules.of(hybrid=False, order="lowest_id", admission="none")
+    with pytest.raises(TypeError, match="needs a TokenRingState.*got NoneType"):
+        dispatch.fused_step_for(state, rules, 3, "pallas")

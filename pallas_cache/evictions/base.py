@@ -16,6 +16,10 @@ def _no_history(state):
     return None
 
 
+#: The per-call inputs the fused kernel computes from a token ring (``KernelRanking.per_call``).
+PER_CALL = ("next_use", "prot", "freq")
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelRanking:
     """How the fused kernel (kernels/step.py) ranks a policy's victims and keeps its bookkeeping.
@@ -46,6 +50,12 @@ class KernelRanking:
     key: Callable[..., tuple]
     observe_row: Callable[[tuple, Any], tuple]
     per_call: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        unknown = [name for name in self.per_call if name not in PER_CALL]
+        if isinstance(self.per_call, str) or unknown:
+            raise ValueError(f"KernelRanking.per_call must be a tuple of names from {PER_CALL}, "
+                             f"got {self.per_call!r}")
 
 
 @dataclasses.dataclass(frozen=True)

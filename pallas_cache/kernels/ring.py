@@ -66,7 +66,11 @@ def _words(ring) -> int:
 
 def supports(ring: TokenRingState) -> bool:
     """Whether the kernel holds the ring in single vectors: ``next_pow2(W)`` and
-    ``next_pow2(L * w)`` at most :data:`~pallas_cache.kernels.common.MAX_BLOCK`."""
+    ``next_pow2(L * w)`` at most :data:`~pallas_cache.kernels.common.MAX_BLOCK`. A policy whose
+    kernel hooks ask for per-call inputs must keep a token ring (TypeError otherwise)."""
+    if not isinstance(ring, TokenRingState):
+        raise TypeError(f"KernelRanking.per_call needs a TokenRingState as the policy's "
+                        f"bookkeeping, got {type(ring).__name__}")
     history, num_layers, words = ring.masks.shape
     return max(common.next_pow2(history),
                common.next_pow2(num_layers * words)) <= common.MAX_BLOCK
