@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.experimental.compute_on import compute_on
+from jax.experimental import compute_on as _compute_on
 
 from pallas_cache.hints import IndexLike, PyTree
 from pallas_cache.ops import EnsurePlan
@@ -28,6 +29,23 @@ __all__ = [
 
 #: The ``compute_on`` placement of the CPU partial: ops in it carry XLA's host compute type.
 HOST_COMPUTE = "device_host"
+
+# ``compute_on`` is a context manager around jitted calls up to jax 0.11.1 and a function
+# transform, ``compute_on(f, *, compute_type, out_memory_spaces)``, from 0.11.2 on (0.10's
+# ``compute_on2``): the installed form is decided once, here, by its signature.
+_COMPUTE_ON_TRANSFORM = "out_memory_spaces" in inspect.signature(_compute_on.compute_on).parameters
+
+
+def _on_host(f: Callable, out_space) -> Callable:
+    """``f`` placed with ``compute_on(HOST_COMPUTE)`` by the installed JAX's form; its one array
+    result stays in memory ``out_space`` (a ``jax.memory.Space``; None: device memory)."""
+    if not _COMPUTE_ON_TRANSFORM:
+        def placed(*args):
+            with _compute_on.compute_on(HOST_COMPUTE):
+                return jax.jit(f)(*args)
+        return placed
+    space = jax.memory.Space.Device if out_space is None else out_space
+    return _compute_on.compute_on(f, compute_type=HOST_COMPUTE, out_memory_spaces=space)
 
 
 class CpuExperts(NamedTuple):
@@ -201,9 +219,8 @@ def cpu_partial(x: jax.Array, expert_ids: jax.Array, gates: jax.Array, plan: Ens
     # in it reads one memory space; its result returns to the activations' space.
     inputs = [to_space(v, bank_space)
               for v in (tokens, chosen.ids, count, chosen.gates, chosen.routed, layer_index)]
-    with compute_on(HOST_COMPUTE):
-        partial = jax.jit(functools.partial(_switch_partial, host_bank, expert_fn,
-                                            layer is not None, bank_space))(*inputs)
+    partial = _on_host(functools.partial(_switch_partial, host_bank, expert_fn,
+                                        layer is not None, bank_space), bank_space)(*inputs)
     partial = to_space(partial, memory_space(x))
     return partial.reshape(x.shape[:-1] + partial.shape[-1:])
 

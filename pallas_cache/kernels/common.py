@@ -3,7 +3,9 @@ compiler parameters) and its vector helpers. A Triton tensor must have a power-o
 every in-kernel vector is ``next_pow2`` wide and loaded from the unpadded ref with a mask
 (``other`` fills the lanes past the end, and each reduction masks them out again), the pattern of
 JAX's shipped ``pallas/ops/gpu/softmax.py``: no padded copy of an input is made in device
-memory.
+memory. A vector wider than its ref is read and written through an index vector,
+``ref.at[start + iota]``, never a slice ``ref.at[pl.ds(start, width)]``: JAX 0.12 refuses a static
+slice past a ref's end at trace time, and Triton compiles both to the same masked loads.
 """
 
 from __future__ import annotations

@@ -152,8 +152,8 @@ def observe(ring: RingRefs, out: RingRefs, *, layer, layer_c, routed, e_idx, acc
     in_ring = j < history
     at = jnp.minimum(j, history - 1)
     age = (head - j + history) % history
-    sim = plgpu.load(ring.sim.at[pl.ds(0, w_pad)], mask=in_ring, other=0)
-    match = plgpu.load(ring.match.at[pl.ds(0, w_pad)], mask=in_ring, other=0)
+    sim = plgpu.load(ring.sim.at[j], mask=in_ring, other=0)
+    match = plgpu.load(ring.match.at[j], mask=in_ring, other=0)
     aligned = plgpu.load(ring.match.at[(at + history - 1) % history], mask=in_ring, other=0)
     sim = jnp.where(start, jnp.where((age >= 1) & (age + 2 <= count), aligned, 0), sim)
     match = jnp.where(start, 0, match)
@@ -195,8 +195,8 @@ def observe(ring: RingRefs, out: RingRefs, *, layer, layer_c, routed, e_idx, acc
         lax.fori_loop(0, blocks, leave, jnp.int32(0))
 
     barrier()  # every read of the ring above before the writes below
-    plgpu.store(out.sim.at[pl.ds(0, w_pad)], sim, mask=in_ring & accepted)
-    plgpu.store(out.match.at[pl.ds(0, w_pad)], match, mask=in_ring & accepted)
+    plgpu.store(out.sim.at[j], sim, mask=in_ring & accepted)
+    plgpu.store(out.match.at[j], match, mask=in_ring & accepted)
     l_pad = common.next_pow2(L)
     m = lax.iota(jnp.int32, l_pad)
     written = (m < L) & accepted & (start | (m == layer_c))

@@ -147,7 +147,7 @@ def step_kernel(
         start = c * k_width
         index = start + lax.iota(jnp.int32, k_width)
         lane = index < K
-        r = plgpu.load(call.routes.at[pl.ds(start, k_width)], mask=lane, other=-1)
+        r = plgpu.load(call.routes.at[index], mask=lane, other=-1)
         return r, index, lane
 
     def observe(c, carry):  # the histogram row and the bad-route flag, one chunk of routes
@@ -177,7 +177,7 @@ def step_kernel(
                     lambda s: s, step0) + 1
     barrier()  # the rebase's usage / recency stores before the reads of them by other threads
 
-    row = pl.ds(base, e_width)
+    row = base + e_idx
     slot_row = plgpu.load(state.slot_for_id.at[row], mask=e_ok, other=-1)
     routed = e_ok & (observed > 0)
     if state.ring:  # the token ring's bookkeeping, before the hit refresh's barrier
@@ -217,11 +217,11 @@ def step_kernel(
     def pool_block(start, width):
         index = start + lax.iota(jnp.int32, width)
         valid = (index < C) & searching  # masked off: no pool read when no victim is needed
-        u = plgpu.load(state_out.usage.at[pl.ds(start, width)], mask=valid, other=0)
+        u = plgpu.load(state_out.usage.at[index], mask=valid, other=0)
         ok = valid & (index < limit) & (u != step)
         if not state.tables and not state.ring:
             return ranking.key((), None, u, None, None), jnp.where(ok, index, INT32_MAX)
-        occupant = plgpu.load(state.id_of_slot.at[pl.ds(start, width)], mask=valid, other=-1)
+        occupant = plgpu.load(state.id_of_slot.at[index], mask=valid, other=-1)
         at = jnp.maximum(occupant, 0)
         tables = tuple(plgpu.load(ref.at[at], mask=valid, other=_zero(ref))
                        for ref in state.tables)
@@ -271,8 +271,8 @@ def step_kernel(
         new = jnp.max(jnp.where(match, victims[None, :], -1), axis=1)
         slot = jnp.where(is_route, jnp.where(jnp.max(match.astype(jnp.int32), axis=1) > 0,
                                              new, old), -1)
-        plgpu.store(plan.slots.at[pl.ds(c * k_width, k_width)], slot, mask=lane)
-        plgpu.store(plan.cpu.at[pl.ds(c * k_width, k_width)], is_route & (slot < 0), mask=lane)
+        plgpu.store(plan.slots.at[index], slot, mask=lane)
+        plgpu.store(plan.cpu.at[index], is_route & (slot < 0), mask=lane)
         return 0
 
     lax.fori_loop(0, num_chunks, plan_chunk, 0)
@@ -304,8 +304,8 @@ def step_kernel(
     _store_scalar(state_out.step, step, accepted)
 
     out = o_idx < num_out
-    plgpu.store(plan.dst_slots.at[pl.ds(0, o_width)], victims, mask=out)
-    plgpu.store(plan.src_rows.at[pl.ds(0, o_width)], experts, mask=out)
+    plgpu.store(plan.dst_slots.at[o_idx], victims, mask=out)
+    plgpu.store(plan.src_rows.at[o_idx], experts, mask=out)
     _store_scalar(plan.count, num_fetch, True)
     _store_scalar(plan.active, jnp.where(accepted, num_active, 0), True)
     _store_scalar(plan.missing, jnp.where(accepted, num_missing, 0), True)
@@ -333,7 +333,7 @@ def _fetch_order(routes_ref, sfi_ref, rec_ref, base, miss, num_missing, o_idx, *
     if k_width <= _RANK_ROUTES:
         k_idx = lax.iota(jnp.int32, k_width)
         lane = k_idx < K
-        r = plgpu.load(routes_ref.at[pl.ds(0, k_width)], mask=lane, other=-1)
+        r = plgpu.load(routes_ref.at[k_idx], mask=lane, other=-1)
         valid = lane & (r >= 0) & (r < E)
         at = base + jnp.clip(r, 0, E - 1)
         missed = valid & (plgpu.load(sfi_ref.at[at], mask=valid, other=0) < 0)
@@ -353,7 +353,7 @@ def _fetch_order(routes_ref, sfi_ref, rec_ref, base, miss, num_missing, o_idx, *
 
     e_width = miss.shape[0]
     e_idx = lax.iota(jnp.int32, e_width)
-    recency_row = plgpu.load(rec_ref.at[pl.ds(base, e_width)], mask=e_idx < E, other=-1)
+    recency_row = plgpu.load(rec_ref.at[base + e_idx], mask=e_idx < E, other=-1)
     order_key = ~recency_row if by_recency else jnp.zeros_like(recency_row)
 
     def order_round(k, carry):
@@ -460,9 +460,9 @@ def _rebase(usage_ref, rec_ref, usage_out, rec_out, step0, *, block, stamp_block
                 start = pl.multiple_of(b * width, width)
                 index = start + lax.iota(jnp.int32, width)
                 valid = index < src.shape[0]
-                v = plgpu.load(src.at[pl.ds(start, width)], mask=valid, other=low - 1)
+                v = plgpu.load(src.at[index], mask=valid, other=low - 1)
                 live = valid & (v >= low)
-                plgpu.store(dst.at[pl.ds(start, width)], jnp.full((width,), r),
+                plgpu.store(dst.at[index], jnp.full((width,), r),
                             mask=live & (v == m) & (r >= 1))
                 above = live & (v > m)
                 return (jnp.minimum(best[0], jnp.min(jnp.where(above, v, INT32_MAX))),
