@@ -57,13 +57,23 @@ class Geometry:
                        capacity=self.capacity, eviction=self.eviction, history=self.history)
 
 
+#: The kinds a :class:`PolicySpec` names.
+POLICY_KINDS = ("fraction", "fixed_cap", "full")
+
+
 @dataclasses.dataclass(frozen=True)
 class PolicySpec:
     """A :class:`~pallas_cache.FetchPolicy` as plain data: ``kind`` is ``"fraction"`` (``value``
-    the fraction ``q``), ``"fixed_cap"`` (``value`` the cap) or ``"full"`` (``value`` None)."""
+    the fraction ``q``), ``"fixed_cap"`` (``value`` the cap) or ``"full"`` (``value`` None).
+    Another ``kind`` raises ``ValueError`` naming it, when the spec is made."""
 
     kind: str
     value: float | int | None = None
+
+    def __post_init__(self):
+        if self.kind not in POLICY_KINDS:
+            raise ValueError(f"unknown policy kind {self.kind!r}; expected one of "
+                             f"{', '.join(POLICY_KINDS)}")
 
     def build(self) -> pc.FetchPolicy:
         """The :class:`~pallas_cache.FetchPolicy` this spec names."""
@@ -145,8 +155,11 @@ Operation = Union[Ensure, EnsureHybrid, Materialize, Forget, Resize, Reset, Begi
                   PrefetchPrefill, ReleasePrefill]
 
 
-def _routes(routes: tuple) -> np.ndarray:
-    return np.asarray(routes, np.int32)
+def _routes(routes: tuple) -> tuple:
+    """The record's routes as the library takes them: the nested tuple itself, read exactly by
+    ``pc.ensure`` (a float or bool refused, an id outside int32 refused with ERR_EXPERT_ID), as
+    the reference reads it; a cast here would wrap ``2**31`` or truncate ``1.7``."""
+    return routes
 
 
 def run_operation(state: CacheState, op: Operation, *, backend: str | None = None
