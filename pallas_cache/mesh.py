@@ -206,6 +206,7 @@ def local_routes(sharding: ExpertSharding, routes, device=None) -> jax.Array:
       every device's ``ensure`` refuses the call (ERR_EXPERT_ID) and writes nothing, as one
       cache refuses the whole call. Jittable.
     """
+    _check_sharding(sharding)
     routes = validate.as_routes(routes)
     E = sharding.num_experts
     owner = jnp.asarray(sharding.owner, jnp.int32)
@@ -221,6 +222,12 @@ def local_routes(sharding: ExpertSharding, routes, device=None) -> jax.Array:
     mine = valid & (owner[index] == device)
     out = jnp.where(mine, local[index], -1)
     return jnp.where(bad, sharding.num_local, out).astype(jnp.int32)
+
+
+def _check_sharding(sharding) -> None:
+    if not isinstance(sharding, ExpertSharding):
+        raise TypeError(f"sharding must be an ExpertSharding (pallas_cache.mesh.expert_sharding), "
+                        f"got {type(sharding).__name__}")
 
 
 def _device_index(name: str, value, num_devices: int):
@@ -269,6 +276,7 @@ def route_assignment(sharding: ExpertSharding, routes, slots, cpu) -> RouteAssig
       A :class:`RouteAssignment`. A route outside ``[-1, E)`` gets device -1, slot -1, no CPU
       (every device refused the call). Jittable.
     """
+    _check_sharding(sharding)
     routes = validate.as_routes(routes)
     slots, cpu = jnp.asarray(slots), jnp.asarray(cpu)
     expected = (sharding.num_devices,) + routes.shape
@@ -295,6 +303,10 @@ def local_bank(sharding: ExpertSharding, bank, *, expert_axis: int = 1):
     with a ``NamedSharding(mesh, P(axis), memory_kind="pinned_host")`` to give each device its
     rows in host memory.
     """
+    _check_sharding(sharding)
+    if not validate.is_int(expert_axis):
+        raise TypeError(f"expert_axis must be an integer, got {expert_axis!r} "
+                        f"({type(expert_axis).__name__})")
     E, width = sharding.num_experts, sharding.num_local
 
     def per_device(leaf):
@@ -331,9 +343,7 @@ def init_expert_parallel(sharding: ExpertSharding, num_layers: int, cache_size, 
       ValueError/TypeError as :func:`~pallas_cache.init`, naming the device; a list of sizes for
         another number of devices than ``D``.
     """
-    if not isinstance(sharding, ExpertSharding):
-        raise TypeError(f"sharding must be an ExpertSharding (pallas_cache.mesh.expert_sharding), "
-                        f"got {type(sharding).__name__}")
+    _check_sharding(sharding)
     D = sharding.num_devices
     if isinstance(cache_size, (str, bytes)) or np.ndim(cache_size) == 0:
         sizes = [validate.positive_int("cache_size", cache_size)] * D

@@ -335,3 +335,21 @@ def test_init_expert_parallel_names_a_bad_size_before_allocating(kwargs, error, 
     names device 0 instead of the argument."""
     with pytest.raises(error, match=message):
         pm.init_expert_parallel(pm.expert_sharding(8, 2), 2, **kwargs)
+
+
+def test_the_mesh_helpers_name_a_wrong_sharding_or_a_bool_expert_axis():
+    """FAILS if ``local_bank(expert_axis=True)`` is read as axis 1, or a sharding that is not an
+    ExpertSharding ends in an AttributeError (audit of the mesh helpers, beside issue's cases)."""
+    sharding = pm.expert_sharding(8, 2)
+    with pytest.raises(TypeError, match="expert_axis must be an integer, got True"):
+        pm.local_bank(sharding, {"w": jnp.zeros((2, 8, 3))}, expert_axis=True)
+    for call in (lambda s: pm.local_routes(s, np.array([0])),
+                 lambda s: pm.route_assignment(s, np.array([0]), np.zeros((2, 1)),
+                                               np.zeros((2, 1), bool)),
+                 lambda s: pm.local_bank(s, {"w": jnp.zeros((8, 3))}, expert_axis=0),
+                 lambda s: pm.init_expert_parallel(s, 1, 8)):
+        with pytest.raises(TypeError, match="sharding must be an ExpertSharding"):
+            call((0, 0, 1, 1))
+    from pallas_cache.sizing.devices import tensor_parallel_seconds
+    with pytest.raises(ValueError, match="link_bandwidth must be a positive, finite number"):
+        tensor_parallel_seconds([(1, 1, 1)], 100, 2, 0.0, 1.0)
