@@ -62,6 +62,9 @@ def _one_line(err):
     (["--num-experts", "0"], r"--num-experts 0 is outside"),
     (["--expert-bytes", "1e300", "--link-bandwidth", "1e-300B/s", "--cpu-bandwidth", "1GB/s"],
      r"overflows a float"),
+    (["--expert-bytes", "1MiB", "--link-bandwidth", "1GB/s", "--cpu-bandwidth", "1GB/s",
+      "--cpu-fixed-cost", "1e308s"], r"--cpu-fixed-cost 1e\+308s per layer-call gives a modeled "
+                                     r"time that overflows"),
 ])
 def test_every_flag_is_checked_before_the_trace_is_read(capsys, flags, message):
     """FAILS if a flag the trace does not decide is checked only after reading it (8.7 s for a

@@ -128,6 +128,10 @@ def check_modeled_numbers(cost, num_layers: int, top_k: int) -> None:
         raise ValueError(f"the expert size {float(width):.4g} bytes over the bandwidth "
                          f"{min(rates):g} B/s gives a modeled time that overflows a float; "
                          f"check --expert-bytes and the bandwidths")
+    fixed = float(cost.cpu_fixed_seconds or 0.0)
+    if not math.isfinite(worst + fixed * num_layers * 2e3):
+        raise ValueError(f"--cpu-fixed-cost {fixed:g}s per layer-call gives a modeled time that "
+                         f"overflows a float (a row would show none); check --cpu-fixed-cost")
 
 
 def check_geometry(num_layers: int, num_experts: int, sizes) -> None:
