@@ -537,3 +537,19 @@ def test_operations_of_prefill_alone_on_a_small_capacity_say_why():
     ops = find(pcst.operations(GEOMETRY, kinds=["prefill", "reset"]), lambda ops: True,
                settings=FIND)
     assert all(isinstance(op, pct.Reset) for op in ops)
+
+
+def test_a_geometry_init_refuses_is_refused_when_made_and_so_is_an_unknown_backend():
+    """FAILS if ``Geometry(2, 4, 2, 2)`` (a pool below one layer) is made and its strategy ends
+    in hypothesis's "Cannot have max_value=2 < min_value=4", or an unknown backend is reported
+    as the library refusing an ensure (audit of the testing kit)."""
+    with pytest.raises(ValueError, match="cache_size 2 cannot hold one layer of 4 experts"):
+        pct.Geometry(2, 4, 2, 2)
+    with pytest.raises(ValueError, match="capacity 5 is below cache_size 6"):
+        pct.Geometry(2, 4, 6, 5)
+    with pytest.raises(TypeError, match="num_layers must be an integer"):
+        pct.Geometry(2.0, 4, 6, 6)
+    with pytest.raises(ValueError, match="unknown eviction 'nope'"):
+        pct.Geometry(2, 4, 6, 6, eviction="nope")
+    with pytest.raises(ValueError, match="unknown backend 'nope'"):
+        pct.assert_lockstep([pct.Ensure(0, (1,))], geometry=GEOMETRY, backend="nope")

@@ -19,6 +19,7 @@ import numpy as np
 
 import pallas_cache as pc
 from pallas_cache import reference, validate
+from pallas_cache.kernels.dispatch import resolve_backend
 from pallas_cache.reference import lockstep as driver
 from pallas_cache.state import CacheState
 from pallas_cache.testing.assertions import leaf_difference
@@ -201,8 +202,10 @@ def assert_lockstep(sequence: Sequence[Operation], *, geometry: Geometry,
         and the other runs (or refuses with another exception type), naming the step index, the
         operation, and the first differing field and index, e.g. ``op 3 Ensure(layer=0,
         routes=(1, 2)) on xla: states differ at .usage[0, 1]: 2 != 3 (reference != library)``.
-      TypeError: an entry of ``sequence`` is not an operation record.
+      TypeError: an entry of ``sequence`` is not an operation record. ValueError: an unknown
+        ``backend``.
     """
+    resolve_backend(backend)  # an unknown backend is the caller's mistake, not a refusal
     for index, op in enumerate(sequence):
         if not isinstance(op, _RECORDS):
             raise TypeError(f"sequence[{index}] is not an operation record: {op!r}")

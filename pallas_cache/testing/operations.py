@@ -14,6 +14,7 @@ from typing import Any, Callable, Union
 import numpy as np
 
 import pallas_cache as pc
+from pallas_cache import validate
 from pallas_cache.state import CacheState
 
 __all__ = [
@@ -50,6 +51,19 @@ class Geometry:
     capacity: int
     eviction: str = "lru"
     history: int = 128
+
+    def __post_init__(self):
+        """The static checks :func:`pallas_cache.init` makes, when the record is made (so a
+        strategy or a lockstep run over it never starts): TypeError/ValueError naming the
+        field."""
+        L, E, S, C = (validate.positive_int(name, getattr(self, name)) for name in (
+            "num_layers", "num_experts", "cache_size", "capacity"))
+        if S < E:
+            raise ValueError(f"cache_size {S} cannot hold one layer of {E} experts")
+        if C < S:
+            raise ValueError(f"capacity {C} is below cache_size {S}")
+        validate.positive_int("history", self.history)
+        pc.evictions.coerce(self.eviction)
 
     def init(self) -> CacheState:
         """A cold :class:`~pallas_cache.CacheState` of this geometry."""
