@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_cache import evictions, validate
+from pallas_cache import state as state_lib
 from pallas_cache.state import CacheState
 
 __all__ = ["batch_shape", "pad_capacity", "stack_states", "take_state", "unstack_states"]
@@ -30,8 +31,12 @@ def batch_shape(state: CacheState) -> tuple[int, ...]:
 def pad_capacity(state: CacheState, capacity: int) -> CacheState:
     """One cache (or a batch) with ``capacity`` allocated slots, the added ones unusable (empty,
     usage 0): the same cache for every rule (docs/semantics.md §5.15); a pool for it needs
-    ``capacity`` slots. ``capacity`` below the state's raises ``ValueError``."""
+    ``capacity`` slots. ``capacity`` is what :func:`~pallas_cache.init` takes (a Python or NumPy
+    integer, or a concrete 0-d integer array), checked before anything is allocated: below the
+    state's capacity, or a capacity ``init`` refuses (above ``2**31 - 1``, or no room for the
+    clock after a rebase), raises ``ValueError``; a non-integer ``TypeError``."""
     capacity = validate.positive_int("capacity", capacity)
+    state_lib.check_capacity(state.num_layers, state.num_experts, capacity)
     have = state.capacity
     if capacity < have:
         raise ValueError(f"capacity {capacity} is below the state's capacity {have}; "
@@ -66,7 +71,8 @@ def stack_states(states: Sequence[CacheState], *, capacity: int | None = None) -
 
     Raises:
       ValueError: no states, or states that differ in a shape or the eviction policy (naming
-        both, with how to make them agree).
+        both, with how to make them agree); a ``capacity`` :func:`pad_capacity` refuses
+        (checked once, before any state is padded).
     """
     states = list(states)
     if not states:
@@ -76,6 +82,9 @@ def stack_states(states: Sequence[CacheState], *, capacity: int | None = None) -
             raise TypeError(f"stack_states takes CacheState values; states[{i}] is "
                             f"{type(state).__name__}")
     if capacity is not None:
+        capacity = validate.positive_int("capacity", capacity)
+        for state in states:
+            state_lib.check_capacity(state.num_layers, state.num_experts, capacity)
         states = [pad_capacity(s, capacity) for s in states]
     first = _signature(states[0])
     for i, state in enumerate(states[1:], start=1):

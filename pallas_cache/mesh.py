@@ -60,10 +60,28 @@ class ExpertSharding:
     Attributes:
       owner: ``E`` ints: ``owner[e]`` is the device that owns expert ``e`` (in ``[0, D)``).
       num_devices: ``D``, the devices on the mesh axis.
+
+    Built directly, it is checked as :func:`expert_sharding` checks ``owner=`` (TypeError for a
+    non-integer entry or count, ValueError for no expert, ``D`` below 1 or an owner outside
+    ``[0, D)``, naming the expert); ``owner`` is kept as a tuple of Python ints.
     """
 
     owner: tuple[int, ...]
     num_devices: int
+
+    def __post_init__(self):
+        D = validate.positive_int("num_devices", self.num_devices)
+        if isinstance(self.owner, (str, bytes)):
+            raise TypeError(f"owner must hold integers (one device per expert), got "
+                            f"{self.owner!r}")
+        values = _ints("owner", self.owner)
+        if not values:
+            raise ValueError("owner is empty: a layer has at least one expert")
+        for e, d in enumerate(values):
+            if not 0 <= d < D:
+                raise ValueError(f"expert {e}'s owner {d} is outside [0, {D}), the devices")
+        object.__setattr__(self, "owner", tuple(values))
+        object.__setattr__(self, "num_devices", D)
 
     @property
     def num_experts(self) -> int:
@@ -132,15 +150,14 @@ def expert_sharding(num_experts: int, num_devices: int, *, owner=None,
     values = _ints("owner", owner)
     if len(values) != E:
         raise ValueError(f"owner has {len(values)} entries, one per expert is {E}")
-    for e, d in enumerate(values):
-        if not 0 <= d < D:
-            raise ValueError(f"expert {e}'s owner {d} is outside [0, {D}), the devices")
     return ExpertSharding(tuple(values), D)
 
 
 def _ints(name, values) -> list[int]:
     """``values`` (a sequence or a 1-D array) as Python ints; TypeError names a non-integer."""
     if not isinstance(values, (list, tuple)):
+        if np.ndim(values) == 0:
+            raise TypeError(f"{name} must be a sequence of integers, got {values!r}")
         values = np.asarray(values, dtype=object).reshape(-1)
     out = []
     for v in values:
@@ -177,8 +194,10 @@ def local_routes(sharding: ExpertSharding, routes, device=None) -> jax.Array:
     Args:
       sharding: the owner map.
       routes: int ``[...]`` global expert ids in ``[0, E)``, ``-1`` = padding.
-      device: a device index (an int, or traced: ``lax.axis_index(axis)`` inside the
-        ``shard_map``); None for every device at once.
+      device: a device index in ``[0, D)`` (a Python or NumPy integer, checked here: TypeError
+        for a bool or float, ValueError outside the range), or an integer scalar array (traced:
+        ``lax.axis_index(axis)`` inside the ``shard_map``; a concrete one is checked as an
+        int); None for every device at once.
 
     Returns:
       int32 ``[...]`` (``[D, ...]`` when ``device`` is None): a route to an expert the device
@@ -187,6 +206,7 @@ def local_routes(sharding: ExpertSharding, routes, device=None) -> jax.Array:
       every device's ``ensure`` refuses the call (ERR_EXPERT_ID) and writes nothing, as one
       cache refuses the whole call. Jittable.
     """
+    _check_sharding(sharding)
     routes = validate.as_routes(routes)
     E = sharding.num_experts
     owner = jnp.asarray(sharding.owner, jnp.int32)
@@ -197,9 +217,35 @@ def local_routes(sharding: ExpertSharding, routes, device=None) -> jax.Array:
     if device is None:
         device = jnp.arange(sharding.num_devices, dtype=jnp.int32).reshape(
             (-1,) + (1,) * routes.ndim)
+    else:
+        device = _device_index("device", device, sharding.num_devices)
     mine = valid & (owner[index] == device)
     out = jnp.where(mine, local[index], -1)
     return jnp.where(bad, sharding.num_local, out).astype(jnp.int32)
+
+
+def _check_sharding(sharding) -> None:
+    if not isinstance(sharding, ExpertSharding):
+        raise TypeError(f"sharding must be an ExpertSharding (pallas_cache.mesh.expert_sharding), "
+                        f"got {type(sharding).__name__}")
+
+
+def _device_index(name: str, value, num_devices: int):
+    """A device index in ``[0, num_devices)``: a host integer (or a concrete integer scalar
+    array) is checked and returned as an int, a traced integer scalar as it is. TypeError for a
+    bool, a float or another shape; ValueError outside the range, naming ``name``."""
+    if isinstance(value, jax.core.Tracer):
+        if (getattr(value, "shape", None) != () or
+                not jnp.issubdtype(value.dtype, jnp.integer)):
+            raise TypeError(f"{name} must be an integer scalar, got a traced "
+                            f"{value.dtype}{list(value.shape)}")
+        return value
+    if isinstance(value, (jax.Array, np.ndarray)) and np.shape(value) != ():
+        raise TypeError(f"{name} must be an integer scalar, got shape {np.shape(value)}")
+    index = validate.as_host_int(name, value)
+    if not 0 <= index < num_devices:
+        raise ValueError(f"{name} {index} is outside [0, {num_devices}), the devices of the axis")
+    return index
 
 
 class RouteAssignment(NamedTuple):
@@ -230,6 +276,7 @@ def route_assignment(sharding: ExpertSharding, routes, slots, cpu) -> RouteAssig
       A :class:`RouteAssignment`. A route outside ``[-1, E)`` gets device -1, slot -1, no CPU
       (every device refused the call). Jittable.
     """
+    _check_sharding(sharding)
     routes = validate.as_routes(routes)
     slots, cpu = jnp.asarray(slots), jnp.asarray(cpu)
     expected = (sharding.num_devices,) + routes.shape
@@ -256,6 +303,10 @@ def local_bank(sharding: ExpertSharding, bank, *, expert_axis: int = 1):
     with a ``NamedSharding(mesh, P(axis), memory_kind="pinned_host")`` to give each device its
     rows in host memory.
     """
+    _check_sharding(sharding)
+    if not validate.is_int(expert_axis):
+        raise TypeError(f"expert_axis must be an integer, got {expert_axis!r} "
+                        f"({type(expert_axis).__name__})")
     E, width = sharding.num_experts, sharding.num_local
 
     def per_device(leaf):
@@ -292,16 +343,24 @@ def init_expert_parallel(sharding: ExpertSharding, num_layers: int, cache_size, 
       ValueError/TypeError as :func:`~pallas_cache.init`, naming the device; a list of sizes for
         another number of devices than ``D``.
     """
+    _check_sharding(sharding)
     D = sharding.num_devices
-    sizes = [cache_size] * D if isinstance(cache_size, numbers.Integral) else list(cache_size)
-    if len(sizes) != D:
-        raise ValueError(f"cache_size gives {len(sizes)} sizes, the mesh axis has {D} devices")
-    sizes = [validate.positive_int(f"cache_size[{d}]", s) for d, s in enumerate(sizes)]
-    capacity = max(sizes) if capacity is None else capacity
+    if isinstance(cache_size, (str, bytes)) or np.ndim(cache_size) == 0:
+        sizes = [validate.positive_int("cache_size", cache_size)] * D
+    else:
+        sizes = list(cache_size)
+        if len(sizes) != D:
+            raise ValueError(f"cache_size gives {len(sizes)} sizes, the mesh axis has {D} "
+                             f"devices")
+        sizes = [validate.positive_int(f"cache_size[{d}]", s) for d, s in enumerate(sizes)]
+    capacity = (max(sizes) if capacity is None
+                else validate.positive_int("capacity", capacity))
+    L = validate.positive_int("num_layers", num_layers)
+    state_lib.check_capacity(L, sharding.num_local, capacity)
     states = []
     for d, size in enumerate(sizes):
         try:
-            states.append(state_lib.init(num_layers, sharding.num_local, size, capacity=capacity,
+            states.append(state_lib.init(L, sharding.num_local, size, capacity=capacity,
                                          **init_kwargs))
         except (TypeError, ValueError) as error:
             raise type(error)(f"device {d} (owns {sharding.shares[d]} of {sharding.num_experts} "
@@ -333,8 +392,12 @@ def split_weights(tree, num_devices: int, axis):
     def split(path, leaf, ax):
         leaf = jnp.asarray(leaf)
         name = jax.tree_util.keystr(path) or "the leaf"
-        if not isinstance(ax, numbers.Integral) or not -leaf.ndim <= ax < leaf.ndim:
-            raise ValueError(f"{name} of shape {tuple(leaf.shape)} has no axis {ax}")
+        if not validate.is_int(ax):
+            raise TypeError(f"axis of {name} must be an integer, got {ax!r} "
+                            f"({type(ax).__name__})")
+        if not -leaf.ndim <= ax < leaf.ndim:
+            raise ValueError(f"{name} of shape {tuple(leaf.shape)} has no axis {ax}: axis must "
+                             f"be in [{-leaf.ndim}, {leaf.ndim})")
         size = leaf.shape[ax]
         if size % T:
             raise ValueError(f"cannot split {name} of shape {tuple(leaf.shape)} over {T} "
@@ -348,7 +411,18 @@ def split_weights(tree, num_devices: int, axis):
 def broadcast_routes(routes, axis_name, source: int = 0) -> jax.Array:
     """Inside a ``shard_map``: every device gets device ``source``'s routes (one integer
     ``psum`` of ``[...]`` int32 over ``axis_name``). The result is the same on every device, by
-    value and by type (it does not vary over the axis)."""
+    value and by type (it does not vary over the axis).
+
+    ``source`` is a Python or NumPy integer in ``[0, D)``, ``D`` the axis's size (checked at
+    trace time: TypeError for a bool, a float or an array, ValueError outside the range)."""
+    if isinstance(source, (jax.Array, np.ndarray)):
+        raise TypeError(f"source must be a Python or NumPy integer (a static device index), got "
+                        f"an array of shape {np.shape(source)}")
+    source = validate.as_host_int("source", source)
+    size = lax.axis_size(axis_name)
+    if not 0 <= source < size:
+        raise ValueError(f"source {source} is outside [0, {size}), the devices of axis "
+                         f"{axis_name!r}")
     routes = validate.as_routes(routes).astype(jnp.int32)
     mine = lax.axis_index(axis_name) == source
     return lax.psum(jnp.where(mine, routes, 0), axis_name)

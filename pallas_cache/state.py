@@ -217,6 +217,14 @@ def _fits_int32(name: str, value: int) -> int:
     return value
 
 
+def check_capacity(num_layers: int, num_experts: int, capacity: int) -> None:
+    """Refuse, before anything is allocated, a capacity :func:`init` would refuse for a cache of
+    ``num_layers x num_experts`` (ValueError): above int32, or no room for the clock's stamps
+    after a rebase (``C + L * E + 1 >= 2**31 - 1``)."""
+    _fits_int32("capacity", capacity)
+    _check_representable(num_layers, num_experts, 1, capacity)
+
+
 def _check_representable(L: int, E: int, S: int, C: int) -> None:
     """Refuse, before anything is allocated, a geometry whose int32 quantities overflow
     (docs/semantics.md §5.1): each size, the ``L * E`` flat ids, and the clock's stamps after a

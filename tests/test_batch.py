@@ -189,3 +189,33 @@ def test_the_decode_loop_example_prints_counts_that_add_up(capsys):
     for routed, hits, fetched, cpu, missing, cpu_routes in (map(int, r) for r in rows):
         assert routed == hits + fetched + cpu and missing == fetched + cpu
         assert cpu_routes >= cpu
+
+
+@pytest.mark.parametrize("capacity, message", [
+    (2**31, r"capacity must fit in int32 \(<= 2147483647\), got 2147483648"),
+    (2**40, r"capacity must fit in int32"),
+    (2**31 - 8, r"clock stamps leave the int32 clock no room"),
+])
+def test_pad_capacity_refuses_what_init_refuses_before_allocating(monkeypatch, capacity, message):
+    """FAILS if ``pad_capacity`` / ``stack_states(capacity=2**31)`` allocate the padding (8 GiB;
+    4 TiB at 2**40) before any check, where ``init(capacity=2**31)`` refuses the same value.
+    ``jnp.full`` is replaced by a tripwire: nothing may be allocated."""
+    state = pc.init(2, 4, 8)
+
+    def tripwire(*args, **kwargs):
+        raise AssertionError("allocated before the capacity was checked")
+
+    monkeypatch.setattr(jnp, "full", tripwire)
+    with pytest.raises(ValueError, match=message):
+        pad_capacity(state, capacity)
+    with pytest.raises(ValueError, match=message):
+        pc.stack_states([state, state], capacity=capacity)
+
+
+def test_pad_capacity_takes_a_concrete_integer_array_as_init_does():
+    state = pc.init(2, 4, 8)
+    for capacity in (jnp.int32(10), np.int64(10)):
+        assert pad_capacity(state, capacity).capacity == 10
+        assert pc.stack_states([state], capacity=capacity).capacity == 10
+    with pytest.raises(TypeError, match="capacity must be an integer"):
+        pad_capacity(state, 10.0)

@@ -5,6 +5,7 @@ one else can write."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import os
@@ -61,6 +62,9 @@ def _one_line(err):
     (["--num-experts", "0"], r"--num-experts 0 is outside"),
     (["--expert-bytes", "1e300", "--link-bandwidth", "1e-300B/s", "--cpu-bandwidth", "1GB/s"],
      r"overflows a float"),
+    (["--expert-bytes", "1MiB", "--link-bandwidth", "1GB/s", "--cpu-bandwidth", "1GB/s",
+      "--cpu-fixed-cost", "1e308s"], r"--cpu-fixed-cost 1e\+308s per layer-call gives a modeled "
+                                     r"time that overflows"),
 ])
 def test_every_flag_is_checked_before_the_trace_is_read(capsys, flags, message):
     """FAILS if a flag the trace does not decide is checked only after reading it (8.7 s for a
@@ -220,6 +224,40 @@ def test_a_cache_folder_others_can_write_is_not_used(shared_tmp, owner, mode, wh
     line = _one_line(err)
     assert line.startswith("pallas-cache: warning: running without the compile cache: ")
     assert folder in line
+
+
+@pytest.mark.parametrize("link", ["pallas-cache", "pallas-cache/jax", "."])
+def test_a_symlink_into_a_folder_others_can_write_is_not_used(shared_tmp, link):
+    """FAILS if the folder check follows a symlink and sees only its target: a private folder
+    of the user's (0700) inside a mode-0777 folder, reached through a symlink at
+    ``$XDG_CACHE_HOME/pallas-cache`` (or ``.../jax``, or ``$XDG_CACHE_HOME`` itself), was used,
+    and anyone could rename it and put another folder with other programs in its place. One
+    warning line naming the compile cache and the open folder, and no cache; a symlink into a
+    private folder is used."""
+    open_folder = os.path.join(shared_tmp, "open")
+    os.makedirs(open_folder)
+    os.chmod(open_folder, 0o777)
+    target = os.path.join(open_folder, "mine")
+    os.makedirs(target, mode=0o700)
+    xdg = os.path.join(shared_tmp, "xdg")
+    os.makedirs(os.path.join(xdg, "pallas-cache"), mode=0o700)
+    if link == ".":
+        os.rmdir(os.path.join(xdg, "pallas-cache"))
+        os.rmdir(xdg)
+        os.symlink(target, xdg)
+    else:
+        if link == "pallas-cache":
+            os.rmdir(os.path.join(xdg, "pallas-cache"))
+        os.symlink(target, os.path.join(xdg, link))
+    used, err = _enable(xdg)
+    assert used in ("", "None"), used
+    line = _one_line(err)
+    assert line.startswith("pallas-cache: warning: running without the compile cache: "
+                           f"{open_folder} (on the way to "), line
+    assert "writable by group and others (mode 0o777)" in line, line
+    os.chmod(open_folder, 0o755)  # the same link into a folder only the user writes: used
+    used, err = _enable(xdg)
+    assert err == "" and used == os.path.join(xdg, "pallas-cache", "jax"), err
 
 
 def test_a_cache_folder_that_cannot_be_written_is_one_warning_even_with_q(shared_tmp):
@@ -433,3 +471,74 @@ def test_a_memory_limit_below_a_minimal_run_is_refused_before_reading(capsys, mo
     code, out, err = run(capsys, "--trace", path, "--max-memory", str(RUN_FIXED_BYTES),
                          "--format", "csv")
     assert code == 2 and "above the memory limit of 512.0 MiB less the 512.0 MiB" in err
+
+
+# ---- memory the flags size, checked before it is allocated --------------------------------------
+
+
+def _requests_trace(path, requests=3, tokens=4):
+    with open(path, "w", encoding="ascii") as handle:
+        for seq in range(requests):
+            for token in range(tokens):
+                for layer in range(2):
+                    handle.write(json.dumps({"layer": layer, "token_idx": token, "experts": [
+                        (token + layer + seq) % 8, (3 * token + 1) % 8],
+                        "sequence": f"r{seq}"}) + "\n")
+    return str(path)
+
+
+def test_a_batch_too_wide_for_the_memory_limit_is_one_line_before_it_is_built(
+        capsys, monkeypatch, tmp_path):
+    """FAILS on NumPy's allocation traceback (15.1 GiB, exit 1) for ``--batch 1000000
+    --max-memory 1GiB`` on a 3-request trace: the merged calls carry B * top_k route columns,
+    and the step that reads them is checked before the batched trace is built."""
+    from pallas_cache.sizing import batching
+
+    def not_built(*args, **kwargs):
+        raise AssertionError("the batched trace was built before the memory check")
+
+    monkeypatch.setattr(batching, "batched_trace", not_built)
+    code, out, err = run(capsys, "--trace", _requests_trace(tmp_path / "r.jsonl"), "--batch",
+                         "1000000", "--max-memory", "1GiB", "-q")
+    line = _one_line(err)
+    assert code == 2 and out == ""
+    assert line.startswith("pallas-cache: --batch 1000000, --cache-size "), line
+    assert "routes" in line and "above the memory limit of 1.0 GiB" in line, line
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--mib", "1000000"], r"--mib 1000000: the copied buffer and its device copy would need "
+                           r"about 1\.9TiB, above this machine's"),
+    (["--d-model", "100000", "--d-expert", "100000"],
+     r"--d-model 100000 x --d-expert 100000: four float32 expert matrices"),
+])
+def test_bench_bandwidth_sizes_beyond_the_machine_are_one_line(capsys, monkeypatch, flags,
+                                                               message):
+    """FAILS on a 977 GiB allocation traceback for ``bench-bandwidth --mib 1000000``: the
+    sizes are checked against the machine's memory before any buffer is made."""
+    import re
+
+    from pallas_cache.sizing import bandwidth
+
+    def not_measured(*args, **kwargs):
+        raise AssertionError("measured before the sizes were checked")
+
+    for name in ("link_bandwidth", "cpu_bandwidth", "cpu_fixed_cost"):
+        monkeypatch.setattr(bandwidth, name, not_measured)
+    code = cli.main(["bench-bandwidth", *flags])
+    line = _one_line(capsys.readouterr().err)
+    assert code == 2 and re.search(message, line), line
+
+
+def test_an_allocation_that_fails_anyway_is_one_line(capsys, monkeypatch, tmp_path):
+    """FAILS if a MemoryError an estimate missed ends in a traceback: one line, exit 2."""
+    def out_of_memory(*args, **kwargs):
+        raise MemoryError("Unable to allocate 15.2 GiB")
+
+    monkeypatch.setattr(importlib.import_module("pallas_cache.sizing.sweep"), "replay",
+                        out_of_memory)
+    code, out, err = run(capsys, "--trace", _tiny_trace(tmp_path / "t.jsonl"), "--cache-size",
+                         "4", "-q")
+    assert code == 2 and _one_line(err) == (
+        "pallas-cache: out of memory: Unable to allocate 15.2 GiB (lower the sizes, or give "
+        "--max-memory to have them checked)")

@@ -230,3 +230,126 @@ def test_tensor_parallel_slots_and_time_are_the_one_device_model_with_a_slot_of_
                                                                                  60e9)
     assert tensor_parallel_seconds(pairs, W, 4, 25e9, 60e9) == pytest.approx(
         5 * 2 * W / 4 / 25e9 + 7 * 3 * W / 60e9 + 11 * max(W / 4 / 25e9, W / 60e9))
+
+
+# --- static arguments: checked at call time, naming the argument and its range ----------------
+
+
+def test_a_direct_expert_sharding_is_checked_like_expert_sharding():
+    """FAILS if ``ExpertSharding(owner=(-1, 0, 1, 1), num_devices=2)`` is accepted (expert 0 on
+    no device, silently dropped; expert 3 a local id past its device's count), as it was when
+    only :func:`expert_sharding` checked the map."""
+    with pytest.raises(ValueError, match=r"expert 0's owner -1 is outside \[0, 2\)"):
+        pm.ExpertSharding(owner=(-1, 0, 1, 1), num_devices=2)
+    with pytest.raises(ValueError, match=r"expert 1's owner 2 is outside \[0, 2\)"):
+        pm.ExpertSharding(owner=(0, 2), num_devices=2)
+    with pytest.raises(ValueError, match="num_devices must be >= 1"):
+        pm.ExpertSharding(owner=(0,), num_devices=0)
+    with pytest.raises(TypeError, match="num_devices must be an integer"):
+        pm.ExpertSharding(owner=(0,), num_devices=True)
+    with pytest.raises(TypeError, match="owner must hold integers"):
+        pm.ExpertSharding(owner=(0, 1.0), num_devices=2)
+    with pytest.raises(ValueError, match="owner is empty"):
+        pm.ExpertSharding(owner=(), num_devices=2)
+    # a valid map built directly equals (and hashes as) the one expert_sharding builds
+    direct = pm.ExpertSharding(owner=[0, np.int64(1), 1], num_devices=np.int32(2))
+    assert direct == pm.expert_sharding(3, 2, owner=[0, 1, 1])
+    assert hash(direct) == hash(pm.expert_sharding(3, 2, owner=[0, 1, 1]))
+
+
+@pytest.mark.parametrize("device, error, message", [
+    (np.int64(2**32), ValueError, r"device 4294967296 is outside \[0, 2\)"),
+    (2, ValueError, r"device 2 is outside \[0, 2\)"),
+    (-1, ValueError, r"device -1 is outside \[0, 2\)"),
+    (1.5, TypeError, "device must be an integer"),
+    (True, TypeError, "device must be an integer, got the bool"),
+    (jnp.zeros((2,), jnp.int32), TypeError, "device must be an integer scalar"),
+])
+def test_local_routes_refuses_a_device_outside_the_axis(device, error, message):
+    """FAILS if ``device=np.int64(2**32)`` wraps onto device 0 and returns its routes, or
+    ``2``, ``-1`` or ``1.5`` silently return all -1 (every route dropped)."""
+    sharding = pm.expert_sharding(8, 2)
+    with pytest.raises(error, match=message):
+        pm.local_routes(sharding, np.array([0, 5, 7]), device=device)
+
+
+def test_local_routes_takes_a_host_a_concrete_and_a_traced_device():
+    sharding = pm.expert_sharding(8, 2)
+    routes = np.array([0, 5, 7])
+    for device in (1, np.int64(1), jnp.int32(1)):
+        assert np.asarray(pm.local_routes(sharding, routes, device)).tolist() == [-1, 1, 3]
+    traced = jax.jit(lambda d: pm.local_routes(sharding, routes, d))(1)
+    assert np.asarray(traced).tolist() == [-1, 1, 3]
+
+
+@pytest.mark.parametrize("source, error, message", [
+    (1, ValueError, r"source 1 is outside \[0, 1\), the devices of axis 'd'"),
+    (-1, ValueError, r"source -1 is outside \[0, 1\)"),
+    (True, TypeError, "source must be an integer, got the bool"),
+    (0.0, TypeError, "source must be an integer"),
+])
+def test_broadcast_routes_refuses_a_source_outside_the_axis(source, error, message):
+    """FAILS if a source past the axis (``source=4`` on 4 devices, here ``1`` on the one device
+    of this process) or ``-1`` gives every device the routes ``[0, 0, ...]``: no device matches,
+    the psum adds zeros, every token goes to expert 0."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("d",))
+
+    def run(source):
+        return jax.shard_map(lambda r: pm.broadcast_routes(r, "d", source=source), mesh=mesh,
+                             in_specs=P(), out_specs=P())(jnp.array([3, 1, 2]))
+
+    assert np.asarray(run(0)).tolist() == [3, 1, 2]
+    with pytest.raises(error, match=message):
+        run(source)
+
+
+def test_split_weights_refuses_a_bool_axis():
+    """FAILS if ``axis=True`` is read as axis 1 and splits the experts instead of the hidden
+    width (``num_devices=True`` is refused; so is the axis now)."""
+    tree = {"w": jnp.zeros((4, 6))}
+    with pytest.raises(TypeError, match=r"axis of \['w'\] must be an integer, got True"):
+        pm.split_weights(tree, 2, True)
+    with pytest.raises(TypeError, match="must be an integer"):
+        pm.split_weights(tree, 2, {"w": 1.0})
+    with pytest.raises(ValueError, match=r"has no axis 2: axis must be in \[-2, 2\)"):
+        pm.split_weights(tree, 2, 2)
+    assert pm.split_weights(tree, 2, np.int64(-1))["w"].shape == (2, 4, 3)
+
+
+@pytest.mark.parametrize("cache_size", [jnp.int32(8), np.int64(8), 8])
+def test_init_expert_parallel_takes_the_cache_size_init_takes(cache_size):
+    """FAILS on "iteration over a 0-d array" for ``jnp.int32(8)``, which ``pc.init`` takes."""
+    state = pm.init_expert_parallel(pm.expert_sharding(8, 2), 2, cache_size)
+    assert np.asarray(state.cache_size).tolist() == [8, 8]
+    assert pc.init(2, 4, cache_size).cache_size == 8
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(cache_size=8.0), TypeError, r"cache_size must be an integer, got 8.0"),
+    (dict(cache_size="8"), TypeError, r"cache_size must be an integer"),
+    (dict(cache_size=8, capacity=2**31), ValueError, r"capacity must fit in int32"),
+    (dict(cache_size=8, capacity=8.0), TypeError, r"capacity must be an integer"),
+])
+def test_init_expert_parallel_names_a_bad_size_before_allocating(kwargs, error, message):
+    """FAILS on "'float' object is not iterable" for ``8.0``, or on a capacity error that
+    names device 0 instead of the argument."""
+    with pytest.raises(error, match=message):
+        pm.init_expert_parallel(pm.expert_sharding(8, 2), 2, **kwargs)
+
+
+def test_the_mesh_helpers_name_a_wrong_sharding_or_a_bool_expert_axis():
+    """FAILS if ``local_bank(expert_axis=True)`` is read as axis 1, or a sharding that is not an
+    ExpertSharding ends in an AttributeError (audit of the mesh helpers, beside issue's cases)."""
+    sharding = pm.expert_sharding(8, 2)
+    with pytest.raises(TypeError, match="expert_axis must be an integer, got True"):
+        pm.local_bank(sharding, {"w": jnp.zeros((2, 8, 3))}, expert_axis=True)
+    for call in (lambda s: pm.local_routes(s, np.array([0])),
+                 lambda s: pm.route_assignment(s, np.array([0]), np.zeros((2, 1)),
+                                               np.zeros((2, 1), bool)),
+                 lambda s: pm.local_bank(s, {"w": jnp.zeros((8, 3))}, expert_axis=0),
+                 lambda s: pm.init_expert_parallel(s, 1, 8)):
+        with pytest.raises(TypeError, match="sharding must be an ExpertSharding"):
+            call((0, 0, 1, 1))
+    from pallas_cache.sizing.devices import tensor_parallel_seconds
+    with pytest.raises(ValueError, match="link_bandwidth must be a positive, finite number"):
+        tensor_parallel_seconds([(1, 1, 1)], 100, 2, 0.0, 1.0)

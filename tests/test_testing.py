@@ -432,3 +432,124 @@ def test_each_operation_record_runs_its_own_operation_on_both_sides():
                                       routes=lambda r: np.asarray(r, np.int64),
                                       policy=lambda spec: None)
         assert pct.record_difference(got_ref[0], on_ref(ref)[0]) is None, record
+
+
+# ---- the kit accepts and refuses exactly what the library does ---------------------------------
+
+
+GEOMETRY = pct.Geometry(2, 4, 6, 6)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("sequence", [
+    [pct.Ensure(0, (2**31, 1)), pct.Ensure(0, (1, 2))],
+    [pct.Ensure(0, (2**64 - 1, 1))],
+    [pct.Ensure(2**31, (0, 1)), pct.Materialize(-(2**40))],
+    [pct.Resize(2**32 + 4), pct.Forget(2**40), pct.Ensure(0, (1,))],
+    [pct.EnsureHybrid(2**31, (2**31, 0), pct.PolicySpec("full")), pct.ReleasePrefill(2**33)],
+])
+def test_assert_lockstep_runs_values_outside_int32_as_the_library_refuses_them(jit, sequence):
+    """FAILS on NumPy's OverflowError (``np.asarray((2**31, 1), np.int32)`` in the kit, or
+    ``jnp.int32(2**31)`` under ``jit=True``) instead of comparing the two sides' plans: the
+    library refuses each of these with an error bit, as the reference does, eager or jitted."""
+    assert pct.assert_lockstep(sequence, geometry=GEOMETRY, jit=jit) == len(sequence)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_assert_lockstep_compares_the_two_sides_refusals(jit):
+    """FAILS if ``Ensure(0, (1.7, 1))`` passes as expert 1 on both sides (the kit cast the float
+    to int32) while ``pc.ensure`` raises TypeError on a float id: both sides must refuse it, and
+    the sequence goes on from the unchanged states."""
+    sequence = [pct.Ensure(0, (1, 2)), pct.Ensure(0, (1.7, 1)), pct.Ensure(1, (True, 1)),
+                pct.Ensure(0, (3,))]
+    with pytest.raises(TypeError):
+        pc.ensure(pc.init(2, 4, 6), 0, (1.7, 1))
+    with pytest.raises(TypeError):
+        pct.run_operation(pc.init(2, 4, 6), pct.Ensure(0, (1.7, 1)))
+    assert pct.assert_lockstep(sequence, geometry=GEOMETRY, jit=jit) == 4
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_assert_lockstep_sees_a_float_id_the_library_refuses_eager_or_jitted(monkeypatch, jit):
+    """FAILS if the kit casts ``(1.7, 1)`` to int32 for the library (eager or under ``jit``),
+    so a reference that truncates floats (patched in here) and the library look alike."""
+    from pallas_cache import reference
+
+    exact = reference.ensure
+    monkeypatch.setattr(reference, "ensure", lambda state, layer, ids: exact(
+        state, layer, np.asarray(ids, np.int64)))
+    with pytest.raises(AssertionError, match=r"^op 0 Ensure\(layer=0, routes=\(1.7, 1\)\) on "
+                       r"xla.*: the library refused it \(TypeError: .*\) but the reference ran"):
+        pct.assert_lockstep([pct.Ensure(0, (1.7, 1))], geometry=GEOMETRY, jit=jit)
+
+
+def test_assert_lockstep_names_a_refusal_on_one_side_only(monkeypatch):
+    """FAILS if a library that refuses what the reference runs crashes the comparison instead of
+    failing it with the step and both sides' outcomes."""
+    def refuse(state, layer, routes, **options):
+        raise ValueError("refused here")
+
+    monkeypatch.setattr(pc, "ensure", refuse)
+    with pytest.raises(AssertionError, match=r"^op 0 Ensure\(layer=0, routes=\(1,\)\) on xla: "
+                       r"the library refused it \(ValueError: refused here\) but the reference "
+                       r"ran it$"):
+        pct.assert_lockstep([pct.Ensure(0, (1,))], geometry=GEOMETRY)
+    with pytest.raises(TypeError, match=r"sequence\[1\] is not an operation record"):
+        pct.assert_lockstep([pct.Reset(), "reset"], geometry=GEOMETRY)
+
+
+@pytest.mark.parametrize("routes", [np.array([2**64 - 1, 1], np.uint64), [2**64 - 1, 1],
+                                    np.array([2**32, 1], np.int64)])
+def test_check_plan_reads_wide_ids_as_the_library_does(routes):
+    """FAILS if check_plan reads uint64 ``2**64 - 1`` as -1 (padding) and blames the library for
+    refusing it ("error bits 1 ..., expected 0"), or refuses the Python list
+    ``[2**64 - 1, 1]`` as "dtype float64": the library refuses the id (ERR_EXPERT_ID), and so
+    does the check."""
+    state = pc.init(2, 4, 6)
+    after, plan = pc.ensure(state, 0, routes)
+    assert int(plan.error) == pc.errors.ERR_EXPERT_ID
+    pct.check_plan(state, 0, routes, plan, after)
+    after, plan = pc.ensure(state, 2**40, [1])
+    pct.check_plan(state, 2**40, [1], plan, after)
+
+
+def test_an_unknown_policy_kind_is_refused_when_the_spec_is_made():
+    """FAILS if ``PolicySpec("half")`` is made and ends later in an AttributeError inside the
+    reference's policy class."""
+    with pytest.raises(ValueError, match=r"unknown policy kind 'half'; expected one of fraction, "
+                                         r"fixed_cap, full"):
+        pct.PolicySpec("half")
+    assert pct.PolicySpec("fixed_cap", 2).build() == pc.FetchPolicy.fixed_cap(2)
+
+
+def test_operations_of_prefill_alone_on_a_small_capacity_say_why():
+    """FAILS on hypothesis's "one_of() ... has no values" (at draw time) where
+    ``kinds=["prefill"]`` meets a capacity below 2E: a ValueError naming prefill and the
+    capacity, when the strategy is made."""
+    with pytest.raises(ValueError, match=r"prefill needs a capacity of at least 2E = 8 slots.*"
+                                         r"capacity 6"):
+        pcst.operations(GEOMETRY, kinds=["prefill"])
+    with pytest.raises(ValueError, match="kinds is empty"):
+        pcst.operations(GEOMETRY, kinds=[])
+    with pytest.raises(TypeError, match="kinds must be a sequence"):
+        pcst.operations(GEOMETRY, kinds="ensure")
+    # with another kind, prefill is left out on such a capacity, as documented
+    ops = find(pcst.operations(GEOMETRY, kinds=["prefill", "reset"]), lambda ops: True,
+               settings=FIND)
+    assert all(isinstance(op, pct.Reset) for op in ops)
+
+
+def test_a_geometry_init_refuses_is_refused_when_made_and_so_is_an_unknown_backend():
+    """FAILS if ``Geometry(2, 4, 2, 2)`` (a pool below one layer) is made and its strategy ends
+    in hypothesis's "Cannot have max_value=2 < min_value=4", or an unknown backend is reported
+    as the library refusing an ensure (audit of the testing kit)."""
+    with pytest.raises(ValueError, match="cache_size 2 cannot hold one layer of 4 experts"):
+        pct.Geometry(2, 4, 2, 2)
+    with pytest.raises(ValueError, match="capacity 5 is below cache_size 6"):
+        pct.Geometry(2, 4, 6, 5)
+    with pytest.raises(TypeError, match="num_layers must be an integer"):
+        pct.Geometry(2.0, 4, 6, 6)
+    with pytest.raises(ValueError, match="unknown eviction 'nope'"):
+        pct.Geometry(2, 4, 6, 6, eviction="nope")
+    with pytest.raises(ValueError, match="unknown backend 'nope'"):
+        pct.assert_lockstep([pct.Ensure(0, (1,))], geometry=GEOMETRY, backend="nope")

@@ -243,16 +243,33 @@ def test_npy_is_token_major_then_layer_and_keeps_all_padding_cells(tmp_path):
 
 def test_npz_every_array_is_one_sequence_in_archive_order(tmp_path):
     """FAILS if an .npz with several arrays reads only one of them (the old silent drop)."""
-    a = np.zeros((2, 1, 1), np.int32)                 # 2 tokens, 1 layer, top-1
+    a = np.zeros((2, 2, 1), np.int32)                 # 2 tokens, 2 layers, top-1
     b = np.array([[[1, 2], [3, -1]]], np.int16)       # 1 token, 2 layers, top-2
     np.savez(tmp_path / "two.npz", second=a, first=b)
     trace = load_trace(tmp_path / "two.npz")
     assert trace.sequence_names == ("second", "first")
-    assert trace.sequence.tolist() == [0, 0, 1, 1]
-    assert trace.token_idx.tolist() == [0, 1, 0, 0]
-    assert trace.layers.tolist() == [0, 0, 0, 1]
-    assert trace.routes.tolist() == [[0, -1], [0, -1], [1, 2], [3, -1]]
+    assert trace.sequence.tolist() == [0, 0, 0, 0, 1, 1]
+    assert trace.token_idx.tolist() == [0, 0, 1, 1, 0, 0]
+    assert trace.layers.tolist() == [0, 1, 0, 1, 0, 1]
+    assert trace.routes.tolist() == [[0, -1], [0, -1], [0, -1], [0, -1], [1, 2], [3, -1]]
     assert (trace.num_layers, trace.num_experts, trace.top_k) == (2, 4, 2)
+
+
+def test_npz_arrays_of_different_layer_counts_are_refused_as_in_vllm(tmp_path, capsys):
+    """FAILS if an .npz whose arrays route 4 layers and 2 layers is replayed as one model of 4
+    layers (exit 0) while the same file as ``--trace-format vllm`` is refused: the arrays of one
+    file are one model's routing, named with both shapes."""
+    np.savez(tmp_path / "mixed.npz", a=np.zeros((3, 4, 2), np.int64),
+             b=np.ones((3, 2, 2), np.int64))
+    with pytest.raises(TraceError, match=r"array 'b': shape \(3, 2, 2\) but .*array 'a' has shape "
+                                         r"\(3, 4, 2\): every sequence of one model routes the "
+                                         r"same layers"):
+        load_trace(tmp_path / "mixed.npz")
+    for fmt in ("auto", "array", "vllm"):
+        code = cli.main(["replay", "--trace", str(tmp_path / "mixed.npz"), "--trace-format", fmt,
+                         "-q"])
+        err = capsys.readouterr().err
+        assert code == 2 and len(err.strip().splitlines()) == 1, (fmt, err)
 
 
 def test_npz_sequences_replay_like_the_same_jsonl(tmp_path):

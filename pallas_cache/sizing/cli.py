@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import stat
 import sys
 
 from pallas_cache.sizing.cli_checks import output_failed
@@ -40,6 +41,15 @@ def _bench_bandwidth(args) -> int:
     if min(args.mib, args.d_model, args.d_expert, args.repeats) < 1:
         print("pallas-cache: --mib, --d-model, --d-expert and --repeats must be >= 1",
               file=sys.stderr)
+        return 2
+    from pallas_cache.sizing.cli_checks import check_bench_memory
+    from pallas_cache.sizing.traces.memory import DEFAULT_MEMORY_FRACTION, default_memory_limit
+
+    try:
+        check_bench_memory(args.mib, args.d_model, args.d_expert,
+                           int(default_memory_limit() / DEFAULT_MEMORY_FRACTION))
+    except ValueError as error:
+        print(f"pallas-cache: {error}", file=sys.stderr)
         return 2
     import jax
 
@@ -129,12 +139,47 @@ def private_cache_problem(path: str, base: str) -> str | None:
         if info.st_mode & 0o022:
             return (f"{folder} is writable by {'group' if info.st_mode & 0o020 else 'others'} "
                     f"(mode {oct(info.st_mode & 0o777)}); chmod go-w it to use the cache")
+    problem = _resolved_chain_problem(path, base, user)
+    if problem is not None:
+        return problem
     try:
         handle, probe = tempfile.mkstemp(dir=path, prefix=".pallas-cache-probe-")
         os.close(handle)
         os.remove(probe)
     except OSError as error:
         return f"cannot write in {path}: {error.strerror or error}"
+    return None
+
+
+def _resolved_chain_problem(path: str, base: str, user: int) -> str | None:
+    """The folders ``path`` and ``base`` really are (every symlink resolved) and every parent of
+    them, up to ``/``: each must belong to the user or to root, and none may be writable by
+    group or others, except a sticky one (``/tmp``: no one renames another's entry there) above
+    the cache folder itself. A symlink that leads into a folder someone else can write, where
+    anyone can rename the target and put another folder in its place, is refused here (the
+    checks above follow the link and see only the target)."""
+    real_path = os.path.realpath(path)
+    seen = set()
+    for real in (os.path.realpath(base), real_path):
+        parts = real.split(os.sep)
+        for i in range(1, len(parts) + 1):
+            folder = os.sep.join(parts[:i]) or os.sep
+            if folder in seen:
+                continue
+            seen.add(folder)
+            try:
+                info = os.lstat(folder)
+            except OSError as error:
+                return f"cannot read {folder}: {error.strerror or error}"
+            via = "" if folder == path else f" (on the way to {path})"
+            if info.st_uid not in (user, 0):
+                return f"{folder}{via} belongs to another user (uid {info.st_uid})"
+            sticky = info.st_mode & stat.S_ISVTX and folder != real_path
+            if info.st_mode & 0o022 and not sticky:
+                who = " and ".join(name for name, bit in (("group", 0o020), ("others", 0o002))
+                                   if info.st_mode & bit)
+                return (f"{folder}{via} is writable by {who} (mode "
+                        f"{oct(info.st_mode & 0o777)}); chmod go-w it to use the cache")
     return None
 
 
@@ -187,6 +232,10 @@ def _main(argv, *, compile_cache: bool) -> int:
     except KeyboardInterrupt:
         print("pallas-cache: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except MemoryError as error:  # an estimate fell short: still one line, never a traceback
+        print(f"pallas-cache: out of memory: {error or 'an allocation failed'} (lower the sizes, "
+              f"or give --max-memory to have them checked)", file=sys.stderr)
+        return 2
     except OSError as error:
         if not _is_output_error(error):
             raise

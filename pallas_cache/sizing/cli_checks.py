@@ -13,9 +13,9 @@ import re
 import sys
 
 __all__ = ["COMPILE_BYTES_PER_WIDTH", "COMPILE_BYTES_PER_WIDTH_WIDE", "COMPILE_WIDE_ABOVE",
-           "EXIT_BROKEN_PIPE", "INT32_MAX", "ascii_int", "check_before_reading",
-           "check_geometry", "check_modeled_numbers", "check_step_memory", "output_failed",
-           "use_ascii_ints"]
+           "EXIT_BROKEN_PIPE", "INT32_MAX", "ascii_int", "check_batch_memory",
+           "check_before_reading", "check_bench_memory", "check_geometry",
+           "check_modeled_numbers", "check_step_memory", "output_failed", "use_ascii_ints"]
 
 #: The largest slot count, layer count or expert count the cache state holds (int32).
 INT32_MAX = 2**31 - 1
@@ -128,6 +128,10 @@ def check_modeled_numbers(cost, num_layers: int, top_k: int) -> None:
         raise ValueError(f"the expert size {float(width):.4g} bytes over the bandwidth "
                          f"{min(rates):g} B/s gives a modeled time that overflows a float; "
                          f"check --expert-bytes and the bandwidths")
+    fixed = float(cost.cpu_fixed_seconds or 0.0)
+    if not math.isfinite(worst + fixed * num_layers * 2e3):
+        raise ValueError(f"--cpu-fixed-cost {fixed:g}s per layer-call gives a modeled time that "
+                         f"overflows a float (a row would show none); check --cpu-fixed-cost")
 
 
 def check_geometry(num_layers: int, num_experts: int, sizes) -> None:
@@ -162,13 +166,14 @@ COMPILE_WIDE_ABOVE = 256
 
 
 def check_step_memory(sizes, configs_per_size: int, num_experts: int, top_k: int,
-                      limit: int, held: int = 0) -> None:
+                      limit: int, held: int = 0, flag: str | None = None) -> None:
     """Refuse a replay whose step would need more than ``limit`` to compile and run, before
     any is allocated: a call that routes ``top_k`` experts (a trace with one call of 100k routes
     pads every call to that width) costs the compiler about ``top_k ** 1.5`` times
     :data:`COMPILE_BYTES_PER_WIDTH`, every configuration of a bucket ``K' x C`` and ``K' x E``
     tables, and each chunk its routes. ``held``: bytes alive beside them (the trace and the
-    cache states, :func:`~pallas_cache.sizing.cli_args.check_state_memory`'s), counted too."""
+    cache states, :func:`~pallas_cache.sizing.cli_args.check_state_memory`'s), counted too.
+    ``flag``: the flag that set ``top_k`` (``--batch B``), named before the size."""
     from pallas_cache.sizing.sweep import DEFAULT_CHUNK_CALLS, capacity_buckets
     from pallas_cache.sizing.traces import check_memory
 
@@ -181,10 +186,50 @@ def check_step_memory(sizes, configs_per_size: int, num_experts: int, top_k: int
         per_width = (COMPILE_BYTES_PER_WIDTH_WIDE if max(size, num_experts) > COMPILE_WIDE_ABOVE
                      else COMPILE_BYTES_PER_WIDTH)
         compile_bytes = math.ceil(per_width * top_k ** 1.5)
-        check_memory(held + step + chunk + compile_bytes, limit, f"--cache-size {size}",
+        where = f"{flag}, --cache-size {size}" if flag else f"--cache-size {size}"
+        check_memory(held + step + chunk + compile_bytes, limit, where,
                      f"compiling and running the replay step of {count} configuration(s) on "
                      f"calls of up to {top_k} routes ({distinct} distinct x {size} slots each)"
                      + (", with the trace and the cache states" if held else ""))
+
+
+def check_batch_memory(batches, sizes, configs_per_size: int, trace, limit: int,
+                       held: int) -> None:
+    """Refuse a ``--batch B`` whose merged calls would not fit ``limit``, before they are built:
+    a batched decode's calls carry ``B * top_k`` route columns (every active request's token),
+    so the merged trace (at most one merged call per call of the trace) and the replay step
+    that reads those columns are checked as :func:`check_step_memory` checks a wide trace.
+    ``held``: the trace and the cache states, alive beside them."""
+    from pallas_cache.sizing.traces import trace_bytes
+
+    for batch in batches:
+        width = batch * trace.top_k
+        merged = trace_bytes(trace.num_calls, width)
+        check_step_memory(sizes, configs_per_size, trace.num_experts, width, limit,
+                          held + merged, flag=f"--batch {batch}")
+
+
+#: Copies of ``bench-bandwidth``'s arrays alive at once: the host buffer and its device copy
+#: (B_link); the CPU partial's bank of four experts as drawn, scaled and cast, with its device
+#: copy (T_cpu; one expert matrix for B_cpu is less).
+BENCH_LINK_COPIES = 2
+BENCH_BANK_COPIES = 2 * 4
+
+
+def check_bench_memory(mib: int, d_model: int, d_expert: int, limit: int) -> None:
+    """Refuse ``bench-bandwidth`` flags whose arrays cannot fit ``limit`` (the machine's memory),
+    before any is allocated: ``--mib`` sizes the copied buffer, ``--d-model x --d-expert`` the
+    float32 expert matrices. ValueError, the one line the CLI prints."""
+    from pallas_cache.sizing.units import format_bytes
+
+    link = BENCH_LINK_COPIES * mib * 2**20
+    bank = BENCH_BANK_COPIES * d_model * d_expert * 4
+    for nbytes, what in ((link, f"--mib {mib}: the copied buffer and its device copy"),
+                         (bank, f"--d-model {d_model} x --d-expert {d_expert}: four float32 "
+                                f"expert matrices and their copies")):
+        if nbytes > limit:
+            raise ValueError(f"{what} would need about {format_bytes(nbytes)}, above this "
+                             f"machine's {format_bytes(limit)} of memory")
 
 
 def output_failed(error: OSError) -> int:

@@ -18,10 +18,11 @@ from pallas_cache.sizing import synthetic
 from pallas_cache.sizing.cli_args import (DEFAULT_PRESET, cache_sizes, check_plot_path,
                                           check_state_memory, clamped, cost_options,
                                           model_mismatch, policy_warnings, resolve_policies)
-from pallas_cache.sizing.cli_checks import (check_before_reading, check_geometry,
-                                            check_modeled_numbers, check_step_memory)
-from pallas_cache.sizing.cli_devices import (device_cost, device_header, run_expert_parallel,
-                                             tensor_records)
+from pallas_cache.sizing.cli_checks import (check_batch_memory, check_before_reading,
+                                            check_geometry, check_modeled_numbers,
+                                            check_step_memory)
+from pallas_cache.sizing.cli_devices import (check_device_count, declared_experts, device_cost,
+                                             device_header, run_expert_parallel, tensor_records)
 from pallas_cache.sizing.cli_sizing import (batches, cliff_lines, synthetic_geometry,
                                             with_budget_fit)
 from pallas_cache.sizing.progress import Bar, Progress
@@ -130,6 +131,10 @@ def _check_knn_legend(args, batched) -> None:
     if batched:
         raise ValueError("--route-knn-legend is not computed for --batch; add --eviction lru "
                          "route_knn to see its rows")
+    if getattr(args, "parallel", None) == "expert":
+        raise ValueError("--route-knn-legend is a line of the one-device table's legend; "
+                         "--parallel expert prints a table per device without it (add "
+                         "--eviction lru route_knn to see its rows)")
 
 
 #: The legend's last line of an LRU-only table without ``--route-knn-legend``.
@@ -407,6 +412,7 @@ def _replay_with(args, progress: Progress, latch: _InterruptLatch) -> int:
         cost, model, weight_label = cost_options(args)
         cost = device_cost(args, cost)
         _geometry(args)
+        check_device_count(args, declared_experts(args, DEFAULT_PRESET))
         batched = batches(args)
         if batched and getattr(args, "devices", None) is not None:
             raise ValueError(f"--batch replays one device's cache; it does not combine with "
@@ -429,8 +435,12 @@ def _replay_with(args, progress: Progress, latch: _InterruptLatch) -> int:
             auto_k = min(trace.top_k, trace.num_experts)
             requested = resolve_policies(args.policy, cost, auto_k)
             policies = list(dict.fromkeys(clamped(policy) for policy in requested))
+        warnings = policy_warnings(requested)
+        if model is not None and model_mismatch(model, trace):
+            warnings.append(model_mismatch(model, trace))
         if expert_parallel:
-            return run_expert_parallel(args, trace, cost, policies, progress, latch)
+            check_device_count(args, trace.num_experts)
+            return run_expert_parallel(args, trace, cost, policies, progress, latch, warnings)
         sizes, size_lines = with_budget_fit(*cache_sizes(args.cache_size, trace, cost), cost,
                                             trace.num_layers, trace.num_experts)
         check_geometry(trace.num_layers, trace.num_experts, sizes)
@@ -456,15 +466,16 @@ def _replay_with(args, progress: Progress, latch: _InterruptLatch) -> int:
                             if array is not None)
         check_step_memory(sizes, len(configs) // len(set(sizes)), trace.num_experts,
                           trace.top_k, args.max_memory, held)
+        if batched:
+            check_batch_memory(batched, sizes, len(configs) // len(set(sizes)), trace,
+                               args.max_memory, held)
     except (TypeError, ValueError) as error:
         progress.close()
         print(f"pallas-cache: {error}", file=sys.stderr)
         return 2
     progress.close()  # the note: warnings follow on a clean line
-    for line in policy_warnings(requested):
+    for line in warnings:
         print(line, file=sys.stderr)
-    if model is not None and model_mismatch(model, trace):
-        print(model_mismatch(model, trace), file=sys.stderr)
     if compiling is not None:
         compiling.join()  # a replay started before its program is compiled compiles it again
     # route_knn's lanes for the legend ride in the sweep's own programs; the costs (and the

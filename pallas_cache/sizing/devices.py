@@ -70,6 +70,11 @@ def tensor_parallel_seconds(pair_counts: Iterable[tuple[int, int, int]], expert_
     ``T`` slices of each CPU expert (``W`` bytes in all) stream through the one host's memory
     bus at ``B_cpu``."""
     T = validate.positive_int("num_devices", num_devices)
+    for name, rate in (("link_bandwidth", link_bandwidth), ("cpu_bandwidth", cpu_bandwidth)):
+        if isinstance(rate, bool) or not isinstance(rate, (int, float, np.integer, np.floating)) \
+                or not 0 < rate < float("inf"):
+            raise ValueError(f"{name} must be a positive, finite number of bytes per second, "
+                             f"got {rate!r}")
     return sum(calls * max(fetched * expert_bytes / T / link_bandwidth,
                            cpu_experts * expert_bytes / cpu_bandwidth)
                for fetched, cpu_experts, calls in pair_counts)

@@ -246,6 +246,9 @@ class OptimaThread:
     def _run(self, trace: Trace) -> None:
         try:
             optima = {}
+            # A trace with no route at all (an expert-parallel device whose experts the trace
+            # never routes) has no oracle: None, as a row without bounds, not an error.
+            routed = bool(np.any(np.asarray(trace.routes) >= 0))
             for index, size in enumerate(self.sizes):
                 hit_rates = []
                 for step, (name, bound) in enumerate((("belady", belady_lib.belady),
@@ -257,7 +260,8 @@ class OptimaThread:
                         base + 1000 * done // max(total, 1), status)).hit_rate)
                 optima[size] = dict(
                     belady_hit_rate=hit_rates[0], bypass_optimum_hit_rate=hit_rates[1],
-                    oracle_hit_rate=belady_lib.stationary_oracle(trace, size).mean_hit_rate)
+                    oracle_hit_rate=(belady_lib.stationary_oracle(trace, size).mean_hit_rate
+                                     if routed else None))
             self.events.put(("done", optima, None))
         except BaseException as error:  # noqa: BLE001 - handed to the main thread
             self.events.put(("error", error, None))

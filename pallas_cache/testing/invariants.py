@@ -8,7 +8,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from pallas_cache import errors
+from pallas_cache import errors, validate
 from pallas_cache.ops import EnsurePlan
 from pallas_cache.state import CacheState
 from pallas_cache.testing.assertions import first_difference
@@ -75,6 +75,8 @@ def check_state(state: CacheState) -> None:
 
 
 def _as_int(name: str, value: Any) -> int:
+    if validate.is_int(value):  # a Python int of any size, as the library's as_index takes it
+        return int(value)
     array = np.asarray(jax.device_get(value))
     if array.shape != () or array.dtype.kind not in "iu":
         raise TypeError(f"check_plan: {name} must be an integer scalar, got {value!r}")
@@ -107,10 +109,11 @@ def check_plan(state_before: CacheState, layer: Any, routes: Any, plan: EnsurePl
     before, after = _Host(state_before, "state_before"), _Host(state_after, "state_after")
     L, E = before.num_layers, before.num_experts
     layer = _as_int("layer", layer)
-    ids = np.asarray(jax.device_get(routes))
-    if ids.dtype.kind not in "iu":
-        raise TypeError(f"check_plan: routes must be integers, got dtype {ids.dtype}")
-    flat = ids.astype(np.int64).reshape(-1)
+    try:  # read as the library reads them: an id outside int32 is refused, never wrapped
+        ids = np.asarray(validate.as_routes(routes), np.int64)
+    except TypeError as error:
+        raise TypeError(f"check_plan: routes: {error}") from None
+    flat = ids.reshape(-1)
     slots = np.asarray(jax.device_get(plan.slots), np.int64)
     cpu = np.asarray(jax.device_get(plan.cpu), bool)
     if slots.shape != ids.shape or cpu.shape != ids.shape:

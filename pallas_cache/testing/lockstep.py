@@ -15,11 +15,11 @@ import dataclasses
 from typing import Any, Callable, Iterator, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 import pallas_cache as pc
-from pallas_cache import reference
+from pallas_cache import reference, validate
+from pallas_cache.kernels.dispatch import resolve_backend
 from pallas_cache.reference import lockstep as driver
 from pallas_cache.state import CacheState
 from pallas_cache.testing.assertions import leaf_difference
@@ -29,6 +29,9 @@ from pallas_cache.testing.operations import (BeginPrefill, Ensure, EnsureHybrid,
                                              apply_operation, run_operation)
 
 __all__ = ["assert_lockstep", "record_difference"]
+
+_RECORDS = (BeginPrefill, Ensure, EnsureHybrid, Forget, Materialize, PrefetchPrefill,
+            ReleasePrefill, Reset, Resize)
 
 _EVICTIONS = (pc.Eviction, pc.evictions.EvictionPolicy, reference.EvictionPolicy)
 
@@ -82,8 +85,9 @@ def _reference_policy(spec: PolicySpec) -> Any:
 
 
 def _reference_step(state: Any, op: Operation) -> tuple[Any, Any]:
-    return apply_operation(reference, state, op, routes=lambda r: np.asarray(r, np.int64),
-                           policy=_reference_policy)
+    # The routes as written: the reference reads a nested tuple exactly (no int64 cast to
+    # overflow or wrap), as the library does.
+    return apply_operation(reference, state, op, routes=lambda r: r, policy=_reference_policy)
 
 
 _JITTED: dict[str, Callable[..., Any]] = {}
@@ -99,17 +103,22 @@ def _jitted(name: str) -> Callable[..., Any]:
 
 def _jit_step(state: CacheState, op: Operation, backend: str) -> tuple[CacheState, Any]:
     """``run_operation`` under ``jax.jit``: layers, slots and sizes traced, one compile per
-    operation kind and shape."""
-    i32 = jnp.int32
+    operation kind and shape. Every value is converted as the eager call converts it (an index or
+    id outside int32 becomes ``INT32_MIN``, refused with the op's error bit; a float or bool
+    raises TypeError), so an eager and a jitted run of one record agree."""
+    def i32(name: str, value: Any) -> jax.Array:
+        return validate.as_index(name, value)
+
     if isinstance(op, Ensure):
-        return _jitted("ensure")(state, i32(op.layer), jnp.asarray(op.routes, jnp.int32),
+        return _jitted("ensure")(state, i32("layer", op.layer), validate.as_routes(op.routes),
                                  backend=backend)
     if isinstance(op, EnsureHybrid):
-        return _jitted("ensure_hybrid")(state, i32(op.layer), jnp.asarray(op.routes, jnp.int32),
+        return _jitted("ensure_hybrid")(state, i32("layer", op.layer),
+                                        validate.as_routes(op.routes),
                                         op.policy.build(), order=op.order,
                                         admission=op.admission, backend=backend)
     if isinstance(op, PrefetchPrefill):
-        return _jitted("prefetch_prefill_layer")(state, i32(op.layer),
+        return _jitted("prefetch_prefill_layer")(state, i32("layer", op.layer),
                                                  bank_feat_bytes=tuple(op.bank_feat_bytes))
     names = {Materialize: ("materialize_layer", "layer"), Forget: ("forget_slot", "slot"),
              Resize: ("resize", "cache_size"), Reset: ("reset", None),
@@ -117,19 +126,50 @@ def _jit_step(state: CacheState, op: Operation, backend: str) -> tuple[CacheStat
     if type(op) not in names:
         raise TypeError(f"not a cache operation record: {op!r}")
     name, arg = names[type(op)]
-    out = _jitted(name)(state, *([i32(getattr(op, arg))] if arg else []))
+    out = _jitted(name)(state, *([i32(arg, getattr(op, arg))] if arg else []))
     return out if isinstance(out, tuple) else (out, None)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Refused:
+    """A side raised instead of running the operation (its state stays as it was)."""
+
+    error: BaseException
+
+    def __str__(self) -> str:
+        return f"{type(self.error).__name__}: {self.error}"
+
+
+#: What a side may raise for an operation it refuses (a bad static argument); anything else is
+#: a failure of that side and propagates.
+_REFUSALS = (TypeError, ValueError, OverflowError)
 
 
 def _steps(step: Callable[[Any, Operation], tuple[Any, Any]], state: Any,
            sequence: Sequence[Operation]) -> Iterator[tuple[Any, Any]]:
     for op in sequence:
-        state, plan = step(state, op)
+        try:
+            new_state, plan = step(state, op)
+        except _REFUSALS as error:
+            yield state, _Refused(error)
+            continue
+        state = new_state
         yield state, plan
 
 
 def _compare(context: str, op: Any, expected: tuple[Any, Any], got: tuple[Any, Any]) -> None:
+    mine, theirs = isinstance(expected[1], _Refused), isinstance(got[1], _Refused)
+    if mine or theirs:
+        if not (mine and theirs):
+            refused, ran = ("reference", "library") if mine else ("library", "reference")
+            raise AssertionError(f"{context}: the {refused} refused it "
+                                 f"({expected[1] if mine else got[1]}) but the {ran} ran it")
+        if type(expected[1].error) is not type(got[1].error):
+            raise AssertionError(f"{context}: refused differently: reference {expected[1]}, "
+                                 f"library {got[1]}")
     for what, mine, theirs in (("plans", expected[1], got[1]), ("states", expected[0], got[0])):
+        if isinstance(mine, _Refused):
+            continue
         difference = record_difference(mine, theirs)
         if difference is not None:
             raise AssertionError(f"{context}: {what} differ at {difference} "
@@ -150,11 +190,25 @@ def assert_lockstep(sequence: Sequence[Operation], *, geometry: Geometry,
       jit: run every library operation under ``jax.jit`` with layers, slots and sizes traced
         (else eagerly, as :func:`~pallas_cache.testing.run_operation`).
 
+    An operation one side refuses by raising (TypeError, ValueError or OverflowError: a float
+    id, a bad static argument) is compared as a refusal: both sides must refuse it with the same
+    exception type, and the sequence goes on from the unchanged states. Values the library
+    refuses with an error bit (ids, layers, slots, sizes outside their range, ``2**31`` or
+    ``2**64 - 1`` included) are plans, compared as any plan; eager and jitted runs of one
+    record agree.
+
     Raises:
-      AssertionError: at the first step whose plan or state differs, naming the step index, the
+      AssertionError: at the first step whose plan or state differs, or that one side refuses
+        and the other runs (or refuses with another exception type), naming the step index, the
         operation, and the first differing field and index, e.g. ``op 3 Ensure(layer=0,
         routes=(1, 2)) on xla: states differ at .usage[0, 1]: 2 != 3 (reference != library)``.
+      TypeError: an entry of ``sequence`` is not an operation record. ValueError: an unknown
+        ``backend``.
     """
+    resolve_backend(backend)  # an unknown backend is the caller's mistake, not a refusal
+    for index, op in enumerate(sequence):
+        if not isinstance(op, _RECORDS):
+            raise TypeError(f"sequence[{index}] is not an operation record: {op!r}")
     ops = [(type(op).__name__, {f.name: getattr(op, f.name) for f in dataclasses.fields(op)})
            for op in sequence]
     if jit:

@@ -14,6 +14,7 @@ from typing import Any, Callable, Union
 import numpy as np
 
 import pallas_cache as pc
+from pallas_cache import validate
 from pallas_cache.state import CacheState
 
 __all__ = [
@@ -51,19 +52,42 @@ class Geometry:
     eviction: str = "lru"
     history: int = 128
 
+    def __post_init__(self):
+        """The static checks :func:`pallas_cache.init` makes, when the record is made (so a
+        strategy or a lockstep run over it never starts): TypeError/ValueError naming the
+        field."""
+        L, E, S, C = (validate.positive_int(name, getattr(self, name)) for name in (
+            "num_layers", "num_experts", "cache_size", "capacity"))
+        if S < E:
+            raise ValueError(f"cache_size {S} cannot hold one layer of {E} experts")
+        if C < S:
+            raise ValueError(f"capacity {C} is below cache_size {S}")
+        validate.positive_int("history", self.history)
+        pc.evictions.coerce(self.eviction)
+
     def init(self) -> CacheState:
         """A cold :class:`~pallas_cache.CacheState` of this geometry."""
         return pc.init(self.num_layers, self.num_experts, self.cache_size,
                        capacity=self.capacity, eviction=self.eviction, history=self.history)
 
 
+#: The kinds a :class:`PolicySpec` names.
+POLICY_KINDS = ("fraction", "fixed_cap", "full")
+
+
 @dataclasses.dataclass(frozen=True)
 class PolicySpec:
     """A :class:`~pallas_cache.FetchPolicy` as plain data: ``kind`` is ``"fraction"`` (``value``
-    the fraction ``q``), ``"fixed_cap"`` (``value`` the cap) or ``"full"`` (``value`` None)."""
+    the fraction ``q``), ``"fixed_cap"`` (``value`` the cap) or ``"full"`` (``value`` None).
+    Another ``kind`` raises ``ValueError`` naming it, when the spec is made."""
 
     kind: str
     value: float | int | None = None
+
+    def __post_init__(self):
+        if self.kind not in POLICY_KINDS:
+            raise ValueError(f"unknown policy kind {self.kind!r}; expected one of "
+                             f"{', '.join(POLICY_KINDS)}")
 
     def build(self) -> pc.FetchPolicy:
         """The :class:`~pallas_cache.FetchPolicy` this spec names."""
@@ -145,8 +169,11 @@ Operation = Union[Ensure, EnsureHybrid, Materialize, Forget, Resize, Reset, Begi
                   PrefetchPrefill, ReleasePrefill]
 
 
-def _routes(routes: tuple) -> np.ndarray:
-    return np.asarray(routes, np.int32)
+def _routes(routes: tuple) -> tuple:
+    """The record's routes as the library takes them: the nested tuple itself, read exactly by
+    ``pc.ensure`` (a float or bool refused, an id outside int32 refused with ERR_EXPERT_ID), as
+    the reference reads it; a cast here would wrap ``2**31`` or truncate ``1.7``."""
+    return routes
 
 
 def run_operation(state: CacheState, op: Operation, *, backend: str | None = None

@@ -147,12 +147,12 @@ def fetch_rules(eviction: str | Eviction | None = None) -> st.SearchStrategy[Fet
                      st.sampled_from(admissions))
 
 
-@st.composite
-def operations(draw: Any, geometry: Geometry, *, min_size: int = 1, max_size: int = 12,
+def operations(geometry: Geometry, *, min_size: int = 1, max_size: int = 12,
                kinds: Sequence[str] = OPERATION_KINDS, max_routes: int = 8,
-               bad_values: bool = False) -> list[Operation]:
+               bad_values: bool = False) -> st.SearchStrategy[list[Operation]]:
     """A list of operation records for a cache of ``geometry``, to run with
-    :func:`~pallas_cache.testing.operations.run_operation`.
+    :func:`~pallas_cache.testing.operations.run_operation`. The arguments are checked when it is
+    called (ValueError naming the kind), before anything is drawn.
 
     Args:
       geometry: the cache they run on (layers, ids, slots and sizes are drawn in its range).
@@ -161,16 +161,24 @@ def operations(draw: Any, geometry: Geometry, *, min_size: int = 1, max_size: in
         order and admission drawn too), ``materialize``, ``forget`` (a slot of the capacity:
         those at or past the usable size are refused), ``resize`` (a size in ``[E, C]``),
         ``reset``, ``prefill`` (``begin_prefill``, ``prefetch_prefill_layer``,
-        ``release_prefill_layer``; only when the capacity holds the two buffers, ``C >= 2E``).
+        ``release_prefill_layer``; only when the capacity holds the two buffers, ``C >= 2E``:
+        ``kinds=["prefill"]`` alone on a smaller capacity raises ValueError).
       max_routes: at most this many routes per ensure call (padding and duplicates included).
       bad_values: also draw values the cache refuses with an error bit: layers outside
         ``[0, L)``, ids outside ``[-1, E)``, slots past the capacity, sizes outside ``[E, C]``.
     """
     L, E, C = geometry.num_layers, geometry.num_experts, geometry.capacity
+    if isinstance(kinds, str):
+        raise TypeError(f"kinds must be a sequence of kinds, got the string {kinds!r}")
     unknown = set(kinds) - set(OPERATION_KINDS)
     if unknown:
         raise ValueError(f"unknown operation kinds {sorted(unknown)}; expected {OPERATION_KINDS}")
+    if not kinds:
+        raise ValueError("kinds is empty: give at least one of " + ", ".join(OPERATION_KINDS))
     kinds = [k for k in kinds if k != "prefill" or C >= 2 * E]
+    if not kinds:
+        raise ValueError(f"kinds=['prefill'] cannot draw: prefill needs a capacity of at least "
+                         f"2E = {2 * E} slots (its two buffers), the geometry has capacity {C}")
     layer = st.integers(0, L - 1)
     slot = st.integers(0, C - 1)
     size = st.integers(E, C)
@@ -199,5 +207,5 @@ def operations(draw: Any, geometry: Geometry, *, min_size: int = 1, max_size: in
         return st.one_of(st.just(BeginPrefill()), st.builds(PrefetchPrefill, layer),
                          st.builds(ReleasePrefill, layer))
 
-    return draw(st.lists(st.one_of([one(kind) for kind in kinds]), min_size=min_size,
-                         max_size=max_size))
+    return st.lists(st.one_of([one(kind) for kind in kinds]), min_size=min_size,
+                    max_size=max_size)

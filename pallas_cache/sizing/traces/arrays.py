@@ -148,16 +148,18 @@ def load_array_trace(path: str | os.PathLike, *, num_layers: int | None = None,
 
     A ``.npy`` holds one sequence. In an ``.npz`` *every* array is one sequence, named after the
     array, in archive order (an archive of one array gives one unnamed sequence, as a ``.npy``);
-    arrays may differ in token count, layer count (``num_layers`` is the largest) and ``top_k``
-    (narrower ones are ``-1`` padded). Every array must be an integer array of rank 3. Sizes come
-    from the headers and are checked against the memory limit (and the file size) before any
-    data is read. Pickled (object) arrays are refused.
+    arrays may differ in token count and ``top_k`` (narrower ones are ``-1`` padded), but not in
+    layer count: the arrays of one file are one model's routing, as :func:`load_vllm_trace`
+    requires. Every array must be an integer array of rank 3. Sizes come from the headers and
+    are checked against the memory limit (and the file size) before any data is read. Pickled
+    (object) arrays are refused.
 
     Args and Returns: as :func:`load_trace`.
 
     Raises:
         TraceError: unreadable or truncated file, empty archive, an array of non-integer dtype,
-            a rank other than 3, or empty (naming the array), a layer dimension above a declared
+            a rank other than 3, or empty (naming the array), arrays whose layer counts differ
+            (naming both arrays and shapes), a layer dimension above a declared
             ``num_layers``, an expert outside ``[-1, num_experts)`` or an outlier expert (the
             message gives its ``[token, layer, k]`` index), or (:class:`MemoryLimitError`) a
             size above ``max_memory``.
@@ -169,6 +171,10 @@ def load_array_trace(path: str | os.PathLike, *, num_layers: int | None = None,
     members = _array_file_members(path_str)
     for member in members:
         _check_member(member)
+        if member.shape[1] != members[0].shape[1]:
+            raise TraceError(f"{member.label}: shape {member.shape} but {members[0].label} has "
+                             f"shape {members[0].shape}: every sequence of one model routes the "
+                             f"same layers")
     return _assemble_dense(members, path_str, declared_layers, declared_experts, limit,
                            names=len(members) > 1)
 
