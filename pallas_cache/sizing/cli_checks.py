@@ -61,6 +61,7 @@ def check_before_reading(args, cost, policies) -> None:
     Raises:
         ValueError: the one-line reason, naming the flag and the value.
     """
+    from pallas_cache.sizing.cli_sizing import check_gpu_policies
     from pallas_cache.sizing.sweep_records import config_grid
 
     if args.trace is not None and args.trace == "":
@@ -84,6 +85,7 @@ def check_before_reading(args, cost, policies) -> None:
     if not config_grid([1], policies, args.order, args.admission, args.eviction):
         raise ValueError(f"admission reuse needs eviction lru; got --eviction "
                          f"{' '.join(args.eviction)}")
+    check_gpu_policies(cost, policies)
     check_modeled_numbers(cost, 1, 1)
 
 
@@ -124,6 +126,9 @@ def check_modeled_numbers(cost, num_layers: int, top_k: int) -> None:
     if not width or not rates:
         return
     worst = float(width) * num_layers * top_k * 2e3 / min(rates)
+    gpu = ((getattr(cost, "gpu_layer_seconds", None) or 0.0)
+           + top_k * (getattr(cost, "gpu_expert_seconds", None) or 0.0))
+    worst += float(gpu) * num_layers * 1e3
     if not math.isfinite(worst):
         raise ValueError(f"the expert size {float(width):.4g} bytes over the bandwidth "
                          f"{min(rates):g} B/s gives a modeled time that overflows a float; "

@@ -78,7 +78,9 @@ def chunk_program(reuse: bool = True, platform: str = "cpu", fixed: tuple = ()):
 
     Args (of the returned function): ``(states, cpu_routes, pairs, policies, rules)`` batched
     over the configurations, and the chunk's ``layers [C]`` and ``routes [C, K]``. ``pairs``
-    is int32 ``[K'+1, K'+1]`` per configuration: accepted calls by ``(fetched, cpu_experts)``.
+    is int32 ``[K'+1, K'+1]`` per configuration: accepted calls by ``(fetched, cpu_experts)``;
+    or ``[K'+1, K'+1, K'+1]``: by ``(hits, fetched, cpu_experts)`` (what the GPU-time model
+    needs; its shape makes it another executable).
     """
 
     def one_cache(state, cpu_routes, pairs, policy, rules, layers, routes):
@@ -90,8 +92,11 @@ def chunk_program(reuse: bool = True, platform: str = "cpu", fixed: tuple = ()):
                 lane_rules = lane_rules.replace(reuse=False)
             state, plan = ensure_with_rules(state, layer, route, policy, lane_rules, backend="xla")
             # The cost model's per-call pair (docs/semantics.md §11.2); refused calls add nothing.
-            pairs = pairs.at[plan.fetched, plan.missing - plan.fetched].add(
-                (plan.error == 0).astype(jnp.int32))
+            # A [K'+1]^3 table also counts the call's distinct hits first (§11.6).
+            index = (plan.fetched, plan.missing - plan.fetched)
+            if pairs.ndim == 3:
+                index = (plan.active - plan.missing,) + index
+            pairs = pairs.at[index].add((plan.error == 0).astype(jnp.int32))
             return (state, cpu_routes + jnp.sum(plan.cpu, dtype=jnp.int32), pairs), None
 
         # Unrolling amortises XLA:CPU's per-iteration loop overhead (measured: ~1.4x at unroll 4).
@@ -179,9 +184,10 @@ def groups(keys, bucket_ratio):
 
 
 def group_batches(num_layers, num_experts, pair_side, bucket, eviction, keys,
-                  where: Placement):
+                  where: Placement, hit_counts: bool = False):
     """``(unique lanes, batches, program)`` of one group: its initial batches, one per host
-    thread's share of the lanes, and the compiled program they all run.
+    thread's share of the lanes, and the compiled program they all run. ``hit_counts``: count
+    the calls by ``(hits, fetched, cpu_experts)``, not only by ``(fetched, cpu_experts)``.
 
     One program for every size of the bucket: the capacity is its largest size, each lane has
     its own traced usable size (docs/semantics.md §5.15), and configurations that cannot differ
@@ -200,7 +206,7 @@ def group_batches(num_layers, num_experts, pair_side, bucket, eviction, keys,
         _stack([init(num_layers, num_experts, key.cache_size, capacity=capacity,
                      eviction=eviction) for key in part]),
         jnp.zeros(per_part, jnp.int32),
-        jnp.zeros((per_part, pair_side, pair_side), jnp.int32),
+        jnp.zeros((per_part,) + (pair_side,) * (3 if hit_counts else 2), jnp.int32),
         _stack([FetchPolicy(jnp.int32(key.fraction16), jnp.int32(key.cap)) for key in part]),
         _stack(rules[start:start + per_part]),
     ), where.mesh) for start in range(0, count, per_part)
