@@ -7,6 +7,7 @@ read (each as a ``ValueError`` whose text is the one line the CLI prints, exit 2
 from __future__ import annotations
 
 import argparse
+import decimal
 import math
 
 from pallas_cache.sizing import synthetic
@@ -61,9 +62,9 @@ _GPU_FLAGS = (("gpu_layer_ms", "--gpu-layer-ms"), ("gpu_expert_ms", "--gpu-exper
 def _milliseconds(flag: str, text: str) -> float:
     """A ``--gpu-*-ms`` value in seconds: a bare number is milliseconds, or a duration with
     its unit (``70us``); finite and at least 0."""
-    try:
-        seconds = float(text) * 1e-3
-    except ValueError:
+    try:  # the double nearest the decimal's seconds: 0.07 ms is 7e-05 s, not 7.000000000000001e-05
+        seconds = float(decimal.Decimal(text.strip()) / 1000)
+    except (decimal.InvalidOperation, ValueError):
         try:
             seconds = parse_duration(text)
         except ValueError:
@@ -71,7 +72,7 @@ def _milliseconds(flag: str, text: str) -> float:
                              f"duration such as 70us)") from None
     if not math.isfinite(seconds) or seconds < 0:
         raise ValueError(f"{flag} {text!r}: must be a finite time of at least 0 ms")
-    return seconds
+    return seconds + 0.0  # -0 is 0
 
 
 def gpu_seconds(args, cost) -> tuple[float | None, float | None]:
