@@ -12,6 +12,7 @@ the copy that last brought it) and the device's clock, as the rules are written.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import json
 import os
@@ -123,6 +124,18 @@ def test_the_bound_is_the_busiest_resource():
             assert times.total >= busy[other] - 1e-12
             if other != busiest:
                 assert times.prefetch_bound < 1 - busy[other] / times.total
+
+
+def test_the_packed_table_indexes_every_triple_once():
+    """FAILS if two (hits, fetched, cpu_experts) triples share an entry of the replay's packed
+    table, an entry is left unused, or its decoding is not the inverse."""
+    from pallas_cache.sizing.sweep_program import hit_index, hit_table_size, hit_triples
+
+    for distinct in (0, 1, 2, 8, 17):
+        triples = [(h, f, n - h - f) for n in range(distinct + 1) for h in range(n + 1)
+                   for f in range(n - h + 1)]
+        assert sorted(hit_index(*t) for t in triples) == list(range(hit_table_size(distinct)))
+        assert hit_triples([hit_index(*t) for t in triples]) == triples
 
 
 # ---- the histogram against the literal simulation -----------------------------------------------
@@ -355,19 +368,26 @@ def test_the_docs_and_help_explain_every_new_key(capsys):
 
 
 def test_records_without_the_gpu_time_have_no_new_key():
-    """FAILS if a cost model without the GPU's time adds a key (or an empty one) to a record."""
+    """FAILS if a cost model without the GPU's time adds a key (or an empty one) to a record, or
+    if counting the hits changes any other field of a result (the replay's other program)."""
     trace = small_trace()
-    results = replay(trace, config_grid([6], ["full"]), cost=CostModel(10, 1.0, 2.0),
-                     progress=lambda s: None, bounds=False)
-    assert results[0].call_counts == ()
-    assert tuple(records(results, trace, CostModel(10, 1.0, 2.0))[0]) == RECORD_KEYS
+    configs = config_grid([6, 9], ["full", "fraction:0.4"])
+    untimed = CostModel(10, 1.0, 2.0)
+    plain = replay(trace, configs, cost=untimed, progress=lambda s: None, bounds=False,
+                   chunk_calls=64)
+    assert all(r.call_counts == () for r in plain)
+    assert all(tuple(r) == RECORD_KEYS for r in records(plain, trace, untimed))
     timed = CostModel(10, 1.0, 2.0, gpu_expert_seconds=0.5)
-    results = replay(trace, config_grid([6], ["full"]), cost=timed, progress=lambda s: None,
-                     bounds=False)
-    assert results[0].call_counts and results[0].overlap_ms_per_token is not None
-    (record,) = records(results, trace, timed)
-    assert tuple(record) == RECORD_KEYS + GPU_RECORD_KEYS
-    assert json.loads(format_records([record], "json"))[0] == record
+    results = replay(trace, configs, cost=timed, progress=lambda s: None, bounds=False,
+                     chunk_calls=64)
+    for result, before in zip(results, plain):
+        assert result.call_counts and result.overlap_ms_per_token is not None
+        assert sum(n for *_, n in result.call_counts) == result.calls == trace.num_calls
+        assert dataclasses.replace(result, call_counts=(), overlap_ms_per_token=None,
+                                   stall_ms_per_token=None, prefetch_bound=None) == before
+    rows = records(results, trace, timed)
+    assert all(tuple(r) == RECORD_KEYS + GPU_RECORD_KEYS for r in rows)
+    assert json.loads(format_records(rows, "json")) == rows
 
 
 # ---- today's outputs, byte for byte ---------------------------------------------------------------

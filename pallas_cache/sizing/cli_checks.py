@@ -167,22 +167,30 @@ COMPILE_WIDE_ABOVE = 256
 
 
 def check_step_memory(sizes, configs_per_size: int, num_experts: int, top_k: int,
-                      limit: int, held: int = 0) -> None:
+                      limit: int, held: int = 0, hit_counts: bool = False) -> None:
     """Refuse a replay whose step would need more than ``limit`` to compile and run, before
     any is allocated: a call that routes ``top_k`` experts (a trace with one call of 100k routes
     pads every call to that width) costs the compiler about ``top_k ** 1.5`` times
     :data:`COMPILE_BYTES_PER_WIDTH`, every configuration of a bucket ``K' x C`` and ``K' x E``
     tables, and each chunk its routes. ``held``: bytes alive beside them (the trace and the
-    cache states, :func:`~pallas_cache.sizing.cli_args.check_state_memory`'s), counted too."""
+    cache states, :func:`~pallas_cache.sizing.cli_args.check_state_memory`'s), counted too.
+    ``hit_counts``: each configuration also holds the GPU-time model's packed table of calls
+    (input, output and one copy of it)."""
     from pallas_cache.sizing.sweep import DEFAULT_CHUNK_CALLS, capacity_buckets
+    from pallas_cache.sizing.sweep_program import MAX_HIT_DISTINCT, hit_table_size
     from pallas_cache.sizing.traces import check_memory
 
     distinct = min(top_k, num_experts)
+    if hit_counts and distinct > MAX_HIT_DISTINCT:
+        raise ValueError(f"--gpu-layer-ms/--gpu-expert-ms count calls of at most "
+                         f"{MAX_HIT_DISTINCT} distinct experts; these route up to {distinct}")
     chunk = DEFAULT_CHUNK_CALLS * top_k * 4 * CHUNK_ROUTE_COPIES
     for bucket in reversed(capacity_buckets(sizes)):
         size, count = bucket[-1], configs_per_size * len(bucket)
         step = count * distinct * (size * STEP_BYTES_PER_ROUTE_SLOT
                                    + num_experts * STEP_BYTES_PER_ROUTE_EXPERT)
+        if hit_counts:
+            step += count * hit_table_size(distinct) * 4 * 3
         per_width = (COMPILE_BYTES_PER_WIDTH_WIDE if max(size, num_experts) > COMPILE_WIDE_ABOVE
                      else COMPILE_BYTES_PER_WIDTH)
         compile_bytes = math.ceil(per_width * top_k ** 1.5)

@@ -339,7 +339,7 @@ def _precompile_synthetic(args, policies, cost) -> threading.Thread | None:
         states = check_state_memory(sizes, len(configs) // len(set(sizes)), params.num_layers,
                                     params.num_experts, args.max_memory)
         check_step_memory(sizes, len(configs) // len(set(sizes)), params.num_experts,
-                          params.top_k, args.max_memory, states)
+                          params.top_k, args.max_memory, states, hit_counts=cost.gpu)
     except (KeyError, TypeError, ValueError, ZeroDivisionError):
         return None
     if not configs:
@@ -464,7 +464,7 @@ def _replay_with(args, progress: Progress, latch: _InterruptLatch) -> int:
                                                         trace.token_idx, trace.sequence)
                             if array is not None)
         check_step_memory(sizes, len(configs) // len(set(sizes)), trace.num_experts,
-                          trace.top_k, args.max_memory, held)
+                          trace.top_k, args.max_memory, held, hit_counts=cost.gpu)
     except (TypeError, ValueError) as error:
         progress.close()
         print(f"pallas-cache: {error}", file=sys.stderr)

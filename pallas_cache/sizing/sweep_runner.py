@@ -18,7 +18,7 @@ from pallas_cache.policy import Admission, FetchOrder
 from pallas_cache.sizing import bounds as belady_lib
 from pallas_cache.sizing.progress import Progress
 from pallas_cache.sizing.sweep_program import (Placement, executable, group_batches, groups,
-                                               lane_key)
+                                               hit_triples, lane_key)
 from pallas_cache.sizing.sweep_records import ReplayResult
 from pallas_cache.sizing.traces import Trace
 
@@ -141,10 +141,14 @@ def run_groups(plan: SweepPlan, report: Progress, compiled: Callable[[], None]) 
             calls, active, missing, fetched = (int(v) for v in states.stats[row].sum(axis=0))
             table = pairs[row]
             call_counts = ()
-            if table.ndim == 3:  # (hits, fetched, cpu_experts): the pairs are its sums over hits
-                call_counts = tuple((int(h), int(f), int(c), int(table[h, f, c]))
-                                    for h, f, c in zip(*np.nonzero(table)))
-                table = table.sum(axis=0, dtype=table.dtype)
+            if table.ndim == 1:  # (hits, fetched, cpu_experts): the pairs are its sums over hits
+                (found,) = np.nonzero(table)
+                call_counts = tuple(sorted(
+                    (h, f, c, int(table[index]))
+                    for (h, f, c), index in zip(hit_triples(found), found)))
+                table = np.zeros((plan.pair_side, plan.pair_side), table.dtype)
+                for _, f, c, count in call_counts:
+                    table[f, c] += count
             fetched_of, cpu_of = np.nonzero(table)
             results[index] = ReplayResult(
                 cache_size=size,
