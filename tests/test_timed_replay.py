@@ -390,7 +390,7 @@ def test_records_without_the_gpu_time_have_no_new_key():
     assert json.loads(format_records(rows, "json")) == rows
 
 
-# ---- today's outputs, byte for byte ---------------------------------------------------------------
+# ---- today's outputs, byte for byte -------------------------------------------------------------
 
 MIXTRAL_BUDGET = ["--model", "mixtral-8x7b", "--link-bandwidth", "25GB/s", "--cpu-bandwidth",
                   "60GB/s", "--device-budget", "48GiB"]

@@ -117,8 +117,9 @@ def prefetch_lines(results, trace, cost) -> list[str]:
     if not timed:
         return []
     fastest = {}
-    for r in timed:
-        if r.cache_size not in fastest or r.overlap_ms_per_token < fastest[r.cache_size].overlap_ms_per_token:
+    for r in timed:  # the first of equally fast rows
+        best = fastest.get(r.cache_size)
+        if best is None or r.overlap_ms_per_token < best.overlap_ms_per_token:
             fastest[r.cache_size] = r
     rows = [fastest[size] for size in sorted(fastest)]
     prefetch = ", ".join(f"{100 * r.prefetch_bound:.1f}% at S = {r.cache_size}" for r in rows)
