@@ -142,7 +142,8 @@ def batched_records(trace: Trace, configs, cost, batches, replay, progress) -> t
 
     Per generated token: ``tokens`` is the requests' tokens, and the per-token fields and the
     cost model's ``modeled_ms_per_token`` divide by it; ``best`` and ``budget_best`` are per
-    ``B``. Each record gains ``batch``, ``steps`` (decode steps) and ``modeled_ms_per_step``
+    ``B``; with the GPU's time, the event rules time each merged call (docs/semantics.md §11.6).
+    Each record gains ``batch``, ``steps`` (decode steps) and ``modeled_ms_per_step``
     (a step's modeled time: every active request's token at once); ``top_k`` stays the
     trace's, ``sequences`` its requests, ``source`` its own.
     """
@@ -152,7 +153,8 @@ def batched_records(trace: Trace, configs, cost, batches, replay, progress) -> t
     all_results, rows = [], []
     for batch in batches:
         merged = batched_trace(trace, batch)
-        replayed = replay(merged.trace, configs, progress=progress)
+        replayed = replay(merged.trace, configs, progress=progress,
+                          **({"hit_counts": True} if getattr(cost, "gpu", False) else {}))
         generated = merged.generated
         results = with_costs([dataclasses.replace(
             r, tokens=generated, fetched_per_token=r.fetched / generated,

@@ -4,6 +4,7 @@ refuse a bad command line before any work (each as one line, exit 2)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import tempfile
@@ -11,7 +12,7 @@ import tempfile
 from pallas_cache.evictions import Eviction
 from pallas_cache.sizing import synthetic
 from pallas_cache.sizing.cli_checks import use_ascii_ints
-from pallas_cache.sizing.cli_sizing import add_sizing_arguments, cpu_fixed_seconds
+from pallas_cache.sizing.cli_sizing import add_sizing_arguments, cpu_fixed_seconds, gpu_seconds
 from pallas_cache.sizing.cost import CostModel
 from pallas_cache.sizing.models import MODELS, resolve_model
 from pallas_cache.sizing.report import FORMATS, legend_text
@@ -368,6 +369,10 @@ def cost_options(args):
     budget = parse_bytes(args.device_budget) if args.device_budget else None
     cost = CostModel(width, link, cpu, budget)
     cost = CostModel(width, link, cpu, budget, cpu_fixed_seconds(args, cost.timed))
+    layer_seconds, expert_seconds = gpu_seconds(args, cost)
+    if layer_seconds is not None or expert_seconds is not None:
+        cost = dataclasses.replace(cost, gpu_layer_seconds=layer_seconds,
+                                   gpu_expert_seconds=expert_seconds)
     if budget is not None and not cost.timed:
         raise ValueError("--device-budget needs an expert size (--model or --expert-bytes) and "
                          "both --link-bandwidth and --cpu-bandwidth")

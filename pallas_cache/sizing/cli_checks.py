@@ -61,6 +61,7 @@ def check_before_reading(args, cost, policies) -> None:
     Raises:
         ValueError: the one-line reason, naming the flag and the value.
     """
+    from pallas_cache.sizing.cli_sizing import check_gpu_policies
     from pallas_cache.sizing.sweep_records import config_grid
 
     if args.trace is not None and args.trace == "":
@@ -84,6 +85,7 @@ def check_before_reading(args, cost, policies) -> None:
     if not config_grid([1], policies, args.order, args.admission, args.eviction):
         raise ValueError(f"admission reuse needs eviction lru; got --eviction "
                          f"{' '.join(args.eviction)}")
+    check_gpu_policies(cost, policies)
     check_modeled_numbers(cost, 1, 1)
 
 
@@ -124,6 +126,9 @@ def check_modeled_numbers(cost, num_layers: int, top_k: int) -> None:
     if not width or not rates:
         return
     worst = float(width) * num_layers * top_k * 2e3 / min(rates)
+    gpu = ((getattr(cost, "gpu_layer_seconds", None) or 0.0)
+           + top_k * (getattr(cost, "gpu_expert_seconds", None) or 0.0))
+    worst += float(gpu) * num_layers * 1e3
     if not math.isfinite(worst):
         raise ValueError(f"the expert size {float(width):.4g} bytes over the bandwidth "
                          f"{min(rates):g} B/s gives a modeled time that overflows a float; "
@@ -166,23 +171,32 @@ COMPILE_WIDE_ABOVE = 256
 
 
 def check_step_memory(sizes, configs_per_size: int, num_experts: int, top_k: int,
-                      limit: int, held: int = 0, flag: str | None = None) -> None:
+                      limit: int, held: int = 0, flag: str | None = None,
+                      hit_counts: bool = False) -> None:
     """Refuse a replay whose step would need more than ``limit`` to compile and run, before
     any is allocated: a call that routes ``top_k`` experts (a trace with one call of 100k routes
     pads every call to that width) costs the compiler about ``top_k ** 1.5`` times
     :data:`COMPILE_BYTES_PER_WIDTH`, every configuration of a bucket ``K' x C`` and ``K' x E``
     tables, and each chunk its routes. ``held``: bytes alive beside them (the trace and the
     cache states, :func:`~pallas_cache.sizing.cli_args.check_state_memory`'s), counted too.
-    ``flag``: the flag that set ``top_k`` (``--batch B``), named before the size."""
+    ``flag``: the flag that set ``top_k`` (``--batch B``), named before the size.
+    ``hit_counts``: each configuration also holds the GPU-time model's packed table of calls
+    (input, output and one copy of it)."""
     from pallas_cache.sizing.sweep import DEFAULT_CHUNK_CALLS, capacity_buckets
+    from pallas_cache.sizing.sweep_program import MAX_HIT_DISTINCT, hit_table_size
     from pallas_cache.sizing.traces import check_memory
 
     distinct = min(top_k, num_experts)
+    if hit_counts and distinct > MAX_HIT_DISTINCT:
+        raise ValueError(f"--gpu-layer-ms/--gpu-expert-ms count calls of at most "
+                         f"{MAX_HIT_DISTINCT} distinct experts; these route up to {distinct}")
     chunk = DEFAULT_CHUNK_CALLS * top_k * 4 * CHUNK_ROUTE_COPIES
     for bucket in reversed(capacity_buckets(sizes)):
         size, count = bucket[-1], configs_per_size * len(bucket)
         step = count * distinct * (size * STEP_BYTES_PER_ROUTE_SLOT
                                    + num_experts * STEP_BYTES_PER_ROUTE_EXPERT)
+        if hit_counts:
+            step += count * hit_table_size(distinct) * 4 * 3
         per_width = (COMPILE_BYTES_PER_WIDTH_WIDE if max(size, num_experts) > COMPILE_WIDE_ABOVE
                      else COMPILE_BYTES_PER_WIDTH)
         compile_bytes = math.ceil(per_width * top_k ** 1.5)
@@ -194,7 +208,7 @@ def check_step_memory(sizes, configs_per_size: int, num_experts: int, top_k: int
 
 
 def check_batch_memory(batches, sizes, configs_per_size: int, trace, limit: int,
-                       held: int) -> None:
+                       held: int, hit_counts: bool = False) -> None:
     """Refuse a ``--batch B`` whose merged calls would not fit ``limit``, before they are built:
     a batched decode's calls carry ``B * top_k`` route columns (every active request's token),
     so the merged trace (at most one merged call per call of the trace) and the replay step
@@ -206,7 +220,7 @@ def check_batch_memory(batches, sizes, configs_per_size: int, trace, limit: int,
         width = batch * trace.top_k
         merged = trace_bytes(trace.num_calls, width)
         check_step_memory(sizes, configs_per_size, trace.num_experts, width, limit,
-                          held + merged, flag=f"--batch {batch}")
+                          held + merged, flag=f"--batch {batch}", hit_counts=hit_counts)
 
 
 #: Copies of ``bench-bandwidth``'s arrays alive at once: the host buffer and its device copy

@@ -23,8 +23,8 @@ from pallas_cache.sizing.cli_checks import (check_batch_memory, check_before_rea
                                             check_step_memory)
 from pallas_cache.sizing.cli_devices import (check_device_count, declared_experts, device_cost,
                                              device_header, run_expert_parallel, tensor_records)
-from pallas_cache.sizing.cli_sizing import (batches, cliff_lines, synthetic_geometry,
-                                            with_budget_fit)
+from pallas_cache.sizing.cli_sizing import (batches, cliff_lines, prefetch_lines,
+                                            synthetic_geometry, with_budget_fit)
 from pallas_cache.sizing.progress import Bar, Progress
 from pallas_cache.sizing.report import format_records, records
 from pallas_cache.sizing.traces import (RUN_FIXED_BYTES, ProcessBudget, TraceError,
@@ -199,6 +199,14 @@ def _legend(results, trace, cost, knn_line: str | None = None) -> list[str]:
                     f"admission={r.admission}"
                     f"{'' if r.eviction == 'lru' else ' eviction=' + r.eviction}: "
                     f"{r.modeled_ms_per_token:.1f} ms/token modeled.")
+    if cost.gpu:
+        paragraphs.append(
+            "overlap_ms_per_token: the layer-calls one after the other, each taking A, then its "
+            "copies (tau = W/B_link each, one link) while the device computes each expert (C) "
+            "once it is there and the CPU partial runs beside; stall_ms_per_token = the "
+            "device's wait; prefetch_bound = 1 - busiest resource/overlap (docs/semantics.md "
+            "§11.6).")
+        paragraphs += prefetch_lines(results, trace, cost)
     return ([textwrap.fill(text, width=100, break_on_hyphens=False)
              for text in cliffs + paragraphs] + ([knn_line] if knn_line else []))
 
@@ -336,7 +344,7 @@ def _precompile_synthetic(args, policies, cost) -> threading.Thread | None:
         states = check_state_memory(sizes, len(configs) // len(set(sizes)), params.num_layers,
                                     params.num_experts, args.max_memory)
         check_step_memory(sizes, len(configs) // len(set(sizes)), params.num_experts,
-                          params.top_k, args.max_memory, states)
+                          params.top_k, args.max_memory, states, hit_counts=cost.gpu)
     except (KeyError, TypeError, ValueError, ZeroDivisionError):
         return None
     if not configs:
@@ -348,7 +356,8 @@ def _precompile_synthetic(args, policies, cost) -> threading.Thread | None:
 
     def compile_quietly():
         try:
-            precompile(params.num_layers, params.num_experts, params.top_k, configs)
+            precompile(params.num_layers, params.num_experts, params.top_k, configs,
+                       hit_counts=cost.gpu)
         except Exception:  # noqa: BLE001 - the replay compiles, and reports, on its own
             pass
         finally:
@@ -465,10 +474,10 @@ def _replay_with(args, progress: Progress, latch: _InterruptLatch) -> int:
                                                         trace.token_idx, trace.sequence)
                             if array is not None)
         check_step_memory(sizes, len(configs) // len(set(sizes)), trace.num_experts,
-                          trace.top_k, args.max_memory, held)
+                          trace.top_k, args.max_memory, held, hit_counts=cost.gpu)
         if batched:
             check_batch_memory(batched, sizes, len(configs) // len(set(sizes)), trace,
-                               args.max_memory, held)
+                               args.max_memory, held, hit_counts=cost.gpu)
     except (TypeError, ValueError) as error:
         progress.close()
         print(f"pallas-cache: {error}", file=sys.stderr)
@@ -486,7 +495,8 @@ def _replay_with(args, progress: Progress, latch: _InterruptLatch) -> int:
         results, rows = batched_records(trace, configs, cost, batched, replay, progress)
         knn_results = []
     else:
-        replayed = replay(trace, configs + companions, progress=progress)
+        replayed = replay(trace, configs + companions, progress=progress,
+                          hit_counts=cost.gpu)
         results = with_costs(replayed[:len(configs)], cost)
         knn_results = replayed[len(configs):]
         rows = records(results, trace, cost)
@@ -505,6 +515,10 @@ def _replay_with(args, progress: Progress, latch: _InterruptLatch) -> int:
                 (("B_link", cost.link_bandwidth), ("B_cpu", cost.cpu_bandwidth)) if value)
                 + (f"  T_cpu={format_duration(cost.cpu_fixed_seconds)}"
                    if cost.cpu_fixed_seconds else ""))
+        if cost.gpu:
+            header.append(f"gpu: A={format_duration(cost.gpu_layer_seconds or 0.0)} per "
+                          f"layer-call  C={format_duration(cost.gpu_expert_seconds or 0.0)} per "
+                          f"device-computed expert (estimates you gave)")
         if args.policy is None or "fraction:auto" in args.policy:
             if cost.link_bandwidth and cost.cpu_bandwidth and not cost.cpu_fixed_seconds:
                 header.append(f"fraction:auto = B_link/(B_link+B_cpu) = "

@@ -1,16 +1,20 @@
 """``pallas-cache replay``'s sizing flags (the legend's route_knn line, the model geometry of a
-synthetic trace, the exact-fit size of a device budget, batched decode, the CPU's fixed cost):
+synthetic trace, the exact-fit size of a device budget, batched decode, the CPU's fixed cost,
+the GPU's time):
 their argument group and the checks that refuse a bad value or combination before the trace is
 read (each as a ``ValueError`` whose text is the one line the CLI prints, exit 2)."""
 
 from __future__ import annotations
 
 import argparse
+import decimal
+import math
 
 from pallas_cache.sizing import synthetic
 from pallas_cache.sizing.units import parse_duration
 
-__all__ = ["add_sizing_arguments", "batches", "budget_fit", "cliff_lines", "cpu_fixed_seconds",
+__all__ = ["add_sizing_arguments", "batches", "budget_fit", "check_gpu_policies", "cliff_lines",
+           "cpu_fixed_seconds", "gpu_seconds", "prefetch_lines",
            "synthetic_geometry", "with_budget_fit"]
 
 
@@ -38,6 +42,121 @@ def add_sizing_arguments(replay: argparse.ArgumentParser) -> None:
                        help="T_cpu, the CPU partial's fixed cost per layer-call that has at "
                             "least one CPU expert, e.g. 0.08ms (pallas-cache bench-bandwidth "
                             "measures it; needs W and both bandwidths; default 0)")
+    group.add_argument("--gpu-layer-ms", metavar="A", default=None,
+                       help="A, a layer-call's GPU time outside its routed experts (attention, "
+                            "router, norms, the cache step), in ms (e.g. 0.07, an estimate: "
+                            "docs/replay.md); with --gpu-expert-ms, times the decode with "
+                            "copies and compute overlapping (overlap_ms_per_token, "
+                            "stall_ms_per_token, prefetch_bound; docs/semantics.md §11.6); "
+                            "needs W and --link-bandwidth")
+    group.add_argument("--gpu-expert-ms", metavar="C", default=None,
+                       help="C, the GPU time of one routed expert computed on the device, in "
+                            "ms (e.g. 0.09); either flag turns the GPU-time model on, the "
+                            "other then counting as 0")
+
+
+#: The GPU-time flags, as (attribute, flag).
+_GPU_FLAGS = (("gpu_layer_ms", "--gpu-layer-ms"), ("gpu_expert_ms", "--gpu-expert-ms"))
+
+
+def _milliseconds(flag: str, text: str) -> float:
+    """A ``--gpu-*-ms`` value in seconds: a bare number is milliseconds, or a duration with
+    its unit (``70us``); finite and at least 0."""
+    try:  # the double nearest the decimal's seconds: 0.07 ms is 7e-05 s, not 7.000000000000001e-05
+        seconds = float(decimal.Decimal(text.strip()) / 1000)
+    except (decimal.InvalidOperation, ValueError):
+        try:
+            seconds = parse_duration(text)
+        except ValueError:
+            raise ValueError(f"{flag} {text!r}: expected milliseconds such as 0.07 (or a "
+                             f"duration such as 70us)") from None
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ValueError(f"{flag} {text!r}: must be a finite time of at least 0 ms")
+    return seconds + 0.0  # -0 is 0
+
+
+def gpu_seconds(args, cost) -> tuple[float | None, float | None]:
+    """``(A, C)`` in seconds from ``--gpu-layer-ms`` and ``--gpu-expert-ms`` (``None`` for a
+    flag not given; ``(None, None)``: no GPU-time model). Refuses, naming the flag, a bad
+    value, a missing expert size or link bandwidth, and ``--devices`` above 1."""
+    given = [(flag, getattr(args, name, None)) for name, flag in _GPU_FLAGS]
+    if all(text is None for _, text in given):
+        return None, None
+    values = [None if text is None else _milliseconds(flag, text) for flag, text in given]
+    flag = next(flag for flag, text in given if text is not None)
+    if cost.expert_bytes is None or cost.link_bandwidth is None:
+        raise ValueError(f"{flag} needs an expert size (--model or --expert-bytes) and "
+                         f"--link-bandwidth")
+    devices = getattr(args, "devices", None)
+    if devices is not None and devices > 1:
+        raise ValueError(f"{flag} times one device's decode; it does not combine with "
+                         f"--devices {devices} (yet)")
+    return values[0], values[1]
+
+
+def check_gpu_policies(cost, policies) -> None:
+    """With the GPU's time and no ``--cpu-bandwidth``, every policy must copy every miss
+    (``full``): another leaves experts to the CPU, whose time is then unknown (ValueError)."""
+    from pallas_cache.policy import ONE
+    from pallas_cache.sizing.sweep_records import parse_policy
+
+    if not cost.gpu or cost.cpu_bandwidth is not None:
+        return
+    for policy in policies:
+        if int(parse_policy(policy).fraction16) != ONE:
+            raise ValueError(f"--gpu-layer-ms/--gpu-expert-ms time the CPU partial of policy "
+                             f"{policy}: give --cpu-bandwidth, or --policy full")
+
+
+def prefetch_lines(results, trace, cost) -> list[str]:
+    """The line under a table with the GPU's time (docs/semantics.md §11.6): at each cache size,
+    the fastest row's ``prefetch_bound`` (what any prefetch of the next layers could save) and,
+    for a ``full`` row, what better eviction could save at most (Belady's misses as demand
+    copies), then the regime: one expert's copy time beside one layer's GPU work."""
+    timed = [r for r in results if r.overlap_ms_per_token is not None]
+    if not timed:
+        return []
+    fastest = {}
+    for r in timed:  # the first of equally fast rows
+        best = fastest.get(r.cache_size)
+        if best is None or r.overlap_ms_per_token < best.overlap_ms_per_token:
+            fastest[r.cache_size] = r
+    rows = [fastest[size] for size in sorted(fastest)]
+    prefetch = ", ".join(f"{100 * r.prefetch_bound:.1f}% at S = {r.cache_size}" for r in rows)
+    eviction = [(r, _eviction_bound(r, cost)) for r in rows]
+    eviction = ", ".join(f"{100 * bound:.0f}% at S = {r.cache_size}" for r, bound in eviction
+                         if bound is not None)
+    A = cost.gpu_layer_seconds or 0.0
+    C = cost.gpu_expert_seconds or 0.0
+    k = min(trace.top_k, trace.num_experts)
+    tau = cost.expert_bytes / cost.link_bandwidth
+    layer = A + k * C
+    ratio = f"{tau / layer:.3g}x" if layer > 0 else "unbounded"
+    text = (f"prefetch_bound: any prefetch of the next layers could save at most {prefetch} "
+            f"here (the fastest row at each size, by overlap_ms_per_token)")
+    if eviction:
+        text += f"; better eviction could save up to {eviction} (Belady's misses, full rows)"
+    text += (f". One expert's copy takes tau = W/B_link = {1e3 * tau:.3g} ms, one layer's GPU "
+             f"work A + k*C = {1e3 * layer:.3g} ms ({ratio}): prefetch can pay only where "
+             f"they are near (docs/replay.md).")
+    return [text]
+
+
+def _eviction_bound(result, cost) -> float | None:
+    """For a ``full`` row with its Belady hit rate: ``1 - (A * calls + max(C * active,
+    tau * Belady's misses)) / overlap``, the most any eviction with demand copies could save
+    (each call takes at least ``A`` plus the larger of its device work and its copies, and no
+    eviction misses less than Belady); ``None`` for other rows."""
+    if (result.policy not in ("full", "fraction:1") or result.belady_hit_rate is None
+            or not result.overlap_ms_per_token):
+        return None
+    A = cost.gpu_layer_seconds or 0.0
+    C = cost.gpu_expert_seconds or 0.0
+    tau = cost.expert_bytes / cost.link_bandwidth
+    misses = result.active * (1.0 - result.belady_hit_rate)
+    floor = A * result.calls + max(C * result.active, tau * misses)
+    total = result.overlap_ms_per_token * max(result.tokens, 1) / 1e3
+    return max(0.0, 1.0 - floor / total)
 
 
 def cpu_fixed_seconds(args, timed: bool) -> float:

@@ -4,6 +4,12 @@ A layer-call costs ``max(fetched * W / B_link, cpu_experts * W / B_cpu + T_cpu)`
 CPU partial's fixed cost, only when ``cpu_experts > 0``; 0 unless given) and a token the sum
 over its layer-calls; :func:`modeled_seconds` computes it from the replay's exact counts of
 ``(fetched, cpu_experts)`` pairs, for any bandwidths.
+
+With the GPU's time given (``A`` per layer-call, ``C`` per device-computed expert), the event
+rules of docs/semantics.md §11.6 time the calls one after the other with the copies, the
+device's compute and the CPU partial overlapping inside each call: :func:`overlap_times`
+evaluates them on the exact ``(hits, fetched, cpu_experts, calls)`` histogram, with the busy
+time of each resource that bounds what any prefetch could save.
 """
 
 from __future__ import annotations
@@ -12,7 +18,8 @@ import dataclasses
 import math
 from typing import Iterable
 
-__all__ = ["CostModel", "modeled_seconds", "with_costs"]
+__all__ = ["CostModel", "OverlapTimes", "call_seconds", "modeled_seconds", "overlap_times",
+           "with_costs"]
 
 
 def modeled_seconds(pair_counts: Iterable[tuple[int, int, int]], expert_bytes: int,
@@ -44,6 +51,86 @@ def _cpu_seconds(cpu_experts: int, expert_bytes: int, cpu_bandwidth: float,
     return seconds
 
 
+def call_seconds(hits: int, fetched: int, cpu_experts: int, expert_bytes: int,
+                 link_bandwidth: float, cpu_bandwidth: float | None,
+                 cpu_fixed_seconds: float = 0.0, gpu_layer_seconds: float = 0.0,
+                 gpu_expert_seconds: float = 0.0) -> float:
+    """One accepted layer-call's time under the event rules (docs/semantics.md §11.6), from
+    ``t_end`` of the call before it to its own ``t_end``, when every copy is a demand copy.
+
+    The link is then idle when the call is routed (every earlier copy fed an expert the device
+    computed before that call ended), and every hit arrived before it, so: ``A``; then the
+    device computes the ``hits`` experts (``C`` each) while the ``fetched`` copies run back to
+    back (``tau = W / B_link`` each), and each fetched expert as soon as both its copy and the
+    device's previous expert are done; beside all of it, the CPU partial of ``cpu_experts``
+    experts (§11.2). The call ends when the device and the CPU both have.
+    """
+    tau = expert_bytes / link_bandwidth
+    device = hits * gpu_expert_seconds
+    for copy in range(1, fetched + 1):
+        device = max(device, copy * tau) + gpu_expert_seconds
+    cpu = (_cpu_seconds(cpu_experts, expert_bytes, cpu_bandwidth, cpu_fixed_seconds)
+           if cpu_experts else 0.0)
+    return gpu_layer_seconds + max(device, cpu)
+
+
+@dataclasses.dataclass(frozen=True)
+class OverlapTimes:
+    """What the event rules give for a replay's calls (all in seconds, over the whole trace).
+
+    Attributes:
+      total: the calls' time, one after the other (``t_end`` of the last call).
+      gpu_busy: ``A * calls + C * device-computed experts`` (hits and fetched).
+      link_busy: ``fetched * W / B_link``, the copies.
+      cpu_busy: the CPU partials, ``cpu_experts * W / B_cpu + T_cpu`` per call that has any.
+    """
+
+    total: float
+    gpu_busy: float
+    link_busy: float
+    cpu_busy: float
+
+    @property
+    def stall(self) -> float:
+        """The time the device waits: ``total - gpu_busy``."""
+        return self.total - self.gpu_busy
+
+    @property
+    def prefetch_bound(self) -> float:
+        """``1 - max(gpu_busy, link_busy, cpu_busy) / total``: no schedule that moves the same
+        bytes (every prefetch of a perfect predictor) finishes before its busiest resource."""
+        if self.total <= 0:
+            return 0.0
+        return 1.0 - max(self.gpu_busy, self.link_busy, self.cpu_busy) / self.total
+
+
+def overlap_times(call_counts: Iterable[tuple[int, int, int, int]], expert_bytes: int,
+                  link_bandwidth: float, cpu_bandwidth: float | None = None,
+                  cpu_fixed_seconds: float = 0.0, gpu_layer_seconds: float = 0.0,
+                  gpu_expert_seconds: float = 0.0) -> OverlapTimes:
+    """The event rules (docs/semantics.md §11.6) over a replay's exact ``(hits, fetched,
+    cpu_experts, calls)`` histogram, in float64: a new ``A``, ``C`` or bandwidth needs no
+    replay. ``cpu_bandwidth`` may be ``None`` only when no call has a CPU expert.
+
+    Raises:
+      ValueError: a call with CPU experts and no ``cpu_bandwidth``.
+    """
+    tau = expert_bytes / link_bandwidth
+    total, gpu, link, cpu = [], [], [], []
+    for hits, fetched, cpu_experts, calls in call_counts:
+        if cpu_experts and cpu_bandwidth is None:
+            raise ValueError("calls with CPU experts need the CPU bandwidth to be timed")
+        total.append(calls * call_seconds(hits, fetched, cpu_experts, expert_bytes,
+                                          link_bandwidth, cpu_bandwidth, cpu_fixed_seconds,
+                                          gpu_layer_seconds, gpu_expert_seconds))
+        gpu.append(calls * (gpu_layer_seconds + (hits + fetched) * gpu_expert_seconds))
+        link.append(calls * fetched * tau)
+        if cpu_experts:
+            cpu.append(calls * _cpu_seconds(cpu_experts, expert_bytes, cpu_bandwidth,
+                                            cpu_fixed_seconds))
+    return OverlapTimes(math.fsum(total), math.fsum(gpu), math.fsum(link), math.fsum(cpu))
+
+
 @dataclasses.dataclass(frozen=True)
 class CostModel:
     """What turns counts into bytes and milliseconds; every field optional.
@@ -55,6 +142,11 @@ class CostModel:
       device_budget: device bytes the pool may take; names the best configuration that fits.
       cpu_fixed_seconds: ``T_cpu``, the CPU partial's fixed cost per layer-call with at least
         one CPU expert (``pallas-cache bench-bandwidth`` measures it); 0: none.
+      gpu_layer_seconds: ``A``, a layer-call's GPU time outside its routed experts (attention,
+        router, norms, the cache step); ``None``: GPU time is not modeled.
+      gpu_expert_seconds: ``C``, the GPU time of one distinct routed expert computed on the
+        device; ``None``: not modeled. Either one turns on the event rules
+        (docs/semantics.md §11.6), the other then counting as 0.
     """
 
     expert_bytes: int | None = None
@@ -62,6 +154,8 @@ class CostModel:
     cpu_bandwidth: float | None = None
     device_budget: int | None = None
     cpu_fixed_seconds: float = 0.0
+    gpu_layer_seconds: float | None = None
+    gpu_expert_seconds: float | None = None
 
     def __post_init__(self):
         for name in ("expert_bytes", "link_bandwidth", "cpu_bandwidth", "device_budget"):
@@ -71,6 +165,26 @@ class CostModel:
         fixed = self.cpu_fixed_seconds
         if not (isinstance(fixed, (int, float)) and math.isfinite(fixed) and fixed >= 0):
             raise ValueError(f"cpu_fixed_seconds must be a finite number >= 0, got {fixed!r}")
+        for name in ("gpu_layer_seconds", "gpu_expert_seconds"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, (int, float))
+                                          and not isinstance(value, bool)
+                                          and math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+
+    @property
+    def gpu(self) -> bool:
+        """Whether the GPU's time is given, so the event rules time the calls (§11.6)."""
+        return self.gpu_layer_seconds is not None or self.gpu_expert_seconds is not None
+
+    def overlap(self, call_counts: Iterable[tuple[int, int, int, int]]) -> OverlapTimes:
+        """The event rules over ``call_counts`` (see :func:`overlap_times`); needs ``W`` and
+        ``B_link`` (and ``B_cpu`` where a call has CPU experts)."""
+        if self.expert_bytes is None or self.link_bandwidth is None:
+            raise ValueError("the GPU-time model needs the expert size and the link bandwidth")
+        return overlap_times(call_counts, self.expert_bytes, self.link_bandwidth,
+                             self.cpu_bandwidth, self.cpu_fixed_seconds,
+                             self.gpu_layer_seconds or 0.0, self.gpu_expert_seconds or 0.0)
 
     @property
     def timed(self) -> bool:
@@ -109,7 +223,10 @@ class CostModel:
 
 def with_costs(results: list, cost: CostModel | None) -> list:
     """The replay's results with the cost model's fields filled (docs/semantics.md §11): bytes,
-    modeled ms per token, ``best`` and ``budget_best``; unchanged without an expert size."""
+    modeled ms per token, ``best`` and ``budget_best``; unchanged without an expert size. With
+    the GPU's time (``cost.gpu``) and the link bandwidth, also ``overlap_ms_per_token``,
+    ``stall_ms_per_token`` and ``prefetch_bound`` of every result that carries its
+    ``call_counts`` (``None`` for a row with CPU experts and no CPU bandwidth)."""
     if cost is None or cost.expert_bytes is None:
         return results
     width = cost.expert_bytes
@@ -121,7 +238,7 @@ def with_costs(results: list, cost: CostModel | None) -> list:
             r, cache_bytes=r.cache_size * width,
             fetched_bytes_per_token=r.fetched * width / tokens,
             cpu_bytes_per_token=r.cpu_experts * width / tokens,
-            modeled_ms_per_token=ms))
+            modeled_ms_per_token=ms, **_overlap_fields(r, cost, tokens)))
     if not cost.timed:
         return out
     fastest = {}
@@ -136,3 +253,16 @@ def with_costs(results: list, cost: CostModel | None) -> list:
                                                    and r.modeled_ms_per_token == floor))
                for r in out]
     return out
+
+
+def _overlap_fields(result, cost: CostModel, tokens: int) -> dict:
+    """``overlap_ms_per_token``, ``stall_ms_per_token`` and ``prefetch_bound`` of one result
+    (§11.6); ``{}`` without the GPU's time, the link bandwidth or the result's call counts."""
+    if not cost.gpu or cost.link_bandwidth is None or not result.call_counts:
+        return {}
+    if result.cpu_experts and cost.cpu_bandwidth is None:
+        return {}
+    times = cost.overlap(result.call_counts)
+    return dict(overlap_ms_per_token=1e3 * times.total / tokens,
+                stall_ms_per_token=1e3 * times.stall / tokens,
+                prefetch_bound=times.prefetch_bound)

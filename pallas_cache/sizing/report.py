@@ -2,7 +2,8 @@
 :class:`~pallas_cache.sizing.sweep.ReplayResult` rows, their trace and the cost model into flat
 dicts keyed by :data:`RECORD_KEYS`; :func:`format_records` prints them as ``table``, ``json``,
 ``jsonl``, ``csv`` (``pair_counts`` as one JSON cell, ``None`` as an empty cell) or
-``markdown``; :data:`COLUMN_LEGEND` says what each key means."""
+``markdown``; :data:`COLUMN_LEGEND` says what each key means, and :data:`GPU_LEGEND` the keys
+a cost model with the GPU's time adds after them (docs/semantics.md §11.6)."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ from typing import Iterable, Sequence
 
 from pallas_cache.sizing.units import format_bytes
 
-__all__ = ["COLUMN_LEGEND", "FORMATS", "RECORD_KEYS", "format_records", "legend_text", "records",
-           "table_columns"]
+__all__ = ["COLUMN_LEGEND", "FORMATS", "GPU_LEGEND", "GPU_RECORD_KEYS", "RECORD_KEYS",
+           "format_records", "legend_text", "records", "table_columns"]
 
 #: The output formats of :func:`format_records` (``pallas-cache replay --format``).
 FORMATS = ("table", "json", "jsonl", "csv", "markdown")
@@ -72,6 +73,30 @@ COLUMN_LEGEND: dict[str, str] = {
 #: The keys of every record, in order.
 RECORD_KEYS: tuple[str, ...] = tuple(COLUMN_LEGEND)
 
+#: The keys a cost model with the GPU's time (``--gpu-layer-ms``, ``--gpu-expert-ms``) adds
+#: after :data:`RECORD_KEYS`, with their meaning; without it a record has none of them, so its
+#: text is what it was before they existed.
+GPU_LEGEND: dict[str, str] = {
+    "gpu_layer_seconds": "A, a layer-call's GPU time outside its routed experts (--gpu-layer-ms), "
+                         "in seconds",
+    "gpu_expert_seconds": "C, GPU time per distinct routed expert computed on the device "
+                          "(--gpu-expert-ms), in seconds",
+    "overlap_ms_per_token": "calls one after the other, copies, device compute and CPU partial "
+                            "overlapping inside each (docs/semantics.md §11.6); total / tokens",
+    "stall_ms_per_token": "overlap_ms_per_token - (A*calls + C*device-computed experts)/tokens: "
+                          "the device's wait",
+    "prefetch_bound": "1 - max(gpu_busy, link_busy, cpu_busy)/overlap: the most any prefetch "
+                      "moving the same bytes could save (a fraction)",
+    "call_counts": "[hits, fetched, cpu_experts, calls] for every per-call triple that occurred "
+                   "(exact; enough to re-time any A, C or bandwidths); csv: one cell of JSON",
+}
+
+#: The keys of :data:`GPU_LEGEND`, in order.
+GPU_RECORD_KEYS: tuple[str, ...] = tuple(GPU_LEGEND)
+
+#: Record keys whose value is a list of lists (csv: one cell of JSON).
+_LIST_KEYS = ("pair_counts", "call_counts")
+
 _TRACE_KEYS = ("source", "layers", "experts", "top_k", "tokens", "calls", "sequences")
 _COST_KEYS = ("expert_bytes", "link_bandwidth", "cpu_bandwidth", "device_budget")
 
@@ -85,6 +110,8 @@ def records(results: Iterable, trace, cost=None) -> list[dict]:
       cost: the :class:`~pallas_cache.sizing.cost.CostModel` used, or ``None``.
 
     ``pair_counts`` becomes a list of ``[fetched, cpu_experts, calls]`` lists (JSON's shape).
+    With the GPU's time in ``cost`` (``cost.gpu``) the keys :data:`GPU_RECORD_KEYS` follow, the
+    ``call_counts`` likewise as lists.
 
     Raises:
       ValueError: a result field that is not a record key (the schema and the result diverged).
@@ -94,16 +121,22 @@ def records(results: Iterable, trace, cost=None) -> list[dict]:
             "tokens": int(trace.num_tokens), "calls": int(trace.num_calls),
             "sequences": len(trace.sequence_names)}
     config = {key: (getattr(cost, key) if cost is not None else None) for key in _COST_KEYS}
+    gpu = cost is not None and getattr(cost, "gpu", False)
+    keys = RECORD_KEYS + (GPU_RECORD_KEYS if gpu else ())
+    if gpu:
+        config.update(gpu_layer_seconds=cost.gpu_layer_seconds or 0.0,
+                      gpu_expert_seconds=cost.gpu_expert_seconds or 0.0)
     out = []
     for result in results:
         fields = dataclasses.asdict(result)
-        unknown = set(fields) - set(RECORD_KEYS)
+        unknown = set(fields) - set(RECORD_KEYS) - set(GPU_RECORD_KEYS)
         if unknown:
             raise ValueError(f"result fields {sorted(unknown)} are not record keys")
-        fields["pair_counts"] = [[int(v) for v in pair] for pair in fields["pair_counts"]]
+        for key in _LIST_KEYS:
+            fields[key] = [[int(v) for v in entry] for entry in fields[key]]
         merged = {**fields, **meta, **config}
         merged["tokens"], merged["calls"] = fields["tokens"], fields["calls"]
-        out.append({key: merged.get(key) for key in RECORD_KEYS})
+        out.append({key: merged.get(key) for key in keys})
     return out
 
 
@@ -121,6 +154,8 @@ def table_columns(rows: Sequence[dict]) -> list[str]:
                 else ["fetched_per_token", "cpu_experts_per_token"])
     if timed:
         columns += ["modeled_ms_per_token", "best"]
+    if any(r.get("overlap_ms_per_token") is not None for r in rows):
+        columns += ["overlap_ms_per_token", "stall_ms_per_token", "prefetch_bound"]
     if "batch" in rows[0]:  # a batched replay (pallas_cache.sizing.batching): per B
         columns.insert(1, "batch")
         columns.insert(2, "steps")
@@ -139,8 +174,11 @@ def _cell(key: str, value) -> str:
         return "yes" if value else ""
     if key.endswith("_rate"):
         return f"{value:.4f}"
-    if key in ("modeled_ms_per_token", "modeled_ms_per_step"):
+    if key in ("modeled_ms_per_token", "modeled_ms_per_step", "overlap_ms_per_token",
+               "stall_ms_per_token"):
         return f"{value:.1f}"
+    if key == "prefetch_bound":
+        return f"{100 * value:.1f}%"
     if isinstance(value, float):
         return f"{value:.2f}"
     return str(value)
@@ -208,7 +246,7 @@ def _csv(rows: Sequence[dict]) -> str:
     writer.writeheader()
     for r in rows:
         writer.writerow({key: ("" if r[key] is None else
-                               json.dumps(r[key]) if key == "pair_counts" else r[key])
+                               json.dumps(r[key]) if key in _LIST_KEYS else r[key])
                          for key in keys})
     return buffer.getvalue().rstrip("\n")
 
@@ -245,8 +283,10 @@ def format_records(rows: Sequence[dict], fmt: str = "table", header_lines: Seque
 
 
 def legend_text(width: int = 100) -> str:
-    """:data:`COLUMN_LEGEND` as an aligned, wrapped block (``--help``, docs/replay.md)."""
-    pad = max(len(key) for key in COLUMN_LEGEND) + 2
+    """:data:`COLUMN_LEGEND`, then :data:`GPU_LEGEND`, as an aligned, wrapped block (``--help``,
+    docs/replay.md)."""
+    legend = {**COLUMN_LEGEND, **GPU_LEGEND}
+    pad = max(len(key) for key in legend) + 2
     return "\n".join(textwrap.fill(text, width=width, initial_indent=f"  {key.ljust(pad)}",
                                    subsequent_indent=" " * (pad + 2))
-                     for key, text in COLUMN_LEGEND.items())
+                     for key, text in legend.items())

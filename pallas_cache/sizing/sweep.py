@@ -39,6 +39,7 @@ def replay(
     progress: Progress | Callable[[str], None] | None = None,
     bucket_ratio: float = DEFAULT_BUCKET_RATIO,
     threads: int | None = None,
+    hit_counts: bool = False,
 ) -> list[ReplayResult]:
     """Replay ``trace`` through every configuration and return one result per configuration.
 
@@ -63,6 +64,10 @@ def replay(
         over an equal share of them (XLA releases the GIL while a chunk runs, so on a multi-core
         CPU the shares run side by side; the results do not depend on it). ``None``: the CPU
         cores this process may use, when the sweep runs on one CPU device, else one.
+      hit_counts: also count the calls by ``(hits, fetched, cpu_experts)``
+        (``ReplayResult.call_counts``), what the GPU-time model of docs/semantics.md §11.6
+        times; implied by a ``cost`` with the GPU's time. Another compiled program (a bigger
+        table per lane); the other results are the same.
 
     Returns:
       ``list[ReplayResult]``, aligned with ``configs``.
@@ -77,8 +82,9 @@ def replay(
             )
     where = placement(devices, threads)
     report = as_progress(progress)
+    hit_counts = bool(hit_counts) or (cost is not None and cost.gpu)
     plan = SweepPlan.of(trace, configs, chunk_calls=chunk_calls, bucket_ratio=bucket_ratio,
-                        where=where)
+                        where=where, hit_counts=hit_counts)
     sizes = sorted({c.cache_size for c in configs})
     programs = len(plan.groups)
     report.phase(f"compiling {programs} program{'s' if programs != 1 else ''} for "
@@ -114,7 +120,8 @@ def replay(
 def precompile(num_layers: int, num_experts: int, top_k: int, configs: Sequence[ReplayConfig],
                *, chunk_calls: int = DEFAULT_CHUNK_CALLS,
                devices: Sequence[jax.Device] | None = None,
-               bucket_ratio: float = DEFAULT_BUCKET_RATIO, threads: int | None = None) -> None:
+               bucket_ratio: float = DEFAULT_BUCKET_RATIO, threads: int | None = None,
+               hit_counts: bool = False) -> None:
     """Compile the programs :func:`replay` runs for ``configs`` on a trace of this geometry
     (``top_k`` route columns), with the same options, so that the replay compiles nothing.
 
@@ -129,5 +136,5 @@ def precompile(num_layers: int, num_experts: int, top_k: int, configs: Sequence[
     routes = jnp.zeros((chunk_calls, top_k), jnp.int32)
     for bucket, eviction in groups(keys, bucket_ratio):
         _, batches, program = group_batches(num_layers, num_experts, min(top_k, num_experts) + 1,
-                                            bucket, eviction, keys, where)
+                                            bucket, eviction, keys, where, hit_counts)
         executable(program, batches[0], layers, routes)

@@ -25,7 +25,8 @@ from pallas_cache.state import init
 from pallas_cache.validate import is_int
 
 __all__ = ["LaneKey", "Placement", "chunk_program", "clear_compiled", "executable",
-           "fixed_rules", "group_batches", "groups", "lane_key", "placement"]
+           "fixed_rules", "group_batches", "groups", "hit_index", "hit_table_size", "hit_triples",
+           "lane_key", "placement"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +79,9 @@ def chunk_program(reuse: bool = True, platform: str = "cpu", fixed: tuple = ()):
 
     Args (of the returned function): ``(states, cpu_routes, pairs, policies, rules)`` batched
     over the configurations, and the chunk's ``layers [C]`` and ``routes [C, K]``. ``pairs``
-    is int32 ``[K'+1, K'+1]`` per configuration: accepted calls by ``(fetched, cpu_experts)``.
+    is int32 ``[K'+1, K'+1]`` per configuration: accepted calls by ``(fetched, cpu_experts)``;
+    or int32 ``[hit_table_size(K')]``: by ``(hits, fetched, cpu_experts)`` at
+    :func:`hit_index` (what the GPU-time model needs; its shape makes it another executable).
     """
 
     def one_cache(state, cpu_routes, pairs, policy, rules, layers, routes):
@@ -90,8 +93,11 @@ def chunk_program(reuse: bool = True, platform: str = "cpu", fixed: tuple = ()):
                 lane_rules = lane_rules.replace(reuse=False)
             state, plan = ensure_with_rules(state, layer, route, policy, lane_rules, backend="xla")
             # The cost model's per-call pair (docs/semantics.md §11.2); refused calls add nothing.
-            pairs = pairs.at[plan.fetched, plan.missing - plan.fetched].add(
-                (plan.error == 0).astype(jnp.int32))
+            # A packed table of (hits, fetched, cpu_experts) triples instead (§11.6).
+            index = (plan.fetched, plan.missing - plan.fetched)
+            if pairs.ndim == 1:
+                index = hit_index(plan.active - plan.missing, *index)
+            pairs = pairs.at[index].add((plan.error == 0).astype(jnp.int32))
             return (state, cpu_routes + jnp.sum(plan.cpu, dtype=jnp.int32), pairs), None
 
         # Unrolling amortises XLA:CPU's per-iteration loop overhead (measured: ~1.4x at unroll 4).
@@ -112,6 +118,41 @@ def chunk_program(reuse: bool = True, platform: str = "cpu", fixed: tuple = ()):
     # results; a CPU-only option, so other backends compile as before.
     options = _CPU_OPTIONS if platform == "cpu" else None
     return jax.jit(_replay_chunk, donate_argnums=0, compiler_options=options)
+
+
+#: The most distinct experts per call the packed table indexes in int32 (``n^3`` stays below
+#: ``2^31``); its ``C(K'+3, 3)`` entries per lane are far past any memory limit before that.
+MAX_HIT_DISTINCT = 1200
+
+
+def hit_table_size(distinct: int) -> int:
+    """Entries of the packed ``(hits, fetched, cpu_experts)`` table of calls that route at most
+    ``distinct`` experts: the triples of sum at most ``K'``, ``C(K'+3, 3)`` (a sixth of a cube)."""
+    return (distinct + 1) * (distinct + 2) * (distinct + 3) // 6
+
+
+def hit_index(hits, fetched, cpu):
+    """The packed table's entry of a triple (jnp or Python ints): the triples ordered by their
+    sum ``n``, then ``hits``, then ``fetched``: ``C(n+2, 3) + hits*(n+1) - hits*(hits-1)/2 +
+    fetched``. :func:`hit_triples` inverts it."""
+    n = hits + fetched + cpu
+    return n * (n + 1) * (n + 2) // 6 + hits * (n + 1) - hits * (hits - 1) // 2 + fetched
+
+
+def hit_triples(indices) -> list[tuple[int, int, int]]:
+    """The ``(hits, fetched, cpu_experts)`` triples of packed entries (see :func:`hit_index`)."""
+    out = []
+    for index in (int(i) for i in indices):
+        n = 0
+        while (n + 1) * (n + 2) * (n + 3) // 6 <= index:
+            n += 1
+        rest = index - n * (n + 1) * (n + 2) // 6
+        hits = 0
+        while rest >= n + 1 - hits:  # n + 1 - hits triples start with this many hits
+            rest -= n + 1 - hits
+            hits += 1
+        out.append((hits, rest, n - hits - rest))
+    return out
 
 
 def fixed_rules(rules: Sequence[Rules]) -> tuple:
@@ -179,15 +220,20 @@ def groups(keys, bucket_ratio):
 
 
 def group_batches(num_layers, num_experts, pair_side, bucket, eviction, keys,
-                  where: Placement):
+                  where: Placement, hit_counts: bool = False):
     """``(unique lanes, batches, program)`` of one group: its initial batches, one per host
-    thread's share of the lanes, and the compiled program they all run.
+    thread's share of the lanes, and the compiled program they all run. ``hit_counts``: count
+    the calls by ``(hits, fetched, cpu_experts)`` (the packed table of :func:`hit_index`)
+    instead of by ``(fetched, cpu_experts)``.
 
     One program for every size of the bucket: the capacity is its largest size, each lane has
     its own traced usable size (docs/semantics.md §5.15), and configurations that cannot differ
     share a lane.
     """
     capacity = bucket[-1]
+    if hit_counts and pair_side - 1 > MAX_HIT_DISTINCT:
+        raise ValueError(f"the GPU-time model counts calls of at most {MAX_HIT_DISTINCT} "
+                         f"distinct experts; these calls route up to {pair_side - 1}")
     unique = list(dict.fromkeys(key for key in keys
                                 if key.cache_size in bucket and key.eviction == eviction))
     parts = min(where.threads, len(unique))
@@ -200,7 +246,8 @@ def group_batches(num_layers, num_experts, pair_side, bucket, eviction, keys,
         _stack([init(num_layers, num_experts, key.cache_size, capacity=capacity,
                      eviction=eviction) for key in part]),
         jnp.zeros(per_part, jnp.int32),
-        jnp.zeros((per_part, pair_side, pair_side), jnp.int32),
+        jnp.zeros((per_part,) + ((hit_table_size(pair_side - 1),) if hit_counts
+                                 else (pair_side, pair_side)), jnp.int32),
         _stack([FetchPolicy(jnp.int32(key.fraction16), jnp.int32(key.cap)) for key in part]),
         _stack(rules[start:start + per_part]),
     ), where.mesh) for start in range(0, count, per_part)

@@ -125,6 +125,13 @@ class ReplayResult:
       budget_best: the lowest modeled ms/token among all rows whose ``cache_bytes`` fits the
         device budget (``None`` without a budget).
       note: why the row is flagged (semicolon-separated), else empty.
+      call_counts: ``(hits, fetched, cpu_experts, calls)`` for every per-call triple that
+        occurred, exact; only from a replay asked for them (``hit_counts``, or a cost model with
+        the GPU's time), else empty: what the event rules time (docs/semantics.md §11.6).
+      overlap_ms_per_token: the event rules' time per token (``None`` without the GPU's time).
+      stall_ms_per_token: ``overlap_ms_per_token`` minus the device's own work per token.
+      prefetch_bound: ``1 - max(gpu_busy, link_busy, cpu_busy) / overlap``: the most any
+        prefetch that moves the same bytes could save, as a fraction.
     """
 
     cache_size: int
@@ -155,6 +162,10 @@ class ReplayResult:
     budget_best: bool | None = None
     note: str = ""
     eviction: str = "lru"
+    call_counts: tuple = ()
+    overlap_ms_per_token: float | None = None
+    stall_ms_per_token: float | None = None
+    prefetch_bound: float | None = None
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)

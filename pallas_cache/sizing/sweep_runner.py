@@ -18,7 +18,7 @@ from pallas_cache.policy import Admission, FetchOrder
 from pallas_cache.sizing import bounds as belady_lib
 from pallas_cache.sizing.progress import Progress
 from pallas_cache.sizing.sweep_program import (Placement, executable, group_batches, groups,
-                                               lane_key)
+                                               hit_triples, lane_key)
 from pallas_cache.sizing.sweep_records import ReplayResult
 from pallas_cache.sizing.traces import Trace
 
@@ -41,6 +41,8 @@ class SweepPlan:
       num_calls: the trace's layer-calls (before padding).
       chunk_calls: layer-calls per compiled chunk.
       where: the devices and host threads (:class:`~pallas_cache.sizing.sweep_program.Placement`).
+      hit_counts: count the calls by ``(hits, fetched, cpu_experts)`` too (the GPU-time model's
+        histogram, docs/semantics.md §11.6).
     """
 
     trace: Trace
@@ -52,10 +54,11 @@ class SweepPlan:
     num_calls: int
     chunk_calls: int
     where: Placement
+    hit_counts: bool = False
 
     @classmethod
     def of(cls, trace: Trace, configs, *, chunk_calls: int, bucket_ratio: float,
-           where: Placement) -> "SweepPlan":
+           where: Placement, hit_counts: bool = False) -> "SweepPlan":
         """The plan of replaying ``trace`` through ``configs``: the calls padded to whole
         chunks with refused layer ``-1`` calls, which change nothing and count nothing."""
         layers, routes = trace.to_array()
@@ -67,7 +70,7 @@ class SweepPlan:
                                  np.full((padded - num_calls, routes.shape[1]), -1, np.int32)])
         keys = tuple(lane_key(config) for config in configs)
         return cls(trace, tuple(configs), keys, tuple(groups(keys, bucket_ratio)), layers,
-                   routes, num_calls, chunk_calls, where)
+                   routes, num_calls, chunk_calls, where, bool(hit_counts))
 
     @property
     def num_chunks(self) -> int:
@@ -117,7 +120,7 @@ def run_groups(plan: SweepPlan, report: Progress, compiled: Callable[[], None]) 
     for bucket, eviction in plan.groups:
         unique, batches, program = group_batches(trace.num_layers, trace.num_experts,
                                                  plan.pair_side, bucket, eviction, keys,
-                                                 plan.where)
+                                                 plan.where, plan.hit_counts)
         status = "cache_size=" + ",".join(str(size) for size in bucket) + (
             "" if eviction == Eviction.LRU.value else f" eviction={eviction}")
         batches[0] = run(program, batches[0], 0, status)  # compiles the group's program
@@ -136,7 +139,17 @@ def run_groups(plan: SweepPlan, report: Progress, compiled: Callable[[], None]) 
             row = unique.index(key)
             size = key.cache_size
             calls, active, missing, fetched = (int(v) for v in states.stats[row].sum(axis=0))
-            fetched_of, cpu_of = np.nonzero(pairs[row])
+            table = pairs[row]
+            call_counts = ()
+            if table.ndim == 1:  # (hits, fetched, cpu_experts): the pairs are its sums over hits
+                (found,) = np.nonzero(table)
+                call_counts = tuple(sorted(
+                    (h, f, c, int(table[index]))
+                    for (h, f, c), index in zip(hit_triples(found), found)))
+                table = np.zeros((plan.pair_side, plan.pair_side), table.dtype)
+                for _, f, c, count in call_counts:
+                    table[f, c] += count
+            fetched_of, cpu_of = np.nonzero(table)
             results[index] = ReplayResult(
                 cache_size=size,
                 policy=config.policy,
@@ -158,8 +171,9 @@ def run_groups(plan: SweepPlan, report: Progress, compiled: Callable[[], None]) 
                 cpu_experts=missing - fetched,
                 fetched_per_token=fetched / max(num_tokens, 1),
                 cpu_experts_per_token=(missing - fetched) / max(num_tokens, 1),
-                pair_counts=tuple((int(f), int(c), int(pairs[row][f, c]))
+                pair_counts=tuple((int(f), int(c), int(table[f, c]))
                                   for f, c in zip(fetched_of, cpu_of)),
+                call_counts=call_counts,
                 note=_note(size, trace, 1.0 - missing / active if active else 1.0),
                 eviction=eviction,
             )
