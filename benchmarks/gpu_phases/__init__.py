@@ -1,0 +1,10 @@
+"""The phases of benchmarks/gpu_check.py, one module each, in their default run order: the
+equality checks first and at small sizes, then the several-devices path, the cost of each
+eviction at four geometries, the LRU miss sweep against upstream, and the copy path. Each
+module has ``NAME``, ``plan(args) -> [(row, estimated seconds on the GPU)]``, ``run(ctx, row)
+-> result`` (``result["status"]``: ``match``, ``MISMATCH``, ``FAIL``) and ``markdown(args,
+[(row, result)]) -> lines``."""
+
+from . import copy, equality, geometries, mesh, sweep
+
+PHASES = {module.NAME: module for module in (equality, mesh, geometries, sweep, copy)}
