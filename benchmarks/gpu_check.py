@@ -20,8 +20,8 @@ plans. A row that would end past the budget is **skipped, not matched**: the rep
 INCOMPLETE and the run exits 4. The report is rewritten after every row. Run from the
 repository root, e.g. ``PYTHONUNBUFFERED=1 timeout 540 python benchmarks/gpu_check.py --out
 $OUT/gpu_check.md``; ``--smoke`` runs on a CPU (backend ``interpret``): every equality check and
-one row of every other phase, whatever the budget; ``--dry-run`` prints the rows and the
-estimate and exits. Exit status: 0 every row ran and matched; 1 a difference or a failed
+one row of every other phase (one per layout for the mesh), the first row of each phase
+whatever the budget; ``--dry-run`` prints the rows and the estimate and exits. Exit status: 0 every row ran and matched; 1 a difference or a failed
 backend; 2 a bad argument, or a sweep row without m misses per call; 3 no GPU; 4 incomplete
 (rows skipped by the budget)."""
 
@@ -110,7 +110,7 @@ def parse_args(argv=None):
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", "--cpu-smoke", dest="smoke", action="store_true",
                    help="on the CPU, backend 'interpret' for 'pallas', tiny sizes: every "
-                        "equality check and one row of every other phase")
+                        "equality check and one row of every other phase (one per mesh layout)")
     p.add_argument("--phases", type=_phase_names, default=tuple(PHASES),
                    help=f"phases to run, in this order (default {','.join(PHASES)})")
     p.add_argument("--candidate", choices=pc.BACKENDS, default=None,
@@ -151,9 +151,9 @@ def parse_args(argv=None):
 
 def phase_plan(args, name):
     """The rows of phase ``name`` for this run, with their estimated seconds on the GPU: all of
-    them, or in a smoke run the equality checks and the first row of each other phase."""
+    them, or in a smoke run the phase's ``smoke_rows`` (default its first row)."""
     rows = PHASES[name].plan(args)
-    return rows if not args.smoke or name == "equality" else rows[:1]
+    return getattr(PHASES[name], "smoke_rows", lambda rows: rows[:1])(rows) if args.smoke else rows
 
 
 def dry_run(args) -> str:

@@ -103,3 +103,15 @@ def test_device_time_sums_the_gpu_stream_lines_one_cluster_per_dispatch(gpu_chec
     assert sorted(spans) == [(1000.0, 5.0), (1010.0, 3.0), (60000.0, 4.0)]
     assert cluster_sums(spans, 2) == [8.0, 4.0]
     assert cluster_sums(spans, 3) is None  # not split into the runs: no figure, not a wrong one
+
+
+def test_a_smoke_run_of_the_cost_phases_completes_and_matches(gpu_check, capsys):
+    """FAILS if a cost row's path breaks on the CPU: the sweep's row (schedule, warm-up, both
+    backends, the floor program, the profiler trace read back, the lowered op count) and the
+    copy row run, compare, and the complete run exits 0."""
+    status = gpu_check.main(["--smoke", "--phases", "sweep,copy"])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert "all matched**: 2 rows, none skipped" in out
+    assert "| 4, 32, 64, 8 | 0 |" in out and "0 of 40 | n/a (no device time) | match |" in out
+    assert "Device trace: no GPU events: not a GPU" in out

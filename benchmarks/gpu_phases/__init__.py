@@ -3,7 +3,8 @@ equality checks first and at small sizes, then the several-devices path, the cos
 eviction at four geometries, the LRU miss sweep against upstream, and the copy path. Each
 module has ``NAME``, ``plan(args) -> [(row, estimated seconds on the GPU)]``, ``run(ctx, row)
 -> result`` (``result["status"]``: ``match``, ``MISMATCH``, ``FAIL``) and ``markdown(args,
-[(row, result)]) -> lines``."""
+[(row, result)]) -> lines``; optionally ``smoke_rows(rows)``, the rows of a ``--smoke`` run
+(default the first)."""
 
 from . import copy, equality, geometries, mesh, sweep
 

@@ -241,10 +241,10 @@ def cluster_sums(spans, count: int, gap_us: float = 1e6 * GAP_S / 2) -> list[flo
 
 def device_times(runs) -> tuple[list[float] | None, str]:
     """Each callable of ``runs`` (one blocking dispatch each) once, ``GAP_S`` apart, under one
-    ``jax.profiler`` trace: ``(device us of each run, note)``; ``(None, why)`` off a GPU (the
-    trace is taken and read all the same) or
-    when the trace has no GPU events or cannot be split into the runs. The note names the trace lines summed and
-    whether a dispatch launched a CUDA graph (an XLA command buffer)."""
+    ``jax.profiler`` trace: ``(device us of each run, note)``; ``(None, why)`` when the trace
+    has no GPU events (off a GPU the trace is taken and read all the same) or cannot be split
+    into the runs. The note names the trace lines summed and whether a dispatch launched a CUDA
+    graph (an XLA command buffer)."""
     with tempfile.TemporaryDirectory() as tmp:
         with jax.profiler.trace(tmp, create_perfetto_trace=True):
             for run in runs:

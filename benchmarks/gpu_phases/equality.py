@@ -79,6 +79,11 @@ def plan(args):
     return out
 
 
+def smoke_rows(rows):
+    """A smoke run runs every equality check."""
+    return rows
+
+
 def run(ctx, row) -> dict:
     if row["kind"] == "case":
         return check_case(ctx, row["case"])
