@@ -21,9 +21,9 @@ INCOMPLETE and the run exits 4. The report is rewritten after every row. Run fro
 repository root, e.g. ``PYTHONUNBUFFERED=1 timeout 540 python benchmarks/gpu_check.py --out
 $OUT/gpu_check.md``; ``--smoke`` runs on a CPU (backend ``interpret``): every equality check and
 one row of every other phase (one per layout for the mesh), the first row of each phase
-whatever the budget; ``--dry-run`` prints the rows and the estimate and exits. Exit status: 0 every row ran and matched; 1 a difference or a failed
-backend; 2 a bad argument, or a sweep row without m misses per call; 3 no GPU; 4 incomplete
-(rows skipped by the budget)."""
+whatever the budget; ``--dry-run`` prints the rows and the estimate and exits. Exit status: 0
+every row ran and matched; 1 a difference or a failed backend; 2 a bad argument, or a sweep row
+without m misses per call; 3 no GPU; 4 incomplete (rows skipped by the budget)."""
 
 from __future__ import annotations
 
