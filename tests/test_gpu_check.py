@@ -115,3 +115,35 @@ def test_a_smoke_run_of_the_cost_phases_completes_and_matches(gpu_check, capsys)
     assert "all matched**: 2 rows, none skipped" in out
     assert "| 4, 32, 64, 8 | 0 |" in out and "0 of 40 | n/a (no device time) | match |" in out
     assert "Device trace: no GPU events: not a GPU" in out
+
+
+def test_the_tables_print_a_gpu_runs_device_times_and_the_upstream_verdict(gpu_check):
+    """FAILS if a table breaks on the figures only a GPU run has (device us, GB/s): each
+    phase's markdown with them, and the sweep's verdict against upstream (device us at or below
+    upstream's base + slope * m, one Pallas call per iteration)."""
+    from gpu_phases import PHASES
+
+    args = gpu_check.parse_args(["--candidate", "pallas"])
+    cost = {"status": "match", "us": {"pallas": 9.5, "xla": 40.25},
+            "device_us": {"pallas": 2.0, "xla": 30.0}, "kernels": {"pallas": (3, 1),
+                                                                   "xla": (60, 0)},
+            "compile_s": {"pallas": 1.0, "xla": 2.0}, "device_note": "lines Stream #7"}
+    extra = {"sweep": {"off_m": {"xla": 0, "pallas": 0}, "calls": 2048,
+                       "ops": {"xla": (0, 300), "pallas": (1, 2)}},
+             "geometries": {"misses": 1.5}, "mesh": {"devices": 1, "one_device": "match"},
+             "copy": {"kind": "pinned_host", "wall_gbs": 20.0, "device_gbs": 25.0,
+                      "device_us": 1342.2}}
+    tables = {}
+    for name, module in PHASES.items():
+        if name == "equality":
+            continue
+        row = module.plan(args)[1 if name == "sweep" else 0][0]
+        result = {**cost, **extra[name]} if name != "copy" else {"status": "match",
+                                                                 **extra["copy"]}
+        tables[name] = "\n".join(module.markdown(args, [(row, result)]))
+    # S=512, m=1: upstream 1.6 + 0.56 = 2.16 us; the kernel's 2.00 device us meets it
+    assert "| 48, 64, 512, 8 | 1 | 2.16 | 2.00 | 30.00 | 9.50 | 40.25 | 3 (1); 60 (0) | " \
+           "2 + 1 Pallas; 300 | 0 of 4096 | met | match |" in tables["sweep"]
+    assert "| 32, 8, 64, 2 | lru | 1.50 | 2.00 | 30.00 | 9.50 | 40.25 |" in tables["geometries"]
+    assert "| expert-parallel | lru | 32, 8, 64, 2 | 1 | 2.00 | 30.00 |" in tables["mesh"]
+    assert "| 4 | 1 | pinned_host | 20.00 | 25.00 | 1342.2 | match |" in tables["copy"]
