@@ -9,10 +9,10 @@ benchmarks/gpu_phases/):
   eviction plain, with a low rebase threshold, a usable size below the capacity and ``vmap``;
   the random operation sequences; then 8192 slots (the streamed two-block search);
 - ``mesh``: both several-devices layouts inside ``jax.shard_map(check_vma=True)``;
-- ``geometries``: per-call cost of each eviction at (32,8,64,2), (32,8,256,2), (58,256,2048,8),
-  (61,256,16384,8);
 - ``sweep``: the LRU miss sweep at S = 512 and 16384, m = 0, 1, 8, against upstream's table;
-- ``copy``: ``apply_copy_plan`` GB/s from a ``pinned_host`` bank.
+- ``copy``: ``apply_copy_plan`` GB/s from a ``pinned_host`` bank;
+- ``geometries``: per-call cost of each eviction at (32,8,64,2), (32,8,256,2), (58,256,2048,8),
+  (61,256,16384,8) (last: the most rows, so overrun estimates cut these first).
 
 Every cost row gives wall and device time (the sum of the GPU events of one profiled dispatch,
 the trivial-body floor's subtracted) for both backends, and compares their final states and
