@@ -10,7 +10,6 @@ layer-call of a ``lax.scan`` (the loop's own bookkeeping included).
 from __future__ import annotations
 
 import os
-import re
 import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -21,20 +20,12 @@ from jax import lax  # noqa: E402
 
 import pallas_cache as pc  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.lowering import count_ops  # noqa: E402  (the one op counter)
+
 GEOMETRIES = [(8, 16, 64, 8), (32, 8, 64, 2), (32, 8, 128, 2), (48, 128, 2048, 8),
               (48, 128, 4096, 8), (64, 320, 16384, 8)]
 EVICTIONS = ("lru", "pair_lfu", "route_knn", "route_lfu")
-UNCOUNTED = {"constant", "reshape", "bitcast_convert", "return", "custom_call", "tuple",
-             "get_tuple_element", "optimization_barrier"}
-PALLAS_CALL = "custom_call @__gpu$xla.gpu.triton"
-
-
-def count_ops(text: str) -> tuple[int, int]:
-    ops = [op for op in re.findall(r"(?<![#\w])stablehlo\.([a-z_0-9]+)", text)
-           if op not in UNCOUNTED]
-    return text.count(PALLAS_CALL), len(ops)
-
-
 def lower(fn, *args) -> str:
     return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
