@@ -198,18 +198,24 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_parser("scenarios", help="print the promotion scenarios' table", parents=[common])
 
     bench = commands.add_parser(
-        "bench-bandwidth", help="measure B_link and B_cpu roughly, for replay's cost model",
+        "bench-bandwidth", help="measure B_link, B_cpu and T_cpu roughly, for replay's cost model",
         description="Measure the host-to-device copy bandwidth (B_link: jax.device_put of pageable "
-                    "host memory) and the CPU's expert streaming rate (B_cpu: a one-token float32 "
-                    "matrix-vector product over one expert matrix), and print them as replay "
-                    "flags. Rough: a serving engine's pinned buffers and CPU kernels differ.",
+                    "host memory), and the library's CPU path, cpu_partial, with 1-4 CPU experts "
+                    "of one token (B_cpu: expert bytes per second, from the slope of a line "
+                    "through its times; T_cpu: the line's intercept, a fixed cost per "
+                    "layer-call), and print them as replay flags. A line on stderr per phase; "
+                    "seconds, not minutes. Peak memory: about twice the CPU bank (4 experts of "
+                    "d-model x d-expert float32: 448MiB by default) plus 0.75GiB; the default "
+                    "bank halves its columns until that fits half the available memory. Rough: "
+                    "a serving engine's pinned buffers and CPU kernels differ.",
         parents=[common])
     bench.add_argument("--mib", type=int, default=256,
                        help="MiB copied per B_link measurement (default: 256)")
-    bench.add_argument("--d-model", type=int, default=4096, help="expert matrix rows (default: "
-                                                                 "4096, Mixtral-8x7B)")
-    bench.add_argument("--d-expert", type=int, default=14336,
-                       help="expert matrix columns (default: 14336, Mixtral-8x7B)")
+    bench.add_argument("--d-model", type=int, default=4096,
+                       help="expert matrix rows (default: 4096, Mixtral-8x7B's)")
+    bench.add_argument("--d-expert", type=int, default=None,
+                       help="expert matrix columns (default: 7168, half of Mixtral-8x7B's 14336: "
+                            "112MiB per expert, past any CPU cache; fewer where memory is short)")
     bench.add_argument("--repeats", type=int, default=5, help="timed runs, median (default: 5)")
     return use_ascii_ints(parser)
 
