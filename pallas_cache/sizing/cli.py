@@ -11,17 +11,26 @@ import os
 import signal
 import sys
 
-from pallas_cache.sizing.cli_checks import output_failed
+from pallas_cache.sizing.cli_checks import exit_without_teardown, output_failed
 from pallas_cache.sizing.cli_args import NO_COMPILE_CACHE_ENV, UsageError, build_parser
-from pallas_cache.sizing.cli_replay import (exit_now_if_compiling, exit_without_teardown,
-                                            run_replay)
 from pallas_cache.sizing.units import format_bandwidth
+
+# Nothing above imports JAX or NumPy: the parser answers --help, --version and a refused command
+# line at once, and JAX's import (seconds) starts with the work, inside the Ctrl-C handling.
 
 __all__ = ["EXIT_INTERRUPTED", "NO_COMPILE_CACHE_ENV", "compile_cache_dir", "console_main",
            "main", "private_cache_problem"]
 
 #: Exit status after Ctrl-C (128 + SIGINT), as shells report it.
 EXIT_INTERRUPTED = 130
+
+
+def run_replay(args) -> int:
+    """``pallas-cache replay``: :func:`pallas_cache.sizing.cli_replay.run_replay`, imported when
+    the work starts (it imports JAX), inside the CLI's Ctrl-C handling."""
+    from pallas_cache.sizing import cli_replay
+
+    return cli_replay.run_replay(args)
 
 
 def _scenarios(_args) -> int:
@@ -224,7 +233,9 @@ def console_main() -> int:
         # lanes, the offline optima) may still be inside XLA's C++ code, where the
         # interpreter's teardown would abort it (exit 134) after the CLI printed its line.
         exit_without_teardown(status)
-    exit_now_if_compiling(status)
+    replay = sys.modules.get("pallas_cache.sizing.cli_replay")  # only a replay compiles
+    if replay is not None:
+        replay.exit_now_if_compiling(status)
     return status
 
 

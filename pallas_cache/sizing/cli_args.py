@@ -8,14 +8,13 @@ import os
 import re
 import tempfile
 
-from pallas_cache.evictions import Eviction
-from pallas_cache.sizing import synthetic
+from pallas_cache import __version__
+from pallas_cache.sizing import cli_names
 from pallas_cache.sizing.cli_checks import use_ascii_ints
 from pallas_cache.sizing.cli_sizing import add_sizing_arguments, cpu_fixed_seconds
 from pallas_cache.sizing.cost import CostModel
 from pallas_cache.sizing.models import MODELS, resolve_model
 from pallas_cache.sizing.report import FORMATS, legend_text
-from pallas_cache.sizing.traces import FIELD_KEYS, TRACE_FORMATS, check_memory
 from pallas_cache.sizing.units import format_bytes, parse_bandwidth, parse_bytes
 
 __all__ = ["DEFAULT_PLOT_NAME", "DEFAULT_POLICIES", "DEFAULT_PRESET", "DEFAULT_TIMED_POLICIES",
@@ -100,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="pallas-cache",
         description="Plan and size the GPU expert slot cache of offloaded MoE inference.",
     )
+    parser.add_argument("--version", action="version", version=f"pallas-cache {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     common = Parser(add_help=False)
     common.add_argument("--no-compile-cache", action="store_true",
@@ -115,20 +115,22 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--trace", metavar="PATH",
                         help="a .jsonl, .npy, .npz or .parquet routing trace, or a directory of "
                              "vLLM routed-experts .npy files (one per request)")
-    source.add_argument("--synthetic", metavar="PRESET", choices=sorted(synthetic.PRESETS),
-                        help=f"a generated trace: {', '.join(sorted(synthetic.PRESETS))} "
+    source.add_argument("--synthetic", metavar="PRESET", choices=cli_names.PRESETS,
+                        help=f"a generated trace: {', '.join(cli_names.PRESETS)} "
                              f"(default: {DEFAULT_PRESET})")
     replay.add_argument("--tokens", type=int, default=None,
                         help="tokens to generate for --synthetic (default: the preset's)")
     replay.add_argument("--seed", type=int, default=0, help="seed for --synthetic (default: 0)")
-    replay.add_argument("--trace-format", choices=("auto",) + TRACE_FORMATS, default="auto",
+    replay.add_argument("--trace-format", choices=("auto",) + cli_names.TRACE_FORMATS,
+                        default="auto",
                         help="how to read --trace: auto (a directory is vllm, else the suffix "
                              "decides), jsonl, array (.npy/.npz [tokens, layers, top_k]), vllm "
                              "(the array layout, one request per file or .npz array, every "
                              "request the same layers and top_k) or parquet (default: auto)")
     replay.add_argument("--field", metavar="KEY=NAME[,...]", default=None,
                         help="the names a JSONL or Parquet --trace uses for the record keys "
-                             f"({', '.join(FIELD_KEYS)}), e.g. layer=layer_idx,experts=topk_ids")
+                             f"({', '.join(cli_names.FIELD_KEYS)}), e.g. "
+                             f"layer=layer_idx,experts=topk_ids")
     replay.add_argument("--num-layers", type=int, default=None,
                         help="declared layer count of --trace (default: inferred)")
     replay.add_argument("--num-experts", type=int, default=None,
@@ -163,13 +165,13 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--parallel", choices=("expert", "tensor"), default=None,
                         help="with --devices: expert (each device its own experts and cache) or "
                              "tensor (each device 1/D of every expert, one cache)")
-    replay.add_argument("--order", nargs="+", default=["recency"], choices=["recency", "lowest_id"],
+    replay.add_argument("--order", nargs="+", default=["recency"], choices=cli_names.ORDERS,
                         help="which misses win a capped fetch (default: recency)")
     replay.add_argument("--admission", nargs="+", default=["promote_one"],
-                        choices=["promote_one", "none", "reuse"],
+                        choices=cli_names.ADMISSIONS,
                         help="fetches beyond the split (default: promote_one)")
     replay.add_argument("--eviction", nargs="+", default=["lru"],
-                        choices=[eviction.value for eviction in Eviction],
+                        choices=cli_names.EVICTIONS,
                         help="which resident a fetch evicts (default: lru); reuse is swept "
                              "with lru only. route_knn is what wins on real Mixtral routing: "
                              "the best hit rate at every size on Mixtral-8x7B HumanEval and "
@@ -345,6 +347,7 @@ def check_state_memory(sizes, configs_per_size: int, num_layers: int, num_expert
     states, the program's output batch and the initial state, ``2 * n + 1`` states in all.
     """
     from pallas_cache.sizing.sweep import capacity_buckets  # after config_grid's jax import
+    from pallas_cache.sizing.traces import check_memory
 
     largest = 0
     for bucket in reversed(capacity_buckets(sizes)):

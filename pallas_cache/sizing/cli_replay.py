@@ -19,7 +19,8 @@ from pallas_cache.sizing.cli_args import (DEFAULT_PRESET, cache_sizes, check_plo
                                           check_state_memory, clamped, cost_options,
                                           model_mismatch, policy_warnings, resolve_policies)
 from pallas_cache.sizing.cli_checks import (check_before_reading, check_geometry,
-                                            check_modeled_numbers, check_step_memory)
+                                            check_modeled_numbers, check_step_memory,
+                                            exit_without_teardown)
 from pallas_cache.sizing.cli_devices import (device_cost, device_header, run_expert_parallel,
                                              tensor_records)
 from pallas_cache.sizing.cli_sizing import (batches, cliff_lines, synthetic_geometry,
@@ -369,17 +370,6 @@ def exit_now_if_compiling(status: int) -> None:
     the console script flushes its output and leaves without the interpreter's teardown."""
     if not all(finished.is_set() for finished in _COMPILES):
         exit_without_teardown(status)
-
-
-def exit_without_teardown(status: int) -> None:
-    """Flush the output and end the process with ``status`` without the interpreter's teardown
-    (see :func:`exit_now_if_compiling`)."""
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(status)
 
 
 def run_replay(args) -> int:

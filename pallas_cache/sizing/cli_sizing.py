@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 
-from pallas_cache.sizing import synthetic
 from pallas_cache.sizing.units import parse_duration
 
 __all__ = ["add_sizing_arguments", "batches", "budget_fit", "cliff_lines", "cpu_fixed_seconds",
@@ -92,6 +91,8 @@ def synthetic_geometry(args, default_preset: str) -> dict:
             value = theirs
         if value is not None:
             geometry[field] = value
+    from pallas_cache.sizing import synthetic
+
     preset = synthetic.PRESETS.get(args.synthetic or default_preset)
     if preset is not None:
         experts = geometry.get("num_experts", preset.num_experts)
