@@ -25,7 +25,7 @@ from pallas_cache.sizing.cli_checks import (check_before_reading, check_geometry
 from pallas_cache.sizing.cli_devices import (device_cost, device_header, run_expert_parallel,
                                              tensor_records)
 from pallas_cache.sizing.cli_sizing import (batches, cliff_lines, synthetic_geometry,
-                                            with_budget_fit)
+                                            trace_lines, with_budget_fit)
 from pallas_cache.sizing.progress import Bar, Progress
 from pallas_cache.sizing.report import CONFIG_KEYS, format_records, merged_configs, records
 from pallas_cache.sizing.traces import (RUN_FIXED_BYTES, ProcessBudget, TraceError,
@@ -157,11 +157,11 @@ def _knn_line(results, companions, knn_results, lru_table: bool) -> str | None:
 
 
 def _legend(results, trace, cost, knn_line: str | None = None, rows=None,
-            per_device: bool = False) -> list[str]:
+            per_device: bool = False, about_trace=()) -> list[str]:
     """What a newcomer needs to read the table: the bounds, the model, the verdict, and (an LRU
     sweep) what route_knn changes (one line, not wrapped). ``rows``: the table's records (their
     ``batch``, and the configurations the table shows once); ``per_device``: the budget is
-    each device's."""
+    each device's; ``about_trace``: what the trace can tell (first)."""
     k = min(trace.top_k, trace.num_experts)
     cliffs = cliff_lines(results, trace)
     paragraphs = [
@@ -197,7 +197,7 @@ def _legend(results, trace, cost, knn_line: str | None = None, rows=None,
     if rows is not None:
         paragraphs += _stops_copying(rows, trace)
     return ([textwrap.fill(text, width=100, break_on_hyphens=False)
-             for text in cliffs + paragraphs] + ([knn_line] if knn_line else []))
+             for text in [*about_trace, *cliffs, *paragraphs]] + ([knn_line] if knn_line else []))
 
 
 
@@ -346,6 +346,10 @@ class _Checked(Progress):
         self.latch.check()
         self.inner.note(line)
 
+    def log(self, line):
+        self.latch.check()
+        self.inner.log(line)
+
     def close(self):
         self.inner.close()
 
@@ -464,6 +468,9 @@ def _replay_with(args, progress: Progress, latch: _InterruptLatch) -> int:
         expert_parallel = getattr(args, "parallel", None) == "expert"
         compiling = (None if args.trace or expert_parallel
                      else _precompile_synthetic(args, policies, cost))
+        if compiling is not None:  # every check passed: a log sees the work start, at once
+            progress.log(f"generating the {args.synthetic or DEFAULT_PRESET} trace while its "
+                         f"programs compile...")
         trace = _load(args, progress)
         if auto_k == 0:
             auto_k = min(trace.top_k, trace.num_experts)
@@ -522,8 +529,12 @@ def _replay_with(args, progress: Progress, latch: _InterruptLatch) -> int:
     latch.check()  # nothing is written after a Ctrl-C, even one a compile callback swallowed
     fmt = args.format or ("json" if args.json else "table")
     rows = tensor_records(rows, args)
+    about_trace = trace_lines(rows, trace, None if args.trace else
+                              (args.synthetic or DEFAULT_PRESET))
     if fmt != "table":
         print(format_records(rows, fmt))
+        for line in [] if args.quiet else about_trace:
+            print(f"pallas-cache: {line}", file=sys.stderr)
     else:
         header = []
         if weight_label:
@@ -546,7 +557,7 @@ def _replay_with(args, progress: Progress, latch: _InterruptLatch) -> int:
         print(format_records(rows, "table", header))
         knn_line = _knn_line(results, companions, knn_results, set(args.eviction) == {"lru"})
         print("\n".join(_legend(results, trace, cost, knn_line, rows,
-                                 getattr(args, "parallel", None) == "tensor")))
+                                 getattr(args, "parallel", None) == "tensor", about_trace)))
     if args.plot:
         try:
             _plot(rows, args.plot)
