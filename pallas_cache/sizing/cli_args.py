@@ -157,8 +157,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="expert bytes per second the CPU MoE path processes, B_cpu, "
                              "e.g. 60GB/s")
     replay.add_argument("--device-budget", metavar="SIZE",
-                        help="device memory for the pool, e.g. 24GiB: names the fastest "
-                             "configuration whose cache_bytes fits (needs W and both bandwidths)")
+                        help="device memory for the expert pool alone, e.g. 24GiB: names the "
+                             "fastest configuration whose cache_bytes fits (needs W and both "
+                             "bandwidths). Subtract the rest first: dense and attention weights, "
+                             "the KV cache, activations, your engine's reserve")
     replay.add_argument("--devices", type=int, default=None, metavar="D",
                         help="size the caches of D devices (with --parallel); cache sizes and "
                              "--device-budget are per device")
@@ -173,9 +175,11 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--eviction", nargs="+", default=["lru"],
                         choices=cli_names.EVICTIONS,
                         help="which resident a fetch evicts (default: lru); reuse is swept "
-                             "with lru only. route_knn is what wins on real Mixtral routing: "
-                             "the best hit rate at every size on Mixtral-8x7B HumanEval and "
-                             "GSM8K decode traces (21-51%% of the LRU->Belady gap); its step "
+                             "with lru only. route_knn is what wins on real Mixtral routing "
+                             "with --policy full: the best hit rate at every size on "
+                             "Mixtral-8x7B HumanEval and GSM8K decode traces (21-51%% of the "
+                             "LRU->Belady gap; with a hybrid split LRU can win, e.g. at "
+                             "fraction:0.4 and 181 slots); its step "
                              "costs about 3x LRU's per call at Mixtral's geometry and about 6x at "
                              "a fine-grained one (XLA:CPU, by load; benchmarks/RESULTS.md), small "
                              "beside an expert copy. Check it on your trace: --eviction lru "
