@@ -228,7 +228,9 @@ def _stops_copying(rows, trace) -> list[str]:
     """Why a ``fraction:Q`` marked best copies no miss once the pool is full: at this trace's
     routes per call its split rounds every call's misses down to 0 (docs/semantics.md §5.3),
     so only the admission rule fills empty slots, and the CPU computes every miss after."""
-    from pallas_cache.reference.policy import ReferencePolicy
+    import jax.numpy as jnp
+
+    from pallas_cache.sizing.sweep import parse_policy
 
     lines = []
     for policy in dict.fromkeys(r["policy"] for r in rows if r["best"] or r["budget_best"]):
@@ -237,9 +239,9 @@ def _stops_copying(rows, trace) -> list[str]:
             continue
         widths = {min(trace.top_k, trace.num_experts) * r.get("batch", 1) for r in rows
                   if r["policy"] == policy}
-        split = ReferencePolicy.fraction(float(value)).split
+        split = parse_policy(policy).split  # the library's own rule
         for k in sorted(widths):
-            if max(split(m) for m in range(1, k + 1)) == 0:
+            if int(jnp.max(split(jnp.arange(1, k + 1, dtype=jnp.int32)))) == 0:
                 lines.append(
                     f"{policy} is marked best, but at {k} routes per call its balanced split "
                     f"copies none of a call's 1-{k} misses (docs/semantics.md §5.3): only the "
