@@ -103,7 +103,7 @@ def _bench_bandwidth(args) -> int:
 MOST_CPU_EXPERTS = 4
 #: bench-bandwidth's default expert matrix: half a Mixtral-8x7B expert matrix (4096 x 14336),
 #: 112 MiB, far past any CPU cache, so it streams from memory as the whole one does.
-BENCH_D_MODEL, BENCH_D_EXPERT = 4096, 7168
+BENCH_D_EXPERT = 7168
 #: What bench-bandwidth's peak adds to twice its bank (the bank, and the rows the CPU path copies
 #: out of it): the runtime, the program, the link copy's buffers.
 BENCH_MARGIN_BYTES = 768 * 2**20
