@@ -258,8 +258,8 @@ def _table(rows: Sequence[dict], header_lines: Sequence[str]) -> str:
     rows = [r for r in rows if _config(r) not in merged]
     head, body = _grid(rows, columns)
     wide = max(len(line) for line in _lines(head, body, "  ", True)) > TABLE_WIDTH
-    if wide and any(row[-1] for row in body):
-        texts = [_QUOTED_HIT_RATE.sub("", row[-1]) for row in body]
+    if wide and any(row[-1] not in ("", "-") for row in body):
+        texts = [_QUOTED_HIT_RATE.sub("", row[-1]) if row[-1] != "-" else "" for row in body]
         numbers = {text: str(n) for n, text in enumerate(dict.fromkeys(filter(None, texts)), 1)}
         for row, text in zip(body, texts):
             row[-1] = numbers.get(text, "")
