@@ -94,7 +94,10 @@ def test_ctrl_c_prints_one_line_exits_130_and_leaves_no_partial_plot(tmp_path, c
 
     monkeypatch.setattr(replay_mod, "replay", interrupted_replay)
     assert cli.main(SMALL) == 130
-    assert capsys.readouterr().err.strip().splitlines() == ["pallas-cache: interrupted"]
+    # the progress line a log gets once the work starts, then the interrupt's one line
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "pallas-cache: generating the mixtral-like trace while its programs compile...",
+        "pallas-cache: interrupted"]
 
 
 @pytest.mark.parametrize("policy,meaning", [
