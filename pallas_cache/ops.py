@@ -539,3 +539,8 @@ def _forget_slot(state: CacheState, slot):
         usage=state.usage.at[_drop_unless(drop, slot_c, C)].set(validate.INT32_MIN, mode="drop"),
     )
     return new_state, ForgetPlan(old=old, error=error)
+
+
+from pallas_cache import reprs as _reprs  # noqa: E402  (the short reprs, where the classes are)
+
+_reprs.install_on(EnsurePlan, CopyPlan, MaterializePlan, ForgetPlan)

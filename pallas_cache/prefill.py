@@ -331,3 +331,8 @@ def release_prefill_layer(state: CacheState, layer: IndexLike) -> CacheState:
     holds = (layer >= 0) & (layer < state.num_layers) & (state.prefill_layer[buffer_id] == layer)
     return state.replace(
         prefill_released=state.prefill_released | (holds & (jnp.arange(2) == buffer_id)))
+
+
+from pallas_cache import reprs as _reprs  # noqa: E402  (the short reprs, where the classes are)
+
+_reprs.install_on(PrefillPlan, PrefillGather, MissRuns, HostTransfers)

@@ -83,11 +83,17 @@ def state_repr(state: Any) -> str:
 
 
 def install() -> None:
-    """Set the short reprs on the state and plan classes."""
+    """Set the short reprs on the state and plan classes (each module that defines one also
+    sets it, by :func:`install_on`, when it is imported)."""
     from pallas_cache import ops, prefill, state
 
-    state.CacheState.__repr__ = state_repr  # type: ignore[method-assign]
-    for cls in (ops.EnsurePlan, ops.CopyPlan, ops.MaterializePlan, ops.ForgetPlan,
-                state.ResizePlan, prefill.PrefillPlan, prefill.PrefillGather, prefill.MissRuns,
-                prefill.HostTransfers):
-        cls.__repr__ = plan_repr  # type: ignore[method-assign]
+    install_on(state.CacheState, state=True)
+    install_on(ops.EnsurePlan, ops.CopyPlan, ops.MaterializePlan, ops.ForgetPlan,
+               state.ResizePlan, prefill.PrefillPlan, prefill.PrefillGather, prefill.MissRuns,
+               prefill.HostTransfers)
+
+
+def install_on(*classes: type, state: bool = False) -> None:
+    """Set :func:`state_repr` (``state=True``) or :func:`plan_repr` as ``classes``' repr."""
+    for cls in classes:
+        cls.__repr__ = state_repr if state else plan_repr  # type: ignore[method-assign]

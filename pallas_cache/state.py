@@ -404,3 +404,12 @@ def _resize(state: CacheState, new_size):
         error=error,
     )
     return new_state, plan
+
+
+
+# The short reprs, set where the classes are made (``import pallas_cache`` no longer imports
+# this module by itself).
+from pallas_cache import reprs as _reprs  # noqa: E402
+
+_reprs.install_on(CacheState, state=True)
+_reprs.install_on(ResizePlan)

@@ -94,7 +94,10 @@ def test_ctrl_c_prints_one_line_exits_130_and_leaves_no_partial_plot(tmp_path, c
 
     monkeypatch.setattr(replay_mod, "replay", interrupted_replay)
     assert cli.main(SMALL) == 130
-    assert capsys.readouterr().err.strip().splitlines() == ["pallas-cache: interrupted"]
+    # the progress line a log gets once the work starts, then the interrupt's one line
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "pallas-cache: generating the mixtral-like trace while its programs compile...",
+        "pallas-cache: interrupted"]
 
 
 @pytest.mark.parametrize("policy,meaning", [
@@ -393,11 +396,13 @@ KEYS = {"cache_size", "policy", "order", "admission", "calls", "routes", "active
         "best", "budget_best", "note"}
 
 
-def table_keys(out):
-    """The column names of the printed table: a header may wrap onto two lines above the rule
-    of dashes; the rule's dash runs give each column's span."""
+def table_keys(out, which: int = 0):
+    """The column names of a printed table (the ``which``-th of the output: a table too wide
+    for 100 columns has its per-size columns in a second one): a header may wrap onto up to
+    three lines above the rule of dashes; the rule's dash runs give each column's span."""
     lines = out.splitlines()
-    rule = next(i for i, line in enumerate(lines) if set(line) <= {"-", " "} and "---" in line)
+    rules = [i for i, line in enumerate(lines) if set(line) <= {"-", " "} and "---" in line]
+    rule = rules[which]
     spans, start = [], None
     for i, char in enumerate(lines[rule] + " "):
         if char == "-" and start is None:
@@ -405,10 +410,19 @@ def table_keys(out):
         elif char != "-" and start is not None:
             spans.append((start, i))
             start = None
-    above = lines[rule - 2]  # a header's top line, or the last line of the preamble
-    header = lines[rule - 1:rule] if ":" in above or "=" in above else lines[rule - 2:rule]
+    top = rule - 1  # header lines hold keys only; the preamble's lines hold ":" or "="
+    while top - 1 >= 0 and rule - top < 3 and lines[top - 1].strip() and not (
+            ":" in lines[top - 1] or "=" in lines[top - 1]):
+        top -= 1
+    header = lines[top:rule]
     return ["".join(line[a:b].strip() for line in header) for a, b in spans[:-1]] + [
-        lines[rule - 1][spans[-1][0]:].strip()]
+        "".join(line[spans[-1][0]:].strip() for line in header)]
+
+
+def all_table_keys(out):
+    """The column names of every table of the output."""
+    count = sum(1 for line in out.splitlines() if set(line) <= {"-", " "} and "---" in line)
+    return [key for which in range(count) for key in table_keys(out, which)]
 
 
 def run(capsys, *argv):
@@ -464,7 +478,7 @@ def test_the_table_names_the_columns_by_their_keys_and_says_what_bounds_what(cap
     for key in ("cache_size", "cache_bytes", "hit_rate", "belady_hit_rate",
                 "bypass_optimum_hit_rate", "oracle_hit_rate", "fetched_bytes_per_token",
                 "cpu_bytes_per_token", "modeled_ms_per_token", "best", "note"):
-        assert key in table_keys(out), key
+        assert key in all_table_keys(out), key
     assert "12GiB = 36 slots of 336MiB" in out
     assert "fraction:auto = B_link/(B_link+B_cpu) = 0.2941" in out
     assert "belady_hit_rate bounds the `full` rows" in flat

@@ -414,3 +414,27 @@ def test_batching_a_one_request_trace_says_it_needs_several(capsys):
     of saying in one line that batching needs several requests."""
     line = one_line_error(capsys, cli.main(["replay", *SMALL, "--batch", "4"]))
     assert "--batch needs several requests; the trace has one (give --requests N)" in line
+
+
+def test_lines_say_a_trace_is_synthetic_and_which_sizes_it_is_too_short_for():
+    """FAILS if a synthetic trace stretched to another model's geometry is not called a guess
+    of the Mixtral-calibrated generator, or a size where most of a ``full`` row's misses are
+    cold (the first use of an expert) is not named, or a recorded trace is called synthetic."""
+    from pallas_cache.sizing import synthetic
+    from pallas_cache.sizing.cli_sizing import trace_lines
+    from pallas_cache.sizing.synthetic import RealisticParams
+
+    trace = synthetic.synthetic_trace(RealisticParams(num_layers=4, num_experts=16, top_k=2,
+                                                      num_tokens=6))
+    distinct = len({(int(layer), int(e)) for layer, routes in zip(trace.layers, trace.routes)
+                    for e in routes if e >= 0})
+    rows = [{"cache_size": 16, "policy": "full", "missing": 4 * distinct},
+            {"cache_size": 64, "policy": "full", "missing": distinct},  # every expert: plain
+            {"cache_size": 32, "policy": "full", "missing": distinct},
+            {"cache_size": 32, "policy": "fraction:0.4", "missing": distinct}]
+    lines = trace_lines(rows, trace, "mixtral-realistic")
+    assert len(lines) == 2
+    assert "calibrated on Mixtral-8x7B" in lines[0] and "stretched" in lines[0]
+    assert lines[1].startswith("The trace is too short for cache_size 32:")
+    assert f"{distinct} experts" in lines[1]
+    assert trace_lines(rows[:1], trace, None) == []

@@ -104,12 +104,15 @@ def test_machine_formats_round_trip_through_pandas(rows):
 def test_table_and_markdown_headers_are_record_keys(rows):
     """FAILS if a table or markdown header is not a record key (``belady`` for
     ``belady_hit_rate``), or markdown loses a row."""
-    from test_cli import table_keys
+    from test_cli import all_table_keys, table_keys
 
     _, _, recs = rows
     columns = table_columns(recs)
     assert set(columns) <= set(RECORD_KEYS)
-    assert table_keys(format_records(recs, "table")) == columns
+    text = format_records(recs, "table")
+    # Within 100 columns, the per-size columns may be a second table's, in the same order.
+    assert table_keys(text) == [key for key in columns if key in table_keys(text)]
+    assert set(all_table_keys(text)) == set(columns)
     lines = format_records(recs, "markdown").splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("| "))
     assert [c.strip() for c in lines[header].strip("|").split("|")] == columns

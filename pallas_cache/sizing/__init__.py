@@ -1,16 +1,14 @@
 """The offline sizing tool: routing traces in, replays of many cache configurations out.
 
 ``pallas-cache replay`` is its command line; docs/replay.md describes its output and inputs.
+
+The names load on first use (PEP 562), so the command line's parser, in this package, answers
+``--help`` without importing JAX.
 """
 
-from pallas_cache.sizing.bounds import belady, bypass_optimum, stationary_oracle
-from pallas_cache.sizing.engines import routes_from_router_logits
-from pallas_cache.sizing.plotting import plot
-from pallas_cache.sizing.recorder import RouteRecorder, init_recorder, record_routes, trace_from_routes
-from pallas_cache.sizing.sweep import ReplayConfig, ReplayResult, config_grid, parse_policy, replay
-from pallas_cache.sizing.report import format_records, records
-from pallas_cache.sizing.synthetic import PRESETS, synthetic_trace
-from pallas_cache.sizing.traces import Trace, TraceError, load_trace
+from __future__ import annotations
+
+import importlib
 
 __all__ = [
     "PRESETS",
@@ -35,3 +33,52 @@ __all__ = [
     "synthetic_trace",
     "trace_from_routes",
 ]
+
+#: Where each public name lives.
+_HOMES = {
+    "PRESETS": "pallas_cache.sizing.synthetic",
+    "ReplayConfig": "pallas_cache.sizing.sweep",
+    "ReplayResult": "pallas_cache.sizing.sweep",
+    "RouteRecorder": "pallas_cache.sizing.recorder",
+    "Trace": "pallas_cache.sizing.traces",
+    "TraceError": "pallas_cache.sizing.traces",
+    "belady": "pallas_cache.sizing.bounds",
+    "bypass_optimum": "pallas_cache.sizing.bounds",
+    "config_grid": "pallas_cache.sizing.sweep",
+    "format_records": "pallas_cache.sizing.report",
+    "init_recorder": "pallas_cache.sizing.recorder",
+    "load_trace": "pallas_cache.sizing.traces",
+    "parse_policy": "pallas_cache.sizing.sweep",
+    "plot": "pallas_cache.sizing.plotting",
+    "record_routes": "pallas_cache.sizing.recorder",
+    "records": "pallas_cache.sizing.report",
+    "replay": "pallas_cache.sizing.sweep",
+    "routes_from_router_logits": "pallas_cache.sizing.engines",
+    "stationary_oracle": "pallas_cache.sizing.bounds",
+    "synthetic_trace": "pallas_cache.sizing.synthetic",
+    "trace_from_routes": "pallas_cache.sizing.recorder",
+}
+
+
+def __getattr__(name: str):
+    home = _HOMES.get(name)
+    if home is None:
+        return _submodule(name)
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value
+    return value
+
+
+def _submodule(name: str):
+    """``pallas_cache.sizing.<name>`` imported on first use (the eager imports once bound the
+    submodules they imported); AttributeError for anything else."""
+    try:
+        return importlib.import_module(f"{__name__}.{name}")
+    except ModuleNotFoundError as error:
+        if error.name != f"{__name__}.{name}":
+            raise
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_HOMES))

@@ -1,20 +1,29 @@
 """Rough measurements of the cost model's inputs (docs/semantics.md §11.1).
 
-``B_link`` from a ``jax.device_put`` of host memory, ``B_cpu`` from a one-token matrix-vector
-product in NumPy, and ``T_cpu``, the CPU partial's fixed cost per layer-call, from the
-library's :func:`~pallas_cache.hybrid.cpu_partial` against 1-4 CPU experts; medians after a
-warm-up, printed as ``pallas-cache replay`` flags.
+``B_link`` from a ``jax.device_put`` of host memory; ``B_cpu`` and ``T_cpu`` from the library's
+own :func:`~pallas_cache.hybrid.cpu_partial` against 1-4 CPU experts (:func:`cpu_partial_timing`:
+``B_cpu`` is the expert bytes over the slope of a line through its times, ``T_cpu`` the
+intercept); medians after a warm-up, printed as ``pallas-cache replay`` flags.
+
+The bank is an argument of the one compiled loop, never a constant of it: a closed-over bank is
+baked into the program (hundreds of MiB of literal text to lower and compile, and a copy per
+stage), which once made the command run for half an hour and peak at 20 GB.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from typing import Callable
 
 import numpy as np
 
-__all__ = ["median_seconds", "link_bandwidth", "cpu_bandwidth", "cpu_fixed_cost"]
+__all__ = ["CpuPartialTiming", "bank_bytes", "cpu_bandwidth", "cpu_fixed_cost",
+           "cpu_partial_timing", "link_bandwidth", "median_seconds"]
+
+#: CPU experts of the ``cpu_partial`` measurement: its line goes through 1..MOST of them.
+MOST = 4
 
 
 def median_seconds(run: Callable[[], object], repeats: int) -> float:
@@ -40,50 +49,112 @@ def link_bandwidth(num_bytes: int = 256 * 2**20, repeats: int = 5, device=None) 
 
 
 def cpu_bandwidth(d_model: int = 4096, d_expert: int = 14336, repeats: int = 5) -> float:
-    """Bytes per second of weights a one-token float32 ``x @ W`` streams (``W``: one expert
-    matrix of ``d_model x d_expert``; the default is Mixtral-8x7B's, 224 MiB)."""
+    """Bytes per second of weights a one-token float32 ``x @ W`` streams in NumPy (``W``: one
+    expert matrix of ``d_model x d_expert``). Not what ``bench-bandwidth`` prints: NumPy's
+    kernel is not the library's CPU path, and ran about 2.5x faster than it on one machine;
+    :func:`cpu_partial_timing` measures the path itself."""
     weights = np.ones((int(d_model), int(d_expert)), np.float32)
     x = np.ones((1, int(d_model)), np.float32)
     return weights.nbytes / median_seconds(lambda: x @ weights, repeats)
 
 
-def cpu_fixed_cost(d_model: int = 4096, d_expert: int = 14336, repeats: int = 5,
-                   calls: int = 8) -> tuple[float, float]:
-    """``(T_cpu, seconds per expert)``: the intercept and slope of a least-squares line through
-    the median time of one layer-call's :func:`~pallas_cache.hybrid.cpu_partial` (one token,
-    float32 ``x @ W`` experts of ``d_model x d_expert`` in a host bank) with 1, 2, 3 and 4
-    distinct CPU experts. Each point: ``calls`` layer-calls in one compiled scan, median of
-    ``repeats`` runs, divided by ``calls``. The intercept is what a call pays for having a CPU
-    partial at all (the host region's launch and round trip); it is clamped at 0."""
+def bank_bytes(d_model: int, d_expert: int) -> int:
+    """Bytes of the measurement's host bank: :data:`MOST` float32 experts of ``d_model x
+    d_expert``. The measurement's peak adds about as much again (the path copies each CPU
+    expert's rows out of the bank) and the runtime's few hundred MiB."""
+    return MOST * int(d_model) * int(d_expert) * 4
+
+
+@dataclasses.dataclass(frozen=True)
+class CpuPartialTiming:
+    """What :func:`cpu_partial_timing` measured.
+
+    Attributes:
+      seconds: median seconds of one layer-call with 1, 2, ... :data:`MOST` CPU experts.
+      fixed: ``T_cpu``, the intercept of the least-squares line through ``seconds`` (clamped
+        at 0): what a call pays for having a CPU partial at all.
+      per_expert: its slope, seconds per CPU expert.
+      expert_bytes: bytes of one expert matrix (``d_model * d_expert * 4``).
+    """
+
+    seconds: tuple[float, ...]
+    fixed: float
+    per_expert: float
+    expert_bytes: int
+
+    @property
+    def bandwidth(self) -> float:
+        """``B_cpu``: expert bytes per second of the path, ``expert_bytes / per_expert``. When
+        the slope is not positive (a line swamped by noise) it is the most experts' bytes over
+        their whole time, a lower bound that includes the fixed cost."""
+        if self.per_expert > 0:
+            return self.expert_bytes / self.per_expert
+        return len(self.seconds) * self.expert_bytes / self.seconds[-1]
+
+
+def partial_loop(calls: int):
+    """The jitted loop the CPU measurement times: ``calls`` chained layer-calls of
+    :func:`~pallas_cache.hybrid.cpu_partial` (one token, ``x @ W`` experts), taking
+    ``(x, ids, gates, plan, bank)`` as arguments, so one program serves every expert count
+    and the bank is never a constant of it."""
+    import jax
+
+    from pallas_cache.hybrid import cpu_partial
+
+    @jax.jit
+    def loop(x, ids, gates, plan, bank):
+        def body(h, _):
+            y = cpu_partial(h, ids, gates, plan, bank, lambda w, t: t @ w)
+            return h + 1e-6 * y.sum(), None  # a chain: no call is left out
+        return jax.lax.scan(body, x, None, length=calls)[0]
+
+    return loop
+
+
+def cpu_partial_timing(d_model: int = 4096, d_expert: int = 14336, repeats: int = 5,
+                       calls: int = 8, progress: Callable[[str], None] | None = None
+                       ) -> CpuPartialTiming:
+    """Time one layer-call's :func:`~pallas_cache.hybrid.cpu_partial` (one token, float32
+    ``x @ W`` experts of ``d_model x d_expert`` in a host bank) with 1, 2, 3 and 4 distinct CPU
+    experts: each point is ``calls`` layer-calls in one compiled scan, median of ``repeats``
+    runs after a warm-up, divided by ``calls``. The bank (:func:`bank_bytes`) is made where it
+    lives, in one buffer; ``progress`` gets a line per expert count."""
     import jax
     import jax.numpy as jnp
 
-    from pallas_cache.hybrid import cpu_partial
-    from pallas_cache.moe import put_host_bank
+    from pallas_cache.moe import host_memory_kind
     from pallas_cache.ops import ensure_hybrid
     from pallas_cache.policy import FetchPolicy
     from pallas_cache.state import init
 
-    most = 4
-    rng = np.random.default_rng(0)
-    bank = put_host_bank((rng.standard_normal((most, int(d_model), int(d_expert)), np.float32)
-                          / np.sqrt(d_model)).astype(np.float32))
-    x = jnp.ones((int(d_model),), jnp.float32)
-    gates = jnp.full((most,), 1.0 / most, jnp.float32)
-    counts, seconds = [], []
-    for count in range(1, most + 1):
-        ids = jnp.asarray(list(range(count)) + [-1] * (most - count), jnp.int32)
+    d_model, d_expert = int(d_model), int(d_expert)
+    device = jax.devices()[0]
+    sharding = jax.sharding.SingleDeviceSharding(device, memory_kind=host_memory_kind(device))
+    # The values do not matter to the time; a constant (not a denormal) fills one buffer made
+    # by JAX, with no NumPy array to stage it through (on an accelerator it is made in device
+    # memory and moved to host memory; on the CPU backend the move is a no-op).
+    bank = jax.device_put(jnp.full((MOST, d_model, d_expert), 1.0 / d_model, jnp.float32),
+                          sharding)
+    x = jnp.ones((d_model,), jnp.float32)
+    gates = jnp.full((MOST,), 1.0 / MOST, jnp.float32)
+    loop = partial_loop(calls)
+    seconds = []
+    for count in range(1, MOST + 1):
+        if progress is not None:
+            progress(f"cpu_partial with {count} of {MOST} CPU experts")
+        ids = jnp.asarray(list(range(count)) + [-1] * (MOST - count), jnp.int32)
         # A real plan: fraction 0 copies no miss, so every routed expert runs on the CPU.
-        _, plan = ensure_hybrid(init(1, most, most), 0, ids, FetchPolicy.fraction(0.0))
+        _, plan = ensure_hybrid(init(1, MOST, MOST), 0, ids, FetchPolicy.fraction(0.0))
+        seconds.append(median_seconds(
+            lambda: loop(x, ids, gates, plan, bank).block_until_ready(), repeats) / calls)
+    del bank
+    slope, intercept = np.polyfit(np.arange(1, MOST + 1, dtype=float), np.asarray(seconds), 1)
+    return CpuPartialTiming(tuple(seconds), max(float(intercept), 0.0), float(slope),
+                            d_model * d_expert * 4)
 
-        @jax.jit
-        def loop(x, ids=ids, plan=plan):
-            def body(h, _):
-                y = cpu_partial(h, ids, gates, plan, bank, lambda w, t: t @ w)
-                return h + 1e-6 * y.sum(), None  # a chain: no call is left out
-            return jax.lax.scan(body, x, None, length=calls)[0]
 
-        counts.append(count)
-        seconds.append(median_seconds(lambda: loop(x).block_until_ready(), repeats) / calls)
-    slope, intercept = np.polyfit(np.asarray(counts, float), np.asarray(seconds), 1)
-    return max(float(intercept), 0.0), float(slope)
+def cpu_fixed_cost(d_model: int = 4096, d_expert: int = 14336, repeats: int = 5,
+                   calls: int = 8) -> tuple[float, float]:
+    """``(T_cpu, seconds per expert)`` of :func:`cpu_partial_timing`."""
+    timing = cpu_partial_timing(d_model, d_expert, repeats, calls)
+    return timing.fixed, timing.per_expert

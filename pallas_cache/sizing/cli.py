@@ -12,17 +12,26 @@ import signal
 import stat
 import sys
 
-from pallas_cache.sizing.cli_checks import output_failed
+from pallas_cache.sizing.cli_checks import exit_without_teardown, output_failed
 from pallas_cache.sizing.cli_args import NO_COMPILE_CACHE_ENV, UsageError, build_parser
-from pallas_cache.sizing.cli_replay import (exit_now_if_compiling, exit_without_teardown,
-                                            run_replay)
 from pallas_cache.sizing.units import format_bandwidth
+
+# Nothing above imports JAX or NumPy: the parser answers --help, --version and a refused command
+# line at once, and JAX's import (seconds) starts with the work, inside the Ctrl-C handling.
 
 __all__ = ["EXIT_INTERRUPTED", "NO_COMPILE_CACHE_ENV", "compile_cache_dir", "console_main",
            "main", "private_cache_problem"]
 
 #: Exit status after Ctrl-C (128 + SIGINT), as shells report it.
 EXIT_INTERRUPTED = 130
+
+
+def run_replay(args) -> int:
+    """``pallas-cache replay``: :func:`pallas_cache.sizing.cli_replay.run_replay`, imported when
+    the work starts (it imports JAX), inside the CLI's Ctrl-C handling."""
+    from pallas_cache.sizing import cli_replay
+
+    return cli_replay.run_replay(args)
 
 
 def _scenarios(_args) -> int:
@@ -38,40 +47,98 @@ def _scenarios(_args) -> int:
 
 
 def _bench_bandwidth(args) -> int:
+    default_bank = args.d_expert is None
+    if default_bank:
+        args.d_expert = BENCH_D_EXPERT
     if min(args.mib, args.d_model, args.d_expert, args.repeats) < 1:
         print("pallas-cache: --mib, --d-model, --d-expert and --repeats must be >= 1",
               file=sys.stderr)
         return 2
+
+    def progress(line: str) -> None:
+        print(f"pallas-cache: bench-bandwidth: {line}", file=sys.stderr, flush=True)
+
+    from pallas_cache.sizing.units import format_bytes, format_duration
+
+    d_expert = args.d_expert
+    if default_bank:
+        d_expert, shrunk = bench_bank_columns(args.d_model, d_expert, _available_memory())
+        if shrunk:
+            progress(f"the default bank shrinks to --d-expert {d_expert} to fit this machine's "
+                     f"available memory")
     from pallas_cache.sizing.cli_checks import check_bench_memory
     from pallas_cache.sizing.traces.memory import DEFAULT_MEMORY_FRACTION, default_memory_limit
 
     try:
-        check_bench_memory(args.mib, args.d_model, args.d_expert,
+        check_bench_memory(args.mib, args.d_model, d_expert,
                            int(default_memory_limit() / DEFAULT_MEMORY_FRACTION))
     except ValueError as error:
         print(f"pallas-cache: {error}", file=sys.stderr)
         return 2
+    progress("starting JAX")
     import jax
 
-    from pallas_cache.sizing.bandwidth import cpu_bandwidth, cpu_fixed_cost, link_bandwidth
-    from pallas_cache.sizing.units import format_duration
+    from pallas_cache.sizing.bandwidth import bank_bytes, cpu_partial_timing, link_bandwidth
 
     device = jax.devices()[0]
+    progress(f"B_link: {args.repeats + 1} copies of {args.mib}MiB to {device.platform}:"
+             f"{device.id}")
     link = link_bandwidth(args.mib * 2**20, args.repeats, device)
-    cpu = cpu_bandwidth(args.d_model, args.d_expert, args.repeats)
-    fixed, per_expert = cpu_fixed_cost(args.d_model, args.d_expert, args.repeats)
+    progress(f"B_cpu, T_cpu: a host bank of {MOST_CPU_EXPERTS} experts of {args.d_model} x "
+             f"{d_expert} float32 ({format_bytes(bank_bytes(args.d_model, d_expert))}), "
+             f"{args.repeats + 1} runs of 8 layer-calls per count")
+    timing = cpu_partial_timing(args.d_model, d_expert, args.repeats, progress=progress)
+    cpu, fixed = timing.bandwidth, timing.fixed
     print(f"device: {device.platform}:{device.id} ({device.device_kind})")
     where = "host -> device" if device.platform != "cpu" else "host -> host (no accelerator)"
     print(f"B_link ~ {format_bandwidth(link)}  ({where} copy of {args.mib}MiB, pageable memory, "
           f"median of {args.repeats})")
-    print(f"B_cpu  ~ {format_bandwidth(cpu)}  (one-token float32 x @ W, W {args.d_model} x "
-          f"{args.d_expert}, median of {args.repeats})")
+    slope = (f"{format_bytes(timing.expert_bytes)} per "
+             f"{format_duration(timing.per_expert)}, the slope of a line through its time"
+             if timing.per_expert > 0 else
+             f"no positive slope through its time (noise?): {MOST_CPU_EXPERTS} experts' bytes "
+             f"over their whole {format_duration(timing.seconds[-1])}, a lower bound")
+    print(f"B_cpu  ~ {format_bandwidth(cpu)}  (the library's cpu_partial, one token, float32 "
+          f"x @ W experts of {args.d_model} x {d_expert}: {slope} with 1-{MOST_CPU_EXPERTS} CPU "
+          f"experts; median of {args.repeats})")
     print(f"T_cpu  ~ {format_duration(fixed)}  (fixed cost per layer-call of cpu_partial: the "
-          f"intercept of a line through its time with 1-4 CPU experts, "
-          f"{format_duration(per_expert)} per expert; median of {args.repeats})")
+          f"intercept of that line; median of {args.repeats})")
     print(f"flags: --link-bandwidth {format_bandwidth(link)} --cpu-bandwidth {format_bandwidth(cpu)}"
           f" --cpu-fixed-cost {format_duration(fixed)}")
     return 0
+
+
+#: CPU experts of bench-bandwidth's bank (pallas_cache.sizing.bandwidth.MOST, which imports
+#: NumPy; a test checks they agree).
+MOST_CPU_EXPERTS = 4
+#: bench-bandwidth's default expert matrix: half a Mixtral-8x7B expert matrix (4096 x 14336),
+#: 112 MiB, far past any CPU cache, so it streams from memory as the whole one does.
+BENCH_D_EXPERT = 7168
+#: What bench-bandwidth's peak adds to twice its bank (the bank, and the rows the CPU path copies
+#: out of it): the runtime, the program, the link copy's buffers.
+BENCH_MARGIN_BYTES = 768 * 2**20
+
+
+def bench_bank_columns(d_model: int, d_expert: int, available: int | None) -> tuple[int, bool]:
+    """``(d_expert, shrunk)``: the default bank's columns, halved while above 256 until twice the
+    bank plus :data:`BENCH_MARGIN_BYTES` fits half of ``available`` bytes (unknown: as is)."""
+    shrunk = False
+    while (available is not None and d_expert > 256
+           and 2 * MOST_CPU_EXPERTS * d_model * d_expert * 4 + BENCH_MARGIN_BYTES > available // 2):
+        d_expert, shrunk = d_expert // 2, True
+    return d_expert, shrunk
+
+
+def _available_memory() -> int | None:
+    """Bytes of memory available now (``MemAvailable``), or ``None`` where unknown."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def compile_cache_dir() -> str:
@@ -211,7 +278,9 @@ def console_main() -> int:
         # lanes, the offline optima) may still be inside XLA's C++ code, where the
         # interpreter's teardown would abort it (exit 134) after the CLI printed its line.
         exit_without_teardown(status)
-    exit_now_if_compiling(status)
+    replay = sys.modules.get("pallas_cache.sizing.cli_replay")  # only a replay compiles
+    if replay is not None:
+        replay.exit_now_if_compiling(status)
     return status
 
 

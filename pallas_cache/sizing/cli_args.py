@@ -9,14 +9,13 @@ import os
 import re
 import tempfile
 
-from pallas_cache.evictions import Eviction
-from pallas_cache.sizing import synthetic
+from pallas_cache import __version__
+from pallas_cache.sizing import cli_names
 from pallas_cache.sizing.cli_checks import use_ascii_ints
 from pallas_cache.sizing.cli_sizing import add_sizing_arguments, cpu_fixed_seconds, gpu_seconds
 from pallas_cache.sizing.cost import CostModel
 from pallas_cache.sizing.models import MODELS, resolve_model
 from pallas_cache.sizing.report import FORMATS, legend_text
-from pallas_cache.sizing.traces import FIELD_KEYS, TRACE_FORMATS, check_memory
 from pallas_cache.sizing.units import format_bytes, parse_bandwidth, parse_bytes
 
 __all__ = ["DEFAULT_PLOT_NAME", "DEFAULT_POLICIES", "DEFAULT_PRESET", "DEFAULT_TIMED_POLICIES",
@@ -101,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="pallas-cache",
         description="Plan and size the GPU expert slot cache of offloaded MoE inference.",
     )
+    parser.add_argument("--version", action="version", version=f"pallas-cache {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     common = Parser(add_help=False)
     common.add_argument("--no-compile-cache", action="store_true",
@@ -116,20 +116,22 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--trace", metavar="PATH",
                         help="a .jsonl, .npy, .npz or .parquet routing trace, or a directory of "
                              "vLLM routed-experts .npy files (one per request)")
-    source.add_argument("--synthetic", metavar="PRESET", choices=sorted(synthetic.PRESETS),
-                        help=f"a generated trace: {', '.join(sorted(synthetic.PRESETS))} "
+    source.add_argument("--synthetic", metavar="PRESET", choices=cli_names.PRESETS,
+                        help=f"a generated trace: {', '.join(cli_names.PRESETS)} "
                              f"(default: {DEFAULT_PRESET})")
     replay.add_argument("--tokens", type=int, default=None,
                         help="tokens to generate for --synthetic (default: the preset's)")
     replay.add_argument("--seed", type=int, default=0, help="seed for --synthetic (default: 0)")
-    replay.add_argument("--trace-format", choices=("auto",) + TRACE_FORMATS, default="auto",
+    replay.add_argument("--trace-format", choices=("auto",) + cli_names.TRACE_FORMATS,
+                        default="auto",
                         help="how to read --trace: auto (a directory is vllm, else the suffix "
                              "decides), jsonl, array (.npy/.npz [tokens, layers, top_k]), vllm "
                              "(the array layout, one request per file or .npz array, every "
                              "request the same layers and top_k) or parquet (default: auto)")
     replay.add_argument("--field", metavar="KEY=NAME[,...]", default=None,
                         help="the names a JSONL or Parquet --trace uses for the record keys "
-                             f"({', '.join(FIELD_KEYS)}), e.g. layer=layer_idx,experts=topk_ids")
+                             f"({', '.join(cli_names.FIELD_KEYS)}), e.g. "
+                             f"layer=layer_idx,experts=topk_ids")
     replay.add_argument("--num-layers", type=int, default=None,
                         help="declared layer count of --trace (default: inferred)")
     replay.add_argument("--num-experts", type=int, default=None,
@@ -156,25 +158,29 @@ def build_parser() -> argparse.ArgumentParser:
                         help="expert bytes per second the CPU MoE path processes, B_cpu, "
                              "e.g. 60GB/s")
     replay.add_argument("--device-budget", metavar="SIZE",
-                        help="device memory for the pool, e.g. 24GiB: names the fastest "
-                             "configuration whose cache_bytes fits (needs W and both bandwidths)")
+                        help="device memory for the expert pool alone, e.g. 24GiB: names the "
+                             "fastest configuration whose cache_bytes fits (needs W and both "
+                             "bandwidths). Subtract the rest first: dense and attention weights, "
+                             "the KV cache, activations, your engine's reserve")
     replay.add_argument("--devices", type=int, default=None, metavar="D",
                         help="size the caches of D devices (with --parallel); cache sizes and "
                              "--device-budget are per device")
     replay.add_argument("--parallel", choices=("expert", "tensor"), default=None,
                         help="with --devices: expert (each device its own experts and cache) or "
                              "tensor (each device 1/D of every expert, one cache)")
-    replay.add_argument("--order", nargs="+", default=["recency"], choices=["recency", "lowest_id"],
+    replay.add_argument("--order", nargs="+", default=["recency"], choices=cli_names.ORDERS,
                         help="which misses win a capped fetch (default: recency)")
     replay.add_argument("--admission", nargs="+", default=["promote_one"],
-                        choices=["promote_one", "none", "reuse"],
+                        choices=cli_names.ADMISSIONS,
                         help="fetches beyond the split (default: promote_one)")
     replay.add_argument("--eviction", nargs="+", default=["lru"],
-                        choices=[eviction.value for eviction in Eviction],
+                        choices=cli_names.EVICTIONS,
                         help="which resident a fetch evicts (default: lru); reuse is swept "
-                             "with lru only. route_knn is what wins on real Mixtral routing: "
-                             "the best hit rate at every size on Mixtral-8x7B HumanEval and "
-                             "GSM8K decode traces (21-51%% of the LRU->Belady gap); its step "
+                             "with lru only. route_knn is what wins on real Mixtral routing "
+                             "with --policy full: the best hit rate at every size on "
+                             "Mixtral-8x7B HumanEval and GSM8K decode traces (21-51%% of the "
+                             "LRU->Belady gap; with a hybrid split LRU can win, e.g. at "
+                             "fraction:0.4 and 181 slots); its step "
                              "costs about 3x LRU's per call at Mixtral's geometry and about 6x at "
                              "a fine-grained one (XLA:CPU, by load; benchmarks/RESULTS.md), small "
                              "beside an expert copy. Check it on your trace: --eviction lru "
@@ -199,18 +205,24 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_parser("scenarios", help="print the promotion scenarios' table", parents=[common])
 
     bench = commands.add_parser(
-        "bench-bandwidth", help="measure B_link and B_cpu roughly, for replay's cost model",
+        "bench-bandwidth", help="measure B_link, B_cpu and T_cpu roughly, for replay's cost model",
         description="Measure the host-to-device copy bandwidth (B_link: jax.device_put of pageable "
-                    "host memory) and the CPU's expert streaming rate (B_cpu: a one-token float32 "
-                    "matrix-vector product over one expert matrix), and print them as replay "
-                    "flags. Rough: a serving engine's pinned buffers and CPU kernels differ.",
+                    "host memory), and the library's CPU path, cpu_partial, with 1-4 CPU experts "
+                    "of one token (B_cpu: expert bytes per second, from the slope of a line "
+                    "through its times; T_cpu: the line's intercept, a fixed cost per "
+                    "layer-call), and print them as replay flags. A line on stderr per phase; "
+                    "seconds, not minutes. Peak memory: about twice the CPU bank (4 experts of "
+                    "d-model x d-expert float32: 448MiB by default) plus 0.75GiB; the default "
+                    "bank halves its columns until that fits half the available memory. Rough: "
+                    "a serving engine's pinned buffers and CPU kernels differ.",
         parents=[common])
     bench.add_argument("--mib", type=int, default=256,
                        help="MiB copied per B_link measurement (default: 256)")
-    bench.add_argument("--d-model", type=int, default=4096, help="expert matrix rows (default: "
-                                                                 "4096, Mixtral-8x7B)")
-    bench.add_argument("--d-expert", type=int, default=14336,
-                       help="expert matrix columns (default: 14336, Mixtral-8x7B)")
+    bench.add_argument("--d-model", type=int, default=4096,
+                       help="expert matrix rows (default: 4096, Mixtral-8x7B's)")
+    bench.add_argument("--d-expert", type=int, default=None,
+                       help="expert matrix columns (default: 7168, half of Mixtral-8x7B's 14336: "
+                            "112MiB per expert, past any CPU cache; fewer where memory is short)")
     bench.add_argument("--repeats", type=int, default=5, help="timed runs, median (default: 5)")
     return use_ascii_ints(parser)
 
@@ -340,6 +352,7 @@ def check_state_memory(sizes, configs_per_size: int, num_layers: int, num_expert
     states, the program's output batch and the initial state, ``2 * n + 1`` states in all.
     """
     from pallas_cache.sizing.sweep import capacity_buckets  # after config_grid's jax import
+    from pallas_cache.sizing.traces import check_memory
 
     largest = 0
     for bucket in reversed(capacity_buckets(sizes)):

@@ -15,7 +15,8 @@ import sys
 __all__ = ["COMPILE_BYTES_PER_WIDTH", "COMPILE_BYTES_PER_WIDTH_WIDE", "COMPILE_WIDE_ABOVE",
            "EXIT_BROKEN_PIPE", "INT32_MAX", "ascii_int", "check_batch_memory",
            "check_before_reading", "check_bench_memory", "check_geometry",
-           "check_modeled_numbers", "check_step_memory", "output_failed", "use_ascii_ints"]
+           "check_modeled_numbers", "check_step_memory", "exit_without_teardown",
+           "output_failed", "use_ascii_ints"]
 
 #: The largest slot count, layer count or expert count the cache state holds (int32).
 INT32_MAX = 2**31 - 1
@@ -260,3 +261,15 @@ def output_failed(error: OSError) -> int:
         return EXIT_BROKEN_PIPE
     print(f"pallas-cache: cannot write the output: {error.strerror or error}", file=sys.stderr)
     return 2
+
+
+def exit_without_teardown(status: int) -> None:
+    """Flush the output and end the process with ``status`` without the interpreter's teardown
+    (a thread still inside XLA's C++ code would abort it: see
+    :func:`~pallas_cache.sizing.cli_replay.exit_now_if_compiling`)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(status)

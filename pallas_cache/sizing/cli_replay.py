@@ -3,6 +3,7 @@ with its legend, or records), draw the plot; Ctrl-C exits 130 with no partial ou
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import stat
@@ -20,13 +21,13 @@ from pallas_cache.sizing.cli_args import (DEFAULT_PRESET, cache_sizes, check_plo
                                           model_mismatch, policy_warnings, resolve_policies)
 from pallas_cache.sizing.cli_checks import (check_batch_memory, check_before_reading,
                                             check_geometry, check_modeled_numbers,
-                                            check_step_memory)
+                                            check_step_memory, exit_without_teardown)
 from pallas_cache.sizing.cli_devices import (check_device_count, declared_experts, device_cost,
                                              device_header, run_expert_parallel, tensor_records)
 from pallas_cache.sizing.cli_sizing import (batches, cliff_lines, prefetch_lines,
-                                            synthetic_geometry, with_budget_fit)
+                                            synthetic_geometry, trace_lines, with_budget_fit)
 from pallas_cache.sizing.progress import Bar, Progress
-from pallas_cache.sizing.report import format_records, records
+from pallas_cache.sizing.report import CONFIG_KEYS, format_records, merged_configs, records
 from pallas_cache.sizing.traces import (RUN_FIXED_BYTES, ProcessBudget, TraceError,
                                         default_memory_limit, load_trace, parse_fields)
 from pallas_cache.sizing.units import format_bandwidth, format_bytes, format_duration
@@ -159,9 +160,12 @@ def _knn_line(results, companions, knn_results, lru_table: bool) -> str | None:
             f"{first.policy}: hit rate {changes} (add --eviction lru route_knn to see its rows).")
 
 
-def _legend(results, trace, cost, knn_line: str | None = None) -> list[str]:
+def _legend(results, trace, cost, knn_line: str | None = None, rows=None,
+            per_device: bool = False, about_trace=()) -> list[str]:
     """What a newcomer needs to read the table: the bounds, the model, the verdict, and (an LRU
-    sweep) what route_knn changes (one line, not wrapped)."""
+    sweep) what route_knn changes (one line, not wrapped). ``rows``: the table's records (their
+    ``batch``, and the configurations the table shows once); ``per_device``: the budget is
+    each device's; ``about_trace``: what the trace can tell (first)."""
     k = min(trace.top_k, trace.num_experts)
     cliffs = cliff_lines(results, trace)
     paragraphs = [
@@ -186,19 +190,16 @@ def _legend(results, trace, cost, knn_line: str | None = None) -> list[str]:
             paragraphs.append("No --device-budget: in this model a bigger cache is never slower, "
                               "so only a budget picks one (e.g. --device-budget 24GiB).")
         else:
-            chosen = [r for r in results if r.budget_best]
             budget = format_bytes(cost.device_budget)
-            if not chosen:
+            if not any(r.budget_best for r in results):
                 smallest = min(r.cache_bytes for r in results)
                 paragraphs.append(f"No configuration fits the {budget} device budget (the "
                                   f"smallest pool takes {format_bytes(smallest)}).")
-            for r in chosen:
-                paragraphs.append(
-                    f"Best within {budget}: cache_size={r.cache_size} "
-                    f"({format_bytes(r.cache_bytes)}) policy={r.policy} order={r.order} "
-                    f"admission={r.admission}"
-                    f"{'' if r.eviction == 'lru' else ' eviction=' + r.eviction}: "
-                    f"{r.modeled_ms_per_token:.1f} ms/token modeled.")
+            paragraphs += _budget_picks(rows if rows is not None else
+                                        [dataclasses.asdict(r) for r in results],
+                                        budget, per_device)
+    if rows is not None:
+        paragraphs += _stops_copying(rows, trace)
     if cost.gpu:
         paragraphs.append(
             "overlap_ms_per_token: the layer-calls one after the other, each taking A, then its "
@@ -208,8 +209,59 @@ def _legend(results, trace, cost, knn_line: str | None = None) -> list[str]:
             "§11.6).")
         paragraphs += prefetch_lines(results, trace, cost)
     return ([textwrap.fill(text, width=100, break_on_hyphens=False)
-             for text in cliffs + paragraphs] + ([knn_line] if knn_line else []))
+             for text in [*about_trace, *cliffs, *paragraphs]] + ([knn_line] if knn_line else []))
 
+
+
+def _budget_picks(rows, budget: str, per_device: bool) -> list[str]:
+    """One line per budget pick (one per batch), naming its batch and, for a configuration
+    whose rows another's equal, both; a budget per device says so."""
+    merged = merged_configs(rows)
+    lines = []
+    for r in rows:
+        config = tuple(r[key] for key in CONFIG_KEYS)
+        if not r["budget_best"] or config in merged:
+            continue
+        same = [" ".join(f"{key}={mine}" for key, mine, theirs in zip(CONFIG_KEYS, other, kept)
+                         if mine != theirs)
+                for other, kept in merged.items() if kept == config]
+        where = (f"Best within {budget}{' per device' if per_device else ''}"
+                 f"{' at batch=' + str(r['batch']) if 'batch' in r else ''}")
+        lines.append(
+            f"{where}: cache_size={r['cache_size']} ({format_bytes(r['cache_bytes'])}) "
+            f"policy={r['policy']} order={r['order']} admission={r['admission']}"
+            f"{'' if r['eviction'] == 'lru' else ' eviction=' + r['eviction']}: "
+            f"{r['modeled_ms_per_token']:.1f} ms/token modeled"
+            + (f" (the same rows as {', '.join(same)})." if same else "."))
+    return lines
+
+
+def _stops_copying(rows, trace) -> list[str]:
+    """Why a ``fraction:Q`` marked best copies no miss once the pool is full: at this trace's
+    routes per call its split rounds every call's misses down to 0 (docs/semantics.md §5.3),
+    so only the admission rule fills empty slots, and the CPU computes every miss after."""
+    import jax.numpy as jnp
+
+    from pallas_cache.sizing.sweep import parse_policy
+
+    lines = []
+    for policy in dict.fromkeys(r["policy"] for r in rows if r["best"] or r["budget_best"]):
+        kind, _, value = policy.partition(":")
+        if kind != "fraction":
+            continue
+        widths = {min(trace.top_k, trace.num_experts) * r.get("batch", 1) for r in rows
+                  if r["policy"] == policy}
+        split = parse_policy(policy).split  # the library's own rule
+        for k in sorted(widths):
+            if int(jnp.max(split(jnp.arange(1, k + 1, dtype=jnp.int32)))) == 0:
+                lines.append(
+                    f"{policy} is marked best, but at {k} routes per call its balanced split "
+                    f"copies none of a call's 1-{k} misses (docs/semantics.md §5.3): only the "
+                    f"admission rule fills empty slots, so once the pool is full it stops "
+                    f"copying and the CPU computes every miss, which the model finds fastest "
+                    f"there.")
+                break
+    return lines
 
 
 def _write_atomically(path: str, write) -> None:
@@ -308,6 +360,10 @@ class _Checked(Progress):
         self.latch.check()
         self.inner.note(line)
 
+    def log(self, line):
+        self.latch.check()
+        self.inner.log(line)
+
     def close(self):
         self.inner.close()
 
@@ -385,17 +441,6 @@ def exit_now_if_compiling(status: int) -> None:
         exit_without_teardown(status)
 
 
-def exit_without_teardown(status: int) -> None:
-    """Flush the output and end the process with ``status`` without the interpreter's teardown
-    (see :func:`exit_now_if_compiling`)."""
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(status)
-
-
 def run_replay(args) -> int:
     with _InterruptLatch() as latch:
         progress = _Checked(Progress() if args.quiet else
@@ -439,6 +484,9 @@ def _replay_with(args, progress: Progress, latch: _InterruptLatch) -> int:
         expert_parallel = getattr(args, "parallel", None) == "expert"
         compiling = (None if args.trace or expert_parallel
                      else _precompile_synthetic(args, policies, cost))
+        if compiling is not None:  # every check passed: a log sees the work start, at once
+            progress.log(f"generating the {args.synthetic or DEFAULT_PRESET} trace while its "
+                         f"programs compile...")
         trace = _load(args, progress)
         if auto_k == 0:
             auto_k = min(trace.top_k, trace.num_experts)
@@ -503,8 +551,12 @@ def _replay_with(args, progress: Progress, latch: _InterruptLatch) -> int:
     latch.check()  # nothing is written after a Ctrl-C, even one a compile callback swallowed
     fmt = args.format or ("json" if args.json else "table")
     rows = tensor_records(rows, args)
+    about_trace = trace_lines(rows, trace, None if args.trace else
+                              (args.synthetic or DEFAULT_PRESET))
     if fmt != "table":
         print(format_records(rows, fmt))
+        for line in [] if args.quiet else about_trace:
+            print(f"pallas-cache: {line}", file=sys.stderr)
     else:
         header = []
         if weight_label:
@@ -530,7 +582,8 @@ def _replay_with(args, progress: Progress, latch: _InterruptLatch) -> int:
         header += [f"size: {line}" for line in size_lines] + device_header(args, cost)
         print(format_records(rows, "table", header))
         knn_line = _knn_line(results, companions, knn_results, set(args.eviction) == {"lru"})
-        print("\n".join(_legend(results, trace, cost, knn_line)))
+        print("\n".join(_legend(results, trace, cost, knn_line, rows,
+                                 getattr(args, "parallel", None) == "tensor", about_trace)))
     if args.plot:
         try:
             _plot(rows, args.plot)

@@ -10,7 +10,6 @@ import argparse
 import decimal
 import math
 
-from pallas_cache.sizing import synthetic
 from pallas_cache.sizing.units import parse_duration
 
 __all__ = ["add_sizing_arguments", "batches", "budget_fit", "check_gpu_policies", "cliff_lines",
@@ -211,6 +210,8 @@ def synthetic_geometry(args, default_preset: str) -> dict:
             value = theirs
         if value is not None:
             geometry[field] = value
+    from pallas_cache.sizing import synthetic
+
     preset = synthetic.PRESETS.get(args.synthetic or default_preset)
     if preset is not None:
         experts = geometry.get("num_experts", preset.num_experts)
@@ -300,3 +301,48 @@ def batches(args) -> list[int] | None:
         raise ValueError(f"--batch {bad[0]}: must be at least 1")
     sizes = list(dict.fromkeys(sizes))
     return None if sizes == [1] else sizes
+
+
+#: A size is too short a trace's when more than this share of a ``full`` row's misses are cold
+#: (the first use of an expert, which every cache pays once).
+COLD_SHARE = 0.5
+
+
+def trace_lines(rows, trace, synthetic_preset: str | None) -> list[str]:
+    """The lines under the table (or on stderr) that say what the trace can tell: that it is
+    synthetic, and from which generator (``mixtral-realistic`` is calibrated on Mixtral-8x7B
+    decode traces, and stretched to another geometry it is that calibration's guess); and the
+    cache sizes it is too short for, where more than :data:`COLD_SHARE` of a ``full`` row's
+    misses are cold (the first use of each of the ``D`` distinct experts it routes), short of
+    a pool of every expert."""
+    import numpy as np
+
+    lines = []
+    geometry = f"{trace.num_layers} layers x {trace.num_experts} experts, top-{trace.top_k}"
+    if synthetic_preset is not None:
+        calibrated = synthetic_preset == "mixtral-realistic"
+        stretched = (trace.num_layers, trace.num_experts, trace.top_k) != (32, 8, 2)
+        lines.append(
+            f"The trace is synthetic ({synthetic_preset}, {trace.num_tokens} tokens, "
+            f"{geometry}): " + (
+                "a generator calibrated on Mixtral-8x7B decode traces"
+                + (", stretched to this geometry, so its hit rates are a guess for this model"
+                   if stretched else "") if calibrated else
+                "a generator calibrated on no model's routing")
+            + ". Replay a recorded trace of your model (--trace) before trusting a size.")
+    routes = trace.routes
+    valid = routes >= 0
+    flat = (np.broadcast_to(trace.layers[:, None], routes.shape).astype(np.int64)
+            * trace.num_experts + routes)[valid]
+    distinct = int(np.unique(flat).size)
+    # (a pool of every expert, S >= L*E, misses nothing but cold: its steady state is plain)
+    short = sorted({r["cache_size"] for r in rows if r["policy"] == "full" and r["missing"]
+                    and distinct > COLD_SHARE * r["missing"]
+                    and r["cache_size"] < trace.num_layers * trace.num_experts})
+    if short:
+        lines.append(
+            f"The trace is too short for cache_size {', '.join(map(str, short))}: there more "
+            f"than half of the misses are cold, the first use of one of the {distinct} experts "
+            f"it routes, which any cache pays once; a longer trace (--tokens, or more "
+            f"requests) shows what those sizes hold in steady state.")
+    return lines

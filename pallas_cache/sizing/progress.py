@@ -28,6 +28,10 @@ class Progress:
         """A passing status before the first phase (e.g. reading the trace): shown on a
         terminal until the next line replaces it, never written to a log."""
 
+    def log(self, line: str) -> None:
+        """The line a :meth:`note` shows on a terminal, kept where there is none (a log): the
+        work has started, with nothing left to refuse (so a one-line error stays one line)."""
+
     def close(self) -> None:
         """The last phase ended."""
 
@@ -117,6 +121,10 @@ class Bar(Progress):
             text = f"{self.prefix}{line}"[:self._columns() - 1]
             self._write("\r" + text)
             self._frame_width = len(text)
+
+    def log(self, line):
+        if not self.tty and self._line is None:
+            self._write(f"{self.prefix}{line}\n")
 
     def _clear_note(self):
         if self._line is None and self._frame_width:

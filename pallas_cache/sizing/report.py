@@ -12,13 +12,15 @@ import dataclasses
 import io
 import json
 import math
+import re
 import textwrap
 from typing import Iterable, Sequence
 
 from pallas_cache.sizing.units import format_bytes
 
-__all__ = ["COLUMN_LEGEND", "FORMATS", "GPU_LEGEND", "GPU_RECORD_KEYS", "RECORD_KEYS",
-           "format_records", "legend_text", "records", "table_columns"]
+__all__ = ["COLUMN_LEGEND", "CONFIG_KEYS", "FORMATS", "GPU_LEGEND", "GPU_RECORD_KEYS",
+           "RECORD_KEYS", "TABLE_WIDTH", "config_label", "format_records", "legend_text",
+           "merged_configs", "records", "table_columns"]
 
 #: The output formats of :func:`format_records` (``pallas-cache replay --format``).
 FORMATS = ("table", "json", "jsonl", "csv", "markdown")
@@ -195,34 +197,142 @@ def _preamble(rows: Sequence[dict]) -> list[str]:
             f"sequences={first['sequences']}", f"cache:{constant}"]
 
 
-def _split_key(key: str, width: int) -> tuple[str, str]:
-    """A record key as a two-line header when it is wider than its values: split after the
-    underscore nearest its middle, so the two lines read as the key (``belady_`` / ``hit_rate``)."""
+#: The text table's width: wider with its notes inline, they go under it (docs/replay.md).
+TABLE_WIDTH = 100
+#: The record keys that name a configuration (the rest are its trace, costs and results).
+CONFIG_KEYS = ("policy", "order", "admission", "eviction")
+
+
+def _split_key(key: str, width: int) -> list[str]:
+    """A record key as a header of up to three lines when it is wider than its values: split
+    after underscores, so the lines read as the key (``belady_`` / ``hit_`` / ``rate``), as
+    narrow as its values allow and in as few lines as that width needs."""
+    if len(key) <= width:
+        return [key]
     cuts = [i + 1 for i, char in enumerate(key) if char == "_"]
-    if len(key) <= width or not cuts:
-        return "", key
-    cut = min(cuts, key=lambda i: abs(len(key) - 2 * i))
-    return key[:cut], key[cut:]
+    splits = [[key]] + [[key[:a], key[a:]] for a in cuts] + [
+        [key[:a], key[a:b], key[b:]] for a in cuts for b in cuts if a < b]
+    return min(splits, key=lambda lines: (max(width, *map(len, lines)), len(lines)))
+
+
+def _config(row: dict) -> tuple:
+    return tuple(row[key] for key in CONFIG_KEYS)
+
+
+def merged_configs(rows: Sequence[dict]) -> dict[tuple, tuple]:
+    """Configurations whose rows are another's: ``{config: earlier config}`` for each one
+    (``policy, order, admission, eviction``) whose record at every cache size (and batch) equals,
+    in every key but those four, the record of an earlier configuration, which the text table
+    shows in its place (``fraction:0.4545`` and ``fraction:0.4`` copy the same misses at top-2;
+    LRU and route_knn evict the same residents when nothing is evicted). Only the text table and
+    its picks merge; the records stay one per configuration."""
+    groups: dict[tuple, dict] = {}
+    for row in rows:
+        rest = {key: value for key, value in row.items() if key not in CONFIG_KEYS}
+        groups.setdefault(_config(row), {})[(row["cache_size"], row.get("batch"))] = rest
+    merged: dict[tuple, tuple] = {}
+    kept: list[tuple] = []
+    for config, group in groups.items():
+        same = next((earlier for earlier in kept if groups[earlier] == group), None)
+        if same is None:
+            kept.append(config)
+        else:
+            merged[config] = same
+    return merged
+
+
+def config_label(config: tuple, shown: Sequence[str] = ("policy",)) -> str:
+    """``policy=fraction:0.4`` (with the other configuration keys in ``shown``)."""
+    return " ".join(f"{key}={value}" for key, value in zip(CONFIG_KEYS, config) if key in shown)
+
+
+#: Columns that depend on the cache size (and batch) alone: a table too wide for
+#: :data:`TABLE_WIDTH` shows them once per size, in a second table under the first.
+PER_SIZE_KEYS = ("steps", "belady_hit_rate", "bypass_optimum_hit_rate", "oracle_hit_rate")
+# The hit rate a cliff note quotes is the row's own hit_rate column: notes under the table are
+# numbered without it, so one note serves every row it applies to.
+_QUOTED_HIT_RATE = re.compile(r" \(hit rate [0-9.]+ here\)")
+
+
+def _grid(rows: Sequence[dict], columns: Sequence[str]) -> tuple[list, list]:
+    """``(head, body)``: the header lines (keys split to the width of their values) and the
+    cells of ``rows``."""
+    body = [[_cell(key, r[key]) for key in columns] for r in rows]
+    names = [_split_key(key, max([len(row[i]) for row in body] + [4]))
+             for i, key in enumerate(columns)]
+    depth = max(len(lines) for lines in names)
+    head = [[([""] * (depth - len(lines)) + lines)[level] for lines in names]
+            for level in range(depth)]
+    return head, body
+
+
+def _lines(head: list, body: list, gap: str, last_left: bool) -> list[str]:
+    """The aligned lines of a grid, a rule of dashes under its header; the last column is
+    left-aligned when ``last_left`` (the note)."""
+    grid = head + body
+    widths = [max(len(row[i]) for row in grid) for i in range(len(grid[0]))]
+    lines = []
+    for i, row in enumerate(grid):
+        cells = [cell.rjust(w) for cell, w in zip(row, widths)]
+        if last_left:
+            cells[-1] = row[-1]
+        lines.append(gap.join(cells).rstrip())
+        if i == len(head) - 1:
+            lines.append(gap.join("-" * w for w in widths))
+    return lines
 
 
 def _table(rows: Sequence[dict], header_lines: Sequence[str]) -> str:
+    """The text table: within :data:`TABLE_WIDTH` columns where it can be. A configuration whose
+    rows equal an earlier one's is shown once (:func:`merged_configs`); when the rows are too
+    wide, their notes go under the table (numbered), then the columns close up, then the
+    per-size columns (:data:`PER_SIZE_KEYS`) go to a second table, one row per size, then the
+    columns close up. The lines above it are wrapped at that width too."""
     columns = table_columns(rows)
-    body = [[_cell(key, r[key]) for key in columns] for r in rows]
-    names = [_split_key(key, max([len(row[i]) for row in body] + [len("cache_size")]))
-             for i, key in enumerate(columns)]
-    if all(top == "" for top, _ in names):
-        head = [[bottom for _, bottom in names]]
-    else:
-        head = [[top for top, _ in names], [bottom for _, bottom in names]]
-    grid = head + body
-    widths = [max(len(row[i]) for row in grid) for i in range(len(columns))]
-    lines = [*_preamble(rows), *header_lines]
-    for i, row in enumerate(grid):
-        cells = [cell.rjust(w) for cell, w in zip(row[:-1], widths)] + [row[-1]]
-        lines.append("  ".join(cells).rstrip())
-        if i == len(head) - 1:
-            lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    merged = merged_configs(rows)
+    shown_keys = [key for key in CONFIG_KEYS if key in columns]
+    under = [f"{config_label(config, shown_keys)}: the same rows as "
+             f"{config_label(same, shown_keys)} at every size (shown once)"
+             for config, same in merged.items()]
+    rows = [r for r in rows if _config(r) not in merged]
+    head, body = _grid(rows, columns)
+    wide = max(len(line) for line in _lines(head, body, "  ", True)) > TABLE_WIDTH
+    if wide and any(row[-1] not in ("", "-") for row in body):
+        texts = [_QUOTED_HIT_RATE.sub("", row[-1]) if row[-1] != "-" else "" for row in body]
+        numbers = {text: str(n) for n, text in enumerate(dict.fromkeys(filter(None, texts)), 1)}
+        for row, text in zip(body, texts):
+            row[-1] = numbers.get(text, "")
+        quoted = any(_QUOTED_HIT_RATE.search(r["note"] or "") for r in rows)
+        under += [f"note {n}: {text}" + (" (the row's hit_rate)" if quoted and
+                                         "S < L*k" in text else "")
+                  for text, n in numbers.items()]
+    lines = _lines(head, body, "  ", True)
+    per_size: list[str] = []
+    if max(len(line) for line in lines) > TABLE_WIDTH:
+        moved = [key for key in PER_SIZE_KEYS if key in columns]
+        keys = ["cache_size"] + (["batch"] if "batch" in columns else []) + moved
+        kept = [i for i, key in enumerate(columns) if key not in moved]
+        head = _drop_blank_header_lines([[row[i] for i in kept] for row in head])
+        body = [[row[i] for i in kept] for row in body]
+        lines = _lines(head, body, "  ", True)
+        sizes = list({tuple(r[key] for key in keys[:len(keys) - len(moved)]): r
+                      for r in rows}.values())
+        size_head, size_body = _grid(sizes, keys)
+        per_size = (["per cache size (the same for every policy):"]
+                    + _lines(size_head, size_body, "  ", False))
+    if max(len(line) for line in lines) > TABLE_WIDTH:
+        lines = _lines(head, body, " ", True)
+    out = [textwrap.fill(text, width=TABLE_WIDTH, subsequent_indent="  ", break_on_hyphens=False,
+                         break_long_words=False) for text in (*_preamble(rows), *header_lines)]
+    out += [*lines, *per_size]
+    out += [textwrap.fill(text, width=TABLE_WIDTH, subsequent_indent="    ",
+                          break_on_hyphens=False, break_long_words=False) for text in under]
+    return "\n".join(out)
+
+
+def _drop_blank_header_lines(head: list) -> list:
+    """A header without its lines left empty (after columns moved out)."""
+    return [line for line in head if any(line)] or head[-1:]
 
 
 def _markdown(rows: Sequence[dict], header_lines: Sequence[str]) -> str:
