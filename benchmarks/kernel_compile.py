@@ -37,6 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import pallas_cache as pc  # noqa: E402
+from benchmarks.lowering import lower_cuda  # noqa: E402
 
 # (L, E, S, k). The first, third and last are the ones the no-spill test holds.
 GEOMETRIES = [(8, 16, 64, 8), (32, 8, 128, 2), (48, 128, 2048, 8), (48, 128, 4096, 8),
@@ -94,8 +95,7 @@ def lower_kernel(geometry, eviction: str, variant: str) -> Kernel:
 
     lowering.lower_jaxpr_to_triton_module = capture
     try:
-        text = jax.jit(_call(variant, routes)).trace(state, jnp.int32(0)).lower(
-            lowering_platforms=("cuda",)).as_text()
+        text = lower_cuda(_call(variant, routes), state, jnp.int32(0)).as_text()
     finally:
         lowering.lower_jaxpr_to_triton_module = original
     if len(modules) != 1:

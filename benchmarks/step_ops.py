@@ -21,13 +21,13 @@ from jax import lax  # noqa: E402
 import pallas_cache as pc  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.lowering import count_ops  # noqa: E402  (the one op counter)
+from benchmarks.lowering import count_ops, lower_cuda  # noqa: E402  (the one op counter)
 
 GEOMETRIES = [(8, 16, 64, 8), (32, 8, 64, 2), (32, 8, 128, 2), (48, 128, 2048, 8),
               (48, 128, 4096, 8), (64, 320, 16384, 8)]
 EVICTIONS = ("lru", "pair_lfu", "route_knn", "route_lfu")
 def lower(fn, *args) -> str:
-    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    return lower_cuda(fn, *args).as_text()
 
 
 def counts(geometry, eviction, hybrid: bool):

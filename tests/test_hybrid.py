@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from conftest import examples
 
 import pallas_cache as pc
+from benchmarks.lowering import lower_cuda
 from pallas_cache import hybrid
 from pallas_cache.moe import apply_copy_plan, put_host_bank
 from pallas_cache.testing import moe_dense
@@ -172,7 +173,7 @@ def test_the_cpu_partial_is_lowered_as_host_compute_for_cuda():
         pool = apply_copy_plan(pool, bank, plan, layer=layer)
         return pc.moe_hybrid(x, ids, gates, plan, pool, bank, expert_fn, layer=layer)
 
-    text = jax.jit(step).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    text = lower_cuda(step, *args).as_text()
     width = min(T * K, E)
     branches = 2 * sum(range(1, width + 1))  # two matmuls per expert, n experts in branch n
     assert _dots(text) == (branches, branches)

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import pytest
 
 import pallas_cache as pc
+from benchmarks.lowering import lower_cuda
 from pallas_cache import evictions
 from pallas_cache.kernels import dispatch
 from pallas_cache.kernels import step as fused
@@ -31,8 +32,7 @@ def test_every_state_leaf_is_aliased_to_its_own_output(eviction):
     ranking = evictions.policy_of(state.eviction).kernel
     leaves = jax.tree.leaves(fused._state_refs(state, ranking))
     routes = jnp.arange(3, dtype=jnp.int32)
-    text = jax.jit(lambda s: pc.ensure(s, 1, routes, backend="pallas")).trace(state).lower(
-        lowering_platforms=("cuda",)).as_text()
+    text = lower_cuda(lambda s: pc.ensure(s, 1, routes, backend="pallas"), state).as_text()
     pairs = re.findall(r"output_operand_alias<output_tuple_indices = \[(\d+)\], "
                        r"operand_index = (\d+)", text)
     assert sorted(int(o) for o, _ in pairs) == list(range(len(leaves))), pairs
@@ -95,7 +95,7 @@ def _triton_ir(state, call) -> str:
 
     lowering.lower_jaxpr_to_triton_module = capture
     try:
-        jax.jit(call).trace(state).lower(lowering_platforms=("cuda",))
+        lower_cuda(call, state)
     finally:
         lowering.lower_jaxpr_to_triton_module = original
     assert len(modules) == 1

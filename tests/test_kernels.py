@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from jax import lax
 
 import pallas_cache as pc
+from benchmarks.lowering import lower_cuda as lower_cuda_module
 from conftest import PROFILE, evictions_under_test
 from pallas_cache import selection
 from pallas_cache.kernels import dispatch
@@ -330,7 +331,7 @@ def triton_modules(monkeypatch):
 
 def lower_cuda(fn, *args) -> str:
     # A fresh jit per call, so no lowering is served from a cache.
-    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    return lower_cuda_module(fn, *args).as_text()
 
 
 def check_triton(text: str, modules, *, grid_x: int | None = None):

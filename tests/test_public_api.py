@@ -170,7 +170,9 @@ def test_records_declare_their_constructor_and_replace_for_type_checkers():
 
     from pallas_cache import tree
 
-    assert tree.pytree_dataclass.__dataclass_transform__["kwargs"]["frozen_default"] is True
+    # Python 3.12+ records frozen_default as a field of the transform, 3.11 among its kwargs.
+    transform = tree.pytree_dataclass.__dataclass_transform__
+    assert transform.get("frozen_default", transform.get("kwargs", {}).get("frozen_default")) is True
     found = []
     for path in sorted((ROOT / "pallas_cache").rglob("*.py")):
         names = re.findall(r"^@pytree_dataclass\nclass (\w+)", path.read_text(), re.M)
