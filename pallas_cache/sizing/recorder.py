@@ -128,7 +128,9 @@ def _int32_ids(routes):
     if not isinstance(routes, jax.core.Tracer) and not isinstance(routes, jax.Array):
         host = np.asarray(routes)
         bad = (host < -1) | (host > np.iinfo(np.int32).max) if host.size else np.zeros((), bool)
-        return jnp.asarray(np.where(bad, OUT_OF_RANGE_ID, host).astype(np.int32))
+        ids = np.full(host.shape, OUT_OF_RANGE_ID, np.int32)  # not np.where: NumPy 2.5 refuses
+        ids[~bad] = host[~bad]  # OUT_OF_RANGE_ID in an unsigned dtype
+        return jnp.asarray(ids)
     routes = jnp.asarray(routes)
     info = jnp.iinfo(routes.dtype)
     bad = jnp.zeros(routes.shape, bool)
