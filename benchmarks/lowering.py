@@ -45,7 +45,11 @@ def abstract_gpu():
         from jax._src.mesh import AbstractDevice
     device = AbstractDevice(device_kind=ABSTRACT_GPU_KIND, num_cores=ABSTRACT_GPU_CORES,
                             platform="gpu")
-    return jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=device))
+    # Auto, not the default Explicit: an explicit axis would type every value made inside (a
+    # scan's carry) as sharded over it, and mixing them with unsharded ones fails to lower.
+    mesh = AbstractMesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,),
+                        abstract_device=device)
+    return jax.sharding.use_abstract_mesh(mesh)
 
 
 def lower_cuda(fn, *args):

@@ -544,3 +544,8 @@ def _forget_slot(state: CacheState, slot):
 from pallas_cache import reprs as _reprs  # noqa: E402  (the short reprs, where the classes are)
 
 _reprs.install_on(EnsurePlan, CopyPlan, MaterializePlan, ForgetPlan)
+
+# The fused kernel's module (and Pallas with it) is imported with the ops, never first inside a
+# trace: a first import of Pallas during a trace changes JAX's compile-cache key (jax 0.12), and
+# the first jitted step would compile twice.
+dispatch.import_kernel()

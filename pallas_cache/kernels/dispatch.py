@@ -8,33 +8,68 @@ import functools
 
 import jax
 
-__all__ = ["BACKENDS", "fused_step_for", "has_pallas_triton", "resolve_backend"]
+__all__ = ["BACKENDS", "TRITON_DEPRECATION", "fused_step_for", "has_pallas_triton",
+           "import_kernel", "resolve_backend", "triton_deprecation_is_error"]
 
 BACKENDS = ("xla", "pallas", "interpret")
 
 
+#: JAX's deprecation id of the Pallas Triton backend (jax >= 0.11; docs/backends.md).
+TRITON_DEPRECATION = "jax-pallas-triton"
+
+
+def triton_deprecation_is_error() -> bool:
+    """Whether this JAX turns the Pallas Triton deprecation into an error at lowering
+    (``jax._src.deprecations.accelerate("jax-pallas-triton")``); False on a JAX without it."""
+    try:
+        from jax._src import deprecations
+
+        return bool(deprecations.is_accelerated(TRITON_DEPRECATION))
+    except Exception:  # no such module, function or id: the deprecation is not an error here
+        return False
+
+
 def has_pallas_triton() -> bool:
-    """Whether the installed JAX has the Pallas Triton backend the fused kernel lowers through."""
+    """Whether the installed JAX has the Pallas Triton backend the fused kernel lowers through,
+    usable: importable, and its deprecation not made an error."""
     try:
         from jax.experimental.pallas import triton  # noqa: F401
     except ImportError:
         return False
-    return True
+    return not triton_deprecation_is_error()
 
 
 def resolve_backend(backend) -> str:
-    """``None`` -> ``"pallas"`` on GPU (with the Pallas Triton backend), else ``"xla"``; anything
-    unknown raises ValueError, and so does an explicit ``"pallas"``/``"interpret"`` on a JAX
-    without the Pallas Triton backend."""
+    """``None`` -> ``"pallas"`` on GPU (with a usable Pallas Triton backend), else ``"xla"``;
+    anything unknown raises ValueError, and so does an explicit ``"pallas"``/``"interpret"``
+    where the Pallas Triton backend is missing or its deprecation is an error."""
     if backend is None:
         return "pallas" if jax.default_backend() == "gpu" and has_pallas_triton() else "xla"
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS} or None")
     if backend != "xla" and not has_pallas_triton():
-        raise ValueError(f"backend {backend!r} needs the Pallas Triton backend "
-                         f"(jax.experimental.pallas.triton), which this JAX {jax.__version__} "
-                         f"lacks; use backend='xla'")
+        why = ("makes the deprecation of the Pallas Triton backend an error "
+               f"({TRITON_DEPRECATION!r})" if triton_deprecation_is_error() else
+               "lacks the Pallas Triton backend (jax.experimental.pallas.triton)")
+        raise ValueError(f"backend {backend!r} needs the Pallas Triton backend, and this JAX "
+                         f"{jax.__version__} {why}; use backend='xla' (or None), or install "
+                         f"jax<0.13 without the deprecation made an error (docs/backends.md)")
     return backend
+
+
+def import_kernel() -> None:
+    """Import the fused kernel's module where this JAX has the Pallas Triton backend (once, with
+    the ops: see the end of ``pallas_cache.ops``)."""
+    try:
+        from pallas_cache.kernels import step  # noqa: F401
+    except ImportError:
+        return
+    try:
+        # The Pallas interpreter imports the fuser on its first call; its import inside a trace
+        # changes the compile-cache key (jax 0.12), and the first jitted step compiles twice.
+        import jax.experimental.pallas.fuser  # noqa: F401
+    except ImportError:
+        pass
 
 
 def fused_step_for(state, rules, num_routes: int, backend: str, *, in_shard_map: bool = False):
