@@ -38,6 +38,12 @@ def abstract_gpu():
     Make the arguments outside it: it changes the mesh new values are placed on."""
     if jax.default_backend() == "gpu":
         return contextlib.nullcontext()
+    return jax.sharding.use_abstract_mesh(abstract_gpu_mesh(1, "x"))
+
+
+def abstract_gpu_mesh(num_devices: int, axis: str):
+    """An abstract mesh of ``num_devices`` H200s on one axis, for ``jax.shard_map`` lowered for
+    CUDA on any host (in :func:`jax.sharding.use_abstract_mesh`)."""
     from jax.sharding import AbstractMesh
     try:
         from jax.sharding import AbstractDevice
@@ -47,9 +53,8 @@ def abstract_gpu():
                             platform="gpu")
     # Auto, not the default Explicit: an explicit axis would type every value made inside (a
     # scan's carry) as sharded over it, and mixing them with unsharded ones fails to lower.
-    mesh = AbstractMesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,),
+    return AbstractMesh((num_devices,), (axis,), axis_types=(jax.sharding.AxisType.Auto,),
                         abstract_device=device)
-    return jax.sharding.use_abstract_mesh(mesh)
 
 
 def lower_cuda(fn, *args):
