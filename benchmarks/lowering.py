@@ -24,8 +24,10 @@ ABSTRACT_GPU_KIND, ABSTRACT_GPU_CORES = "NVIDIA H200", 132
 
 
 def count_ops(text: str) -> tuple[int, int]:
-    """``(Pallas calls, other non-free StableHLO ops)`` of a lowered module's text. An
-    attribute such as ``#stablehlo.output_operand_alias<...>`` names no operation."""
+    """``(Pallas calls, other non-free StableHLO ops)`` of a lowered module's text, by the
+    counting rule of docs/semantics.md §7: a private function's body counts once (it is printed
+    once), a scan's while body once plus its loop bookkeeping. An attribute such as
+    ``#stablehlo.output_operand_alias<...>`` names no operation."""
     ops = [op for op in re.findall(r"(?<![#\w])stablehlo\.([a-z_0-9]+)", text)
            if op not in UNCOUNTED]
     return text.count(PALLAS_CALL), len(ops)
