@@ -23,7 +23,7 @@ from pallas_cache.plans import CopyPlan, EnsurePlan
 from pallas_cache.policy import (Admission, FetchOrder, FetchPolicy, admit_promote_one,
                                  admit_reuse, split_count)
 from pallas_cache.state import CacheState
-from pallas_cache.tree import Record, in_manual_mesh, pytree_dataclass
+from pallas_cache.tree import Record, pytree_dataclass, varying_axes
 
 __all__ = ["Rules", "drop_unless", "ensure_with_rules"]
 
@@ -129,7 +129,7 @@ def ensure_with_rules(state: CacheState, layer, routes, policy: FetchPolicy, rul
     flat_routes = routes.reshape(-1)
     num_out = min(flat_routes.shape[0], E)  # K': distinct routes of one layer never exceed E
     fused_step = dispatch.fused_step_for(state, rules, flat_routes.shape[0], backend,
-                                         in_shard_map=in_manual_mesh(flat_routes))
+                                         mesh_axes=varying_axes(state, layer, routes, policy))
     if fused_step is not None:
         state, plan = fused_step(state, layer, flat_routes, policy, rules)
         return state, plan.replace(slots=plan.slots.reshape(routes.shape),
