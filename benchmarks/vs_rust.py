@@ -39,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 import pallas_cache as pc  # noqa: E402
 from pallas_cache import ops, selection  # noqa: E402
+from pallas_cache import step as xla_step  # noqa: E402
 from pallas_cache.sizing.synthetic import SyntheticParams, synthetic_trace  # noqa: E402
 from results_file import write_section  # noqa: E402
 from timing import machine  # noqa: E402
@@ -124,7 +125,8 @@ def measure_steps(repeats):
     """Per geometry: median us per layer-call of the full step and of three ablations (each part
     replaced by a constant of its shape), and the kernels of the compiled loop body."""
     policy = pc.FetchPolicy.fraction(FRACTION)
-    real = (selection.select_victims, ops._misses_in_fetch_order, ops.clock.rebase_if_due)
+    real = (selection.select_victims, xla_step._misses_in_fetch_order,
+            xla_step.clock.rebase_if_due)
 
     def no_victims(usage, step, n, *, num_out, cache_size=None, keys=None):
         return lax.iota(jnp.int32, num_out) + (usage[0] & 0)
@@ -136,8 +138,8 @@ def measure_steps(repeats):
         return state
 
     def patch(victims_fn, order_fn, rebase_fn):
-        selection.select_victims, ops._misses_in_fetch_order = victims_fn, order_fn
-        ops.clock.rebase_if_due = rebase_fn
+        selection.select_victims, xla_step._misses_in_fetch_order = victims_fn, order_fn
+        xla_step.clock.rebase_if_due = rebase_fn
 
     rows = {}
     for L, E, S, tokens in GEOMETRIES:

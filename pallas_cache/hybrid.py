@@ -12,7 +12,7 @@ from jax import lax
 from jax.experimental import compute_on as _compute_on
 
 from pallas_cache.hints import IndexLike, PyTree
-from pallas_cache.ops import EnsurePlan
+from pallas_cache.plans import EnsurePlan
 from pallas_cache.moe import (check_bank_layer, check_routes, copy_host_rows, gather_rows,
                               memory_space, to_space)
 from pallas_cache.tree import varying_like

@@ -214,7 +214,7 @@ def check_bank_layer(host_bank, layer):
 def check_plan_geometry(copy, pool, host_bank, layer) -> None:
     """Refuse, at trace time, a pool or host bank of another geometry than the plan's.
 
-    ``copy`` is a :class:`~pallas_cache.ops.CopyPlan`; its static ``num_slots`` / ``num_experts``
+    ``copy`` is a :class:`~pallas_cache.plans.CopyPlan`; its static ``num_slots`` / ``num_experts``
     (None on a hand-built plan: nothing to check) must equal every pool leaf's leading axis and
     every bank leaf's expert axis (axis 0, or axis 1 with ``layer=``). A smaller pool would drop
     copies past its end and a smaller bank would clamp two experts onto one row, silently

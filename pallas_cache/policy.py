@@ -14,11 +14,13 @@ import numbers
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from pallas_cache import validate
 from pallas_cache.tree import Record, pytree_dataclass
 
-__all__ = ["Admission", "FetchOrder", "FetchPolicy", "ONE"]
+__all__ = ["Admission", "FetchOrder", "FetchPolicy", "ONE", "admit_promote_one", "admit_reuse",
+           "split_count"]
 
 ONE = 65536  # the fixed-point 1.0 of fraction16
 
@@ -148,32 +150,66 @@ class FetchPolicy(Record):
         return self
 
     def split(self, num_missing: jax.Array) -> jax.Array:
-        """``F``, the number of the ``M = num_missing`` distinct misses to fetch (int32 scalar).
+        """``F``, the number of the ``M = num_missing`` distinct misses to fetch (int32 scalar):
+        :func:`split_count` of this policy's fields."""
+        return split_count(self.fraction16, self.cap, num_missing)
 
-        Fixed cap (``f == 0``): ``min(M, cap)``. Fraction (``f > 0``): with
-        ``M * f = lo * 65536 + r`` (``0 <= r < 65536``), the cost comparison of docs/semantics.md §5.3,
-        ``max(lo*(65536-f), (M-lo)*f) <= max((lo+1)*(65536-f), (M-lo-1)*f)``, reduces to
-        ``r <= 65536 - f`` (both maxima take their first/second term respectively, because
-        ``lo <= M*f/65536 < lo + 1``); so ``F = lo`` if ``r <= 65536 - f`` else ``lo + 1``. That
-        form never multiplies anything as large as ``M * f``: ``M`` is split into
-        ``M = a * 65536 + b`` and ``b * f < 2**32`` is formed in uint32, so every ``M`` that fits
-        in int32 is exact.
-        """
-        m = jnp.asarray(num_missing, jnp.int32)
-        # A traced policy built by hand may hold anything: clamp it into the valid range, so no
-        # count is ever negative or above M (docs/semantics.md §5.3), in its own dtype before
-        # the int32 cast (a uint32 or int64 cap of 2**32 saturates, it does not wrap to 0).
-        f = _saturated_int32(self.fraction16, ONE)
-        cap = _saturated_int32(self.cap, validate.INT32_MAX)
-        a = m >> 16
-        b = (m & (ONE - 1)).astype(jnp.uint32)
-        bf = b * f.astype(jnp.uint32)  # <= 65535 * 65536 < 2**32
-        lo = a * f + (bf >> 16).astype(jnp.int32)  # a * f <= 32767 * 65536 < 2**31
-        r = (bf & (ONE - 1)).astype(jnp.int32)
-        balanced = jnp.minimum(jnp.where(r <= ONE - f, lo, lo + 1), m)
-        capped = jnp.minimum(m, cap)
-        return jnp.where(f > 0, balanced, capped).astype(jnp.int32)
 
+def split_count(fraction16, cap, num_missing) -> jax.Array:
+    """The balanced split (docs/semantics.md §5.3): ``F``, the number of the ``M = num_missing``
+    distinct misses to fetch (int32 scalar), for a policy's ``fraction16`` and ``cap`` (int
+    scalars, traced or not; the fused kernel passes the values it read).
+
+    Fixed cap (``f == 0``): ``min(M, cap)``. Fraction (``f > 0``): with
+    ``M * f = lo * 65536 + r`` (``0 <= r < 65536``), the cost comparison of docs/semantics.md §5.3,
+    ``max(lo*(65536-f), (M-lo)*f) <= max((lo+1)*(65536-f), (M-lo-1)*f)``, reduces to
+    ``r <= 65536 - f`` (both maxima take their first/second term respectively, because
+    ``lo <= M*f/65536 < lo + 1``); so ``F = lo`` if ``r <= 65536 - f`` else ``lo + 1``. That
+    form never multiplies anything as large as ``M * f``: ``M`` is split into
+    ``M = a * 65536 + b`` and ``b * f < 2**32`` is formed in uint32, so every ``M`` that fits
+    in int32 is exact.
+    """
+    m = jnp.asarray(num_missing, jnp.int32)
+    # A traced policy built by hand may hold anything: clamp it into the valid range, so no
+    # count is ever negative or above M (docs/semantics.md §5.3), in its own dtype before
+    # the int32 cast (a uint32 or int64 cap of 2**32 saturates, it does not wrap to 0).
+    f = _saturated_int32(fraction16, ONE)
+    cap = _saturated_int32(cap, validate.INT32_MAX)
+    a = m >> 16
+    b = (m & (ONE - 1)).astype(jnp.uint32)
+    bf = b * f.astype(jnp.uint32)  # <= 65535 * 65536 < 2**32
+    lo = a * f + (bf >> 16).astype(jnp.int32)  # a * f <= 32767 * 65536 < 2**31
+    r = (bf & (ONE - 1)).astype(jnp.int32)
+    balanced = jnp.minimum(jnp.where(r <= ONE - f, lo, lo + 1), m)
+    capped = jnp.minimum(m, cap)
+    return jnp.where(f > 0, balanced, capped).astype(jnp.int32)
+
+
+# The admission rules (docs/semantics.md §5.5), once for both backends: on the misses in fetch
+# order and the victims in claim order, as vectors of one length (-1 past their counts), with
+# each miss's pre-call recency (``recs``), each victim's usage after the hit refresh
+# (``vusage``) and its occupant (``occupants``). Each returns the new ``F``.
+
+def admit_promote_one(on, num_fetch, experts, recs, victims, occupants, *, first):
+    """PROMOTE_ONE: with the rule ``on`` (RECENCY order and a fraction policy) and ``F = 0``, the
+    first miss takes the first victim if that slot is empty and the miss was routed before
+    (recency ``>= 0``). ``first(v)``: a vector's first entry (``v[0]``; in a kernel, which has
+    no element read of a value, a masked reduction)."""
+    promoted = (on & (num_fetch == 0) & (first(experts) >= 0) & (first(recs) >= 0)
+                & (first(victims) >= 0) & (first(occupants) == -1))
+    return jnp.where(promoted, 1, num_fetch)
+
+
+def admit_reuse(on, num_fetch, experts, recs, victims, vusage, num_out: int):
+    """REUSE: with the rule ``on``, the first ``F`` misses are admitted and the k-th after them
+    iff its recency is ``>= 0`` and ``>=`` the usage of the k-th victim; the first rejection
+    stops. Entries at or past ``num_out`` (a kernel's power-of-two padding) are never
+    rejections."""
+    position = lax.iota(jnp.int32, experts.shape[0])
+    admitted = (position < num_fetch) | ((experts >= 0) & (victims >= 0) & (recs >= 0)
+                                         & (recs >= vusage))
+    first_rejected = jnp.min(jnp.where(admitted | (position >= num_out), num_out, position))
+    return jnp.where(on, first_rejected, num_fetch)
 
 
 def _saturated_int32(value, high: int) -> jax.Array:

@@ -217,19 +217,10 @@ def prefetch_prefill_layer(state: CacheState, layer: IndexLike, bank_feat_bytes:
 
 @functools.partial(jax.jit, static_argnames=("banks",))
 def _prefetch_prefill_layer(state: CacheState, layer, banks: tuple):
-    L, E, S = state.num_layers, state.num_experts, state.capacity
+    L, E = state.num_layers, state.num_experts
     buffer_id = jnp.remainder(layer, 2)
     held = state.prefill_layer[buffer_id]
-    layer_error = errors.layer_bits(layer, L)
-    # All failing checks set their bits (docs/design.md). "Busy" asks about the layer's buffer,
-    # which only an in-range layer has; "not begun" does not depend on the layer.
-    busy = (layer_error == 0) & (held >= 0) & (held != layer) & ~state.prefill_released[buffer_id]
-    error = (
-        layer_error
-        | jnp.where(state.prefill_open, 0, errors.ERR_PREFILL_NOT_BEGUN)
-        | jnp.where(busy, errors.ERR_PREFILL_BUSY, 0)
-        | jnp.where(state.cache_size < 2 * E, errors.ERR_CACHE_SIZE, 0)
-    ).astype(jnp.int32)
+    error = _prefetch_errors(state, layer, buffer_id, held)
     accepted = error == 0
     already_loaded = accepted & (held == layer)
     stage = accepted & ~already_loaded
@@ -242,18 +233,60 @@ def _prefetch_prefill_layer(state: CacheState, layer, banks: tuple):
     # moved) since begin_prefill is a miss too: its slot no longer holds the expert's rows.
     still_there = state.slot_for_id[layer_c] == snapshot_row
     hit = stage & (snapshot_row >= 2 * E) & still_there
-    miss = stage & ~hit
+    runs = _miss_runs(stage & ~hit)
+    gather_banks = [bank for bank, feat in enumerate(banks) if feat >= SMALL_BANK_FEAT_BYTES]
+    gather_banks = jnp.asarray(gather_banks + [-1] * (len(banks) - len(gather_banks)), jnp.int32)
+    new_state = _stage_buffer(state, layer, buffer_id, stage).replace(
+        prefill_hit_rows=state.prefill_hit_rows + jnp.sum(hit, dtype=jnp.int32),
+        prefill_rows=state.prefill_rows + jnp.where(stage, E, 0),
+    )
+    plan = PrefillPlan(
+        layer=layer,
+        buffer_id=buffer_id,
+        already_loaded=already_loaded,
+        gather=PrefillGather(
+            dst_slots=_compact(hit, buffer_base + experts, E),
+            src_slots=_compact(hit, snapshot_row, E),
+            count=jnp.sum(hit, dtype=jnp.int32),
+            banks=gather_banks,
+        ),
+        runs=runs,
+        transfers=_host_transfers(banks, stage, buffer_base, runs, E),
+        error=error,
+    )
+    return new_state, plan
 
-    # Runs of consecutive missing ids: a run starts at a miss whose predecessor is not a miss.
+
+def _prefetch_errors(state: CacheState, layer, buffer_id, held):
+    """The error bits of a prefetch: all failing checks set their bits (docs/design.md). "Busy"
+    asks about the layer's buffer, which only an in-range layer has; "not begun" does not
+    depend on the layer."""
+    layer_error = errors.layer_bits(layer, state.num_layers)
+    busy = (layer_error == 0) & (held >= 0) & (held != layer) & ~state.prefill_released[buffer_id]
+    return (
+        layer_error
+        | jnp.where(state.prefill_open, 0, errors.ERR_PREFILL_NOT_BEGUN)
+        | jnp.where(busy, errors.ERR_PREFILL_BUSY, 0)
+        | jnp.where(state.cache_size < 2 * state.num_experts, errors.ERR_CACHE_SIZE, 0)
+    ).astype(jnp.int32)
+
+
+def _miss_runs(miss) -> MissRuns:
+    """Runs of consecutive missing ids: a run starts at a miss whose predecessor is not a miss."""
+    E = miss.shape[0]
     previous_miss = jnp.concatenate([jnp.zeros((1,), jnp.bool_), miss[:-1]])
     starts = miss & ~previous_miss
     run_index = jnp.cumsum(starts, dtype=jnp.int32) - 1
     run_count = jnp.sum(starts, dtype=jnp.int32)
-    run_starts = _compact(starts, experts, E)
+    run_starts = _compact(starts, lax.iota(jnp.int32, E), E)
     run_lens = jnp.zeros((E,), jnp.int32).at[jnp.where(miss, run_index, E)].add(1, mode="drop")
     run_lens = jnp.where(lax.iota(jnp.int32, E) < run_count, run_lens, -1)
+    return MissRuns(starts=run_starts, lens=run_lens, count=run_count)
 
-    # Host-transfer entries, bank by bank in the caller's order (the bank loop is static).
+
+def _host_transfers(banks: tuple, stage, buffer_base, runs: MissRuns, E: int) -> HostTransfers:
+    """Host-transfer entries, bank by bank in the caller's order (the bank loop is static): a
+    small bank's whole layer as one entry (even with no misses), else one entry per miss run."""
     num_entries = len(banks) * E
     entry_bank = jnp.full((num_entries,), -1, jnp.int32)
     entry_dst = entry_src = entry_rows = entry_bank
@@ -269,55 +302,36 @@ def _prefetch_prefill_layer(state: CacheState, layer, banks: tuple):
             entry_rows = entry_rows.at[index].set(E, mode="drop")
             entry_whole = entry_whole.at[index].set(True, mode="drop")
         else:  # one entry per miss run
-            count = run_count
+            count = runs.count
             run = lax.iota(jnp.int32, E)
-            index = jnp.where(run < run_count, entry_count + run, num_entries)
+            index = jnp.where(run < runs.count, entry_count + run, num_entries)
             entry_bank = entry_bank.at[index].set(bank, mode="drop")
-            entry_dst = entry_dst.at[index].set(buffer_base + run_starts, mode="drop")
-            entry_src = entry_src.at[index].set(run_starts, mode="drop")
-            entry_rows = entry_rows.at[index].set(run_lens, mode="drop")
+            entry_dst = entry_dst.at[index].set(buffer_base + runs.starts, mode="drop")
+            entry_src = entry_src.at[index].set(runs.starts, mode="drop")
+            entry_rows = entry_rows.at[index].set(runs.lens, mode="drop")
         entry_count = entry_count + count
+    return HostTransfers(bank=entry_bank, dst_slot=entry_dst, src_row=entry_src,
+                         rows=entry_rows, whole_layer=entry_whole,
+                         count=entry_count.astype(jnp.int32))
 
-    gather_banks = [bank for bank, feat in enumerate(banks) if feat >= SMALL_BANK_FEAT_BYTES]
-    gather_banks = jnp.asarray(gather_banks + [-1] * (len(banks) - len(gather_banks)), jnp.int32)
 
-    # Invalidate the buffer's slots: occupants lose residency, slots empty with usage 0.
+def _stage_buffer(state: CacheState, layer, buffer_id, stage) -> CacheState:
+    """Invalidate the buffer's slots for a staged layer: occupants lose residency, slots empty
+    with usage 0; the buffer records the layer, not yet released."""
+    L, E, S = state.num_layers, state.num_experts, state.capacity
+    buffer_base = buffer_id * E
     slots = lax.iota(jnp.int32, S)
     in_buffer = stage & (slots >= buffer_base) & (slots < buffer_base + E)
     occupant = state.id_of_slot
     slot_for_id = state.slot_for_id.reshape(-1).at[
         jnp.where(in_buffer & (occupant >= 0), occupant, L * E)].set(-1, mode="drop").reshape(L, E)
-    new_state = state.replace(
+    return state.replace(
         slot_for_id=slot_for_id,
         id_of_slot=jnp.where(in_buffer, -1, occupant),
         usage=jnp.where(in_buffer, 0, state.usage),
         prefill_layer=jnp.where(stage & (jnp.arange(2) == buffer_id), layer, state.prefill_layer),
         prefill_released=state.prefill_released & ~(stage & (jnp.arange(2) == buffer_id)),
-        prefill_hit_rows=state.prefill_hit_rows + jnp.sum(hit, dtype=jnp.int32),
-        prefill_rows=state.prefill_rows + jnp.where(stage, E, 0),
     )
-    plan = PrefillPlan(
-        layer=layer,
-        buffer_id=buffer_id,
-        already_loaded=already_loaded,
-        gather=PrefillGather(
-            dst_slots=_compact(hit, buffer_base + experts, E),
-            src_slots=_compact(hit, snapshot_row, E),
-            count=jnp.sum(hit, dtype=jnp.int32),
-            banks=gather_banks,
-        ),
-        runs=MissRuns(starts=run_starts, lens=run_lens, count=run_count),
-        transfers=HostTransfers(
-            bank=entry_bank,
-            dst_slot=entry_dst,
-            src_row=entry_src,
-            rows=entry_rows,
-            whole_layer=entry_whole,
-            count=entry_count.astype(jnp.int32),
-        ),
-        error=error,
-    )
-    return new_state, plan
 
 
 def release_prefill_layer(state: CacheState, layer: IndexLike) -> CacheState:

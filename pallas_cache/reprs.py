@@ -85,11 +85,11 @@ def state_repr(state: Any) -> str:
 def install() -> None:
     """Set the short reprs on the state and plan classes (each module that defines one also
     sets it, by :func:`install_on`, when it is imported)."""
-    from pallas_cache import ops, prefill, state
+    from pallas_cache import plans, prefill, state
 
     install_on(state.CacheState, state=True)
-    install_on(ops.EnsurePlan, ops.CopyPlan, ops.MaterializePlan, ops.ForgetPlan,
-               state.ResizePlan, prefill.PrefillPlan, prefill.PrefillGather, prefill.MissRuns,
+    install_on(plans.EnsurePlan, plans.CopyPlan, plans.MaterializePlan, plans.ForgetPlan,
+               plans.ResizePlan, prefill.PrefillPlan, prefill.PrefillGather, prefill.MissRuns,
                prefill.HostTransfers)
 
 

@@ -11,8 +11,7 @@ from jax import lax
 
 from pallas_cache.validate import INT32_MAX
 
-__all__ = ["argmin_among", "first_in_order", "promotion_decision", "select_victims",
-           "smallest_values"]
+__all__ = ["first_in_order", "select_victims", "smallest_values"]
 
 # Arrays longer than this take the two-level first_in_order.
 _TWO_LEVEL_ABOVE = 256
@@ -39,16 +38,6 @@ def _after(a, b):
 
 def _as_keys(keys):
     return tuple(keys) if isinstance(keys, (tuple, list)) else (keys,)
-
-
-def argmin_among(values, candidate):
-    """The lowest index among ``candidate`` entries holding the smallest value, or -1 if none.
-
-    Exact for every int32 value (no sentinel is folded into the values: a non-candidate's index is
-    moved past every candidate's instead). With ``~values`` (bitwise not, an order-reversing map
-    with no overflow) it is the "largest value, lowest index" of the fetch order.
-    """
-    return first_in_order(values, candidate, 1)[0]
 
 
 def _merge_smallest(k, width):
@@ -233,42 +222,3 @@ def select_victims(usage, step, n, *, num_out, cache_size=None, keys=None):
     out = first_in_order(usage if keys is None else keys, evictable(usage, step, cache_size),
                          num_out)
     return jnp.where(lax.iota(jnp.int32, num_out) < n, out, -1)
-
-
-def promotion_decision(usage, id_of_slot, step, recency_row, miss_mask, fraction16, num_fetch,
-                       *, cache_size=None):
-    """The PROMOTE_ONE decision under LRU (docs/semantics.md §5.5); the caller has checked
-    ``order == RECENCY``.
-
-    Fires iff ``fraction16 > 0``, ``num_fetch == 0``, some expert missed, the argmin evictable
-    slot (ascending ``(usage, slot)``, ``usage != step``) is empty (``id_of_slot == -1``), and the
-    first miss in recency order (largest pre-call recency, ties to the lowest id) was routed
-    before (``recency >= 0``).
-
-    Args:
-      usage: int32[C], after this step's hit refresh.
-      id_of_slot: int32[C].
-      step: int32[], this step.
-      recency_row: int32[E], the layer's recency before this call.
-      miss_mask: bool[E], the routed experts that are not resident.
-      fraction16: int32[], the policy fraction (0 = fixed cap, which never promotes).
-      num_fetch: int32[], the split's ``F``.
-      cache_size: int32[], traced, the usable size: slots at or past it are never the victim.
-        ``None``: every slot is usable.
-
-    Returns:
-      ``(expert, slot)`` int32 scalars: the layer-local expert to fetch and the slot it takes,
-      or ``(-1, -1)`` when the rule does not fire.
-    """
-    # The first miss in recency order: the largest recency among misses, lowest id on ties.
-    expert = argmin_among(~recency_row, miss_mask)
-    recurring = recency_row[jnp.maximum(expert, 0)] >= 0
-    candidate = (fraction16 > 0) & (num_fetch == 0) & (expert >= 0) & recurring
-
-    # The argmin evictable slot, kept only if it is empty. Always computed (one reduction): a
-    # data-dependent branch would cost a host round trip on a GPU (docs/semantics.md §7.1).
-    slot = argmin_among(usage, evictable(usage, step, cache_size))
-    slot = jnp.where(candidate & (slot >= 0) & (id_of_slot[jnp.maximum(slot, 0)] == -1), slot, -1)
-    fires = candidate & (slot >= 0)
-    expert = jnp.where(fires, expert, -1).astype(jnp.int32)
-    return expert, jnp.where(fires, slot, -1).astype(jnp.int32)

@@ -15,6 +15,7 @@ from pallas_cache import evictions
 from pallas_cache.evictions import Eviction, EvictionPolicy, PairLfuState, TokenRingState
 from pallas_cache.tree import Record, pytree_dataclass, static_field
 from pallas_cache.hints import IndexLike
+from pallas_cache.plans import ResizePlan
 
 __all__ = [
     "CacheState",
@@ -325,25 +326,6 @@ def rebuild(state: CacheState, cache_size: int, *, capacity: int | None = None) 
                         evictions.history_of(state))
 
 
-@pytree_dataclass
-class ResizePlan(Record):
-    """What :func:`resize` freed (docs/semantics.md §5.15): the device buffers a caller may release.
-
-    Attributes:
-      freed_slots: int32[C]. The slots at or past the new size that were usable before, in
-        ascending order; -1 past ``count``.
-      freed_ids: int32[C]. The flat id (``layer * E + expert``) each freed slot held, -1 for an
-        empty one (and past ``count``). Those experts are no longer resident.
-      count: int32[]. Number of freed slots (``old size - new size`` on a shrink, else 0).
-      error: int32[]. 0 or ``ERR_CACHE_SIZE`` (then nothing was freed and the state is unchanged).
-    """
-
-    freed_slots: jax.Array
-    freed_ids: jax.Array
-    count: jax.Array
-    error: jax.Array
-
-
 def resize(state: CacheState, cache_size: IndexLike) -> tuple[CacheState, ResizePlan]:
     """Change the usable pool size within the capacity, without a recompile (docs/semantics.md §5.15).
 
@@ -412,4 +394,3 @@ def _resize(state: CacheState, new_size):
 from pallas_cache import reprs as _reprs  # noqa: E402
 
 _reprs.install_on(CacheState, state=True)
-_reprs.install_on(ResizePlan)

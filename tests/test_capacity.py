@@ -10,7 +10,8 @@ import pytest
 
 import pallas_cache as pc
 from conftest import assert_same, resident_slots, slot_of, valid
-from pallas_cache.selection import promotion_decision, select_victims
+from pallas_cache.policy import admit_promote_one
+from pallas_cache.selection import select_victims
 
 ERR_CACHE_SIZE = pc.ERR_CACHE_SIZE
 
@@ -240,8 +241,12 @@ def test_select_victims_and_promotion_mask_by_data():
                                                      cache_size=size))
     assert victims(usage, jnp.int32(4)).tolist() == [1, 2, 0]
     assert victims(usage, jnp.int32(8)).tolist() == [4, 5, 6]
-    decide = jax.jit(lambda size: promotion_decision(
-        usage, ids, jnp.int32(7), jnp.asarray([2, -1], jnp.int32), jnp.asarray([True, False]),
-        jnp.int32(26214), jnp.int32(0), cache_size=size))
-    assert [int(x) for x in decide(jnp.int32(4))] == [-1, -1], "no usable empty slot"
-    assert [int(x) for x in decide(jnp.int32(5))] == [0, 4]
+
+    def decide(size):  # expert 0 (recency 2) is the first miss; F = 0
+        victim = select_victims(usage, jnp.int32(7), jnp.int32(1), num_out=1, cache_size=size)
+        return admit_promote_one(True, jnp.int32(0), jnp.asarray([0]), jnp.asarray([2]), victim,
+                                 ids[jnp.maximum(victim, 0)], first=lambda v: v[0])
+
+    decide = jax.jit(decide)
+    assert int(decide(jnp.int32(4))) == 0, "no usable empty slot"
+    assert int(decide(jnp.int32(5))) == 1

@@ -292,6 +292,21 @@ def test_reuse_is_refused_with_a_non_lru_eviction_naming_both():
     assert ref.step == 0
 
 
+def test_the_hybrid_path_checks_the_admission_once(monkeypatch):
+    """FAILS if ``ensure_hybrid`` checks REUSE against the eviction twice (once itself, once in
+    the step it calls): the step's check, at trace time, is the one."""
+    from pallas_cache import evictions
+
+    calls = []
+    check = evictions.check_admission
+    monkeypatch.setattr(evictions, "check_admission",
+                        lambda *args: calls.append(args) or check(*args))
+    state = pc.init(3, 5, 7)  # a geometry of its own: the call is traced, not served from a cache
+    pc.ensure_hybrid(state, 1, jnp.array([0, 4]), pc.FetchPolicy.full(), admission="reuse",
+                     backend="xla")
+    assert len(calls) == 1, calls
+
+
 def test_init_validates_the_eviction_and_history():
     """FAILS if a bad eviction or history is accepted, or if the string form is not accepted."""
     assert pc.init(1, 1, 1, eviction="PAIR_LFU").eviction is pc.Eviction.PAIR_LFU

@@ -63,6 +63,20 @@ def test_no_import_circle_between_the_ops_and_the_kernel():
     assert not hasattr(fused, "fused_step_reference")
 
 
+def test_the_plans_are_below_the_ops_and_both_steps():
+    """FAILS if the fused kernel or the hybrid layer imports the ops or the XLA step for a plan
+    class (an import circle once the step left ops.py), or if the kernel returns anything but
+    the plan record."""
+    for path in (ROOT / "kernels" / "step.py", ROOT / "hybrid.py"):
+        assert not {m for m in _imports(path) if m.split(".")[:2] in (["pallas_cache", "ops"],
+                                                                     ["pallas_cache", "step"])}
+    state = pc.init(2, 4, 6)
+    rules = pc.ops.Rules.of(hybrid=True, order="recency", admission="promote_one")
+    _, plan = fused.fused_step(state, jnp.int32(1), jnp.asarray([0, 2, -1], jnp.int32),
+                               pc.FetchPolicy.fraction(0.5), rules, interpret=True)
+    assert isinstance(plan, pc.EnsurePlan) and plan.copy.num_slots == 6
+
+
 def test_the_backend_choice_is_dispatch_s():
     """FAILS if ``fused_step_for`` runs the kernel on ``"xla"``, for traced rules or a ring
     longer than the kernel holds, or skips it for a ring eviction it holds, or does not hand

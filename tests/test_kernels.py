@@ -78,7 +78,7 @@ def test_the_kernel_takes_victims_in_usage_slot_order(clock, block, cache_size, 
     routes = jnp.arange(E, dtype=jnp.int32)
     out = _kernel_step(block)(state, routes)
     expected = np_victims(np.where(np.arange(C) < cache_size, usage, clock + 1), clock + 1, E, E)
-    np.testing.assert_array_equal(np.asarray(out[3]), expected)  # the copy plan's dst_slots
+    np.testing.assert_array_equal(np.asarray(out[1].copy.dst_slots), expected)
 
 
 # --------------------------------------------------------------------------------------------

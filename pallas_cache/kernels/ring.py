@@ -165,32 +165,8 @@ def observe(ring: RingRefs, out: RingRefs, *, layer, layer_c, routed, e_idx, acc
     match = match + common_bits
 
     if ring.counts:
-        # F follows the ring's one changed row R[T, ·] (the new head's): at a token start the
-        # oldest token leaves (every layer's old bits subtracted), and the layer's word becomes
-        # the call's bitmask.
-        counts, counts_out = ring.counts[0], out.counts[0]
-        e_ok = e_idx < E
-        row = layer_c * E + e_idx
-        old = plgpu.load(ring.masks.at[head * row_words + layer_c * words + e_idx // 32],
-                         mask=e_ok, other=0)
-        row_counts = (plgpu.load(counts.at[row], mask=e_ok, other=0)
-                      + routed.astype(jnp.int32) - _bit(old, e_idx % 32))
-        width = min(common.next_pow2(L * E), common.MAX_BLOCK)
-
-        def leave(b, carry):
-            index = pl.multiple_of(b * width, width) + lax.iota(jnp.int32, width)
-            m, e = index // E, index % E
-            ok = (index < L * E) & (m != layer_c)
-            word = plgpu.load(ring.masks.at[head * row_words + m * words + e // 32], mask=ok,
-                              other=0)
-            value = plgpu.load(counts.at[index], mask=ok, other=0) - _bit(word, e % 32)
-            plgpu.store(counts_out.at[index], value, mask=ok)
-            return carry
-
-        # Each lane writes only the entry it read (the layer's own row is stored after the
-        # barrier), so this pass needs none.
-        blocks = jnp.where(start, jnp.int32(-(-(L * E) // width)), jnp.int32(0))
-        lax.fori_loop(0, blocks, leave, jnp.int32(0))
+        lfu_row = _lfu_counts(ring, out, head=head, start=start, layer_c=layer_c, routed=routed,
+                              e_idx=e_idx, words=words, num_layers=L, num_experts=E)
 
     barrier()  # every read of the ring above before the writes below
     plgpu.store(out.sim.at[j], sim, mask=in_ring & accepted)
@@ -202,11 +178,48 @@ def observe(ring: RingRefs, out: RingRefs, *, layer, layer_c, routed, e_idx, acc
         common.scatter(out.masks, head * row_words + m * words + t,
                        jnp.where(m == layer_c, bits[t], jnp.uint32(0)), written)
     if ring.counts:
+        row, row_counts, e_ok = lfu_row
         common.scatter(out.counts[0], row, row_counts, e_ok & accepted)
     for ref, value in ((out.head, head), (out.count, count), (out.last_layer, layer)):
         plgpu.store(ref.at[pl.ds(0, 1)], jnp.full((1,), value, jnp.int32),
                     mask=jnp.full((1,), accepted))
     return RingCall(head=head, count=count, sim=sim, age=age)
+
+
+def _lfu_counts(ring: RingRefs, out: RingRefs, *, head, start, layer_c, routed, e_idx,
+                words: int, num_layers: int, num_experts: int):
+    """ROUTE_LFU's ring frequency in :func:`observe`, before its barrier: the other layers'
+    entries written in place, the call's layer's row returned as ``(row, counts, e_ok)`` for
+    ``observe`` to write after the barrier."""
+    L, E = num_layers, num_experts
+    row_words = L * words
+    # F follows the ring's one changed row R[T, ·] (the new head's): at a token start the
+    # oldest token leaves (every layer's old bits subtracted), and the layer's word becomes
+    # the call's bitmask.
+    counts, counts_out = ring.counts[0], out.counts[0]
+    e_ok = e_idx < E
+    row = layer_c * E + e_idx
+    old = plgpu.load(ring.masks.at[head * row_words + layer_c * words + e_idx // 32],
+                     mask=e_ok, other=0)
+    row_counts = (plgpu.load(counts.at[row], mask=e_ok, other=0)
+                  + routed.astype(jnp.int32) - _bit(old, e_idx % 32))
+    width = min(common.next_pow2(L * E), common.MAX_BLOCK)
+
+    def leave(b, carry):
+        index = pl.multiple_of(b * width, width) + lax.iota(jnp.int32, width)
+        m, e = index // E, index % E
+        ok = (index < L * E) & (m != layer_c)
+        word = plgpu.load(ring.masks.at[head * row_words + m * words + e // 32], mask=ok,
+                          other=0)
+        value = plgpu.load(counts.at[index], mask=ok, other=0) - _bit(word, e % 32)
+        plgpu.store(counts_out.at[index], value, mask=ok)
+        return carry
+
+    # Each lane writes only the entry it read (the layer's own row is stored after the
+    # barrier), so this pass needs none.
+    blocks = jnp.where(start, jnp.int32(-(-(L * E) // width)), jnp.int32(0))
+    lax.fori_loop(0, blocks, leave, jnp.int32(0))
+    return row, row_counts, e_ok
 
 
 def predict(call: RingCall, out: RingRefs, planes_ref, *, layer_c, size, searching,

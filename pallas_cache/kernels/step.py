@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import types
 from typing import Any, NamedTuple
 
 import jax
@@ -13,10 +12,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_cache import errors, evictions
+from pallas_cache import policy as policy_rules
 from pallas_cache.kernels import common
 from pallas_cache.kernels import ring as token_ring
 from pallas_cache.kernels.common import INT32_MAX, INT32_MIN
-from pallas_cache.policy import FetchPolicy
+from pallas_cache.plans import CopyPlan, EnsurePlan
 from pallas_cache.tree import varying_axes, varying_like, varying_shape
 
 __all__ = ["fused_step", "supports"]
@@ -207,7 +207,7 @@ def step_kernel(
     victims, vusage, occupants = _rank_victims(
         call, state, state_out, scratch, hits, need, o_idx, step=step, base=base, limit=limit,
         layer_c=layer_c, ranking=ranking, block=block, sz=sz, barrier=barrier)
-    num_fetch = _admit(call, experts, recs, victims, vusage, occupants, num_fetch, o_idx,
+    num_fetch = _admit(call, experts, recs, victims, vusage, occupants, num_fetch,
                        promote_one=promote_one, reuse=reuse, num_out=num_out)
     installed = _install(victims, experts, occupants, num_fetch, o_idx, accepted, num_out)
     _route_slots(call, state, plan, *installed[:3], base=base, accepted=accepted, sz=sz)
@@ -279,8 +279,7 @@ def _classify(state, state_out, observed, row, e_idx, e_ok, *, layer, layer_c, a
 
 def _split(call, num_missing):
     """Phase split (docs/semantics.md §5.3): how many misses the policy fetches."""
-    policy = types.SimpleNamespace(fraction16=call.fraction16[0], cap=call.cap[0])
-    return FetchPolicy.split(policy, num_missing)
+    return policy_rules.split_count(call.fraction16[0], call.cap[0], num_missing)
 
 
 def _refresh_hits(state_out, hits: _Hits, step, accepted, e_width: int):
@@ -339,21 +338,19 @@ def _rank_victims(call, state, state_out, scratch, hits: _Hits, need, o_idx, *, 
     return search(pool_block, state.id_of_slot, need, o_idx, width=ranking.width, block=block)
 
 
-def _admit(call, experts, recs, victims, vusage, occupants, num_fetch, o_idx, *,
-           promote_one: bool, reuse: bool, num_out: int):
+def _admit(call, experts, recs, victims, vusage, occupants, num_fetch, *, promote_one: bool,
+           reuse: bool, num_out: int):
     """Phase admit (docs/semantics.md §5.5): the number of misses installed, the split's count
-    raised by PROMOTE_ONE or REUSE, in the reference's order."""
+    raised by PROMOTE_ONE or REUSE (the rules of :mod:`~pallas_cache.policy`), in the
+    reference's order."""
     fraction_on = call.fraction16[0] > 0
     if promote_one:
-        promoted = (fraction_on & (num_fetch == 0) & (common.lane(experts, 0) >= 0)
-                    & (common.lane(recs, 0) >= 0) & (common.lane(victims, 0) >= 0)
-                    & (common.lane(occupants, 0) == -1))
-        num_fetch = jnp.where(promoted, 1, num_fetch)
+        num_fetch = policy_rules.admit_promote_one(
+            fraction_on, num_fetch, experts, recs, victims, occupants,
+            first=functools.partial(common.lane, k=0))
     if reuse:
-        admitted = (o_idx < num_fetch) | ((experts >= 0) & (victims >= 0) & (recs >= 0)
-                                          & (recs >= vusage))
-        first_rejected = jnp.min(jnp.where(admitted | (o_idx >= num_out), num_out, o_idx))
-        num_fetch = jnp.where(fraction_on, first_rejected, num_fetch)
+        num_fetch = policy_rules.admit_reuse(fraction_on, num_fetch, experts, recs, victims,
+                                             vusage, num_out)
     return num_fetch
 
 
@@ -620,12 +617,12 @@ def fused_step(state, layer, routes, policy, rules, *, interpret: bool, debug: b
     Args:
       state: a ``CacheState`` whose eviction's record has kernel hooks (:func:`supports`).
       layer: int32[] (traced). routes: int32[K], ``K >= 1``. policy: a scalar ``FetchPolicy``.
-      rules: an ``ops.Rules`` of Python bools. interpret: run in the Pallas interpreter.
+      rules: a ``step.Rules`` of Python bools. interpret: run in the Pallas interpreter.
       block: the victim scan's width over the slots (a power of two dividing ``next_pow2(C)``).
 
     Returns:
-      ``(state, slots, cpu, dst_slots, src_rows, count, active, missing, error)``: the new state
-      (leaves updated in place) and the plan's arrays, as ``ops.ensure_with_rules`` returns them.
+      ``(state, EnsurePlan)``: the new state (leaves updated in place) and the plan, as
+      ``step.ensure_with_rules`` returns them for ``K`` flat routes.
     """
     L, E, C = state.num_layers, state.num_experts, state.capacity
     K = routes.shape[0]
@@ -672,6 +669,14 @@ def fused_step(state, layer, routes, policy, rules, *, interpret: bool, debug: b
         debug=debug,
         name="pallas_cache_step",
     )(call, leaves)
-    return (_with_state(state, ranking, state_out), plan.slots, plan.cpu, plan.dst_slots,
-            plan.src_rows, plan.count.reshape(()), plan.active.reshape(()),
-            plan.missing.reshape(()), plan.error.reshape(()))
+    return _with_state(state, ranking, state_out), _ensure_plan(plan, C, E)
+
+
+def _ensure_plan(plan: PlanRefs, capacity: int, num_experts: int) -> EnsurePlan:
+    """The kernel's plan outputs as the plan record."""
+    count = plan.count.reshape(())
+    copy = CopyPlan(dst_slots=plan.dst_slots, src_rows=plan.src_rows, count=count,
+                    num_slots=capacity, num_experts=num_experts)
+    return EnsurePlan(slots=plan.slots, cpu=plan.cpu, copy=copy, active=plan.active.reshape(()),
+                      missing=plan.missing.reshape(()), fetched=count,
+                      error=plan.error.reshape(()))

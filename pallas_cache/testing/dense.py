@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_cache.hints import IndexLike, PyTree
-from pallas_cache.ops import EnsurePlan
+from pallas_cache.plans import EnsurePlan
 
 from pallas_cache.moe import (check_bank_layer, check_plan_geometry, check_routes, gather_rows,
                                memory_space)

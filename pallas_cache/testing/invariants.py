@@ -9,7 +9,7 @@ import jax
 import numpy as np
 
 from pallas_cache import errors, validate
-from pallas_cache.ops import EnsurePlan
+from pallas_cache.plans import EnsurePlan
 from pallas_cache.state import CacheState
 from pallas_cache.testing.assertions import first_difference
 
