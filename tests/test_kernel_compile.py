@@ -31,6 +31,7 @@ def test_the_kernel_compiles_for_sm90a_without_a_spill(geometry, eviction, varia
     assert row["spill_stores"] == 0 and row["spill_loads"] == 0, row
     assert row["stack"] == 0, row
     assert row["registers"] > 0 and row["sass"] > 0, row  # the ptxas and SASS parsing ran
+    assert row["walk_instructions"] > 0 and row["walk_barriers"] > 0, row  # the no-miss walk
 
 
 def test_the_reduction_counter_finds_the_loops():
