@@ -73,12 +73,15 @@ class Instruction:
         return int(found[-1], 16) if found else None
 
     def registers(self) -> set[int]:
-        """The general registers the instruction names (a pair / quad in full)."""
-        width = self.width if self.name in _MEMORY else 1
+        """The general registers the instruction names, a pair or quad in full: ``R2.64`` is
+        R2 and R3; a memory instruction's data operand (outside the brackets) is as wide as
+        its access (``LDG.E.128 R4``: R4 to R7)."""
+        data = self.width if self.name in _MEMORY else 1
         out = set()
-        for number, suffix in _REG.findall(self.operands):
-            n = int(number)
-            out.update(range(n, n + max(_WIDTH.get(suffix, 1), width)))
+        for part in re.split(r"(\[[^\]]*\])", self.operands):
+            for number, suffix in _REG.findall(part):
+                n, width = int(number), _WIDTH.get(suffix, 1 if part.startswith("[") else data)
+                out.update(range(n, n + width))
         return out
 
     def destination(self) -> set[int]:

@@ -124,3 +124,19 @@ def test_a_pair_operand_and_a_barrier_without_an_exchange():
         "EXIT",
     ])), slots=1)
     assert (w.round_trips, w.barriers, w.reductions) == (2, 3, 1)
+
+
+def test_an_address_pair_is_two_registers_and_wide_data_four():
+    """FAILS if a wide access's address pair is read as wide as its data (a false wait), or
+    a wide store's data registers past the first are not waited for."""
+    w = sass_walk.walk(sass_walk.parse(listing([
+        "LDG.E R12, desc[UR4][R2.64]",  # round trip 1, into R12
+        "LDG.E.128 R20, desc[UR4][R10.64]",  # reads R10, R11 only: still round trip 1
+        "LDG.E R14, desc[UR4][R4.64]",  # round trip 1, into R14
+        "STG.E.128 desc[UR4][R6.64], R16",  # writes R16 to R19: no wait
+        "LDG.E R30, desc[UR4][R8.64]",  # round trip 1
+        "STG.E.64 desc[UR4][R6.64], R13",  # R13 and R14: waits for R14
+        "LDG.E R31, desc[UR4][R8.64]",  # round trip 2
+        "EXIT",
+    ])), slots=1)
+    assert w.round_trips == 2
