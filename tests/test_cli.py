@@ -550,12 +550,14 @@ KNN_SWEEP = KNN_BASE + ["--route-knn-legend"]
 
 
 def knn_legend_lines(out):
-    return [line for line in out.splitlines() if line.startswith("route_knn (")]
+    """The legend's route_knn paragraph (its last, wrapped within 100 columns) as one line."""
+    lines = out.splitlines()
+    return [" ".join(lines[i:]) for i, line in enumerate(lines) if line.startswith("route_knn (")]
 
 
-def test_an_lru_only_table_says_in_one_line_what_route_knn_changes_at_each_size(capsys):
-    """FAILS if the legend of an LRU-only table lacks the route_knn line, spreads it over
-    several lines, gives a size's change other than route_knn's hit rate (from its own rows of
+def test_an_lru_only_table_says_in_one_paragraph_what_route_knn_changes_at_each_size(capsys):
+    """FAILS if the legend of an LRU-only table lacks the route_knn paragraph, wraps it beyond
+    100 columns or puts it anywhere but last, gives a size's change other than route_knn's hit rate (from its own rows of
     a sweep that includes it) minus LRU's, or prints the line when another eviction is swept."""
     code, out, _ = run(capsys, *KNN_BASE, "--format", "json")
     lru = {r["cache_size"]: r["hit_rate"] for r in json.loads(out) if r["policy"] == "full"}
@@ -568,6 +570,7 @@ def test_an_lru_only_table_says_in_one_line_what_route_knn_changes_at_each_size(
     code, out, _ = run(capsys, *KNN_SWEEP)
     assert code == 0
     [line] = knn_legend_lines(out)
+    assert max(map(len, out.splitlines())) <= 100
     assert "policy full: hit rate " + ", ".join(
         f"{change:+.3f} at {size}" for change, size in zip(changes, (64, 96, 128))) in line
     assert line.endswith("(add --eviction lru route_knn to see its rows).")

@@ -83,3 +83,30 @@ def test_ctrl_c_while_jax_imports_exits_130_with_one_line():
     """)
     assert done.returncode == 130, (done.returncode, done.stderr)
     assert done.stderr.strip() == "pallas-cache: interrupted", done.stderr
+
+
+@pytest.mark.parametrize("module", ["pallas_cache.sizing.units", "argparse"])
+def test_ctrl_c_while_the_cli_module_imports_exits_130_with_one_line(module):
+    """FAILS if a Ctrl-C during the import of the console script's own module (before
+    ``console_main`` runs: the parser, its checks, argparse) prints Python's traceback instead
+    of one line and exit 130. The interrupt is sent the moment ``module`` starts importing
+    there."""
+    done = _python(f"""
+        import os, signal, sys
+        sys.modules.pop({module!r}, None)
+
+        class InterruptImport:
+            def find_spec(self, name, path=None, target=None):
+                if name == {module!r} and "pallas_cache.sizing.cli" in sys.modules:
+                    sys.meta_path.remove(self)
+                    os.kill(os.getpid(), signal.SIGINT)
+                return None
+
+        sys.meta_path.insert(0, InterruptImport())
+        sys.argv = ["pallas-cache", "--version"]
+        from pallas_cache.sizing.cli import console_main
+        sys.exit(console_main())
+    """)
+    assert done.returncode == 130, (done.returncode, done.stderr)
+    assert done.stderr == "pallas-cache: interrupted\n", done.stderr
+    assert done.stdout == "", done.stdout

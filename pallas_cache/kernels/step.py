@@ -17,6 +17,7 @@ from pallas_cache.kernels import common
 from pallas_cache.kernels import ring as token_ring
 from pallas_cache.kernels.common import INT32_MAX, INT32_MIN
 from pallas_cache.policy import FetchPolicy
+from pallas_cache.tree import varying_axes, varying_like, varying_shape
 
 __all__ = ["fused_step", "supports"]
 
@@ -694,11 +695,17 @@ def fused_step(state, layer, routes, policy, rules, *, interpret: bool, debug: b
                     threshold=scalar(state.rebase_threshold),
                     collect=scalar(state.collect_routing))
     leaves = _state_refs(state, ranking)
-    i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
-    plan_shape = PlanRefs(slots=i32((K,)), cpu=jax.ShapeDtypeStruct((K,), jnp.bool_),
+    # Inside a shard_map (check_vma) every input and output varies over the mesh axes any input
+    # varies over: the state leaves alias their outputs, whose type is then the inputs' (docs/
+    # design.md, "Several devices"); outside one there are no such axes and nothing changes.
+    axes = varying_axes(call, leaves)
+    call, leaves = varying_like((call, leaves), call, leaves)
+    out = functools.partial(varying_shape, axes=axes)
+    i32 = functools.partial(out, dtype=jnp.int32)
+    plan_shape = PlanRefs(slots=i32((K,)), cpu=out((K,), jnp.bool_),
                           dst_slots=i32((num_out,)), src_rows=i32((num_out,)), count=i32((1,)),
                           active=i32((1,)), missing=i32((1,)), error=i32((1,)))
-    state_shape = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), leaves)
+    state_shape = jax.tree.map(lambda x: out(x.shape, x.dtype), leaves)
     # Every state leaf aliases the output leaf of the same name (flat indices: the call's leaves
     # come first among the inputs, the state's first among the outputs).
     num_call = len(jax.tree.leaves(call))
@@ -709,7 +716,8 @@ def fused_step(state, layer, routes, policy, rules, *, interpret: bool, debug: b
         ranking=ranking, block=block,
         stamp_block=common.default_block(L * E, interpret), interpret=interpret)
     # Per-call buffers the kernel writes and reads back (the token ring's counters).
-    scratch = ((token_ring.scratch_shape(state.eviction_state, C),) if ranking.per_call else ())
+    scratch = ((out(*token_ring.scratch_shape(state.eviction_state, C)),)
+               if ranking.per_call else ())
     state_out, plan, _ = pl.pallas_call(
         kernel,
         out_shape=(state_shape, plan_shape, scratch),

@@ -6,15 +6,36 @@ script (:func:`console_main`) keeps JAX's compiled programs in the user's cache 
 
 from __future__ import annotations
 
-import errno
-import os
 import signal
-import stat
-import sys
+import threading
 
-from pallas_cache.sizing.cli_checks import exit_without_teardown, output_failed
-from pallas_cache.sizing.cli_args import NO_COMPILE_CACHE_ENV, UsageError, build_parser
-from pallas_cache.sizing.units import format_bandwidth
+#: SIGINTs that arrived while this module was imported (the console script imports it before
+#: :func:`console_main` runs): reported by :func:`console_main` and :func:`main` as one line and
+#: exit 130, where Python's own handler would have printed a traceback from inside the import.
+_INTERRUPTED_WHILE_IMPORTING: list[int] = []
+
+
+def _defer_interrupt(signum, frame) -> None:
+    _INTERRUPTED_WHILE_IMPORTING.append(signum)
+
+
+_HANDLER_BEFORE_IMPORT = None
+if (threading.current_thread() is threading.main_thread()
+        and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
+    _HANDLER_BEFORE_IMPORT = signal.signal(signal.SIGINT, _defer_interrupt)
+
+import errno  # noqa: E402 - after the handler: a Ctrl-C from here on is one line
+import os  # noqa: E402
+import stat  # noqa: E402
+import sys  # noqa: E402
+
+from pallas_cache.sizing.cli_checks import exit_without_teardown, output_failed  # noqa: E402
+from pallas_cache.sizing.cli_args import (NO_COMPILE_CACHE_ENV, UsageError,  # noqa: E402
+                                          build_parser)
+from pallas_cache.sizing.units import format_bandwidth  # noqa: E402
+
+if _HANDLER_BEFORE_IMPORT is not None:
+    signal.signal(signal.SIGINT, _HANDLER_BEFORE_IMPORT)
 
 # Nothing above imports JAX or NumPy: the parser answers --help, --version and a refused command
 # line at once, and JAX's import (seconds) starts with the work, inside the Ctrl-C handling.
@@ -286,6 +307,9 @@ def console_main() -> int:
 
 def _main(argv, *, compile_cache: bool) -> int:
     try:
+        if _INTERRUPTED_WHILE_IMPORTING:
+            _INTERRUPTED_WHILE_IMPORTING.clear()
+            raise KeyboardInterrupt
         args = build_parser().parse_args(argv)
         if (compile_cache and not args.no_compile_cache
                 and os.environ.get(NO_COMPILE_CACHE_ENV, "") in ("", "0")):

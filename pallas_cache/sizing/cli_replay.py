@@ -24,8 +24,9 @@ from pallas_cache.sizing.cli_checks import (check_batch_memory, check_before_rea
                                             check_step_memory, exit_without_teardown)
 from pallas_cache.sizing.cli_devices import (check_device_count, declared_experts, device_cost,
                                              device_header, run_expert_parallel, tensor_records)
-from pallas_cache.sizing.cli_sizing import (batches, cliff_lines, prefetch_lines,
-                                            synthetic_geometry, trace_lines, with_budget_fit)
+from pallas_cache.sizing.cli_sizing import (batches, cliff_lines, layer_hit_rates,
+                                            per_layer_lines, prefetch_lines, synthetic_geometry,
+                                            trace_lines, with_budget_fit)
 from pallas_cache.sizing.progress import Bar, Progress
 from pallas_cache.sizing.report import CONFIG_KEYS, format_records, merged_configs, records
 from pallas_cache.sizing.traces import (RUN_FIXED_BYTES, ProcessBudget, TraceError,
@@ -138,6 +139,17 @@ def _check_knn_legend(args, batched) -> None:
                          "--eviction lru route_knn to see its rows)")
 
 
+def _check_per_layer(args, batched) -> None:
+    """``--per-layer`` gives the layers of one device's one-token replay; refuse it where the
+    rows are another's (ValueError, one line)."""
+    if batched:
+        raise ValueError("--per-layer is not computed for --batch (the rows of a batched "
+                         "decode); leave out one or the other")
+    if getattr(args, "parallel", None) == "expert":
+        raise ValueError("--per-layer is not computed for --parallel expert (a table per "
+                         "device and the busiest device's rows); leave out one or the other")
+
+
 #: The legend's last line of an LRU-only table without ``--route-knn-legend``.
 KNN_POINTER = ("route_knn (the eviction that wins on real Mixtral routing): add --eviction lru "
                "route_knn to see its rows, or --route-knn-legend for one line of its changes.")
@@ -163,7 +175,7 @@ def _knn_line(results, companions, knn_results, lru_table: bool) -> str | None:
 def _legend(results, trace, cost, knn_line: str | None = None, rows=None,
             per_device: bool = False, about_trace=()) -> list[str]:
     """What a newcomer needs to read the table: the bounds, the model, the verdict, and (an LRU
-    sweep) what route_knn changes (one line, not wrapped). ``rows``: the table's records (their
+    sweep) what route_knn changes (wrapped as the rest). ``rows``: the table's records (their
     ``batch``, and the configurations the table shows once); ``per_device``: the budget is
     each device's; ``about_trace``: what the trace can tell (first)."""
     k = min(trace.top_k, trace.num_experts)
@@ -208,8 +220,8 @@ def _legend(results, trace, cost, knn_line: str | None = None, rows=None,
             "device's wait; prefetch_bound = 1 - busiest resource/overlap (docs/semantics.md "
             "§11.6).")
         paragraphs += prefetch_lines(results, trace, cost)
-    return ([textwrap.fill(text, width=100, break_on_hyphens=False)
-             for text in [*about_trace, *cliffs, *paragraphs]] + ([knn_line] if knn_line else []))
+    return [textwrap.fill(text, width=100, break_on_hyphens=False)
+            for text in [*about_trace, *cliffs, *paragraphs, *([knn_line] if knn_line else [])]]
 
 
 
@@ -473,6 +485,8 @@ def _replay_with(args, progress: Progress, latch: _InterruptLatch) -> int:
                              f"--devices {args.devices}")
         if getattr(args, "knn_legend", False):
             _check_knn_legend(args, batched)
+        if getattr(args, "per_layer", False):
+            _check_per_layer(args, batched)
         auto_k = _auto_top_k(args, cost)
         # fraction:auto with a fixed CPU cost waits for a trace file's routes per call (auto_k
         # 0); until then the policies are checked as resolved at one route per call
@@ -544,17 +558,24 @@ def _replay_with(args, progress: Progress, latch: _InterruptLatch) -> int:
         knn_results = []
     else:
         replayed = replay(trace, configs + companions, progress=progress,
-                          hit_counts=cost.gpu)
+                          hit_counts=cost.gpu, per_layer=getattr(args, "per_layer", False))
         results = with_costs(replayed[:len(configs)], cost)
         knn_results = replayed[len(configs):]
         rows = records(results, trace, cost)
     latch.check()  # nothing is written after a Ctrl-C, even one a compile callback swallowed
     fmt = args.format or ("json" if args.json else "table")
     rows = tensor_records(rows, args)
+    per_layer = [] if not getattr(args, "per_layer", False) else (
+        per_layer_lines(results, rows) if fmt in ("table", "markdown") else [])
+    if getattr(args, "per_layer", False) and fmt not in ("table", "markdown"):
+        rows = [dict(row, layer_hit_rates=layer_hit_rates(result))
+                for row, result in zip(rows, results)]
     about_trace = trace_lines(rows, trace, None if args.trace else
                               (args.synthetic or DEFAULT_PRESET))
     if fmt != "table":
         print(format_records(rows, fmt))
+        for line in per_layer:
+            print(line)
         for line in [] if args.quiet else about_trace:
             print(f"pallas-cache: {line}", file=sys.stderr)
     else:
@@ -583,7 +604,8 @@ def _replay_with(args, progress: Progress, latch: _InterruptLatch) -> int:
         print(format_records(rows, "table", header))
         knn_line = _knn_line(results, companions, knn_results, set(args.eviction) == {"lru"})
         print("\n".join(_legend(results, trace, cost, knn_line, rows,
-                                 getattr(args, "parallel", None) == "tensor", about_trace)))
+                                 getattr(args, "parallel", None) == "tensor", about_trace)
+                         + per_layer))
     if args.plot:
         try:
             _plot(rows, args.plot)

@@ -13,7 +13,8 @@ import math
 from pallas_cache.sizing.units import parse_duration
 
 __all__ = ["add_sizing_arguments", "batches", "budget_fit", "check_gpu_policies", "cliff_lines",
-           "cpu_fixed_seconds", "gpu_seconds", "prefetch_lines",
+           "cpu_fixed_seconds", "gpu_seconds", "layer_hit_rates", "per_layer_lines",
+           "prefetch_lines",
            "synthetic_geometry", "with_budget_fit"]
 
 
@@ -25,6 +26,11 @@ def add_sizing_arguments(replay: argparse.ArgumentParser) -> None:
                        help="end an LRU-only table's legend with route_knn's hit rate change at "
                             "each size: route_knn replayed beside the sweep, in the same "
                             "compiled programs (one more program to compile; off by default)")
+    group.add_argument("--per-layer", action="store_true",
+                       help="also give each configuration's hit rate per layer "
+                            "(pallas_cache.per_layer_stats of its final state): lines under a "
+                            "table or markdown, a layer_hit_rates list in each json, jsonl or "
+                            "csv record (only with this flag)")
     group.add_argument("--top-k", type=int, default=None, metavar="K",
                        help="routes per layer-call of a synthetic trace (with --num-layers and "
                             "--num-experts, its geometry; default: --model's, else the "
@@ -345,4 +351,31 @@ def trace_lines(rows, trace, synthetic_preset: str | None) -> list[str]:
             f"than half of the misses are cold, the first use of one of the {distinct} experts "
             f"it routes, which any cache pays once; a longer trace (--tokens, or more "
             f"requests) shows what those sizes hold in steady state.")
+    return lines
+
+
+def layer_hit_rates(result) -> list[float | None]:
+    """A replay result's hit rate per layer, ``1 - missing/active`` of each layer's counters
+    (``ReplayResult.layer_stats``); ``None`` for a layer no call routed."""
+    return [None if not stats.active else 1.0 - stats.missing / stats.active
+            for stats in result.layer_stats]
+
+
+def per_layer_lines(results, rows, per_line: int = 12) -> list[str]:
+    """The lines under the table of ``--per-layer``: for each row, its cache size and the
+    configuration keys that vary, then its hit rate per layer, ``per_line`` layers a line after
+    their range (``-`` for a layer no call routed); within 100 columns for any layer count."""
+    from pallas_cache.sizing.report import CONFIG_KEYS
+
+    varying = [key for key in CONFIG_KEYS if len({row[key] for row in rows}) > 1]
+    lines = ["Hit rate per layer (- where no call routed the layer):"]
+    for result, row in zip(results, rows):
+        lines.append(" ".join([f"cache_size={row['cache_size']}"]
+                              + [f"{key}={row[key]}" for key in varying]))
+        rates = ["-" if rate is None else f"{rate:.3f}" for rate in layer_hit_rates(result)]
+        width = len(str(max(len(rates) - 1, 0)))
+        for first in range(0, len(rates), per_line):
+            last = min(first + per_line, len(rates)) - 1
+            lines.append(f"  layers {first:>{width}}-{last:<{width}}  "
+                         + " ".join(f"{rate:>5}" for rate in rates[first:last + 1]))
     return lines

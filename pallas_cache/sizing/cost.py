@@ -18,8 +18,8 @@ import dataclasses
 import math
 from typing import Iterable
 
-__all__ = ["CostModel", "OverlapTimes", "call_seconds", "modeled_seconds", "overlap_times",
-           "with_costs"]
+__all__ = ["CostModel", "OverlapTimes", "call_seconds", "modeled_seconds", "ordered_sum",
+           "overlap_times", "with_costs"]
 
 
 def modeled_seconds(pair_counts: Iterable[tuple[int, int, int]], expert_bytes: int,
@@ -36,10 +36,20 @@ def modeled_seconds(pair_counts: Iterable[tuple[int, int, int]], expert_bytes: i
       cpu_fixed_seconds: ``T_cpu``, the CPU partial's fixed cost per layer-call (its launch,
         the host round trip, the wait for the host threads); 0 leaves the two-bandwidth model.
     """
-    return sum(calls * max(fetched * expert_bytes / link_bandwidth,
-                           _cpu_seconds(cpu_experts, expert_bytes, cpu_bandwidth,
-                                        cpu_fixed_seconds))
-               for fetched, cpu_experts, calls in pair_counts)
+    return ordered_sum(calls * max(fetched * expert_bytes / link_bandwidth,
+                                   _cpu_seconds(cpu_experts, expert_bytes, cpu_bandwidth,
+                                                cpu_fixed_seconds))
+                       for fetched, cpu_experts, calls in pair_counts)
+
+
+def ordered_sum(values: Iterable[float]) -> float:
+    """``values`` added left to right, as Python 3.11's ``sum()`` does: from 3.12 ``sum()`` of
+    floats compensates its rounding, and the model's numbers would differ in the last bit
+    between Pythons."""
+    total = 0.0
+    for value in values:
+        total += value
+    return total
 
 
 def _cpu_seconds(cpu_experts: int, expert_bytes: int, cpu_bandwidth: float,

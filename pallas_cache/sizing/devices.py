@@ -18,6 +18,7 @@ import numpy as np
 
 from pallas_cache import validate
 from pallas_cache.mesh import ExpertSharding
+from pallas_cache.sizing.cost import ordered_sum
 from pallas_cache.sizing.traces import Trace
 
 __all__ = ["device_traces", "tensor_parallel_seconds", "tensor_parallel_slots"]
@@ -75,6 +76,6 @@ def tensor_parallel_seconds(pair_counts: Iterable[tuple[int, int, int]], expert_
                 or not 0 < rate < float("inf"):
             raise ValueError(f"{name} must be a positive, finite number of bytes per second, "
                              f"got {rate!r}")
-    return sum(calls * max(fetched * expert_bytes / T / link_bandwidth,
-                           cpu_experts * expert_bytes / cpu_bandwidth)
-               for fetched, cpu_experts, calls in pair_counts)
+    return ordered_sum(calls * max(fetched * expert_bytes / T / link_bandwidth,
+                                   cpu_experts * expert_bytes / cpu_bandwidth)
+                       for fetched, cpu_experts, calls in pair_counts)

@@ -19,7 +19,7 @@ from typing import Iterable, Sequence
 from pallas_cache.sizing.units import format_bytes
 
 __all__ = ["COLUMN_LEGEND", "CONFIG_KEYS", "FORMATS", "GPU_LEGEND", "GPU_RECORD_KEYS",
-           "RECORD_KEYS", "TABLE_WIDTH", "config_label", "format_records", "legend_text",
+           "NOT_RECORDED", "RECORD_KEYS", "TABLE_WIDTH", "config_label", "format_records", "legend_text",
            "merged_configs", "records", "table_columns"]
 
 #: The output formats of :func:`format_records` (``pallas-cache replay --format``).
@@ -98,6 +98,11 @@ GPU_RECORD_KEYS: tuple[str, ...] = tuple(GPU_LEGEND)
 
 #: Record keys whose value is a list of lists (csv: one cell of JSON).
 _LIST_KEYS = ("pair_counts", "call_counts")
+#: Result fields that are no record key: the per-layer counters a replay keeps on request
+#: (``pallas-cache replay --per-layer`` adds ``layer_hit_rates`` to the records it prints).
+NOT_RECORDED = ("layer_stats",)
+#: Keys a csv cell holds as JSON: the list keys, and the per-layer hit rates.
+_JSON_CELL_KEYS = _LIST_KEYS + ("layer_hit_rates",)
 
 _TRACE_KEYS = ("source", "layers", "experts", "top_k", "tokens", "calls", "sequences")
 _COST_KEYS = ("expert_bytes", "link_bandwidth", "cpu_bandwidth", "device_budget")
@@ -131,6 +136,8 @@ def records(results: Iterable, trace, cost=None) -> list[dict]:
     out = []
     for result in results:
         fields = dataclasses.asdict(result)
+        for key in NOT_RECORDED:
+            fields.pop(key, None)
         unknown = set(fields) - set(RECORD_KEYS) - set(GPU_RECORD_KEYS)
         if unknown:
             raise ValueError(f"result fields {sorted(unknown)} are not record keys")
@@ -356,7 +363,7 @@ def _csv(rows: Sequence[dict]) -> str:
     writer.writeheader()
     for r in rows:
         writer.writerow({key: ("" if r[key] is None else
-                               json.dumps(r[key]) if key in _LIST_KEYS else r[key])
+                               json.dumps(r[key]) if key in _JSON_CELL_KEYS else r[key])
                          for key in keys})
     return buffer.getvalue().rstrip("\n")
 

@@ -40,6 +40,7 @@ def replay(
     bucket_ratio: float = DEFAULT_BUCKET_RATIO,
     threads: int | None = None,
     hit_counts: bool = False,
+    per_layer: bool = False,
 ) -> list[ReplayResult]:
     """Replay ``trace`` through every configuration and return one result per configuration.
 
@@ -68,6 +69,9 @@ def replay(
         (``ReplayResult.call_counts``), what the GPU-time model of docs/semantics.md §11.6
         times; implied by a ``cost`` with the GPU's time. Another compiled program (a bigger
         table per lane); the other results are the same.
+      per_layer: also keep each configuration's per-layer counters
+        (``ReplayResult.layer_stats``: :func:`pallas_cache.per_layer_stats` of its final state);
+        the same compiled programs, the other results the same.
 
     Returns:
       ``list[ReplayResult]``, aligned with ``configs``.
@@ -84,7 +88,7 @@ def replay(
     report = as_progress(progress)
     hit_counts = bool(hit_counts) or (cost is not None and cost.gpu)
     plan = SweepPlan.of(trace, configs, chunk_calls=chunk_calls, bucket_ratio=bucket_ratio,
-                        where=where, hit_counts=hit_counts)
+                        where=where, hit_counts=hit_counts, per_layer=per_layer)
     sizes = sorted({c.cache_size for c in configs})
     programs = len(plan.groups)
     report.phase(f"compiling {programs} program{'s' if programs != 1 else ''} for "

@@ -132,6 +132,10 @@ class ReplayResult:
       stall_ms_per_token: ``overlap_ms_per_token`` minus the device's own work per token.
       prefetch_bound: ``1 - max(gpu_busy, link_busy, cpu_busy) / overlap``: the most any
         prefetch that moves the same bytes could save, as a fraction.
+      layer_stats: each layer's counters at the end of the trace
+        (:func:`pallas_cache.per_layer_stats` of the configuration's final state), indexed by
+        layer; only from a replay asked for them (``per_layer``), else empty. Not a record key:
+        the records (JSON, CSV) keep their fields.
     """
 
     cache_size: int
@@ -166,6 +170,7 @@ class ReplayResult:
     overlap_ms_per_token: float | None = None
     stall_ms_per_token: float | None = None
     prefetch_bound: float | None = None
+    layer_stats: tuple = ()
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)

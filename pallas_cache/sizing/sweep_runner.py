@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_cache.evictions import Eviction
+from pallas_cache.host.reports import per_layer_stats
 from pallas_cache.policy import Admission, FetchOrder
 from pallas_cache.sizing import bounds as belady_lib
 from pallas_cache.sizing.progress import Progress
@@ -43,6 +44,7 @@ class SweepPlan:
       where: the devices and host threads (:class:`~pallas_cache.sizing.sweep_program.Placement`).
       hit_counts: count the calls by ``(hits, fetched, cpu_experts)`` too (the GPU-time model's
         histogram, docs/semantics.md §11.6).
+      per_layer: keep each configuration's per-layer counters (``ReplayResult.layer_stats``).
     """
 
     trace: Trace
@@ -55,10 +57,11 @@ class SweepPlan:
     chunk_calls: int
     where: Placement
     hit_counts: bool = False
+    per_layer: bool = False
 
     @classmethod
     def of(cls, trace: Trace, configs, *, chunk_calls: int, bucket_ratio: float,
-           where: Placement, hit_counts: bool = False) -> "SweepPlan":
+           where: Placement, hit_counts: bool = False, per_layer: bool = False) -> "SweepPlan":
         """The plan of replaying ``trace`` through ``configs``: the calls padded to whole
         chunks with refused layer ``-1`` calls, which change nothing and count nothing."""
         layers, routes = trace.to_array()
@@ -70,7 +73,7 @@ class SweepPlan:
                                  np.full((padded - num_calls, routes.shape[1]), -1, np.int32)])
         keys = tuple(lane_key(config) for config in configs)
         return cls(trace, tuple(configs), keys, tuple(groups(keys, bucket_ratio)), layers,
-                   routes, num_calls, chunk_calls, where, bool(hit_counts))
+                   routes, num_calls, chunk_calls, where, bool(hit_counts), bool(per_layer))
 
     @property
     def num_chunks(self) -> int:
@@ -176,6 +179,8 @@ def run_groups(plan: SweepPlan, report: Progress, compiled: Callable[[], None]) 
                 call_counts=call_counts,
                 note=_note(size, trace, 1.0 - missing / active if active else 1.0),
                 eviction=eviction,
+                layer_stats=(tuple(per_layer_stats(jax.tree.map(lambda a: a[row], states)))
+                             if plan.per_layer else ()),
             )
     return results
 
