@@ -3,12 +3,15 @@
 Triton IR (TTIR, as Pallas emits it) compiled for sm_90a by the ``triton`` package's compiler
 (``pip install -e '.[compile]'``), its PTX assembled by that package's ``ptxas`` with ``-v``, and
 its SASS listed by its ``cuobjdump``. Per kernel: registers, spill bytes, shared memory, SASS
-instructions, barrier instructions, and the static count of reductions (``tt.reduce``) in the
-victim loop and the fetch-order loop. jaxlib bundles its own Triton, so the figures are a close
+instructions, barrier instructions, the static count of reductions (``tt.reduce``) in the
+victim loop and the fetch-order loop, and what a call with no miss issues, walked through the
+SASS (benchmarks/sass_walk.py: instructions per warp, barriers, cross-warp reductions,
+dependent global round trips). jaxlib bundles its own Triton, so the figures are a close
 proxy of the kernel XLA builds, not the exact build.
 
     python benchmarks/kernel_compile.py               # the full matrix, a Markdown table
     python benchmarks/kernel_compile.py --ci          # ensure + one ensure_hybrid per eviction
+    python benchmarks/kernel_compile.py --walk        # the no-miss path's cost (sass_walk.py)
     python benchmarks/kernel_compile.py --write       # ... and replace its section of RESULTS.md
 
 Exit status: 0 no spill, 1 a spill or a failed compile.
@@ -37,12 +40,16 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import pallas_cache as pc  # noqa: E402
+from benchmarks import sass_walk  # noqa: E402
 from benchmarks.lowering import lower_cuda  # noqa: E402
 
-# (L, E, S, k). The first, third and last are the ones the no-spill test holds.
+# (L, E, S, k). The geometries of the no-miss walk (--walk): a small and a large model at two
+# pool sizes each (1, 1, 4 and 8 warps).
+WALK_GEOMETRIES = [(32, 8, 64, 2), (32, 8, 256, 2), (58, 256, 2048, 8), (61, 256, 16384, 8)]
+# The no-spill test's: the walk's and three more (where a spill was once found or moved to).
+TEST_GEOMETRIES = [(8, 16, 64, 8), (48, 128, 4096, 8), (64, 512, 16384, 8)] + WALK_GEOMETRIES
 GEOMETRIES = [(8, 16, 64, 8), (32, 8, 128, 2), (48, 128, 2048, 8), (48, 128, 4096, 8),
-              (64, 512, 16384, 8)]
-TEST_GEOMETRIES = [(8, 16, 64, 8), (48, 128, 4096, 8), (64, 512, 16384, 8)]
+              (64, 512, 16384, 8)] + WALK_GEOMETRIES
 EVICTIONS = ("lru", "pair_lfu", "route_knn", "route_lfu")
 HYBRID = [(order, admission) for order in ("recency", "lowest_id")
           for admission in ("promote_one", "none", "reuse")]
@@ -201,14 +208,27 @@ def compile_sm90a(kernel: Kernel) -> dict:
         "shared": int(compiled.metadata.shared),
         "sass": len(instructions),
         "barriers": sum(1 for x in instructions if re.search(r"\bBAR\.", x)),
+        "listing": sass,
     }
 
 
+@functools.lru_cache(maxsize=None)
+def _compiled(ttir: str, num_warps: int, slots: int) -> tuple:
+    """:func:`compile_sm90a` and the no-miss walk of one Triton IR, once per process (variants
+    whose rules coincide, e.g. every LOWEST_ID admission, lower to the same IR)."""
+    row = compile_sm90a(Kernel(ttir, num_warps))
+    path = sass_walk.walk(sass_walk.parse(row.pop("listing")), slots=slots)
+    row.update({"walk_instructions": path.instructions, "walk_barriers": path.barriers,
+                "walk_reductions": path.reductions, "walk_round_trips": path.round_trips})
+    return tuple(row.items())
+
+
 def measure(geometry, eviction: str, variant: str) -> dict:
+    """One table row: the kernel of ``variant`` at ``geometry`` compiled, assembled, counted."""
     kernel = lower_kernel(geometry, eviction, variant)
     row = {"geometry": geometry, "eviction": eviction, "variant": variant,
            "num_warps": kernel.num_warps}
-    row.update(compile_sm90a(kernel))
+    row.update(_compiled(kernel.ttir, kernel.num_warps, geometry[2]))
     row.update({f"reduce_{k}": v for k, v in reductions(kernel.ttir).items()})
     return row
 
@@ -226,6 +246,19 @@ def table_row(r: dict) -> str:
             f"| {r['reduce_all']} |")
 
 
+WALK_HEADER = ("| L,E,S,k | eviction | call | warps | regs | spill B (st/ld) | smem B "
+               "| instructions / warp | barriers | cross-warp reductions | global round trips |\n"
+               "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+
+
+def walk_row(r: dict) -> str:
+    """A row of the no-miss walk's table (benchmarks/sass_walk.py)."""
+    return (f"| {','.join(map(str, r['geometry']))} | {r['eviction']} | {r['variant']} "
+            f"| {r['num_warps']} | {r['registers']} | {r['spill_stores']}/{r['spill_loads']} "
+            f"| {r['shared']} | {r['walk_instructions']} | {r['walk_barriers']} "
+            f"| {r['walk_reductions']} | {r['walk_round_trips']} |")
+
+
 def ring(r: dict, loop: str) -> str:
     """A ring loop's column: ``-`` for an eviction without a token ring."""
     return str(r[f"reduce_{loop}"]) if r["eviction"].startswith("route_") else "-"
@@ -235,21 +268,25 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ci", action="store_true",
                    help="the test geometries, ensure and one ensure_hybrid per eviction")
+    p.add_argument("--walk", action="store_true",
+                   help="the no-miss path's cost per kernel (benchmarks/sass_walk.py) at the "
+                        "walk geometries, ensure and one ensure_hybrid per eviction")
     p.add_argument("--out", type=Path, default=None, help="also write the table to this file")
     args = p.parse_args(argv)
-    geometries = TEST_GEOMETRIES if args.ci else GEOMETRIES
+    geometries = (WALK_GEOMETRIES if args.walk else TEST_GEOMETRIES if args.ci
+                  else GEOMETRIES)
     import triton
 
     lines = [f"triton {triton.__version__}, jax {jax.__version__}, target sm_90a, "
-             f"ptxas from the triton package", "", HEADER]
+             f"ptxas from the triton package", "", WALK_HEADER if args.walk else HEADER]
     print("\n".join(lines), flush=True)
     bad = 0
     for geometry in geometries:
         for eviction in EVICTIONS:
-            for variant in variants(eviction, ci=args.ci):
+            for variant in variants(eviction, ci=args.ci or args.walk):
                 try:
                     row = measure(geometry, eviction, variant)
-                    line = table_row(row)
+                    line = (walk_row if args.walk else table_row)(row)
                     bad += bool(row["spill_stores"] or row["spill_loads"])
                 except Exception as exc:  # a failed compile is a row, and a failed run
                     line = f"| {geometry} | {eviction} | {variant} | FAILED: {exc!r} |"

@@ -194,9 +194,10 @@ def admit_promote_one(on, num_fetch, experts, recs, victims, occupants, *, first
     """PROMOTE_ONE: with the rule ``on`` (RECENCY order and a fraction policy) and ``F = 0``, the
     first miss takes the first victim if that slot is empty and the miss was routed before
     (recency ``>= 0``). ``first(v)``: a vector's first entry (``v[0]``; in a kernel, which has
-    no element read of a value, a masked reduction)."""
-    promoted = (on & (num_fetch == 0) & (first(experts) >= 0) & (first(recs) >= 0)
-                & (first(victims) >= 0) & (first(occupants) == -1))
+    no element read of a value, a masked reduction: one, of the four tests combined lane by
+    lane)."""
+    ready = (experts >= 0) & (recs >= 0) & (victims >= 0) & (occupants == -1)
+    promoted = on & (num_fetch == 0) & (first(ready.astype(jnp.int32)) > 0)
     return jnp.where(promoted, 1, num_fetch)
 
 

@@ -1,6 +1,6 @@
 """The fused kernel's fixed part (docs/design.md, "The fused kernel's fixed part"): the victims of
-a pool of several blocks in one streamed pass, the fetch order as a rank (few routes) or by
-rounds (many), the hit refresh before the search. Each against the XLA step, whole states and
+a pool of several blocks in one streamed pass, the fetch order by rounds over the route lanes
+(up to 64 routes) or over the experts (more), the hit refresh before the search. Each against the XLA step, whole states and
 plans, in the interpreter; the multi-block path with an explicit block smaller than the pool
 (the interpreter's default is one block)."""
 
@@ -24,7 +24,7 @@ DEEP = os.environ.get("PALLAS_CACHE_PROFILE", "ci") == "deep"
 # that cover each path once; the deep profile all of them.
 STREAMED = [(kind, eviction) for kind in ("descending", "ties", "random")
             for eviction in ("lru", "pair_lfu")]
-ORDERS = [(order, routes) for order in ("recency", "lowest_id") for routes in (7, 80)]
+ORDERS = [(order, routes) for order in ("recency", "lowest_id") for routes in (7, 12, 80)]
 if not DEEP:
     STREAMED = [("descending", "lru"), ("ties", "pair_lfu")]
     ORDERS = [("recency", 7), ("lowest_id", 80)]
@@ -93,10 +93,11 @@ def test_streamed_victims_equal_the_xla_step(kind, eviction):
 
 @pytest.mark.parametrize("order,num_routes", ORDERS)
 def test_the_fetch_order_equals_the_xla_step(order, num_routes):
-    """FAILS if the fetch order differs from the XLA step's: with few routes the rank (a
-    duplicate route counted twice, a tie of recency not broken by the lower id, the candidates
-    placed by the wrong rank), with more than 64 routes the rounds. Recency ties are common
-    here (most experts were never routed: recency -1), duplicates too."""
+    """FAILS if the fetch order differs from the XLA step's: up to 64 routes the rounds over the
+    route lanes (a duplicate route taken twice, a tie of recency not broken by the lower id; a
+    route's first occurrence by lane compares up to 8 routes, by a [routes, routes] tile above),
+    with more than 64 routes the rounds over the experts. Recency ties are common here (most
+    experts were never routed: recency -1), duplicates too."""
     L, E, S = 2, 96, 100
     rng = np.random.default_rng(num_routes)
     state = pc.init(L, E, S)

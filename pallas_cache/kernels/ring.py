@@ -23,8 +23,8 @@ from pallas_cache.evictions.route_knn import NEIGHBOURS
 from pallas_cache.kernels import common
 from pallas_cache.kernels.common import INT32_MIN
 
-__all__ = ["RingCall", "RingPrediction", "RingRefs", "observe", "per_slot", "predict",
-           "refs_of", "ring_from", "scratch_shape", "supports"]
+__all__ = ["RingCall", "RingPrediction", "RingRefs", "bitmask", "observe", "per_slot",
+           "predict", "refs_of", "ring_from", "scratch_shape", "supports"]
 
 
 class RingRefs(NamedTuple):
@@ -123,14 +123,22 @@ def _popcount(x):
     return ((x * jnp.uint32(0x01010101)) >> 24).astype(jnp.int32)
 
 
-def observe(ring: RingRefs, out: RingRefs, *, layer, layer_c, routed, e_idx, accepted,
+def bitmask(ids, mask, num_experts: int) -> list:
+    """The call's mask words (uint32 each, ``ceil(E / 32)``): the bits of the experts ``ids``
+    where ``mask``, each expert at most once (a route's first occurrence, or the layer's row)."""
+    bit = jnp.uint32(1) << (ids % 32).astype(jnp.uint32)
+    return [jnp.sum(jnp.where(mask & (ids // 32 == t), bit, jnp.uint32(0)), dtype=jnp.uint32)
+            for t in range(-(-num_experts // 32))]
+
+
+def observe(ring: RingRefs, out: RingRefs, *, layer, layer_c, routed, bits, e_idx, accepted,
             num_layers: int, num_experts: int, barrier) -> RingCall:
-    """The ring after an accepted call of ``layer`` routing ``routed`` (bool[E'] over ``e_idx``),
-    written to ``out``; a refused call writes nothing. Every read of an entry another thread
-    writes comes before ``barrier()`` and that write after it (the outputs alias the inputs):
-    a token start if the layer does not increase,
-    the call's bitmask recorded in the current token's row and matched against every past
-    token's same layer, and under ROUTE_LFU the ring frequency following the changed row."""
+    """The ring after an accepted call of ``layer`` routing ``routed`` (bool[E'] over
+    ``e_idx``; ``bits``: its mask words, :func:`bitmask`), written to ``out``; a refused call
+    writes nothing. Every read of an entry another thread writes comes before ``barrier()`` and
+    that write after it (the outputs alias the inputs): a token start if the layer does not
+    increase, the call's bitmask recorded in the current token's row and matched against every
+    past token's same layer, and under ROUTE_LFU the ring frequency following the changed row."""
     L, E = num_layers, num_experts
     history = ring.sim.shape[0]
     words = ring.masks.shape[0] // (history * L)
@@ -140,9 +148,6 @@ def observe(ring: RingRefs, out: RingRefs, *, layer, layer_c, routed, e_idx, acc
     start = accepted & (layer <= ring.last_layer[0])
     head = jnp.where(start, (ring.head[0] + 1) % history, ring.head[0])
     count = jnp.where(start, jnp.minimum(ring.count[0] + 1, history), ring.count[0])
-    bits = [jnp.sum(jnp.where(routed & (e_idx // 32 == t),
-                              jnp.uint32(1) << (e_idx % 32).astype(jnp.uint32), jnp.uint32(0)),
-                    dtype=jnp.uint32) for t in range(words)]
 
     # Per ring position j: at a token start sim_j takes the previous token's match_{j-1} (0 if
     # j-1 left the ring) and match restarts; then both add this layer's overlap with the call.

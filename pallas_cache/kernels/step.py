@@ -144,14 +144,27 @@ class _Sizes(NamedTuple):
         return -(-self.K // self.k_width)
 
 
-class _Hits(NamedTuple):
-    """Phase classify's output: the layer's row of the map, which experts the call routes, hit
-    and missed, their counts, and the token ring's view of the call (None without a ring)."""
+class _Lanes(NamedTuple):
+    """Up to ``_RANK_ROUTES`` routes, the routes as one vector of lanes and what the call reads
+    per route, all loaded in the first two waves (phase observe routes)."""
 
-    slot_row: Any  # i32[e_width]: slot_for_id of the layer, -1 past E
+    r: Any  # i32[K']: the routes, -1 past K
+    index: Any  # i32[K']: the lane
+    lane: Any  # bool[K']: index < K
+    valid: Any  # bool[K']: an expert id
+    first: Any  # bool[K']: valid and the route's first occurrence
+    slots: Any  # i32[K']: its slot before the call, -1 when not valid
+
+
+class _Hits(NamedTuple):
+    """Phase classify's output: which experts the call routes, the hit slots to refresh (over
+    the route lanes, else over the layer's row), the misses over the row (None with route
+    lanes), the counts, and the token ring's view of the call (None without a ring)."""
+
     routed: Any  # bool[e_width]
-    hit: Any  # bool[e_width]
-    miss: Any  # bool[e_width]
+    hit: Any  # bool[K'] or bool[e_width]: a hit, once per expert
+    hit_slots: Any  # i32[K'] or i32[e_width]
+    miss: Any  # bool[e_width] or None
     num_active: Any  # i32[]
     num_missing: Any  # i32[]
     ring_call: Any  # token_ring.RingCall or None
@@ -182,68 +195,117 @@ def step_kernel(
     k_width = max(1, min(common.next_pow2(K), _PAIR_BLOCK // max(e_width, o_width)))
     sz = _Sizes(L, E, K, C, num_out, e_width, o_width, k_width)
     barrier = functools.partial(_barrier, interpret)
+    # The scalars first: every one of them is read in the first wave of loads.
     layer, step0, limit = call.layer[0], state.step[0], call.size[0]
+    fraction16, cap = call.fraction16[0], call.cap[0]
     e_idx = lax.iota(jnp.int32, e_width)
     e_ok = e_idx < E
 
-    observed, bad = _observe_routes(call.routes, e_idx, sz)
-    error, accepted, layer_c = _validate(layer, bad, L)
+    layer_c = jnp.minimum(jnp.maximum(layer, 0), L - 1)
     base = layer_c * E
+    lanes = _route_lanes(call.routes, state.slot_for_id, base, sz) if K <= _RANK_ROUTES else None
+    observed, bad = _observe_routes(call.routes, e_idx, sz, lanes)
+    error, accepted = _validate(layer, bad, L)
+    row = base + e_idx
+    stats_idx = layer_c * 4 + lax.iota(jnp.int32, 4)
+    rows = _count(state, stats_idx, row, e_ok, observed, ranking)
     step = _rebase_if_due(call, state, state_out, step0, accepted, block=block,
                           stamp_block=stamp_block)
     barrier()  # the rebase's usage / recency stores before the reads of them by other threads
-    row = base + e_idx
-    hits = _classify(state, state_out, observed, row, e_idx, e_ok, layer=layer, layer_c=layer_c,
-                     accepted=accepted, sz=sz, barrier=barrier)
-    num_fetch = _split(call, hits.num_missing)
-    _refresh_hits(state_out, hits, step, accepted, e_width)
+    hits = _classify(state, state_out, observed, lanes, row, e_idx, e_ok, layer=layer,
+                     layer_c=layer_c, accepted=accepted, sz=sz, barrier=barrier)
+    num_fetch = _split(fraction16, cap, hits.num_missing)
+    _refresh_hits(state_out, hits, step, accepted)
     barrier()  # the hit refresh (and the ring) before the scan's loads by other threads
     o_idx = lax.iota(jnp.int32, o_width)
-    experts, recs = _fetch_order(call.routes, state.slot_for_id, state_out.recency, base,
-                                 hits.miss, hits.num_missing, o_idx, num_experts=E,
-                                 by_recency=by_recency, with_recs=promote_one or reuse)
+    experts, recs = _fetch_order(lanes, state_out.recency, base, hits.miss, hits.num_missing,
+                                 o_idx, num_experts=E, by_recency=by_recency,
+                                 with_recs=promote_one or reuse)
     need = _victims_needed(num_fetch, hits.num_missing, accepted, promote_one=promote_one,
                            reuse=reuse)
     victims, vusage, occupants = _rank_victims(
         call, state, state_out, scratch, hits, need, o_idx, step=step, base=base, limit=limit,
         layer_c=layer_c, ranking=ranking, block=block, sz=sz, barrier=barrier)
-    num_fetch = _admit(call, experts, recs, victims, vusage, occupants, num_fetch,
+    num_fetch = _admit(fraction16, experts, recs, victims, vusage, occupants, num_fetch,
                        promote_one=promote_one, reuse=reuse, num_out=num_out)
     installed = _install(victims, experts, occupants, num_fetch, o_idx, accepted, num_out)
-    _route_slots(call, state, plan, *installed[:3], base=base, accepted=accepted, sz=sz)
-    stats_idx = layer_c * 4 + lax.iota(jnp.int32, 4)
-    rows = _count(state, stats_idx, row, e_ok)
+    _route_slots(call, state, plan, lanes, installed, base=base, accepted=accepted, sz=sz)
     barrier()  # every read of id_of_slot / slot_for_id / the rows (victims, plan) before the writes
-    _write_state(call, state_out, rows, hits, installed, observed, step=step, base=base, row=row,
-                 e_ok=e_ok, stats_idx=stats_idx, accepted=accepted, hybrid=hybrid,
-                 ranking=ranking, sz=sz)
+    # The collect flag is read here, after the last barrier, not with the first wave: held from
+    # there it made ptxas spill at one warp under the ring evictions.
+    _write_state(state_out, rows, hits, installed, step=step, base=base, row=row,
+                 e_ok=e_ok, stats_idx=stats_idx, accepted=accepted,
+                 observe_on=accepted & call.collect[0],
+                 hybrid=hybrid, ranking=ranking, sz=sz)
     _write_plan(plan, hits, installed, o_idx, error, accepted, num_out)
 
 
-def _observe_routes(routes_ref, e_idx, sz: _Sizes):
+# Most routes held as one vector of lanes (:class:`_Lanes`: the routes read once, a route's
+# first occurrence found by comparing lanes); longer route lists (prefill) work per expert, over
+# the layer's row, one chunk of routes at a time.
+_RANK_ROUTES = 64
+# Up to this many routes each is also read as a scalar: a route's first occurrence is then K
+# lane-wise compares, not a [routes, routes] reduction (whose result changes layout through
+# shared memory, a barrier, on the GPU).
+_SCALAR_ROUTES = 8
+
+
+def _two_sums(a, b):
+    """``(sum(a), sum(b))`` of two bool vectors of one width as one packed reduction (each sum
+    is at most the width, below 2**15)."""
+    if a.shape[0] >= 1 << 15:
+        return jnp.sum(a.astype(jnp.int32)), jnp.sum(b.astype(jnp.int32))
+    packed = jnp.sum(a.astype(jnp.int32) + (b.astype(jnp.int32) << 16))
+    return packed & 0xFFFF, packed >> 16
+
+
+def _route_lanes(routes_ref, sfi_ref, base, sz: _Sizes) -> _Lanes:
+    """Phase observe routes, up to ``_RANK_ROUTES`` routes: :class:`_Lanes`, the routes and
+    each one's pre-call slot (the layer's ``base`` clamped: a refused call reads in range)."""
+    width = common.next_pow2(sz.K)
+    index = lax.iota(jnp.int32, width)
+    lane = index < sz.K
+    r = plgpu.load(routes_ref.at[index], mask=lane, other=-1)
+    valid = lane & (r >= 0) & (r < sz.E)
+    slots = plgpu.load(sfi_ref.at[base + jnp.clip(r, 0, sz.E - 1)], mask=valid, other=-1)
+    if sz.K <= _SCALAR_ROUTES:
+        repeat = jnp.zeros((width,), jnp.bool_)
+        for i in range(sz.K - 1):
+            repeat = repeat | ((r == routes_ref[i]) & (index > i))
+    else:
+        pairs = (r[None, :] == r[:, None]) & (index[None, :] < index[:, None]) & lane[None, :]
+        repeat = jnp.max(pairs.astype(jnp.int32), axis=1) > 0
+    return _Lanes(r, index, lane, valid, valid & ~repeat, slots)
+
+
+def _observe_routes(routes_ref, e_idx, sz: _Sizes, lanes: _Lanes | None):
     """Phase observe routes: the histogram row (padding and bad ids count nowhere) and whether
-    any route is a bad id, one chunk of routes at a time."""
+    any route is a bad id, one chunk of routes at a time (the route lanes when they are the one
+    chunk)."""
 
     def observe(c, carry):
         observed, bad = carry
-        r, _, lane = _route_chunk(routes_ref, c, sz.k_width)
+        if lanes is not None and sz.num_chunks == 1 and lanes.r.shape[0] == sz.k_width:
+            r, lane = lanes.r, lanes.lane  # the routes, read once
+        else:
+            r, _, lane = _route_chunk(routes_ref, c, sz.k_width)
         bad = bad | common.any_true(lane & ((r < -1) | (r >= sz.E)))
         match = (r[:, None] == e_idx[None, :]) & lane[:, None]
         return observed + jnp.sum(match.astype(jnp.int32), axis=0), bad
 
-    return lax.fori_loop(0, sz.num_chunks, observe,
-                         (jnp.zeros((sz.e_width,), jnp.int32), jnp.bool_(False)))
+    init = (jnp.zeros((sz.e_width,), jnp.int32), jnp.bool_(False))
+    if sz.num_chunks == 1:
+        return observe(0, init)
+    return lax.fori_loop(0, sz.num_chunks, observe, init)
 
 
 def _validate(layer, bad, num_layers: int):
-    """Phase validate (docs/semantics.md §6): ``(error, accepted, layer_c)``, ``layer_c`` the
-    layer clamped into range (a refused call writes nothing)."""
+    """Phase validate (docs/semantics.md §6): ``(error, accepted)`` (a refused call writes
+    nothing)."""
     bad_layer = (layer < 0) | (layer >= num_layers)
     error = (jnp.where(bad_layer, jnp.int32(errors.ERR_LAYER), jnp.int32(0))
              | jnp.where(bad, jnp.int32(errors.ERR_EXPERT_ID), jnp.int32(0)))
-    accepted = ~(bad_layer | bad)
-    layer_c = jnp.minimum(jnp.maximum(layer, 0), num_layers - 1)
-    return error, accepted, layer_c
+    return error, ~(bad_layer | bad)
 
 
 def _rebase_if_due(call, state, state_out, step0, accepted, *, block, stamp_block):
@@ -258,36 +320,41 @@ def _rebase_if_due(call, state, state_out, step0, accepted, *, block, stamp_bloc
                     lambda s: s, step0) + 1
 
 
-def _classify(state, state_out, observed, row, e_idx, e_ok, *, layer, layer_c, accepted,
-              sz: _Sizes, barrier) -> _Hits:
-    """Phase classify: the routed experts, hit or missed, and the eviction's observation of the
-    call (the token ring's bookkeeping, before the hit refresh's barrier)."""
-    slot_row = plgpu.load(state.slot_for_id.at[row], mask=e_ok, other=-1)
+def _classify(state, state_out, observed, lanes: _Lanes | None, row, e_idx, e_ok, *, layer,
+              layer_c, accepted, sz: _Sizes, barrier) -> _Hits:
+    """Phase classify: the routed experts, hit or missed, counted (over the route lanes, where
+    each expert's first route counts, else over the layer's row), and the eviction's
+    observation of the call (the token ring's bookkeeping, before the hit refresh's barrier)."""
     routed = e_ok & (observed > 0)
+    if lanes is not None:
+        hit, hit_slots, miss = lanes.first & (lanes.slots >= 0), lanes.slots, None
+        num_active, num_missing = _two_sums(lanes.first, lanes.first & (lanes.slots < 0))
+    else:
+        hit_slots = plgpu.load(state.slot_for_id.at[row], mask=e_ok, other=-1)
+        hit, miss = routed & (hit_slots >= 0), routed & (hit_slots < 0)
+        num_active, num_missing = _two_sums(routed, miss)
     ring_call = None
     if state.ring:
+        bits = (token_ring.bitmask(lanes.r, lanes.first, sz.E) if lanes is not None
+                else token_ring.bitmask(e_idx, routed, sz.E))
         ring_call = token_ring.observe(state.ring[0], state_out.ring[0], layer=layer,
-                                       layer_c=layer_c, routed=routed, e_idx=e_idx,
+                                       layer_c=layer_c, routed=routed, bits=bits, e_idx=e_idx,
                                        accepted=accepted, num_layers=sz.L, num_experts=sz.E,
                                        barrier=barrier)
-    hit = routed & (slot_row >= 0)
-    miss = routed & (slot_row < 0)
-    num_active = jnp.sum(routed.astype(jnp.int32))
-    num_missing = jnp.sum(miss.astype(jnp.int32))
-    return _Hits(slot_row, routed, hit, miss, num_active, num_missing, ring_call)
+    return _Hits(routed, hit, hit_slots, miss, num_active, num_missing, ring_call)
 
 
-def _split(call, num_missing):
+def _split(fraction16, cap, num_missing):
     """Phase split (docs/semantics.md §5.3): how many misses the policy fetches."""
-    return policy_rules.split_count(call.fraction16[0], call.cap[0], num_missing)
+    return policy_rules.split_count(fraction16, cap, num_missing)
 
 
-def _refresh_hits(state_out, hits: _Hits, step, accepted, e_width: int):
+def _refresh_hits(state_out, hits: _Hits, step, accepted):
     """Phase refresh hits: each hit slot's usage becomes this call's stamp, which also makes it
     ineligible as a victim of this step (the pool scan skips it by its usage, once per block,
     as it skips every slot touched this step)."""
-    common.scatter(state_out.usage, jnp.where(hits.hit, hits.slot_row, -1),
-                   jnp.full((e_width,), step), hits.hit & accepted)
+    common.scatter(state_out.usage, jnp.where(hits.hit, hits.hit_slots, -1),
+                   jnp.full(hits.hit.shape, step), hits.hit & accepted)
 
 
 def _victims_needed(num_fetch, num_missing, accepted, *, promote_one: bool, reuse: bool):
@@ -338,12 +405,12 @@ def _rank_victims(call, state, state_out, scratch, hits: _Hits, need, o_idx, *, 
     return search(pool_block, state.id_of_slot, need, o_idx, width=ranking.width, block=block)
 
 
-def _admit(call, experts, recs, victims, vusage, occupants, num_fetch, *, promote_one: bool,
-           reuse: bool, num_out: int):
+def _admit(fraction16, experts, recs, victims, vusage, occupants, num_fetch, *,
+           promote_one: bool, reuse: bool, num_out: int):
     """Phase admit (docs/semantics.md §5.5): the number of misses installed, the split's count
     raised by PROMOTE_ONE or REUSE (the rules of :mod:`~pallas_cache.policy`), in the
     reference's order."""
-    fraction_on = call.fraction16[0] > 0
+    fraction_on = fraction16 > 0
     if promote_one:
         num_fetch = policy_rules.admit_promote_one(
             fraction_on, num_fetch, experts, recs, victims, occupants,
@@ -365,10 +432,22 @@ def _install(victims, experts, occupants, num_fetch, o_idx, accepted, num_out: i
     return installs, victims, experts, occupants, jnp.where(accepted, num_fetch, 0)
 
 
-def _route_slots(call, state, plan, installs, victims, experts, *, base, accepted, sz: _Sizes):
+def _route_slots(call, state, plan, lanes: _Lanes | None, installed, *, base, accepted,
+                 sz: _Sizes):
     """Phase route slots: each route's slot, from the pre-call map and this call's installs,
-    written to the plan (``slots``, ``cpu``) one chunk of routes at a time."""
+    written to the plan (``slots``, ``cpu``): over the route lanes, their pre-call slots with
+    one round per install (none when nothing is fetched), else one chunk of routes at a time."""
     E = sz.E
+    installs, victims, experts, _, num_fetch = installed
+    if lanes is not None:
+        def install(o, slots):
+            return jnp.where(lanes.r == common.lane(experts, o), common.lane(victims, o), slots)
+
+        is_route = lanes.valid & accepted
+        slots = jnp.where(is_route, lax.fori_loop(0, num_fetch, install, lanes.slots), -1)
+        plgpu.store(plan.slots.at[lanes.index], slots, mask=lanes.lane)
+        plgpu.store(plan.cpu.at[lanes.index], is_route & (slots < 0), mask=lanes.lane)
+        return
 
     def plan_chunk(c, _):
         r, index, lane = _route_chunk(call.routes, c, sz.k_width)
@@ -386,19 +465,24 @@ def _route_slots(call, state, plan, installs, victims, experts, *, base, accepte
     lax.fori_loop(0, sz.num_chunks, plan_chunk, 0)
 
 
-def _count(state, stats_idx, row, e_ok):
+def _count(state, stats_idx, row, e_ok, observed, ranking):
     """Phase count: the rows this call adds to (the layer's stats, histogram and eviction
-    tables), read before the barrier ahead of every write; :func:`_write_state` adds the call
-    to them."""
+    tables), read in the first waves (no write of the call comes before the barrier ahead of
+    the writes): ``(stats row, histogram row + observed, the tables' rows after the call)``;
+    :func:`_write_state` adds the counters to the stats and writes them (the histogram where
+    routed and collected)."""
     stats_row = plgpu.load(state.stats.at[stats_idx])
     hist_row = plgpu.load(state.routing_freq.at[row], mask=e_ok, other=0)
     table_rows = tuple(plgpu.load(ref.at[row], mask=e_ok, other=_zero(ref))
                        for ref in state.tables)
-    return stats_row, hist_row, table_rows
+    # What the writes store, formed here: one vector per row held to the end, not the row and
+    # the counts (fewer live registers across the search).
+    routed = e_ok & (observed > 0)
+    return stats_row, hist_row + observed, tuple(ranking.observe_row(table_rows, routed))
 
 
-def _write_state(call, state_out, rows, hits: _Hits, installed, observed, *, step, base, row,
-                 e_ok, stats_idx, accepted, hybrid: bool, ranking, sz: _Sizes):
+def _write_state(state_out, rows, hits: _Hits, installed, *, step, base, row, e_ok,
+                 stats_idx, accepted, observe_on, hybrid: bool, ranking, sz: _Sizes):
     """Write state: only the touched entries, only when accepted: the installs, the hybrid
     recency stamps, the counters, the histogram, the eviction's tables, the clock."""
     installs, victims, experts, occupants, num_fetch = installed
@@ -416,10 +500,8 @@ def _write_state(call, state_out, rows, hits: _Hits, installed, observed, *, ste
         jnp.where(lax.iota(jnp.int32, 4) == 2, hits.num_missing, num_fetch)))
     plgpu.store(state_out.stats.at[stats_idx], stats_row + counters,
                 mask=jnp.full((4,), accepted))
-    observe_on = accepted & call.collect[0]
-    plgpu.store(state_out.routing_freq.at[row], hist_row + observed,
-                mask=e_ok & (observed > 0) & observe_on)
-    for out_ref, value in zip(state_out.tables, ranking.observe_row(table_rows, hits.routed)):
+    plgpu.store(state_out.routing_freq.at[row], hist_row, mask=hits.routed & observe_on)
+    for out_ref, value in zip(state_out.tables, table_rows):
         plgpu.store(out_ref.at[row], value, mask=e_ok & accepted)
     _store_scalar(state_out.step, step, accepted)
 
@@ -438,61 +520,36 @@ def _write_plan(plan, hits: _Hits, installed, o_idx, error, accepted, num_out: i
 
 
 
-# Most routes the fetch order ranks at once ([routes, routes] comparison); more take one argmin
-# round per miss.
-_RANK_ROUTES = 64
-
-
-def _fetch_order(routes_ref, sfi_ref, rec_ref, base, miss, num_missing, o_idx, *,
+def _fetch_order(lanes: _Lanes | None, rec_ref, base, miss, num_missing, o_idx, *,
                  num_experts, by_recency, with_recs):
     """The misses in fetch order, ``(experts, recs)`` [o_width], -1 padded: RECENCY ascends by
     ``~recency`` (the most recently routed first), ties to the lower id; LOWEST_ID by id.
-    ``recs``: each one's recency (read by the admissions; -1 when ``with_recs`` is False).
+    ``recs``: each one's recency (read by the admissions, which apply under RECENCY only; -1
+    when ``with_recs`` is False).
 
-    Up to ``_RANK_ROUTES`` routes the order is a rank, with no loop: a route is a candidate if
-    it is the first route of a missed expert, its position the number of candidates ahead of it
-    ([routes, routes]), placed by a [picks, routes] comparison. Longer route lists (prefill)
-    take one argmin round per miss over the E experts."""
-    E = num_experts
-    K, o_width = routes_ref.shape[0], o_idx.shape[0]
-    k_width = common.next_pow2(K)
-    if k_width <= _RANK_ROUTES:
-        k_idx = lax.iota(jnp.int32, k_width)
-        lane = k_idx < K
-        r = plgpu.load(routes_ref.at[k_idx], mask=lane, other=-1)
-        valid = lane & (r >= 0) & (r < E)
-        at = base + jnp.clip(r, 0, E - 1)
-        missed = valid & (plgpu.load(sfi_ref.at[at], mask=valid, other=0) < 0)
-        rec = (plgpu.load(rec_ref.at[at], mask=valid, other=-1) if by_recency or with_recs
-               else jnp.zeros((k_width,), jnp.int32))
-        key = ~rec if by_recency else jnp.zeros((k_width,), jnp.int32)
-        repeat = (r[None, :] == r[:, None]) & (k_idx[None, :] < k_idx[:, None]) & lane[None, :]
-        first = missed & (jnp.max(repeat.astype(jnp.int32), axis=1) == 0)
-        ahead = first[None, :] & ((key[None, :] < key[:, None])
-                                  | ((key[None, :] == key[:, None]) & (r[None, :] < r[:, None])))
-        rank = jnp.sum(ahead.astype(jnp.int32), axis=1)
-        placed = (rank[None, :] == o_idx[:, None]) & first[None, :]
-        experts = jnp.max(jnp.where(placed, r[None, :], -1), axis=1)
-        recs = (jnp.max(jnp.where(placed, rec[None, :], INT32_MIN), axis=1) if with_recs
-                else jnp.full((o_width,), -1, jnp.int32))
-        return experts, jnp.where(experts >= 0, recs, -1)
-
-    e_width = miss.shape[0]
-    e_idx = lax.iota(jnp.int32, e_width)
-    recency_row = plgpu.load(rec_ref.at[base + e_idx], mask=e_idx < E, other=-1)
-    order_key = ~recency_row if by_recency else jnp.zeros_like(recency_row)
+    One argmin round per miss, none when nothing misses: over the route lanes (a repeated
+    route has its first's key and id, so the strict order takes it once), else over the
+    layer's ``E`` experts (``miss``)."""
+    if lanes is not None:
+        ids, live0 = lanes.r, lanes.valid & (lanes.slots < 0)
+        at = base + jnp.clip(ids, 0, num_experts - 1)
+    else:
+        ids, live0 = lax.iota(jnp.int32, miss.shape[0]), miss
+        at = base + ids
+    order_key = (~plgpu.load(rec_ref.at[at], mask=live0, other=-1) if by_recency
+                 else jnp.zeros(ids.shape, jnp.int32))
 
     def order_round(k, carry):
         prev_key, prev_e, experts, recs = carry
-        live = miss & common.after((order_key,), e_idx, (prev_key,), prev_e)
-        (key,), e = common.lex_min((order_key,), e_idx, live)
+        live = live0 & common.after((order_key,), ids, (prev_key,), prev_e)
+        (key,), e = common.lex_min((order_key,), ids, live)
         return (key, e, jnp.where(o_idx == k, e, experts),
                 jnp.where(o_idx == k, ~key, recs))
 
-    minus = jnp.full((o_width,), -1, jnp.int32)
+    minus = jnp.full(o_idx.shape, -1, jnp.int32)
     _, _, experts, recs = lax.fori_loop(
         0, num_missing, order_round, (jnp.int32(INT32_MIN), jnp.int32(-1), minus, minus))
-    return experts, recs if by_recency else minus
+    return experts, recs if by_recency and with_recs else minus
 
 
 def _victims_one_block(pool_block, ios_ref, need, o_idx, *, width, block):
