@@ -369,6 +369,36 @@ def _fetch_order(routes_ref, sfi_ref, rec_ref, base, miss, num_missing, o_idx, *
     return experts, recs if by_recency else minus
 
 
+def _least(key, index):
+    """The smallest key of a block's eligible slots, the first round's floor (:func:`_next`);
+    ``INT32_MAX`` when none."""
+    return jnp.min(jnp.where(index != INT32_MAX, key[0], INT32_MAX))
+
+
+def _next(key, index, start, floor, prev_key, prev_i, *, block):
+    """``common.lex_min(key, index, _candidate(key, index, prev_key, prev_i))`` over the block
+    of ``block`` slots at ``start``, ``(key, i)`` scalars, ``i`` = ``INT32_MAX`` when no slot is
+    left. A key of one component (LRU) takes one reduction, not two: every candidate's key is at
+    least ``floor`` (the previous round's key, or the block's smallest), so its offset from the
+    floor and its position pack into one int32, ordered as ``(key, slot)``, and one minimum
+    finds both, exactly, when the smallest candidate's offset fits ``31 - log2(block)`` bits.
+    When it does not (a gap of ``2**19`` or more between two successive keys of a block of 4096)
+    or no slot is left, the two reductions decide, in a branch the other rounds skip."""
+    cand = _candidate(key, index, prev_key, prev_i)
+    if len(key) > 1:
+        return common.lex_min(key, index, cand)
+    (k,) = key
+    shift = block.bit_length() - 1
+    offset = (k - floor).astype(jnp.uint32)  # the true difference where k >= floor
+    fits = cand & (k >= floor) & (offset < jnp.uint32((1 << (31 - shift)) - 1))
+    packed = jnp.where(fits, (offset.astype(jnp.int32) << shift) | lax.iota(jnp.int32, block),
+                       INT32_MAX)
+    least = jnp.min(packed)
+    return lax.cond(least != INT32_MAX,
+                    lambda: ((floor + (least >> shift),), start + (least & (block - 1))),
+                    lambda: common.lex_min(key, index, cand))
+
+
 def _victims_one_block(pool_block, ios_ref, need, o_idx, *, width, block):
     """The first ``need`` victims of a pool of one block, ``(victims, usage, occupants)``
     [o_width], -1 padded: the block is loaded once and each round takes its smallest key
@@ -382,12 +412,14 @@ def _victims_one_block(pool_block, ios_ref, need, o_idx, *, width, block):
 
     def victim_round(carry):
         count, prev_key, prev_i, done, victims, vusage = carry
-        m, i = common.lex_min(key, index, _candidate(key, index, prev_key, prev_i))
+        floor = prev_key[0] if least is None else jnp.where(prev_i < 0, least, prev_key[0])
+        m, i = _next(key, index, jnp.int32(0), floor, prev_key, prev_i, block=block)
         found = i != INT32_MAX
         at = found & (o_idx == count)
         return (count + found.astype(jnp.int32), m, i, ~found, jnp.where(at, i, victims),
                 jnp.where(at, m[-1], vusage))
 
+    least = _least(key, index) if width == 1 else None
     start_key = (jnp.int32(INT32_MIN),) * width
     _, _, _, _, victims, vusage = lax.while_loop(
         victim_cond, victim_round,
@@ -398,39 +430,52 @@ def _victims_one_block(pool_block, ios_ref, need, o_idx, *, width, block):
 
 def _victims_streamed(pool_block, ios_ref, need, o_idx, *, width, block):
     """:func:`_victims_one_block` for a pool of several blocks, in one pass over it: each block
-    is loaded once and yields its keys in ascending order into a set of the ``need`` smallest
-    seen so far (the worst replaced once the set is full) until its next key would not enter;
-    the set is sorted at the end ([picks, picks] rank)."""
+    is loaded once (the next one's loads issued before this one's rounds) and yields its keys in
+    ascending order into a set of the ``need`` smallest seen so far until its next key would
+    not enter; the set is sorted at the end ([picks, picks] rank). The set's worst member is
+    kept as scalars: a key entering a set that is not full raises it to the larger of the two,
+    one entering a full set replaces it and the new worst is the set's maximum, a reduction
+    over the picks only on such an entry."""
     o_width, num_blocks = o_idx.shape[0], -(-ios_ref.shape[0] // block)
     none = jnp.full((o_width,), INT32_MAX, jnp.int32)
+    lowest = (jnp.int32(INT32_MIN),) * width
 
     def block_pass(b, carry):
-        key, index = pool_block(pl.multiple_of(b * block, block), block)
-
-        def round_cond(c):
-            return c[-1]
+        start = pl.multiple_of(b * block, block)
+        key, index = pool_block(start, block)
 
         def victim_round(c):
-            best_key, best_i, count, prev_key, prev_i, _ = c
-            m, i = common.lex_min(key, index, _candidate(key, index, prev_key, prev_i))
+            best_key, best_i, count, worst_key, worst_i, prev_key, prev_i, _ = c
+            floor = (prev_key[0] if least is None
+                     else jnp.where(prev_i < 0, least, prev_key[0]))
+            m, i = _next(key, index, start, floor, prev_key, prev_i, block=block)
             full = count >= need
-            filled = o_idx < count
-            worst_key, worst_i = common.lex_max(best_key, best_i, filled)
             enters = (i != INT32_MAX) & (~full | common.after(worst_key, worst_i, m, i))
             at = enters & jnp.where(full, best_i == worst_i, o_idx == count)
             best_key = tuple(jnp.where(at, x, y) for x, y in zip(m, best_key))
-            return (best_key, jnp.where(at, i, best_i),
-                    count + (enters & ~full).astype(jnp.int32), m, i, enters)
+            best_i = jnp.where(at, i, best_i)
 
-        best_key, best_i, count = carry
-        best_key, best_i, count, *_ = lax.while_loop(
-            round_cond, victim_round,
-            (best_key, best_i, count, (jnp.int32(INT32_MIN),) * width, jnp.int32(-1),
-             need > 0))
-        return best_key, best_i, count
+            def new_worst():
+                return common.lex_max(best_key, best_i, o_idx < count)
 
-    best_key, best_i, count = lax.fori_loop(
-        0, num_blocks, block_pass, ((none,) * width, none, jnp.int32(0)))
+            raise_to = enters & common.after(m, i, worst_key, worst_i)
+            worst_key, worst_i = lax.cond(
+                enters & full, new_worst,
+                lambda: (tuple(jnp.where(raise_to, x, y) for x, y in zip(m, worst_key)),
+                         jnp.where(raise_to, i, worst_i)))
+            return (best_key, best_i, count + (enters & ~full).astype(jnp.int32), worst_key,
+                    worst_i, m, i, enters)
+
+        least = _least(key, index) if width == 1 else None
+        best_key, best_i, count, worst_key, worst_i = carry
+        best_key, best_i, count, worst_key, worst_i, *_ = lax.while_loop(
+            lambda c: c[-1], victim_round,
+            (best_key, best_i, count, worst_key, worst_i, lowest, jnp.int32(-1), need > 0))
+        return best_key, best_i, count, worst_key, worst_i
+
+    best_key, best_i, count, _, _ = lax.fori_loop(
+        0, num_blocks, block_pass,
+        ((none,) * width, none, jnp.int32(0), lowest, jnp.int32(INT32_MIN)))
     filled = o_idx < count
     ahead = filled[None, :] & common.after(tuple(k[:, None] for k in best_key), best_i[:, None],
                                      tuple(k[None, :] for k in best_key), best_i[None, :])
