@@ -313,14 +313,27 @@ def _rank_victims(call, state, state_out, scratch, hits: _Hits, need, o_idx, *, 
     rounds."""
     E, C = sz.E, sz.C
 
-    def pool_block(start, width):
+    keyed = bool(state.tables or state.ring)  # the key reads the occupants
+
+    def pool_load(start, width):
+        """The block's contiguous loads (usage, and the occupants when the key reads them),
+        issued apart so the streamed search can issue the next block's before this one's
+        rounds."""
         index = start + lax.iota(jnp.int32, width)
         valid = (index < C) & searching  # masked off: no pool read when no victim is needed
         u = plgpu.load(state_out.usage.at[index], mask=valid, other=0)
+        if not keyed:
+            return (u,)
+        return u, plgpu.load(state.id_of_slot.at[index], mask=valid, other=-1)
+
+    def pool_block(start, width, loaded=None):
+        index = start + lax.iota(jnp.int32, width)
+        valid = (index < C) & searching
+        u, *occupant = pool_load(start, width) if loaded is None else loaded
         ok = valid & (index < limit) & (u != step)
-        if not state.tables and not state.ring:
+        if not keyed:
             return ranking.key((), None, u, None, None), jnp.where(ok, index, INT32_MAX)
-        occupant = plgpu.load(state.id_of_slot.at[index], mask=valid, other=-1)
+        (occupant,) = occupant
         at = jnp.maximum(occupant, 0)
         tables = tuple(plgpu.load(ref.at[at], mask=valid, other=_zero(ref))
                        for ref in state.tables)
@@ -334,8 +347,11 @@ def _rank_victims(call, state, state_out, scratch, hits: _Hits, need, o_idx, *, 
         prediction = token_ring.predict(hits.ring_call, state_out.ring[0], scratch[0],
                                         layer_c=layer_c, size=limit, searching=searching,
                                         num_layers=sz.L, capacity=C, barrier=barrier)
-    search = _victims_one_block if -(-C // block) == 1 else _victims_streamed
-    return search(pool_block, state.id_of_slot, need, o_idx, width=ranking.width, block=block)
+    if -(-C // block) == 1:
+        return _victims_one_block(pool_block, state.id_of_slot, need, o_idx,
+                                  width=ranking.width, block=block)
+    return _victims_streamed(pool_block, pool_load, state.id_of_slot, need, o_idx,
+                             width=ranking.width, block=block)
 
 
 def _admit(call, experts, recs, victims, vusage, occupants, num_fetch, o_idx, *,
@@ -556,7 +572,7 @@ def _victims_one_block(pool_block, ios_ref, need, o_idx, *, width, block):
     return victims, vusage, occupants
 
 
-def _victims_streamed(pool_block, ios_ref, need, o_idx, *, width, block):
+def _victims_streamed(pool_block, pool_load, ios_ref, need, o_idx, *, width, block):
     """:func:`_victims_one_block` for a pool of several blocks, in one pass over it: each block
     is loaded once (the next one's loads issued before this one's rounds) and yields its keys in
     ascending order into a set of the ``need`` smallest seen so far until its next key would
@@ -570,7 +586,9 @@ def _victims_streamed(pool_block, ios_ref, need, o_idx, *, width, block):
 
     def block_pass(b, carry):
         start = pl.multiple_of(b * block, block)
-        key, index = pool_block(start, block)
+        *carry, loaded = carry
+        ahead = pool_load(start + block, block)  # masked off past the pool
+        key, index = pool_block(start, block, loaded)
 
         def victim_round(c):
             best_key, best_i, count, worst_key, worst_i, prev_key, prev_i, _ = c
@@ -599,11 +617,11 @@ def _victims_streamed(pool_block, ios_ref, need, o_idx, *, width, block):
         best_key, best_i, count, worst_key, worst_i, *_ = lax.while_loop(
             lambda c: c[-1], victim_round,
             (best_key, best_i, count, worst_key, worst_i, lowest, jnp.int32(-1), need > 0))
-        return best_key, best_i, count, worst_key, worst_i
+        return best_key, best_i, count, worst_key, worst_i, ahead
 
-    best_key, best_i, count, _, _ = lax.fori_loop(
+    best_key, best_i, count, *_ = lax.fori_loop(
         0, num_blocks, block_pass,
-        ((none,) * width, none, jnp.int32(0), lowest, jnp.int32(INT32_MIN)))
+        ((none,) * width, none, jnp.int32(0), lowest, jnp.int32(INT32_MIN), pool_load(0, block)))
     filled = o_idx < count
     ahead = filled[None, :] & common.after(tuple(k[:, None] for k in best_key), best_i[:, None],
                                      tuple(k[None, :] for k in best_key), best_i[None, :])
