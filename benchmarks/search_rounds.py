@@ -81,14 +81,20 @@ def compile_with_lines(kernel) -> tuple[list, dict[int, int]]:
 
 
 def find_loop(code, lines: dict[int, int], body: set[int]):
-    """The innermost loop with the most instructions on ``body``'s lines, or ``None``."""
+    """The innermost loop (one holding no other) whose instructions come most from ``body``'s
+    lines, as a share of the loop (a long loop that merely passes through a few such lines, or
+    a line of another file that happens to share a number, scores low); ``None`` below a
+    half."""
     spans = sass_walk.loops(code)
     inner = [(h, t) for h, t in spans
              if not any((h, t) != (a, b) and h <= a and b <= t for a, b in spans)]
-    scored = [(sum(h <= i.pc <= t and lines.get(i.pc) in body for i in code), (h, t))
-              for h, t in inner]
-    best = max(scored, default=(0, None))
-    return best[1] if best[0] else None
+    best, share = None, 0.5
+    for h, t in inner:
+        pcs = [i.pc for i in code if h <= i.pc <= t]
+        mine = sum(lines.get(pc) in body for pc in pcs) / len(pcs)
+        if mine > share:
+            best, share = (h, t), mine
+    return best
 
 
 @dataclasses.dataclass
@@ -107,10 +113,14 @@ def walk_round(code, head: int, latch: int) -> Round:
     end = sass_walk.Instruction(latch, "", "EXIT", "")
     out = []
     for i in body:
+        target = None
         if i.name == "BRA" and i.target is not None and i.target > i.pc:
             target = min(i.target, latch)  # past the round: its end
-            rare = i.conditional and any(j.name == "BAR" for j in body
-                                         if i.pc < j.pc < target)
+        elif i.name == "BRA" and i.target is not None and i.target < head:
+            target = latch  # out of the round (a loop entered at its middle)
+        if target is not None:
+            rare = i.conditional and i.target > i.pc and any(
+                j.name == "BAR" for j in body if i.pc < j.pc < target)
             if rare:  # taken: an unconditional branch
                 i = sass_walk.Instruction(i.pc, "", "BRA", f"{target:#x}")
             else:
@@ -134,6 +144,9 @@ def measure(geometry, eviction: str, variant: str = "ensure") -> dict:
     code, lines = compile_with_lines(kernel)
     row = {"geometry": geometry, "eviction": eviction, "warps": kernel.num_warps}
     for name, (path, function) in ROUNDS.items():
+        if name == "first_use" and not eviction.startswith("route_"):
+            row[name] = None
+            continue
         loop = find_loop(code, lines, _function_lines(path, function))
         row[name] = walk_round(code, *loop) if loop else None
     return row
