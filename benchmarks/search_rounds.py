@@ -1,11 +1,11 @@
 """What one round of the fused kernel's searches issues, read from its SASS for sm_90a without a
-GPU (docs/design.md, "The kernel's searches"): a victim round (the streamed search's above 4096
-slots, the one block's below) and, under the ring evictions, a first-use round, with the
-first-use loop's bound on rounds per call.
+GPU (docs/design.md, "The fused kernel's fixed part" and "The ring in the kernel"): a victim
+round (the streamed search's above 4096 slots, the one block's below) and, under the ring
+evictions, a first-use round.
 
 Each loop is found by the Python source lines its instructions carry (the PTX assembled with
-``ptxas -lineinfo``, read back with ``nvdisasm -g``): the innermost loop with the most
-instructions from the body of ``victim_round`` (kernels/step.py) or ``first_uses``
+``ptxas -lineinfo``, read back with ``nvdisasm -g``): the innermost loop whose instructions
+come most from the body of ``victim_round`` (kernels/step.py) or ``first_uses``
 (kernels/ring.py). One pass of its body is walked with benchmarks/sass_walk.py's counting
 (instructions per warp, barriers, cross-warp reductions, dependent global round trips) along
 the round's common path: a conditional branch that skips code holding a barrier (the exact
@@ -173,6 +173,12 @@ def main(argv=None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.parse_args(argv)
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        print("search_rounds: the triton package is missing (pip install -e '.[compile]')",
+              file=sys.stderr)
+        return 2
     print(HEADER, flush=True)
     for geometry in GEOMETRIES:
         for eviction in kernel_compile.EVICTIONS:
