@@ -513,25 +513,23 @@ def _fetch_order(routes_ref, sfi_ref, rec_ref, base, miss, num_missing, o_idx, *
     return experts, recs if by_recency else minus
 
 
-def _least(key, index):
-    """The smallest key of a block's eligible slots, the first round's floor (:func:`_next`);
-    ``INT32_MAX`` when none."""
-    return jnp.min(jnp.where(index != INT32_MAX, key[0], INT32_MAX))
-
-
-def _next(key, index, start, floor, prev_key, prev_i, *, block):
+def _next(key, index, start, prev_key, prev_i, *, block):
     """``common.lex_min(key, index, _candidate(key, index, prev_key, prev_i))`` over the block
     of ``block`` slots at ``start``, ``(key, i)`` scalars, ``i`` = ``INT32_MAX`` when no slot is
     left. A key of one component (LRU) takes one reduction, not two: every candidate's key is at
-    least ``floor`` (the previous round's key, or the block's smallest), so its offset from the
-    floor and its position pack into one int32, ordered as ``(key, slot)``, and one minimum
-    finds both, exactly, when the smallest candidate's offset fits ``31 - log2(block)`` bits.
-    When it does not (a gap of ``2**19`` or more between two successive keys of a block of 4096)
-    or no slot is left, the two reductions decide, in a branch the other rounds skip."""
+    least a floor (the previous round's key; in a block's first round the block's smallest, one
+    more reduction), so its offset from the floor and its position pack into one int32, ordered
+    as ``(key, slot)``, and one minimum finds both, exactly, when the smallest candidate's
+    offset fits ``31 - log2(block)`` bits. When it does not (a gap of ``2**19`` or more between
+    two successive keys of a block of 4096) or no slot is left, the two reductions decide, in a
+    branch the other rounds skip."""
     cand = _candidate(key, index, prev_key, prev_i)
     if len(key) > 1:
         return common.lex_min(key, index, cand)
     (k,) = key
+    floor = lax.cond(prev_i < 0,
+                     lambda: jnp.min(jnp.where(index != INT32_MAX, k, INT32_MAX)),
+                     lambda: prev_key[0])
     shift = block.bit_length() - 1
     offset = (k - floor).astype(jnp.uint32)  # the true difference where k >= floor
     fits = cand & (k >= floor) & (offset < jnp.uint32((1 << (31 - shift)) - 1))
@@ -556,14 +554,12 @@ def _victims_one_block(pool_block, ios_ref, need, o_idx, *, width, block):
 
     def victim_round(carry):
         count, prev_key, prev_i, done, victims, vusage = carry
-        floor = prev_key[0] if least is None else jnp.where(prev_i < 0, least, prev_key[0])
-        m, i = _next(key, index, jnp.int32(0), floor, prev_key, prev_i, block=block)
+        m, i = _next(key, index, jnp.int32(0), prev_key, prev_i, block=block)
         found = i != INT32_MAX
         at = found & (o_idx == count)
         return (count + found.astype(jnp.int32), m, i, ~found, jnp.where(at, i, victims),
                 jnp.where(at, m[-1], vusage))
 
-    least = _least(key, index) if width == 1 else None
     start_key = (jnp.int32(INT32_MIN),) * width
     _, _, _, _, victims, vusage = lax.while_loop(
         victim_cond, victim_round,
@@ -592,9 +588,7 @@ def _victims_streamed(pool_block, pool_load, ios_ref, need, o_idx, *, width, blo
 
         def victim_round(c):
             best_key, best_i, count, worst_key, worst_i, prev_key, prev_i, _ = c
-            floor = (prev_key[0] if least is None
-                     else jnp.where(prev_i < 0, least, prev_key[0]))
-            m, i = _next(key, index, start, floor, prev_key, prev_i, block=block)
+            m, i = _next(key, index, start, prev_key, prev_i, block=block)
             full = count >= need
             enters = (i != INT32_MAX) & (~full | common.after(worst_key, worst_i, m, i))
             at = enters & jnp.where(full, best_i == worst_i, o_idx == count)
@@ -612,7 +606,6 @@ def _victims_streamed(pool_block, pool_load, ios_ref, need, o_idx, *, width, blo
             return (best_key, best_i, count + (enters & ~full).astype(jnp.int32), worst_key,
                     worst_i, m, i, enters)
 
-        least = _least(key, index) if width == 1 else None
         best_key, best_i, count, worst_key, worst_i = carry
         best_key, best_i, count, worst_key, worst_i, *_ = lax.while_loop(
             lambda c: c[-1], victim_round,
