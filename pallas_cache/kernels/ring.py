@@ -345,9 +345,13 @@ def _first_uses(masks, head, ages, horizon, *, layer_c, history: int, words: int
     for age, r in zip(ages, rounds):
         start += [row(age, r > 0), row(age - 1, r > 0), zero]
     carry = lax.fori_loop(0, total, first_uses, (*start, *([zero] * num_planes)))
-    planes = list(carry[3 * len(ages):])
+    planes = tuple(carry[3 * len(ages):])
     prefixes = [carry[3 * n + 2] for n in range(len(ages))]
-    return _add(planes, _times(_sum_of(prefixes), horizon - total, num_planes))
+    # With no round run no prefix holds a bit: a call that does not search skips the tail.
+    return lax.cond(total > 0,
+                    lambda: tuple(_add(planes, _times(_sum_of(prefixes), horizon - total,
+                                                      num_planes))),
+                    lambda: planes)
 
 def per_slot(pred: RingPrediction, occupant, valid, names, *, num_layers: int,
              num_experts: int):
