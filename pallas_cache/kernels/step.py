@@ -315,12 +315,12 @@ def _rank_victims(call, state, state_out, scratch, hits: _Hits, need, o_idx, *, 
 
     keyed = bool(state.tables or state.ring)  # the key reads the occupants
 
-    def pool_load(start, width):
+    def pool_load(start, width, when=True):
         """The block's contiguous loads (usage, and the occupants when the key reads them),
         issued apart so the streamed search can issue the next block's before this one's
-        rounds."""
+        rounds; masked off unless ``when``. Int32 vectors, 1 + ``keyed`` of them."""
         index = start + lax.iota(jnp.int32, width)
-        valid = (index < C) & searching  # masked off: no pool read when no victim is needed
+        valid = (index < C) & searching & when  # no pool read when no victim is needed
         u = plgpu.load(state_out.usage.at[index], mask=valid, other=0)
         if not keyed:
             return (u,)
@@ -351,7 +351,7 @@ def _rank_victims(call, state, state_out, scratch, hits: _Hits, need, o_idx, *, 
         return _victims_one_block(pool_block, state.id_of_slot, need, o_idx,
                                   width=ranking.width, block=block)
     return _victims_streamed(pool_block, pool_load, state.id_of_slot, need, o_idx,
-                             width=ranking.width, block=block)
+                             width=ranking.width, block=block, num_loads=1 + keyed)
 
 
 def _admit(call, experts, recs, victims, vusage, occupants, num_fetch, o_idx, *,
@@ -568,7 +568,8 @@ def _victims_one_block(pool_block, ios_ref, need, o_idx, *, width, block):
     return victims, vusage, occupants
 
 
-def _victims_streamed(pool_block, pool_load, ios_ref, need, o_idx, *, width, block):
+def _victims_streamed(pool_block, pool_load, ios_ref, need, o_idx, *, width, block,
+                      num_loads):
     """:func:`_victims_one_block` for a pool of several blocks, in one pass over it: each block
     is loaded once (the next one's loads issued before this one's rounds) and yields its keys in
     ascending order into a set of the ``need`` smallest seen so far until its next key would
@@ -583,6 +584,10 @@ def _victims_streamed(pool_block, pool_load, ios_ref, need, o_idx, *, width, blo
     def block_pass(b, carry):
         start = pl.multiple_of(b * block, block)
         *carry, loaded = carry
+        # The first block's loads here (the others came with the block before): a call that
+        # searches no victim runs no block and issues none.
+        first = pool_load(start, block, when=b == 0)
+        loaded = tuple(jnp.where(b == 0, x, y) for x, y in zip(first, loaded))
         ahead = pool_load(start + block, block)  # masked off past the pool
         key, index = pool_block(start, block, loaded)
 
@@ -612,9 +617,11 @@ def _victims_streamed(pool_block, pool_load, ios_ref, need, o_idx, *, width, blo
             (best_key, best_i, count, worst_key, worst_i, lowest, jnp.int32(-1), need > 0))
         return best_key, best_i, count, worst_key, worst_i, ahead
 
+    # No block at all when no victim is searched (the loads would be masked off anyway).
     best_key, best_i, count, *_ = lax.fori_loop(
-        0, num_blocks, block_pass,
-        ((none,) * width, none, jnp.int32(0), lowest, jnp.int32(INT32_MIN), pool_load(0, block)))
+        0, jnp.where(need > 0, jnp.int32(num_blocks), jnp.int32(0)), block_pass,
+        ((none,) * width, none, jnp.int32(0), lowest, jnp.int32(INT32_MIN),
+         (jnp.zeros((block,), jnp.int32),) * num_loads))
     filled = o_idx < count
     ahead = filled[None, :] & common.after(tuple(k[:, None] for k in best_key), best_i[:, None],
                                      tuple(k[None, :] for k in best_key), best_i[None, :])
