@@ -5,9 +5,9 @@ evictions, a first-use round.
 
 Each loop is found by the Python source lines its instructions carry (the PTX assembled with
 ``ptxas -lineinfo``, read back with ``nvdisasm -g``): the innermost loop whose instructions
-come most from the body of ``victim_round`` (kernels/step.py) or ``first_uses``
-(kernels/ring.py). One pass of its body is walked with benchmarks/sass_walk.py's counting
-(instructions per warp, barriers, cross-warp reductions, dependent global round trips) along
+come most from the body of ``victim_round`` and the helper it calls (``_next``,
+kernels/step.py) or of ``first_uses`` (kernels/ring.py). One pass of its body is walked with
+benchmarks/sass_walk.py's counting (instructions per warp, barriers, cross-warp reductions, dependent global round trips) along
 the round's common path: a conditional branch that skips code holding a barrier (the exact
 two-reduction minimum of a round whose packed key does not fit, or that finds no slot) is
 taken; every other conditional branch falls through, so the set's maximum, taken only when a key
@@ -38,15 +38,16 @@ from benchmarks import kernel_compile, sass_walk  # noqa: E402
 
 # (L, E, S, k): a small and a large model at two pool sizes each; the last pool streams.
 GEOMETRIES = kernel_compile.WALK_GEOMETRIES
-ROUNDS = {"victim": ("kernels/step.py", "victim_round"),
-          "first_use": ("kernels/ring.py", "first_uses")}
+# The functions whose lines a round's instructions carry (a name absent from a tree is skipped).
+ROUNDS = {"victim": ("kernels/step.py", ("victim_round", "_next")),
+          "first_use": ("kernels/ring.py", ("first_uses",))}
 
 
-def _function_lines(path: str, name: str) -> set[int]:
-    """The source lines of every function ``name`` defined in ``pallas_cache/<path>``."""
+def _function_lines(path: str, names) -> set[int]:
+    """The source lines of every function of ``names`` defined in ``pallas_cache/<path>``."""
     tree = ast.parse((REPO / "pallas_cache" / path).read_text())
     return {line for node in ast.walk(tree)
-            if isinstance(node, ast.FunctionDef) and node.name == name
+            if isinstance(node, ast.FunctionDef) and node.name in names
             for line in range(node.lineno, node.end_lineno + 1)}
 
 

@@ -517,19 +517,18 @@ def _next(key, index, start, prev_key, prev_i, *, block):
     """``common.lex_min(key, index, _candidate(key, index, prev_key, prev_i))`` over the block
     of ``block`` slots at ``start``, ``(key, i)`` scalars, ``i`` = ``INT32_MAX`` when no slot is
     left. A key of one component (LRU) takes one reduction, not two: every candidate's key is at
-    least a floor (the previous round's key; in a block's first round the block's smallest, one
-    more reduction), so its offset from the floor and its position pack into one int32, ordered
-    as ``(key, slot)``, and one minimum finds both, exactly, when the smallest candidate's
-    offset fits ``31 - log2(block)`` bits. When it does not (a gap of ``2**19`` or more between
-    two successive keys of a block of 4096) or no slot is left, the two reductions decide, in a
-    branch the other rounds skip."""
+    least the previous round's, so its offset from that key and its position pack into one
+    int32, ordered as ``(key, slot)``, and one minimum finds both, exactly, when the smallest
+    candidate's offset fits ``31 - log2(block)`` bits. When it does not (a block's first round,
+    whose floor is ``INT32_MIN``; a gap of ``2**19`` or more between two successive keys of a
+    block of 4096) or no slot is left, the two reductions decide, in a branch the other rounds
+    skip. (A first round that took the block's smallest key as its floor would need that
+    reduction under a condition, which the compiler turns into predicated barriers.)"""
     cand = _candidate(key, index, prev_key, prev_i)
     if len(key) > 1:
         return common.lex_min(key, index, cand)
     (k,) = key
-    floor = lax.cond(prev_i < 0,
-                     lambda: jnp.min(jnp.where(index != INT32_MAX, k, INT32_MAX)),
-                     lambda: prev_key[0])
+    floor = prev_key[0]
     shift = block.bit_length() - 1
     offset = (k - floor).astype(jnp.uint32)  # the true difference where k >= floor
     fits = cand & (k >= floor) & (offset < jnp.uint32((1 << (31 - shift)) - 1))
