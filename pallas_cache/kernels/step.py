@@ -520,7 +520,7 @@ def _next(key, index, start, prev_key, prev_i, *, block):
     least the previous round's, so its offset from that key and its position pack into one
     int32, ordered as ``(key, slot)``, and one minimum finds both, exactly, when the smallest
     candidate's offset fits ``31 - log2(block)`` bits. When it does not (a block's first round,
-    whose floor is ``INT32_MIN``; a gap of ``2**19`` or more between two successive keys of a
+    whose floor is ``INT32_MIN``; a gap of ``2**19 - 1`` or more between two successive keys of a
     block of 4096) or no slot is left, the two reductions decide, in a branch the other rounds
     skip. (A first round that took the block's smallest key as its floor would need that
     reduction under a condition, which the compiler turns into predicated barriers.)"""
