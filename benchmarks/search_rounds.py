@@ -7,11 +7,11 @@ Each loop is found by the Python source lines its instructions carry (the PTX as
 ``ptxas -lineinfo``, read back with ``nvdisasm -g``): the innermost loop whose instructions
 come most from the body of ``victim_round`` and the helper it calls (``_next``,
 kernels/step.py) or of ``first_uses`` (kernels/ring.py). One pass of its body is walked with
-benchmarks/sass_walk.py's counting (instructions per warp, barriers, cross-warp reductions, dependent global round trips) along
-the round's common path: a conditional branch that skips code holding a barrier (the exact
-two-reduction minimum of a round whose packed key does not fit, or that finds no slot) is
-taken; every other conditional branch falls through, so the set's maximum, taken only when a key
-enters a full set, is counted in every round. ``waits``: whether the round reads a register a
+benchmarks/sass_walk.py's counting (instructions per warp, barriers, cross-warp reductions,
+dependent global round trips) along the round's common path: a conditional branch that skips
+code holding a barrier (the exact two-reduction minimum of a round whose packed key does not
+fit, or that finds no slot) is taken; every other conditional branch falls through, so the
+set's maximum, taken only when a key enters a full set, is counted in every round. ``waits``: whether the round reads a register a
 global load of the same round fills (a ring row loaded a round ahead is not waited on).
 
     python benchmarks/search_rounds.py            # the four geometries, a Markdown table
