@@ -11,8 +11,9 @@ benchmarks/sass_walk.py's counting (instructions per warp, barriers, cross-warp 
 dependent global round trips) along the round's common path: a conditional branch that skips
 code holding a barrier (the exact two-reduction minimum of a round whose packed key does not
 fit, or that finds no slot) is taken; every other conditional branch falls through, so the
-set's maximum, taken only when a key enters a full set, is counted in every round. ``waits``: whether the round reads a register a
-global load of the same round fills (a ring row loaded a round ahead is not waited on).
+set's maximum, taken only when a key enters a full set, is counted in every round.
+``waits``: whether the round reads a register a global load of the same round fills (a ring
+row loaded a round ahead is not waited on).
 
     python benchmarks/search_rounds.py            # the four geometries, a Markdown table
 """
