@@ -316,24 +316,20 @@ def _rank_victims(call, state, state_out, scratch, hits: _Hits, need, o_idx, *, 
     keyed = bool(state.tables or state.ring)  # the key reads the occupants
 
     def pool_load(start, width, when=True):
-        """The block's contiguous loads (usage, and the occupants when the key reads them),
-        issued apart so the streamed search can issue the next block's before this one's
-        rounds; masked off unless ``when``. Int32 vectors, 1 + ``keyed`` of them."""
+        """The block's usage, loaded apart so the streamed search can issue the next block's
+        before this one's rounds; masked off unless ``when``."""
         index = start + lax.iota(jnp.int32, width)
         valid = (index < C) & searching & when  # no pool read when no victim is needed
-        u = plgpu.load(state_out.usage.at[index], mask=valid, other=0)
-        if not keyed:
-            return (u,)
-        return u, plgpu.load(state.id_of_slot.at[index], mask=valid, other=-1)
+        return plgpu.load(state_out.usage.at[index], mask=valid, other=0)
 
-    def pool_block(start, width, loaded=None):
+    def pool_block(start, width, u=None):
         index = start + lax.iota(jnp.int32, width)
         valid = (index < C) & searching
-        u, *occupant = pool_load(start, width) if loaded is None else loaded
+        u = pool_load(start, width) if u is None else u
         ok = valid & (index < limit) & (u != step)
         if not keyed:
             return ranking.key((), None, u, None, None), jnp.where(ok, index, INT32_MAX)
-        (occupant,) = occupant
+        occupant = plgpu.load(state.id_of_slot.at[index], mask=valid, other=-1)
         at = jnp.maximum(occupant, 0)
         tables = tuple(plgpu.load(ref.at[at], mask=valid, other=_zero(ref))
                        for ref in state.tables)
@@ -351,7 +347,7 @@ def _rank_victims(call, state, state_out, scratch, hits: _Hits, need, o_idx, *, 
         return _victims_one_block(pool_block, state.id_of_slot, need, o_idx,
                                   width=ranking.width, block=block)
     return _victims_streamed(pool_block, pool_load, state.id_of_slot, need, o_idx,
-                             width=ranking.width, block=block, num_loads=1 + keyed)
+                             width=ranking.width, block=block, prefetch=not keyed)
 
 
 def _admit(call, experts, recs, victims, vusage, occupants, num_fetch, o_idx, *,
@@ -568,14 +564,17 @@ def _victims_one_block(pool_block, ios_ref, need, o_idx, *, width, block):
 
 
 def _victims_streamed(pool_block, pool_load, ios_ref, need, o_idx, *, width, block,
-                      num_loads):
+                      prefetch: bool):
     """:func:`_victims_one_block` for a pool of several blocks, in one pass over it: each block
-    is loaded once (the next one's loads issued before this one's rounds) and yields its keys in
-    ascending order into a set of the ``need`` smallest seen so far until its next key would
-    not enter; the set is sorted at the end ([picks, picks] rank). The set's worst member is
+    is loaded once and yields its keys in ascending order into a set of the ``need`` smallest
+    seen so far until its next key would not enter; the set is sorted at the end ([picks,
+    picks] rank). The set's worst member is
     kept as scalars: a key entering a set that is not full raises it to the larger of the two,
     one entering a full set replaces it and the new worst is the set's maximum, a reduction
-    over the picks only on such an entry."""
+    over the picks only on such an entry. With ``prefetch`` (a key of the usage alone: LRU) the
+    next block's usage is loaded before this block's rounds; a key that reads the occupants
+    loads its block at the block's start (the next block's usage held through the rounds made
+    PAIR_LFU spill at (61, 256, 16384))."""
     o_width, num_blocks = o_idx.shape[0], -(-ios_ref.shape[0] // block)
     none = jnp.full((o_width,), INT32_MAX, jnp.int32)
     lowest = (jnp.int32(INT32_MIN),) * width
@@ -583,11 +582,13 @@ def _victims_streamed(pool_block, pool_load, ios_ref, need, o_idx, *, width, blo
     def block_pass(b, carry):
         start = pl.multiple_of(b * block, block)
         *carry, loaded = carry
-        # The first block's loads here (the others came with the block before): a call that
-        # searches no victim runs no block and issues none.
-        first = pool_load(start, block, when=b == 0)
-        loaded = tuple(jnp.where(b == 0, x, y) for x, y in zip(first, loaded))
-        ahead = pool_load(start + block, block)  # masked off past the pool
+        # The first block's usage here (the others came with the block before): a call that
+        # searches no victim runs no block and issues no load.
+        if prefetch:
+            loaded = jnp.where(b == 0, pool_load(start, block, when=b == 0), loaded)
+            ahead = pool_load(start + block, block)  # masked off past the pool
+        else:
+            loaded = ahead = pool_load(start, block)
         key, index = pool_block(start, block, loaded)
 
         def victim_round(c):
@@ -620,7 +621,7 @@ def _victims_streamed(pool_block, pool_load, ios_ref, need, o_idx, *, width, blo
     best_key, best_i, count, *_ = lax.fori_loop(
         0, jnp.where(need > 0, jnp.int32(num_blocks), jnp.int32(0)), block_pass,
         ((none,) * width, none, jnp.int32(0), lowest, jnp.int32(INT32_MIN),
-         (jnp.zeros((block,), jnp.int32),) * num_loads))
+         jnp.zeros((block,), jnp.int32)))
     filled = o_idx < count
     ahead = filled[None, :] & common.after(tuple(k[:, None] for k in best_key), best_i[:, None],
                                      tuple(k[None, :] for k in best_key), best_i[None, :])
