@@ -353,6 +353,7 @@ def _first_uses(masks, head, ages, horizon, *, layer_c, history: int, words: int
                                                       num_planes))),
                     lambda: planes)
 
+
 def per_slot(pred: RingPrediction, occupant, valid, names, *, num_layers: int,
              num_experts: int):
     """The per-call inputs of the victim key for a block of slots (``occupant`` -1 when free;
