@@ -81,6 +81,23 @@ def test_the_kernel_takes_victims_in_usage_slot_order(clock, block, cache_size, 
     np.testing.assert_array_equal(np.asarray(out[1].copy.dst_slots), expected)
 
 
+@pytest.mark.parametrize("block,bits", [(None, 28), (2, 30)])
+def test_a_victim_round_packs_a_key_offset_only_where_it_fits(block, bits):
+    """FAILS if a victim round of the one-component key (LRU) orders by a packed ``(offset from
+    the previous key, position)`` that does not fit its int32, or drops the slot a tie or a gap
+    too wide to pack leaves to the exact two-reduction minimum: successive keys ``2**bits - 2``
+    apart (packed: 31 bits less log2 of the block, 8 slots -> 28, 2 -> 30), then ``2**bits - 1``
+    (not packed), then a tie (the four victims); the other slots hold a larger key or this
+    step's (touched: never a victim)."""
+    step = 2**bits
+    usage = [0, step - 2, 2 * step - 3, 2 * step - 3, 2 * step - 2, I32_MAX, I32_MAX, I32_MAX]
+    order = np.random.default_rng(bits).permutation(C)
+    usage = np.asarray(usage, np.int64)[order]
+    state = _state_with_usage(usage, I32_MAX - 1, C)
+    out = _kernel_step(block)(state, jnp.arange(E, dtype=jnp.int32))
+    np.testing.assert_array_equal(np.asarray(out[3]), np_victims(usage, I32_MAX, E, E))
+
+
 # --------------------------------------------------------------------------------------------
 # The loop-free XLA twin (selection.py) on long pools: the two-level path
 # --------------------------------------------------------------------------------------------

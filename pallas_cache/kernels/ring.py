@@ -258,37 +258,116 @@ def predict(call: RingCall, out: RingRefs, planes_ref, *, layer_c, size, searchi
         (jnp.int32(INT32_MIN), jnp.int32(-1), jnp.full(p_idx.shape, -1, jnp.int32)))
     found = jnp.sum((picks >= 0).astype(jnp.int32))
     horizon = (size + L - 1) // L
-
     width = common.next_pow2(row_words)
-    i = lax.iota(jnp.int32, width)
-    i_ok = i < row_words
-    shifted = (i // words) <= layer_c  # layer m was already called in this token
-    zero = jnp.zeros((width,), jnp.uint32)
-    planes = [zero] * (planes_ref.shape[0] // width)
-    for n in range(num):
-        age = common.lane(picks, n)
-        rounds = jnp.where(age >= 0, horizon, jnp.int32(0))  # 0 when not searching
-
-        def first_uses(k, carry, age=age):
-            # Token j + k + shift has age a_j - k - shift: row (head - a_j + k') mod W.
-            word, prefix, *planes = carry
-            nxt = plgpu.load(out.masks.at[((call.head - age + k + 1 + history) % history)
-                                          * row_words + i], mask=i_ok, other=0)
-            seen = jnp.where(k <= age - 1, jnp.where(shifted, nxt, word), jnp.uint32(0))
-            prefix = prefix | seen
-            ripple = prefix
-            for b in range(len(planes)):
-                planes[b], ripple = planes[b] ^ ripple, planes[b] & ripple
-            return (nxt, prefix, *planes)
-
-        first = plgpu.load(out.masks.at[((call.head - age + history) % history) * row_words + i],
-                           mask=i_ok & (rounds > 0), other=0)
-        _, _, *planes = lax.fori_loop(0, rounds, first_uses, (first, zero, *planes))
+    planes = _first_uses(out.masks, call.head, [common.lane(picks, n) for n in range(num)],
+                         horizon, layer_c=layer_c, history=history, words=words,
+                         width=width, num_planes=planes_ref.shape[0] // width)
+    i_ok = lax.iota(jnp.int32, width) < row_words
     for b, plane in enumerate(planes):
         plgpu.store(planes_ref.at[pl.ds(b * width, width)], plane, mask=i_ok & searching)
     barrier()  # the counters before the pool scan's gathers of them by other threads
     return RingPrediction(found=found, horizon=horizon, layer=layer_c, call=call,
                           planes=planes_ref, refs=out)
+
+
+def _add(planes, addend):
+    """``planes + addend``, both bit-sliced (entry ``b``: bit ``b`` of every lane's count, the
+    least significant first; ``None``: a zero word), by a ripple of full adders. The carry out
+    of the top plane is dropped: every count the kernel forms fits the planes."""
+    out, carry = [], None
+    for b, x in enumerate(planes):
+        a = addend[b] if b < len(addend) else None
+        if a is None and carry is None:
+            out.append(x)
+        elif a is None or carry is None:
+            y = carry if a is None else a
+            out.append(x ^ y)
+            carry = x & y
+        else:
+            half = x ^ a
+            out.append(half ^ carry)
+            carry = (x & a) | (half & carry)
+    return out
+
+
+def _sum_of(words):
+    """The bit-sliced per-lane sum of up to three one-bit words (a carry-save adder)."""
+    if len(words) == 1:
+        return [words[0]]
+    if len(words) == 2:
+        return [words[0] ^ words[1], words[0] & words[1]]
+    a, b, c = words
+    return [a ^ b ^ c, (a & b) | (c & (a ^ b))]
+
+
+def _times(total, t, num_planes: int):
+    """``t * total`` bit-sliced, ``total`` a bit-sliced count of at most 3 per lane (one or two
+    words, :func:`_sum_of`) and ``t`` a traced int32: each lane's product is one of ``t``,
+    ``2 t``, ``3 t``, whose bits are scalars."""
+    if len(total) == 1:
+        lanes = {1: total[0]}
+    else:
+        s, c = total
+        lanes = {1: s & ~c, 2: ~s & c, 3: s & c}
+    out = []
+    for b in range(num_planes):
+        word = jnp.uint32(0)
+        for value, at in lanes.items():
+            word = word | jnp.where(((value * t >> b) & 1) == 1, at, jnp.uint32(0))
+        out.append(word)
+    return out
+
+
+def _first_uses(masks, head, ages, horizon, *, layer_c, history: int, words: int, width: int,
+                num_planes: int):
+    """The bit-sliced counters of :func:`predict`: per mask word of the ring rows, the count
+    over the neighbours (their ring ages ``ages``; -1: none) and ``k < H`` of the prefixes
+    ``P_jk`` holding each bit.
+
+    Neighbour ``j`` of age ``a`` reads the rows of ages ``a, a - 1, ..., 0`` (its next tokens up
+    to the current one); from ``k = a`` on its prefix no longer changes. So the loop runs
+    ``R = max_j min(H, a_j)`` rounds, at most ``min(H, W - 1)``, for all the neighbours at once,
+    each adding their prefixes through one carry-save adder; the ``H - R`` rounds that would
+    add the same prefixes again are one multiply-add. A round's ring rows were loaded in the
+    round before, so no round waits on a load it issued."""
+    row_words = masks.shape[0] // history
+    i = lax.iota(jnp.int32, width)
+    i_ok = i < row_words
+    shifted = (i // words) <= layer_c  # layer m was already called in this token
+    zero = jnp.zeros((width,), jnp.uint32)
+    rounds = [jnp.where(a >= 0, jnp.minimum(horizon, a), jnp.int32(0)) for a in ages]
+    total = rounds[0]
+    for r in rounds[1:]:
+        total = jnp.maximum(total, r)
+
+    def row(age, ok):
+        """The ring row of the token of age ``age`` (0: the current token)."""
+        return plgpu.load(masks.at[((head - age + history) % history) * row_words + i],
+                          mask=i_ok & ok, other=0)
+
+    def first_uses(k, carry):
+        # Per neighbour: the rows of tokens j + k and j + k + 1, and the prefix.
+        carry = list(carry)
+        prefixes = []
+        for n, (age, r) in enumerate(zip(ages, rounds)):
+            word, nxt, prefix = carry[3 * n:3 * n + 3]
+            prefix = prefix | jnp.where(k < r, jnp.where(shifted, nxt, word), zero)
+            carry[3 * n:3 * n + 3] = nxt, row(age - k - 2, k + 1 < r), prefix
+            prefixes.append(prefix)
+        return (*carry[:3 * len(ages)],
+                *_add(carry[3 * len(ages):], _sum_of(prefixes)))
+
+    start = []
+    for age, r in zip(ages, rounds):
+        start += [row(age, r > 0), row(age - 1, r > 0), zero]
+    carry = lax.fori_loop(0, total, first_uses, (*start, *([zero] * num_planes)))
+    planes = tuple(carry[3 * len(ages):])
+    prefixes = [carry[3 * n + 2] for n in range(len(ages))]
+    # With no round run no prefix holds a bit: a call that does not search skips the tail.
+    return lax.cond(total > 0,
+                    lambda: tuple(_add(planes, _times(_sum_of(prefixes), horizon - total,
+                                                      num_planes))),
+                    lambda: planes)
 
 
 def per_slot(pred: RingPrediction, occupant, valid, names, *, num_layers: int,

@@ -380,12 +380,21 @@ def _rank_victims(call, state, state_out, scratch, hits: _Hits, need, o_idx, *, 
     rounds."""
     E, C = sz.E, sz.C
 
-    def pool_block(start, width):
+    keyed = bool(state.tables or state.ring)  # the key reads the occupants
+
+    def pool_load(start, width, when=True):
+        """The block's usage, loaded apart so the streamed search can issue the next block's
+        before this one's rounds; masked off unless ``when``."""
         index = start + lax.iota(jnp.int32, width)
-        valid = (index < C) & searching  # masked off: no pool read when no victim is needed
-        u = plgpu.load(state_out.usage.at[index], mask=valid, other=0)
+        valid = (index < C) & searching & when  # no pool read when no victim is needed
+        return plgpu.load(state_out.usage.at[index], mask=valid, other=0)
+
+    def pool_block(start, width, u=None):
+        index = start + lax.iota(jnp.int32, width)
+        valid = (index < C) & searching
+        u = pool_load(start, width) if u is None else u
         ok = valid & (index < limit) & (u != step)
-        if not state.tables and not state.ring:
+        if not keyed:
             return ranking.key((), None, u, None, None), jnp.where(ok, index, INT32_MAX)
         occupant = plgpu.load(state.id_of_slot.at[index], mask=valid, other=-1)
         at = jnp.maximum(occupant, 0)
@@ -401,8 +410,11 @@ def _rank_victims(call, state, state_out, scratch, hits: _Hits, need, o_idx, *, 
         prediction = token_ring.predict(hits.ring_call, state_out.ring[0], scratch[0],
                                         layer_c=layer_c, size=limit, searching=searching,
                                         num_layers=sz.L, capacity=C, barrier=barrier)
-    search = _victims_one_block if -(-C // block) == 1 else _victims_streamed
-    return search(pool_block, state.id_of_slot, need, o_idx, width=ranking.width, block=block)
+    if -(-C // block) == 1:
+        return _victims_one_block(pool_block, state.id_of_slot, need, o_idx,
+                                  width=ranking.width, block=block)
+    return _victims_streamed(pool_block, pool_load, state.id_of_slot, need, o_idx,
+                             width=ranking.width, block=block, prefetch=not keyed)
 
 
 def _admit(fraction16, experts, recs, victims, vusage, occupants, num_fetch, *,
@@ -552,6 +564,33 @@ def _fetch_order(lanes: _Lanes | None, rec_ref, base, miss, num_missing, o_idx, 
     return experts, recs if by_recency and with_recs else minus
 
 
+def _next(key, index, start, prev_key, prev_i, *, block):
+    """``common.lex_min(key, index, _candidate(key, index, prev_key, prev_i))`` over the block
+    of ``block`` slots at ``start``, ``(key, i)`` scalars, ``i`` = ``INT32_MAX`` when no slot is
+    left. A key of one component (LRU) takes one reduction, not two: every candidate's key is at
+    least the previous round's, so its offset from that key and its position pack into one
+    int32, ordered as ``(key, slot)``, and one minimum finds both, exactly, when the smallest
+    candidate's offset fits ``31 - log2(block)`` bits. When it does not (a block's first round,
+    whose floor is ``INT32_MIN``; a gap of ``2**19 - 1`` or more between two successive keys of a
+    block of 4096) or no slot is left, the two reductions decide, in a branch the other rounds
+    skip. (A first round that took the block's smallest key as its floor would need that
+    reduction under a condition, which the compiler turns into predicated barriers.)"""
+    cand = _candidate(key, index, prev_key, prev_i)
+    if len(key) > 1:
+        return common.lex_min(key, index, cand)
+    (k,) = key
+    floor = prev_key[0]
+    shift = block.bit_length() - 1
+    offset = (k - floor).astype(jnp.uint32)  # the true difference where k >= floor
+    fits = cand & (k >= floor) & (offset < jnp.uint32((1 << (31 - shift)) - 1))
+    packed = jnp.where(fits, (offset.astype(jnp.int32) << shift) | lax.iota(jnp.int32, block),
+                       INT32_MAX)
+    least = jnp.min(packed)
+    return lax.cond(least != INT32_MAX,
+                    lambda: ((floor + (least >> shift),), start + (least & (block - 1))),
+                    lambda: common.lex_min(key, index, cand))
+
+
 def _victims_one_block(pool_block, ios_ref, need, o_idx, *, width, block):
     """The first ``need`` victims of a pool of one block, ``(victims, usage, occupants)``
     [o_width], -1 padded: the block is loaded once and each round takes its smallest key
@@ -565,7 +604,7 @@ def _victims_one_block(pool_block, ios_ref, need, o_idx, *, width, block):
 
     def victim_round(carry):
         count, prev_key, prev_i, done, victims, vusage = carry
-        m, i = common.lex_min(key, index, _candidate(key, index, prev_key, prev_i))
+        m, i = _next(key, index, jnp.int32(0), prev_key, prev_i, block=block)
         found = i != INT32_MAX
         at = found & (o_idx == count)
         return (count + found.astype(jnp.int32), m, i, ~found, jnp.where(at, i, victims),
@@ -579,41 +618,65 @@ def _victims_one_block(pool_block, ios_ref, need, o_idx, *, width, block):
     return victims, vusage, occupants
 
 
-def _victims_streamed(pool_block, ios_ref, need, o_idx, *, width, block):
+def _victims_streamed(pool_block, pool_load, ios_ref, need, o_idx, *, width, block,
+                      prefetch: bool):
     """:func:`_victims_one_block` for a pool of several blocks, in one pass over it: each block
     is loaded once and yields its keys in ascending order into a set of the ``need`` smallest
-    seen so far (the worst replaced once the set is full) until its next key would not enter;
-    the set is sorted at the end ([picks, picks] rank)."""
+    seen so far until its next key would not enter; the set is sorted at the end ([picks,
+    picks] rank). The set's worst member is
+    kept as scalars: a key entering a set that is not full raises it to the larger of the two,
+    one entering a full set replaces it and the new worst is the set's maximum, a reduction
+    over the picks only on such an entry. With ``prefetch`` (a key of the usage alone: LRU) the
+    next block's usage is loaded before this block's rounds; a key that reads the occupants
+    loads its block at the block's start (the next block's usage held through the rounds made
+    PAIR_LFU spill at (61, 256, 16384))."""
     o_width, num_blocks = o_idx.shape[0], -(-ios_ref.shape[0] // block)
     none = jnp.full((o_width,), INT32_MAX, jnp.int32)
+    lowest = (jnp.int32(INT32_MIN),) * width
 
     def block_pass(b, carry):
-        key, index = pool_block(pl.multiple_of(b * block, block), block)
-
-        def round_cond(c):
-            return c[-1]
+        start = pl.multiple_of(b * block, block)
+        *carry, loaded = carry
+        # The first block's usage here (the others came with the block before): a call that
+        # searches no victim runs no block and issues no load.
+        if prefetch:
+            loaded = jnp.where(b == 0, pool_load(start, block, when=b == 0), loaded)
+            ahead = pool_load(start + block, block)  # masked off past the pool
+        else:
+            loaded = ahead = pool_load(start, block)
+        key, index = pool_block(start, block, loaded)
 
         def victim_round(c):
-            best_key, best_i, count, prev_key, prev_i, _ = c
-            m, i = common.lex_min(key, index, _candidate(key, index, prev_key, prev_i))
+            best_key, best_i, count, worst_key, worst_i, prev_key, prev_i, _ = c
+            m, i = _next(key, index, start, prev_key, prev_i, block=block)
             full = count >= need
-            filled = o_idx < count
-            worst_key, worst_i = common.lex_max(best_key, best_i, filled)
             enters = (i != INT32_MAX) & (~full | common.after(worst_key, worst_i, m, i))
             at = enters & jnp.where(full, best_i == worst_i, o_idx == count)
             best_key = tuple(jnp.where(at, x, y) for x, y in zip(m, best_key))
-            return (best_key, jnp.where(at, i, best_i),
-                    count + (enters & ~full).astype(jnp.int32), m, i, enters)
+            best_i = jnp.where(at, i, best_i)
 
-        best_key, best_i, count = carry
-        best_key, best_i, count, *_ = lax.while_loop(
-            round_cond, victim_round,
-            (best_key, best_i, count, (jnp.int32(INT32_MIN),) * width, jnp.int32(-1),
-             need > 0))
-        return best_key, best_i, count
+            def new_worst():
+                return common.lex_max(best_key, best_i, o_idx < count)
 
-    best_key, best_i, count = lax.fori_loop(
-        0, num_blocks, block_pass, ((none,) * width, none, jnp.int32(0)))
+            raise_to = enters & common.after(m, i, worst_key, worst_i)
+            worst_key, worst_i = lax.cond(
+                enters & full, new_worst,
+                lambda: (tuple(jnp.where(raise_to, x, y) for x, y in zip(m, worst_key)),
+                         jnp.where(raise_to, i, worst_i)))
+            return (best_key, best_i, count + (enters & ~full).astype(jnp.int32), worst_key,
+                    worst_i, m, i, enters)
+
+        best_key, best_i, count, worst_key, worst_i = carry
+        best_key, best_i, count, worst_key, worst_i, *_ = lax.while_loop(
+            lambda c: c[-1], victim_round,
+            (best_key, best_i, count, worst_key, worst_i, lowest, jnp.int32(-1), need > 0))
+        return best_key, best_i, count, worst_key, worst_i, ahead
+
+    # No block at all when no victim is searched (the loads would be masked off anyway).
+    best_key, best_i, count, *_ = lax.fori_loop(
+        0, jnp.where(need > 0, jnp.int32(num_blocks), jnp.int32(0)), block_pass,
+        ((none,) * width, none, jnp.int32(0), lowest, jnp.int32(INT32_MIN),
+         jnp.zeros((block,), jnp.int32)))
     filled = o_idx < count
     ahead = filled[None, :] & common.after(tuple(k[:, None] for k in best_key), best_i[:, None],
                                      tuple(k[None, :] for k in best_key), best_i[None, :])
