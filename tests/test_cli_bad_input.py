@@ -166,7 +166,7 @@ def test_a_full_disk_or_a_closed_pipe_is_not_a_traceback(tmp_path):
 
 # ---- cases 12 and 14: where the compile cache may live ----------------------------------------
 
-ENABLE = ("import jax; from pallas_cache.sizing import cli; cli._enable_compile_cache(); "
+ENABLE = ("import jax; from pallas_cache.sizing.cli import process; process.enable_compile_cache(); "
           "print(jax.config.jax_compilation_cache_dir)")
 NOBODY = 65534
 
@@ -448,7 +448,8 @@ def test_a_memory_limit_below_a_minimal_run_is_refused_before_reading(capsys, mo
     accepted, as a promise the process cannot keep, or refused only after the trace is read: one
     line naming the value and the minimum, exit 2. The same for a default limit (half the
     machine's memory) below it."""
-    from pallas_cache.sizing import cli_replay
+    from pallas_cache.sizing.cli import replay as cli_replay
+    from pallas_cache.sizing.cli import request as cli_request
     from pallas_cache.sizing.traces import RUN_FIXED_BYTES
 
     def no_reading(*args, **kwargs):
@@ -462,7 +463,7 @@ def test_a_memory_limit_below_a_minimal_run_is_refused_before_reading(capsys, mo
     assert "--max-memory 256MiB is below the 512MiB a minimal replay takes" in line
     code, _, err = run(capsys, "--trace", path, "--max-memory", str(RUN_FIXED_BYTES - 1))
     assert code == 2 and "is below the 512MiB" in _one_line(err)
-    monkeypatch.setattr(cli_replay, "default_memory_limit", lambda: 300 * 2**20)
+    monkeypatch.setattr(cli_request, "default_memory_limit", lambda: 300 * 2**20)
     code, out, err = run(capsys, "--trace", path)
     line = _one_line(err)
     assert code == 2 and out == ""
