@@ -5,6 +5,7 @@ output."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sys
 import threading
@@ -71,20 +72,14 @@ def run(request: ReplayRequest, progress: Progress, latch: InterruptLatch) -> in
     return output.write_plot(request, rows)
 
 
-class refusals:
+@contextlib.contextmanager
+def refusals(*kinds):
     """``with refusals(*kinds):`` an error of those kinds (default: every kind a check raises)
     becomes the :class:`UsageError` of its one line."""
-
-    def __init__(self, *kinds):
-        self.kinds = kinds or REFUSED
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, error, traceback):
-        if kind is not None and issubclass(kind, self.kinds):
-            raise UsageError(f"pallas-cache: {error}") from None
-        return False
+    try:
+        yield
+    except (kinds or REFUSED) as error:
+        raise UsageError(f"pallas-cache: {error}") from None
 
 
 @dataclasses.dataclass(frozen=True)

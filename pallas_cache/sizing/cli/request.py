@@ -111,10 +111,6 @@ class ReplayRequest:
     auto_k: int | None
 
     @property
-    def synthetic(self) -> bool:
-        return isinstance(self.source, SyntheticSource)
-
-    @property
     def axes(self) -> tuple[list[str], list[str], list[str]]:
         """``(orders, admissions, evictions)`` as the names ``config_grid`` takes."""
         return ([o.value for o in self.orders], [a.value for a in self.admissions],
