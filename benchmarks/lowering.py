@@ -24,8 +24,10 @@ ABSTRACT_GPU_KIND, ABSTRACT_GPU_CORES = "NVIDIA H200", 132
 
 
 def count_ops(text: str) -> tuple[int, int]:
-    """``(Pallas calls, other non-free StableHLO ops)`` of a lowered module's text. An
-    attribute such as ``#stablehlo.output_operand_alias<...>`` names no operation."""
+    """``(Pallas calls, other non-free StableHLO ops)`` of a lowered module's text, by the
+    counting rule of docs/semantics.md §7: a private function's body counts once (it is printed
+    once), a scan's while body once plus its loop bookkeeping. An attribute such as
+    ``#stablehlo.output_operand_alias<...>`` names no operation."""
     ops = [op for op in re.findall(r"(?<![#\w])stablehlo\.([a-z_0-9]+)", text)
            if op not in UNCOUNTED]
     return text.count(PALLAS_CALL), len(ops)
@@ -38,6 +40,12 @@ def abstract_gpu():
     Make the arguments outside it: it changes the mesh new values are placed on."""
     if jax.default_backend() == "gpu":
         return contextlib.nullcontext()
+    return jax.sharding.use_abstract_mesh(abstract_gpu_mesh(1, "x"))
+
+
+def abstract_gpu_mesh(num_devices: int, axis: str):
+    """An abstract mesh of ``num_devices`` H200s on one axis, for ``jax.shard_map`` lowered for
+    CUDA on any host (in :func:`jax.sharding.use_abstract_mesh`)."""
     from jax.sharding import AbstractMesh
     try:
         from jax.sharding import AbstractDevice
@@ -47,9 +55,8 @@ def abstract_gpu():
                             platform="gpu")
     # Auto, not the default Explicit: an explicit axis would type every value made inside (a
     # scan's carry) as sharded over it, and mixing them with unsharded ones fails to lower.
-    mesh = AbstractMesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,),
+    return AbstractMesh((num_devices,), (axis,), axis_types=(jax.sharding.AxisType.Auto,),
                         abstract_device=device)
-    return jax.sharding.use_abstract_mesh(mesh)
 
 
 def lower_cuda(fn, *args):

@@ -18,7 +18,7 @@ from pallas_cache.kernels import dispatch
 from pallas_cache.hints import Backend, IndexLike, RoutesLike
 from pallas_cache.policy import Admission, FetchOrder, FetchPolicy
 from pallas_cache.state import CacheState, check_state
-from pallas_cache.tree import Record, in_manual_mesh, pytree_dataclass, static_field
+from pallas_cache.tree import Record, pytree_dataclass, static_field, varying_axes
 
 __all__ = [
     "CopyPlan",
@@ -254,7 +254,7 @@ def ensure_with_rules(state: CacheState, layer, routes, policy: FetchPolicy, rul
     num_out = min(flat_routes.shape[0], E)  # K': distinct routes of one layer never exceed E
 
     fused_step = dispatch.fused_step_for(state, rules, flat_routes.shape[0], backend,
-                                         in_shard_map=in_manual_mesh(flat_routes))
+                                         mesh_axes=varying_axes(state, layer, routes, policy))
     if fused_step is not None:
         return _fused_ensure(fused_step, state, layer, routes, policy, rules)
 

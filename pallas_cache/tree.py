@@ -15,7 +15,8 @@ from jax import lax
 
 _T = TypeVar("_T")
 
-__all__ = ["Record", "in_manual_mesh", "pytree_dataclass", "static_field", "varying_like"]
+__all__ = ["Record", "pytree_dataclass", "static_field", "varying_axes", "varying_like",
+           "varying_shape"]
 
 
 def static_field(**kwargs: Any) -> Any:
@@ -52,15 +53,30 @@ def pytree_dataclass(cls: type[_T]) -> type[_T]:
     return jax.tree_util.register_dataclass(cls)
 
 
+def varying_axes(*operands) -> frozenset:
+    """The mesh axes that any leaf of ``operands`` varies over inside a ``shard_map`` with
+    ``check_vma`` (empty outside one)."""
+    axes = set()
+    for operand in jax.tree.leaves(operands):
+        axes |= _varying_axes(operand)
+    return frozenset(axes)
+
+
 def varying_like(value, *operands):
     """``value`` made to vary over every mesh axis that any of ``operands`` varies over. Inside a
     ``shard_map`` with ``check_vma`` a constant (zeros) then has the type of the values computed
     from the operands, as a switch's or cond's branches and a loop's carry must; elsewhere there
     are no such axes and it is ``value`` (docs/design.md, "Several devices")."""
-    axes = set()
-    for operand in jax.tree.leaves(operands):
-        axes |= _varying_axes(operand)
+    axes = varying_axes(*operands)
     return jax.tree.map(lambda leaf: _cast(leaf, axes), value)
+
+
+def varying_shape(shape, dtype, *, axes: frozenset) -> jax.ShapeDtypeStruct:
+    """An output's shape and dtype that varies over the mesh ``axes`` (a ``pallas_call``'s
+    ``out_shape``: inside a ``shard_map`` with ``check_vma`` the call's outputs must say how they
+    vary, and they vary as its inputs do; elsewhere the type is ignored)."""
+    return jax.ShapeDtypeStruct(shape, dtype,
+                                manual_axis_type=jax.sharding.ManualAxisType(varying=axes))
 
 
 def _cast(leaf, axes):
@@ -73,9 +89,3 @@ def _varying_axes(value) -> set:
     aval = jax.typeof(value)
     manual = getattr(aval, "manual_axis_type", None)
     return set(getattr(manual, "varying", None) or getattr(aval, "vma", None) or ())
-
-
-def in_manual_mesh(value) -> bool:
-    """Whether a traced value is inside a ``shard_map`` body (its mesh has a manual axis)."""
-    mesh = getattr(getattr(jax.typeof(value), "sharding", None), "mesh", None)
-    return jax.sharding.AxisType.Manual in tuple(getattr(mesh, "axis_types", ()))

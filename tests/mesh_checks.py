@@ -132,7 +132,7 @@ def _member(tree, d):
 # --- expert-parallel ---------------------------------------------------------------------------
 
 
-def _expert_step(mesh, sharding, feed, traces, backend=None):
+def _expert_step(mesh, sharding, feed, traces, backend=None, check_vma=True):
     """The jitted per-layer-call step of the expert-parallel layout: each device maps the global
     routes to its own and runs ``ensure_hybrid`` on its own cache. ``feed`` picks what a device's
     cache is given: ``"local"`` (the layout), ``"global_ids"`` (naive: its routes under their
@@ -152,13 +152,20 @@ def _expert_step(mesh, sharding, feed, traces, backend=None):
         return pm.stack_view((state, plan))
 
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(AXIS), P(), P(), P()),
-                                 out_specs=P(AXIS)))
+                                 out_specs=P(AXIS), check_vma=check_vma))
 
 
-def run_expert_lockstep(eviction, *, experts=None, feed="local", seed=0, backend=None):
+def _kernel_calls(step, *args) -> int:
+    """How many Pallas calls the jitted ``step`` traces to on ``args``."""
+    return str(step.trace(*args).jaxpr).count("pallas_call[")
+
+
+def run_expert_lockstep(eviction, *, experts=None, feed="local", seed=0, backend=None,
+                        check_vma=True, kernel_calls=0):
     """Every device's cache against one reference cache fed only that device's routes, after
     every layer-call; the route assignment helper against the reference plans; all-padding calls
-    advance ``step`` and ``calls``; the step is compiled once. Returns a summary line."""
+    advance ``step`` and ``calls``; the step is compiled once, and traces to ``kernel_calls``
+    Pallas calls (the fused kernel's, once per device step). Returns a summary line."""
     ReferenceCache, _ = _reference()
     mesh = _mesh()
     sharding = pm.expert_sharding(E, NUM_DEVICES, experts=experts)
@@ -179,8 +186,11 @@ def run_expert_lockstep(eviction, *, experts=None, feed="local", seed=0, backend
     references = [ReferenceCache(L, sharding.num_local, s, capacity=capacity, eviction=eviction,
                                  history=HISTORY) for s in sizes]
     traces = []
-    step = _expert_step(mesh, sharding, feed, traces, backend)
+    step = _expert_step(mesh, sharding, feed, traces, backend, check_vma)
     policies = _policies()
+    calls = _kernel_calls(step, state, jnp.int32(0), jnp.zeros((B, K), jnp.int32),
+                          policies[0][0])
+    assert calls == kernel_calls, f"{calls} Pallas calls per device step, not {kernel_calls}"
     padding_calls = [0] * NUM_DEVICES
     previous = None
     for index, (layer, routes) in enumerate(_calls(seed, owner)):
@@ -253,9 +263,10 @@ def _device_copies(tree):
 
 
 def run_tensor_lockstep(eviction, *, perturb=False, broadcast=False, check_vma=True, seed=1,
-                        backend=None):
+                        backend=None, kernel_calls=0):
     """The ``T`` devices' copies of the one cache (and of its plan) are identical after every
-    layer-call, and equal one reference cache fed the routes."""
+    layer-call, and equal one reference cache fed the routes; the step traces to
+    ``kernel_calls`` Pallas calls."""
     ReferenceCache, _ = _reference()
     mesh = _mesh()
     S = 2 * E
@@ -266,6 +277,9 @@ def run_tensor_lockstep(eviction, *, perturb=False, broadcast=False, check_vma=T
     step = _tensor_step(mesh, perturb=perturb, broadcast=broadcast, check_vma=check_vma,
                         traces=traces, backend=backend)
     policies = _policies()
+    calls = _kernel_calls(step, state, jnp.int32(0), jnp.zeros((B, K), jnp.int32),
+                          policies[0][0])
+    assert calls == kernel_calls, f"{calls} Pallas calls per device step, not {kernel_calls}"
     for index, (layer, routes) in enumerate(_calls(seed, [e % NUM_DEVICES for e in range(E)])):
         policy, ref_policy = policies[index % len(policies)]
         state, plan = step(state, jnp.int32(layer), jnp.asarray(routes), policy)
@@ -448,11 +462,17 @@ def check_tensor_perturbed_is_refused_by_check_vma():
 CHECKS = {
     **{f"expert_lockstep[{ev}]": (lambda ev=ev: run_expert_lockstep(ev)) for ev in EVICTIONS},
     "expert_lockstep_user_map[lru]": lambda: run_expert_lockstep("lru", experts=USER_EXPERTS),
-    # the Pallas backends (the GPU default) inside a shard_map: the XLA step runs there
+    # The fused kernel inside a shard_map, in the Pallas interpreter: one call per device step.
+    # Expert-parallel caches vary over the axis, which the interpreter refuses to mix with the
+    # kernel's constants under check_vma (there "interpret" runs the XLA step, checked below):
+    # the kernel's decisions per device are checked with check_vma off; tests/test_mesh.py
+    # lowers both layouts for CUDA with check_vma on.
+    **{f"expert_lockstep_kernel[{ev}]": (lambda ev=ev: run_expert_lockstep(
+        ev, backend="interpret", check_vma=False, kernel_calls=1)) for ev in EVICTIONS},
+    **{f"tensor_lockstep_kernel[{ev}]": (lambda ev=ev: run_tensor_lockstep(
+        ev, backend="interpret", kernel_calls=1)) for ev in EVICTIONS},
     "expert_lockstep_interpret_backend[pair_lfu]": lambda: run_expert_lockstep(
         "pair_lfu", backend="interpret"),
-    "tensor_lockstep_interpret_backend[lru]": lambda: run_tensor_lockstep(
-        "lru", backend="interpret"),
     "naive_global_ids_fed_to_a_device_cache": lambda: _expect_failure(
         run_expert_lockstep, "lru", feed="global_ids"),
     "naive_every_route_fed_to_every_device_cache": lambda: _expect_failure(

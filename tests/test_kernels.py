@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from jax import lax
 
 import pallas_cache as pc
+from benchmarks.lowering import count_ops
 from benchmarks.lowering import lower_cuda as lower_cuda_module
 from conftest import PROFILE, evictions_under_test
 from pallas_cache import selection
@@ -343,23 +344,6 @@ def check_triton(text: str, modules, *, grid_x: int | None = None):
     grids = re.findall(r"grid_x = (\d+) : i32", text)
     if grid_x is not None and grids:  # the jaxlib <= 0.10.2 custom-call format
         assert {int(g) for g in grids} == {grid_x}
-
-
-# The counting rule (docs/semantics.md §7): every ``stablehlo.<op>`` of the lowered text but
-# these, and not the attributes (``#stablehlo.output_operand_alias<...>`` names no operation).
-UNCOUNTED = {"constant", "reshape", "bitcast_convert", "return", "custom_call", "tuple",
-             "get_tuple_element", "optimization_barrier"}
-PALLAS_CALL = "custom_call @__gpu$xla.gpu.triton"
-
-
-def count_ops(text: str) -> tuple[int, int]:
-    """``(Pallas custom calls, other ops)`` of a lowered module by the counting rule: a private
-    function's body counts once (it is printed once), a scan's while body once plus its loop
-    bookkeeping (the condition and counter ops around it)."""
-    pallas = text.count(PALLAS_CALL)
-    ops = [op for op in re.findall(r"(?<![#\w])stablehlo\.([a-z_0-9]+)", text)
-           if op not in UNCOUNTED]
-    return pallas, len(ops)
 
 
 def test_count_ops_follows_the_rule():

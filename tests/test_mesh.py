@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 import mesh_checks
 import pallas_cache as pc
+from benchmarks.lowering import abstract_gpu_mesh, count_ops
 from pallas_cache import mesh as pm
 from pallas_cache.testing import moe_dense
 
@@ -59,6 +60,69 @@ def test_moe_hybrid_traces_in_shard_map_with_check_vma_when_a_partial_has_no_exp
             (state, pool), y = step(state, pool, x, ids, pc.FetchPolicy.fraction(fraction))
             dense = moe_dense(x, ids, gates, bank, _mlp, layer=1)
             np.testing.assert_allclose(np.asarray(y), np.asarray(dense), rtol=1e-5, atol=1e-5)
+
+
+# --- the fused kernel inside a shard_map, lowered for CUDA on four abstract H200s -------------
+
+
+def _lower_on_gpu_mesh(body, in_specs, out_specs, *args) -> str:
+    mesh = abstract_gpu_mesh(mesh_checks.NUM_DEVICES, mesh_checks.AXIS)
+    step = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+    with jax.sharding.use_abstract_mesh(mesh):
+        return jax.jit(step).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _tensor_parallel_args(eviction):
+    L, E, B, K = mesh_checks.L, mesh_checks.E, mesh_checks.B, mesh_checks.K
+    state = pc.init(L, E, 2 * E, capacity=2 * E + 2, eviction=eviction,
+                    history=mesh_checks.HISTORY)
+    return state, jnp.int32(1), jnp.zeros((B, K), jnp.int32), pc.FetchPolicy.fraction(0.5)
+
+
+@pytest.mark.parametrize("eviction", mesh_checks.EVICTIONS)
+def test_the_mesh_step_lowers_to_one_triton_call_per_device_step_in_both_layouts(eviction):
+    """FAILS if the Pallas backend falls back to the XLA step inside a ``shard_map`` (no Triton
+    call, dozens of ops), or if the kernel's outputs are not typed for ``check_vma`` (its
+    default: "manual_axis_type ... must not be None" at trace time)."""
+    L, E, B, K = mesh_checks.L, mesh_checks.E, mesh_checks.B, mesh_checks.K
+    sharding = pm.expert_sharding(E, mesh_checks.NUM_DEVICES)
+    state = pm.init_expert_parallel(sharding, L, list(mesh_checks.SIZES), eviction=eviction,
+                                    history=mesh_checks.HISTORY)
+
+    def expert_parallel(state, layer, routes, policy):
+        routes = pm.local_routes(sharding, routes, lax.axis_index(mesh_checks.AXIS))
+        state, plan = pc.ensure_hybrid(pm.device_view(state), layer, routes, policy,
+                                       backend="pallas")
+        return pm.stack_view((state, plan))
+
+    def tensor_parallel(state, layer, routes, policy):
+        return pc.ensure_hybrid(state, layer, routes, policy, backend="pallas")
+
+    axis = P(mesh_checks.AXIS)
+    text = _lower_on_gpu_mesh(expert_parallel, (axis, P(), P(), P()), axis, state,
+                              *_tensor_parallel_args(eviction)[1:])
+    assert count_ops(text)[0] == 1, count_ops(text)
+    text = _lower_on_gpu_mesh(tensor_parallel, (P(),) * 4, P(), *_tensor_parallel_args(eviction))
+    assert count_ops(text) == (1, count_ops(text)[1]) and count_ops(text)[1] <= 1, count_ops(text)
+
+
+@pytest.mark.parametrize("outputs", ["state and plan", "state"])
+def test_the_kernel_keeps_a_perturbed_tensor_parallel_cache_refused(outputs):
+    """Device 0 is given other routes, so the replicated cache would diverge: ``check_vma`` must
+    refuse the replicated out_specs with the kernel as with the XLA step. FAILS if the kernel's
+    outputs are declared invariant (both cases accepted), or if its state inputs are not cast to
+    vary as the routes do (the state, aliased to its outputs, would keep the inputs' invariant
+    type: the "state" case accepted)."""
+    E = mesh_checks.E
+
+    def perturbed(state, layer, routes, policy):
+        first = lax.axis_index(mesh_checks.AXIS) == 0
+        routes = jnp.where(first & (routes >= 0), (routes + 1) % E, routes)
+        state, plan = pc.ensure_hybrid(state, layer, routes, policy, backend="pallas")
+        return (state, plan) if outputs != "state" else state
+
+    with pytest.raises(ValueError, match="out_specs"):
+        _lower_on_gpu_mesh(perturbed, (P(),) * 4, P(), *_tensor_parallel_args("lru"))
 
 
 # --- the owner map and the helpers, on the host -------------------------------------------------

@@ -72,14 +72,18 @@ def import_kernel() -> None:
         pass
 
 
-def fused_step_for(state, rules, num_routes: int, backend: str, *, in_shard_map: bool = False):
+def fused_step_for(state, rules, num_routes: int, backend: str, *,
+                   mesh_axes: frozenset = frozenset()):
     """The fused kernel's step for this call on ``backend`` (a resolved name), or ``None`` when the
-    XLA step runs: on ``"xla"``, inside a ``shard_map`` body (``in_shard_map``: the kernel's body
-    does not type-check under ``check_vma``; docs/design.md, "Several devices"), and for calls the
-    kernel does not run (traced rules, an eviction without kernel hooks, no route:
-    :func:`~pallas_cache.kernels.step.supports`). The returned callable takes ``(state, layer,
-    routes, policy, rules)`` as :func:`~pallas_cache.kernels.step.fused_step`."""
-    if backend == "xla" or in_shard_map:
+    XLA step runs: on ``"xla"``, for calls the kernel does not run (traced rules, an eviction
+    without kernel hooks, no route: :func:`~pallas_cache.kernels.step.supports`), and on
+    ``"interpret"`` when the call's inputs vary over mesh axes (``mesh_axes``, inside a
+    ``shard_map`` with ``check_vma``: the Pallas interpreter evaluates the kernel's body on them
+    and refuses its constants beside them). On ``"pallas"`` the kernel runs inside a
+    ``shard_map`` too, its outputs typed as its inputs vary (docs/design.md, "Several devices").
+    The returned callable takes ``(state, layer, routes, policy, rules)`` as
+    :func:`~pallas_cache.kernels.step.fused_step`."""
+    if backend == "xla" or (backend == "interpret" and mesh_axes):
         return None
     from pallas_cache.kernels import step  # imports the Pallas Triton backend
 

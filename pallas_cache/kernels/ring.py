@@ -102,13 +102,11 @@ def _num_planes(history: int, num_layers: int, capacity: int) -> int:
 
 
 def scratch_shape(ring: TokenRingState, capacity: int):
-    """The per-call buffer of the first-use counters, ``u32[P * next_pow2(L * w)]``."""
-    import jax
-
+    """The per-call buffer of the first-use counters, ``u32[P * next_pow2(L * w)]``, as its
+    ``(shape, dtype)``."""
     history, num_layers, words = ring.masks.shape
     width = common.next_pow2(num_layers * words)
-    return jax.ShapeDtypeStruct((_num_planes(history, num_layers, capacity) * width,),
-                                jnp.uint32)
+    return (_num_planes(history, num_layers, capacity) * width,), jnp.uint32
 
 
 def _bit(word, position):

@@ -17,6 +17,7 @@ from pallas_cache.kernels import common
 from pallas_cache.kernels import ring as token_ring
 from pallas_cache.kernels.common import INT32_MAX, INT32_MIN
 from pallas_cache.policy import FetchPolicy
+from pallas_cache.tree import varying_axes, varying_like, varying_shape
 
 __all__ = ["fused_step", "supports"]
 
@@ -117,102 +118,201 @@ def _candidate(key, index, prev_key, prev_index):
     return (index != INT32_MAX) & common.after(key, index, prev_key, prev_index)
 
 
+def _barrier(interpret: bool):
+    """A CTA barrier on the GPU: the stores before it are seen by every thread's loads after it.
+    The interpreter runs one thread (and has no barrier)."""
+    if not interpret:
+        plgpu.debug_barrier()
+
+
+class _Sizes(NamedTuple):
+    """The kernel's static sizes: ``L`` layers, ``E`` experts, ``K`` routes, ``C`` slots,
+    ``num_out`` plan entries, and the power-of-two widths of its vectors: experts, plan
+    entries, one chunk of routes."""
+
+    L: int
+    E: int
+    K: int
+    C: int
+    num_out: int
+    e_width: int
+    o_width: int
+    k_width: int
+
+    @property
+    def num_chunks(self) -> int:
+        return -(-self.K // self.k_width)
+
+
+class _Hits(NamedTuple):
+    """Phase classify's output: the layer's row of the map, which experts the call routes, hit
+    and missed, their counts, and the token ring's view of the call (None without a ring)."""
+
+    slot_row: Any  # i32[e_width]: slot_for_id of the layer, -1 past E
+    routed: Any  # bool[e_width]
+    hit: Any  # bool[e_width]
+    miss: Any  # bool[e_width]
+    num_active: Any  # i32[]
+    num_missing: Any  # i32[]
+    ring_call: Any  # token_ring.RingCall or None
+
+
+def _route_chunk(routes_ref, c, k_width: int):
+    """Chunk ``c`` of the routes: ``(routes, index, lane)``, the routes -1 past the end."""
+    start = c * k_width
+    index = start + lax.iota(jnp.int32, k_width)
+    lane = index < routes_ref.shape[0]
+    r = plgpu.load(routes_ref.at[index], mask=lane, other=-1)
+    return r, index, lane
+
+
 def step_kernel(
     call: CallRefs, state: StateRefs, state_out: StateRefs, plan: PlanRefs, scratch: tuple, *,
     num_layers: int, num_experts: int, num_out: int, hybrid: bool, by_recency: bool,
     promote_one: bool, reuse: bool, ranking: evictions.KernelRanking, block: int,
     stamp_block: int, interpret: bool,
 ):
+    """The step's phases in the XLA step's order (pallas_cache/step.py), plus the kernel's own:
+    the rebase, and the writes of the state and the plan at the end. Every read of a state leaf
+    comes before any write to it (the outputs alias the inputs), but for the stamps, which are
+    read back after the rebase and the hit refresh wrote them."""
     L, E = num_layers, num_experts
     K, C = call.routes.shape[0], state.id_of_slot.shape[0]
     e_width, o_width = common.next_pow2(E), common.next_pow2(num_out)
     k_width = max(1, min(common.next_pow2(K), _PAIR_BLOCK // max(e_width, o_width)))
-    num_chunks = -(-K // k_width)
-
-    def barrier():
-        """A CTA barrier on the GPU: the stores before it are seen by every thread's loads after
-        it. The interpreter runs one thread (and has no barrier)."""
-        if not interpret:
-            plgpu.debug_barrier()
-
-    # Every read of a state leaf comes before any write to it (the outputs alias the inputs),
-    # but for the stamps, which are read back after the rebase and the hit refresh wrote them.
-    layer = call.layer[0]
-    step0 = state.step[0]
-    limit = call.size[0]
+    sz = _Sizes(L, E, K, C, num_out, e_width, o_width, k_width)
+    barrier = functools.partial(_barrier, interpret)
+    layer, step0, limit = call.layer[0], state.step[0], call.size[0]
     e_idx = lax.iota(jnp.int32, e_width)
     e_ok = e_idx < E
 
-    def chunk(c):
-        start = c * k_width
-        index = start + lax.iota(jnp.int32, k_width)
-        lane = index < K
-        r = plgpu.load(call.routes.at[index], mask=lane, other=-1)
-        return r, index, lane
+    observed, bad = _observe_routes(call.routes, e_idx, sz)
+    error, accepted, layer_c = _validate(layer, bad, L)
+    base = layer_c * E
+    step = _rebase_if_due(call, state, state_out, step0, accepted, block=block,
+                          stamp_block=stamp_block)
+    barrier()  # the rebase's usage / recency stores before the reads of them by other threads
+    row = base + e_idx
+    hits = _classify(state, state_out, observed, row, e_idx, e_ok, layer=layer, layer_c=layer_c,
+                     accepted=accepted, sz=sz, barrier=barrier)
+    num_fetch = _split(call, hits.num_missing)
+    _refresh_hits(state_out, hits, step, accepted, e_width)
+    barrier()  # the hit refresh (and the ring) before the scan's loads by other threads
+    o_idx = lax.iota(jnp.int32, o_width)
+    experts, recs = _fetch_order(call.routes, state.slot_for_id, state_out.recency, base,
+                                 hits.miss, hits.num_missing, o_idx, num_experts=E,
+                                 by_recency=by_recency, with_recs=promote_one or reuse)
+    need = _victims_needed(num_fetch, hits.num_missing, accepted, promote_one=promote_one,
+                           reuse=reuse)
+    victims, vusage, occupants = _rank_victims(
+        call, state, state_out, scratch, hits, need, o_idx, step=step, base=base, limit=limit,
+        layer_c=layer_c, ranking=ranking, block=block, sz=sz, barrier=barrier)
+    num_fetch = _admit(call, experts, recs, victims, vusage, occupants, num_fetch, o_idx,
+                       promote_one=promote_one, reuse=reuse, num_out=num_out)
+    installed = _install(victims, experts, occupants, num_fetch, o_idx, accepted, num_out)
+    _route_slots(call, state, plan, *installed[:3], base=base, accepted=accepted, sz=sz)
+    stats_idx = layer_c * 4 + lax.iota(jnp.int32, 4)
+    rows = _count(state, stats_idx, row, e_ok)
+    barrier()  # every read of id_of_slot / slot_for_id / the rows (victims, plan) before the writes
+    _write_state(call, state_out, rows, hits, installed, observed, step=step, base=base, row=row,
+                 e_ok=e_ok, stats_idx=stats_idx, accepted=accepted, hybrid=hybrid,
+                 ranking=ranking, sz=sz)
+    _write_plan(plan, hits, installed, o_idx, error, accepted, num_out)
 
-    def observe(c, carry):  # the histogram row and the bad-route flag, one chunk of routes
+
+def _observe_routes(routes_ref, e_idx, sz: _Sizes):
+    """Phase observe routes: the histogram row (padding and bad ids count nowhere) and whether
+    any route is a bad id, one chunk of routes at a time."""
+
+    def observe(c, carry):
         observed, bad = carry
-        r, _, lane = chunk(c)
-        bad = bad | common.any_true(lane & ((r < -1) | (r >= E)))
+        r, _, lane = _route_chunk(routes_ref, c, sz.k_width)
+        bad = bad | common.any_true(lane & ((r < -1) | (r >= sz.E)))
         match = (r[:, None] == e_idx[None, :]) & lane[:, None]
         return observed + jnp.sum(match.astype(jnp.int32), axis=0), bad
 
-    observed, bad = lax.fori_loop(0, num_chunks, observe,
-                                  (jnp.zeros((e_width,), jnp.int32), jnp.bool_(False)))
-    bad_layer = (layer < 0) | (layer >= L)
+    return lax.fori_loop(0, sz.num_chunks, observe,
+                         (jnp.zeros((sz.e_width,), jnp.int32), jnp.bool_(False)))
+
+
+def _validate(layer, bad, num_layers: int):
+    """Phase validate (docs/semantics.md §6): ``(error, accepted, layer_c)``, ``layer_c`` the
+    layer clamped into range (a refused call writes nothing)."""
+    bad_layer = (layer < 0) | (layer >= num_layers)
     error = (jnp.where(bad_layer, jnp.int32(errors.ERR_LAYER), jnp.int32(0))
              | jnp.where(bad, jnp.int32(errors.ERR_EXPERT_ID), jnp.int32(0)))
     accepted = ~(bad_layer | bad)
-    layer_c = jnp.minimum(jnp.maximum(layer, 0), L - 1)
-    base = layer_c * E
+    layer_c = jnp.minimum(jnp.maximum(layer, 0), num_layers - 1)
+    return error, accepted, layer_c
 
-    # The clock rebase (docs/semantics.md §5.12) first, as in the XLA step: a device-side branch
-    # that renumbers every live stamp in place; every stamp read below is a renumbered one, and
-    # the writes stamp the touched entries with the renumbered clock + 1. From here on the stamps
-    # are read from ``state_out`` (the interpreter keeps the aliased input unchanged).
+
+def _rebase_if_due(call, state, state_out, step0, accepted, *, block, stamp_block):
+    """Phase rebase (docs/semantics.md §5.12), first, as in the XLA step: a device-side branch
+    that renumbers every live stamp in place; returns this call's stamp (the renumbered clock
+    + 1). Every stamp read after it is a renumbered one, read from ``state_out`` (the
+    interpreter keeps the aliased input unchanged)."""
     due = accepted & (step0 >= call.threshold[0])
-    step = lax.cond(due, functools.partial(_rebase, state.usage, state.recency, state_out.usage,
+    return lax.cond(due, functools.partial(_rebase, state.usage, state.recency, state_out.usage,
                                            state_out.recency, block=block,
                                            stamp_block=stamp_block),
                     lambda s: s, step0) + 1
-    barrier()  # the rebase's usage / recency stores before the reads of them by other threads
 
-    row = base + e_idx
+
+def _classify(state, state_out, observed, row, e_idx, e_ok, *, layer, layer_c, accepted,
+              sz: _Sizes, barrier) -> _Hits:
+    """Phase classify: the routed experts, hit or missed, and the eviction's observation of the
+    call (the token ring's bookkeeping, before the hit refresh's barrier)."""
     slot_row = plgpu.load(state.slot_for_id.at[row], mask=e_ok, other=-1)
     routed = e_ok & (observed > 0)
-    if state.ring:  # the token ring's bookkeeping, before the hit refresh's barrier
+    ring_call = None
+    if state.ring:
         ring_call = token_ring.observe(state.ring[0], state_out.ring[0], layer=layer,
                                        layer_c=layer_c, routed=routed, e_idx=e_idx,
-                                       accepted=accepted, num_layers=L, num_experts=E,
+                                       accepted=accepted, num_layers=sz.L, num_experts=sz.E,
                                        barrier=barrier)
     hit = routed & (slot_row >= 0)
     miss = routed & (slot_row < 0)
     num_active = jnp.sum(routed.astype(jnp.int32))
     num_missing = jnp.sum(miss.astype(jnp.int32))
+    return _Hits(slot_row, routed, hit, miss, num_active, num_missing, ring_call)
+
+
+def _split(call, num_missing):
+    """Phase split (docs/semantics.md §5.3): how many misses the policy fetches."""
     policy = types.SimpleNamespace(fraction16=call.fraction16[0], cap=call.cap[0])
-    num_fetch = FetchPolicy.split(policy, num_missing)
+    return FetchPolicy.split(policy, num_missing)
 
-    # The hit refresh, also what makes a hit slot ineligible as a victim of this step: the pool
-    # scan below skips it by its usage, once per block, as it skips every slot touched this step.
-    common.scatter(state_out.usage, jnp.where(hit, slot_row, -1), jnp.full((e_width,), step),
-             hit & accepted)
-    barrier()  # the hit refresh (and the ring) before the scan's loads by other threads
 
-    o_idx = lax.iota(jnp.int32, o_width)
-    minus = jnp.full((o_width,), -1, jnp.int32)
-    experts, recs = _fetch_order(call.routes, state.slot_for_id, state_out.recency, base,
-                                 miss, num_missing, o_idx, num_experts=E,
-                                 by_recency=by_recency, with_recs=promote_one or reuse)
+def _refresh_hits(state_out, hits: _Hits, step, accepted, e_width: int):
+    """Phase refresh hits: each hit slot's usage becomes this call's stamp, which also makes it
+    ineligible as a victim of this step (the pool scan skips it by its usage, once per block,
+    as it skips every slot touched this step)."""
+    common.scatter(state_out.usage, jnp.where(hits.hit, hits.slot_row, -1),
+                   jnp.full((e_width,), step), hits.hit & accepted)
 
-    # The victims: ascending (key, slot) among the usable slots not touched this step, the key
-    # the eviction record's (LRU: (usage,); PAIR_LFU: (class/freq after this call's decay,
-    # usage)). Only as many as the rules read; none (no pool read at all) when that is 0.
+
+def _victims_needed(num_fetch, num_missing, accepted, *, promote_one: bool, reuse: bool):
+    """How many victims the rules read: the split's count, at least one for PROMOTE_ONE, every
+    miss for REUSE; 0 for a refused call."""
     need = num_fetch
     if promote_one:
         need = jnp.maximum(need, jnp.minimum(num_missing, 1))
     if reuse:
         need = num_missing
-    need = jnp.where(accepted, need, 0)
+    return jnp.where(accepted, need, 0)
+
+
+def _rank_victims(call, state, state_out, scratch, hits: _Hits, need, o_idx, *, step, base,
+                  limit, layer_c, ranking, block, sz: _Sizes, barrier):
+    """Phase rank victims: the first ``need`` victims ``(victims, usage, occupants)``
+    [o_width], -1 padded: ascending (key, slot) among the usable slots not touched this step,
+    the key the eviction record's (LRU: (usage,); PAIR_LFU: (class/freq after this call's
+    decay, usage)); none (no pool read at all) when ``need`` is 0.
+
+    No branch around the search (a branch there costs registers and spills under ptxas, see
+    benchmarks/kernel_compile.py): with need 0 its loads are masked off and its loops run 0
+    rounds."""
+    E, C = sz.E, sz.C
 
     def pool_block(start, width):
         index = start + lax.iota(jnp.int32, width)
@@ -227,22 +327,22 @@ def step_kernel(
                        for ref in state.tables)
         own = (occupant >= base) & (occupant < base + E)
         computed = (token_ring.per_slot(prediction, occupant, valid, ranking.per_call,
-                                        num_layers=L, num_experts=E) if state.ring else None)
+                                        num_layers=sz.L, num_experts=E) if state.ring else None)
         return ranking.key(tables, occupant, u, own, computed), jnp.where(ok, index, INT32_MAX)
 
-    # No branch around the search (a branch there costs registers and spills under ptxas, see
-    # benchmarks/kernel_compile.py): with need 0 its loads are masked off and its loops run 0
-    # rounds.
     searching = need > 0
     if state.ring:  # the per-call inputs of the key, only when a victim is searched
-        prediction = token_ring.predict(ring_call, state_out.ring[0], scratch[0],
+        prediction = token_ring.predict(hits.ring_call, state_out.ring[0], scratch[0],
                                         layer_c=layer_c, size=limit, searching=searching,
-                                        num_layers=L, capacity=C, barrier=barrier)
+                                        num_layers=sz.L, capacity=C, barrier=barrier)
     search = _victims_one_block if -(-C // block) == 1 else _victims_streamed
-    victims, vusage, occupants = search(pool_block, state.id_of_slot, need, o_idx,
-                                        width=ranking.width, block=block)
+    return search(pool_block, state.id_of_slot, need, o_idx, width=ranking.width, block=block)
 
-    # The admissions (docs/semantics.md §5.5), in the reference's order.
+
+def _admit(call, experts, recs, victims, vusage, occupants, num_fetch, o_idx, *,
+           promote_one: bool, reuse: bool, num_out: int):
+    """Phase admit (docs/semantics.md §5.5): the number of misses installed, the split's count
+    raised by PROMOTE_ONE or REUSE, in the reference's order."""
     fraction_on = call.fraction16[0] > 0
     if promote_one:
         promoted = (fraction_on & (num_fetch == 0) & (common.lane(experts, 0) >= 0)
@@ -254,16 +354,27 @@ def step_kernel(
                                           & (recs >= vusage))
         first_rejected = jnp.min(jnp.where(admitted | (o_idx >= num_out), num_out, o_idx))
         num_fetch = jnp.where(fraction_on, first_rejected, num_fetch)
+    return num_fetch
 
+
+def _install(victims, experts, occupants, num_fetch, o_idx, accepted, num_out: int):
+    """Phase install: the k-th miss takes the k-th victim for ``k < num_fetch`` (-1 past it,
+    all -1 for a refused call): ``(installs, victims, experts, occupants, num_fetch)``; the
+    writes are :func:`_write_state`'s."""
     installs = (o_idx < num_fetch) & (o_idx < num_out) & accepted
     victims = jnp.where(installs, victims, -1)
     experts = jnp.where(installs, experts, -1)
     occupants = jnp.where(installs, occupants, -1)
-    num_fetch = jnp.where(accepted, num_fetch, 0)
+    return installs, victims, experts, occupants, jnp.where(accepted, num_fetch, 0)
 
-    # The plan's per-route slots, from the pre-call map and this call's installs.
+
+def _route_slots(call, state, plan, installs, victims, experts, *, base, accepted, sz: _Sizes):
+    """Phase route slots: each route's slot, from the pre-call map and this call's installs,
+    written to the plan (``slots``, ``cpu``) one chunk of routes at a time."""
+    E = sz.E
+
     def plan_chunk(c, _):
-        r, index, lane = chunk(c)
+        r, index, lane = _route_chunk(call.routes, c, sz.k_width)
         is_route = lane & (r >= 0) & (r < E) & accepted
         old = plgpu.load(state.slot_for_id.at[base + jnp.clip(r, 0, E - 1)], mask=is_route,
                          other=-1)
@@ -275,41 +386,59 @@ def step_kernel(
         plgpu.store(plan.cpu.at[index], is_route & (slot < 0), mask=lane)
         return 0
 
-    lax.fori_loop(0, num_chunks, plan_chunk, 0)
-    stats_idx = layer_c * 4 + lax.iota(jnp.int32, 4)
+    lax.fori_loop(0, sz.num_chunks, plan_chunk, 0)
+
+
+def _count(state, stats_idx, row, e_ok):
+    """Phase count: the rows this call adds to (the layer's stats, histogram and eviction
+    tables), read before the barrier ahead of every write; :func:`_write_state` adds the call
+    to them."""
     stats_row = plgpu.load(state.stats.at[stats_idx])
     hist_row = plgpu.load(state.routing_freq.at[row], mask=e_ok, other=0)
     table_rows = tuple(plgpu.load(ref.at[row], mask=e_ok, other=_zero(ref))
                        for ref in state.tables)
-    barrier()  # every read of id_of_slot / slot_for_id / the rows (victims, plan) before the writes
+    return stats_row, hist_row, table_rows
 
-    # The writes: only the touched entries, only when accepted.
-    common.scatter(state_out.usage, victims, jnp.full((o_width,), step), installs)
+
+def _write_state(call, state_out, rows, hits: _Hits, installed, observed, *, step, base, row,
+                 e_ok, stats_idx, accepted, hybrid: bool, ranking, sz: _Sizes):
+    """Write state: only the touched entries, only when accepted: the installs, the hybrid
+    recency stamps, the counters, the histogram, the eviction's tables, the clock."""
+    installs, victims, experts, occupants, num_fetch = installed
+    stats_row, hist_row, table_rows = rows
+    common.scatter(state_out.usage, victims, jnp.full((sz.o_width,), step), installs)
     common.scatter(state_out.id_of_slot, victims, base + experts, installs)
-    common.scatter(state_out.slot_for_id, occupants, minus, installs & (occupants >= 0))
+    common.scatter(state_out.slot_for_id, occupants, jnp.full((sz.o_width,), -1, jnp.int32),
+                   installs & (occupants >= 0))
     common.scatter(state_out.slot_for_id, base + experts, victims, installs)
     if hybrid:
-        plgpu.store(state_out.recency.at[row], jnp.full((e_width,), step),
-                    mask=routed & accepted)
+        plgpu.store(state_out.recency.at[row], jnp.full((sz.e_width,), step),
+                    mask=hits.routed & accepted)
     counters = jnp.where(lax.iota(jnp.int32, 4) == 0, 1, jnp.where(
-        lax.iota(jnp.int32, 4) == 1, num_active,
-        jnp.where(lax.iota(jnp.int32, 4) == 2, num_missing, num_fetch)))
+        lax.iota(jnp.int32, 4) == 1, hits.num_active,
+        jnp.where(lax.iota(jnp.int32, 4) == 2, hits.num_missing, num_fetch)))
     plgpu.store(state_out.stats.at[stats_idx], stats_row + counters,
                 mask=jnp.full((4,), accepted))
     observe_on = accepted & call.collect[0]
     plgpu.store(state_out.routing_freq.at[row], hist_row + observed,
                 mask=e_ok & (observed > 0) & observe_on)
-    for out_ref, value in zip(state_out.tables, ranking.observe_row(table_rows, routed)):
+    for out_ref, value in zip(state_out.tables, ranking.observe_row(table_rows, hits.routed)):
         plgpu.store(out_ref.at[row], value, mask=e_ok & accepted)
     _store_scalar(state_out.step, step, accepted)
 
+
+def _write_plan(plan, hits: _Hits, installed, o_idx, error, accepted, num_out: int):
+    """Write plan: the copies, the counts and the error (the per-route slots are
+    :func:`_route_slots`')."""
+    _, victims, experts, _, num_fetch = installed
     out = o_idx < num_out
     plgpu.store(plan.dst_slots.at[o_idx], victims, mask=out)
     plgpu.store(plan.src_rows.at[o_idx], experts, mask=out)
     _store_scalar(plan.count, num_fetch, True)
-    _store_scalar(plan.active, jnp.where(accepted, num_active, 0), True)
-    _store_scalar(plan.missing, jnp.where(accepted, num_missing, 0), True)
+    _store_scalar(plan.active, jnp.where(accepted, hits.num_active, 0), True)
+    _store_scalar(plan.missing, jnp.where(accepted, hits.num_missing, 0), True)
     _store_scalar(plan.error, error, True)
+
 
 
 # Most routes the fetch order ranks at once ([routes, routes] comparison); more take one argmin
@@ -510,11 +639,17 @@ def fused_step(state, layer, routes, policy, rules, *, interpret: bool, debug: b
                     threshold=scalar(state.rebase_threshold),
                     collect=scalar(state.collect_routing))
     leaves = _state_refs(state, ranking)
-    i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
-    plan_shape = PlanRefs(slots=i32((K,)), cpu=jax.ShapeDtypeStruct((K,), jnp.bool_),
+    # Inside a shard_map (check_vma) every input and output varies over the mesh axes any input
+    # varies over: the state leaves alias their outputs, whose type is then the inputs' (docs/
+    # design.md, "Several devices"); outside one there are no such axes and nothing changes.
+    axes = varying_axes(call, leaves)
+    call, leaves = varying_like((call, leaves), call, leaves)
+    out = functools.partial(varying_shape, axes=axes)
+    i32 = functools.partial(out, dtype=jnp.int32)
+    plan_shape = PlanRefs(slots=i32((K,)), cpu=out((K,), jnp.bool_),
                           dst_slots=i32((num_out,)), src_rows=i32((num_out,)), count=i32((1,)),
                           active=i32((1,)), missing=i32((1,)), error=i32((1,)))
-    state_shape = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), leaves)
+    state_shape = jax.tree.map(lambda x: out(x.shape, x.dtype), leaves)
     # Every state leaf aliases the output leaf of the same name (flat indices: the call's leaves
     # come first among the inputs, the state's first among the outputs).
     num_call = len(jax.tree.leaves(call))
@@ -525,7 +660,8 @@ def fused_step(state, layer, routes, policy, rules, *, interpret: bool, debug: b
         ranking=ranking, block=block,
         stamp_block=common.default_block(L * E, interpret), interpret=interpret)
     # Per-call buffers the kernel writes and reads back (the token ring's counters).
-    scratch = ((token_ring.scratch_shape(state.eviction_state, C),) if ranking.per_call else ())
+    scratch = ((out(*token_ring.scratch_shape(state.eviction_state, C)),)
+               if ranking.per_call else ())
     state_out, plan, _ = pl.pallas_call(
         kernel,
         out_shape=(state_shape, plan_shape, scratch),
