@@ -27,7 +27,7 @@ from pallas_cache.moe import apply_copy_plan, put_host_bank  # noqa: E402
 from pallas_cache.sizing import (  # noqa: E402
     PRESETS, ReplayConfig, Trace, load_trace, parse_policy, replay, synthetic_trace)
 from pallas_cache.sizing import cli  # noqa: E402
-from pallas_cache.sizing.cost import CostModel  # noqa: E402
+from pallas_cache.sizing.sweep.cost import CostModel  # noqa: E402
 from pallas_cache.sizing.units import format_bandwidth, parse_bandwidth  # noqa: E402
 from timing import markdown_table, median_seconds, publish, repeat_seconds, run_header  # noqa: E402
 

@@ -9,6 +9,7 @@ import jax
 import pytest
 
 from pallas_cache.sizing import bandwidth, cli
+from pallas_cache.sizing.cli import bench
 from pallas_cache.sizing.units import format_bandwidth, format_duration, parse_bandwidth
 
 TINY = ["bench-bandwidth", "--mib", "1", "--d-model", "64", "--d-expert", "128", "--repeats", "1"]
@@ -74,10 +75,10 @@ def test_each_phase_says_what_it_does_on_stderr(capsys):
 def test_the_default_bank_shrinks_to_the_machine():
     """FAILS if the default bank is kept where twice it plus the margin exceeds half the
     available memory, or shrinks where it fits; the CLI's expert count is the measurement's."""
-    assert cli.MOST_CPU_EXPERTS == bandwidth.MOST
-    assert cli.bench_bank_columns(4096, 7168, None) == (7168, False)
-    assert cli.bench_bank_columns(4096, 7168, 64 * 2**30) == (7168, False)
-    columns, shrunk = cli.bench_bank_columns(4096, 7168, 3 * 2**30)
+    assert bench.MOST_CPU_EXPERTS == bandwidth.MOST
+    assert bench.bench_bank_columns(4096, 7168, None) == (7168, False)
+    assert bench.bench_bank_columns(4096, 7168, 64 * 2**30) == (7168, False)
+    columns, shrunk = bench.bench_bank_columns(4096, 7168, 3 * 2**30)
     assert shrunk and columns < 7168
-    assert 2 * bandwidth.bank_bytes(4096, columns) + cli.BENCH_MARGIN_BYTES <= 3 * 2**30 // 2
-    assert cli.bench_bank_columns(4096, 7168, 1) == (224, True)  # never below 256 columns' half
+    assert 2 * bandwidth.bank_bytes(4096, columns) + bench.BENCH_MARGIN_BYTES <= 3 * 2**30 // 2
+    assert bench.bench_bank_columns(4096, 7168, 1) == (224, True)  # never below 256 columns' half

@@ -18,7 +18,8 @@ import pytest
 
 from conftest import one_line_error
 from pallas_cache.sizing import cli
-from pallas_cache.sizing.cli_args import check_state_memory, memory_size
+from pallas_cache.sizing.cli.checks import check_state_memory
+from pallas_cache.sizing.cli.parser import memory_size
 from pallas_cache.sizing.traces import RUN_FIXED_BYTES
 
 replay_mod = importlib.import_module("pallas_cache.sizing.sweep")  # the module of replay()
@@ -583,7 +584,7 @@ def test_json_and_csv_of_an_lru_sweep_are_the_lru_replays_records_exactly(capsys
     """FAILS if the route_knn legend's replay leaks into the machine-readable output (an extra
     record, or an LRU row's value changed, e.g. its budget pick): json and csv must be the
     records of the LRU configurations' replay, byte for byte."""
-    from pallas_cache.sizing.cost import CostModel
+    from pallas_cache.sizing.sweep.cost import CostModel
     from pallas_cache.sizing.report import format_records, records
     from pallas_cache.sizing.sweep import config_grid, replay
     from pallas_cache.sizing.synthetic import synthetic_trace

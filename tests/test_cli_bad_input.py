@@ -166,7 +166,7 @@ def test_a_full_disk_or_a_closed_pipe_is_not_a_traceback(tmp_path):
 
 # ---- cases 12 and 14: where the compile cache may live ----------------------------------------
 
-ENABLE = ("import jax; from pallas_cache.sizing import cli; cli._enable_compile_cache(); "
+ENABLE = ("import jax; from pallas_cache.sizing.cli import process; process.enable_compile_cache(); "
           "print(jax.config.jax_compilation_cache_dir)")
 NOBODY = 65534
 
@@ -433,7 +433,7 @@ def test_the_peak_stays_within_the_memory_limit(tmp_path, accepted):
     no bound. With jaxlib 0.11 and later the same compile takes about 11 times as much (56
     routes: 1.4 GiB, killed past the limit before the estimate knew it): there 56 routes must be
     refused and 8 routes is the call that fits."""
-    from pallas_cache.sizing.cli_checks import compile_factor
+    from pallas_cache.sizing.cli.checks import compile_factor
 
     new_xla = compile_factor() > 1
     width = (8 if new_xla else 56) if accepted else (56 if new_xla else 128)
@@ -455,7 +455,8 @@ def test_a_memory_limit_below_a_minimal_run_is_refused_before_reading(capsys, mo
     accepted, as a promise the process cannot keep, or refused only after the trace is read: one
     line naming the value and the minimum, exit 2. The same for a default limit (half the
     machine's memory) below it."""
-    from pallas_cache.sizing import cli_replay
+    from pallas_cache.sizing.cli import replay as cli_replay
+    from pallas_cache.sizing.cli import request as cli_request
     from pallas_cache.sizing.traces import RUN_FIXED_BYTES
 
     def no_reading(*args, **kwargs):
@@ -469,7 +470,7 @@ def test_a_memory_limit_below_a_minimal_run_is_refused_before_reading(capsys, mo
     assert "--max-memory 256MiB is below the 512MiB a minimal replay takes" in line
     code, _, err = run(capsys, "--trace", path, "--max-memory", str(RUN_FIXED_BYTES - 1))
     assert code == 2 and "is below the 512MiB" in _one_line(err)
-    monkeypatch.setattr(cli_replay, "default_memory_limit", lambda: 300 * 2**20)
+    monkeypatch.setattr(cli_request, "default_memory_limit", lambda: 300 * 2**20)
     code, out, err = run(capsys, "--trace", path)
     line = _one_line(err)
     assert code == 2 and out == ""

@@ -24,7 +24,8 @@ RUNS = 3 if PROFILE == "deep" else 1
 
 #: The console script with the reading phase's line shown from the first block (it waits
 #: READ_PROGRESS_AFTER seconds otherwise), so every phase has a line to interrupt after.
-CONSOLE = ("import sys; from pallas_cache.sizing import cli, cli_replay; "
+CONSOLE = ("import sys; from pallas_cache.sizing import cli; from pallas_cache.sizing.cli import "
+           "replay as cli_replay; "
            "cli_replay.READ_PROGRESS_AFTER = 0.0; sys.argv[0] = 'pallas-cache'; "
            "sys.exit(cli.console_main())")
 
@@ -104,6 +105,7 @@ BUSY_THREAD = r"""
 import sys, threading, time
 import jax, jax.numpy as jnp
 from pallas_cache.sizing import cli
+from pallas_cache.sizing.cli import entry
 
 def busy():
     x = jnp.ones((1500, 1500))
@@ -115,7 +117,7 @@ def interrupted_replay(args):
     time.sleep(1.0)  # the thread compiles or runs in XLA
     raise KeyboardInterrupt
 
-cli.run_replay = interrupted_replay
+entry.run_replay = interrupted_replay
 sys.argv = ["pallas-cache", "replay", "--no-compile-cache"]
 sys.exit(cli.console_main())
 """

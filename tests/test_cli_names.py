@@ -1,11 +1,12 @@
-"""``pallas_cache.sizing.cli_names``: the parser's choices without JAX, each tuple equal to what
+"""``pallas_cache.sizing.cli.names``: the parser's choices without JAX, each tuple equal to what
 it names, so a new eviction policy, preset or trace format cannot be left out of the CLI."""
 
 from __future__ import annotations
 
 from pallas_cache import Admission, Eviction, FetchOrder
-from pallas_cache.sizing import cli_names, synthetic, traces
-from pallas_cache.sizing.cli_args import build_parser
+from pallas_cache.sizing import synthetic, traces
+from pallas_cache.sizing.cli import names as cli_names
+from pallas_cache.sizing.cli.parser import build_parser
 
 
 def test_each_name_tuple_is_what_it_names():
@@ -15,7 +16,6 @@ def test_each_name_tuple_is_what_it_names():
     assert cli_names.ORDERS == tuple(o.value for o in FetchOrder)
     assert cli_names.ADMISSIONS == tuple(a.value for a in Admission)
     assert cli_names.PRESETS == tuple(sorted(synthetic.PRESETS))
-    assert cli_names.TRACE_FORMATS == traces.TRACE_FORMATS
     assert cli_names.FIELD_KEYS == traces.FIELD_KEYS
 
 
@@ -29,4 +29,4 @@ def test_the_parser_offers_those_names():
     assert choices["order"] == cli_names.ORDERS
     assert choices["admission"] == cli_names.ADMISSIONS
     assert choices["synthetic"] == cli_names.PRESETS
-    assert choices["trace_format"] == ("auto",) + cli_names.TRACE_FORMATS
+    assert choices["trace_format"] == ("auto",) + traces.TRACE_FORMATS

@@ -22,7 +22,9 @@ import jax
 import numpy as np
 import pytest
 
-from pallas_cache.sizing import bounds, cli, cli_replay, sweep_program, synthetic
+from pallas_cache.sizing import bounds, cli, synthetic
+from pallas_cache.sizing.cli import replay as cli_replay
+from pallas_cache.sizing.sweep import program as sweep_program
 from pallas_cache.sizing.progress import Bar, Progress
 from pallas_cache.sizing.sweep import config_grid, replay
 

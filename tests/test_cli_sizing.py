@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from conftest import one_line_error
-from pallas_cache.sizing import cli, cli_replay
+from pallas_cache.sizing import cli
+from pallas_cache.sizing.cli import output as cli_output
 
 sweep_mod = importlib.import_module("pallas_cache.sizing.sweep")  # the module of replay()
 
@@ -86,7 +87,7 @@ def test_the_route_knn_legend_is_off_unless_asked_for(capsys, replays, off):
     assert code == 0
     code, without, _ = run(capsys, *KNN_BASE, *off)
     assert code == 0
-    assert knn_lines(without) == [cli_replay.KNN_POINTER] and len(knn_lines(with_line)) == 1
+    assert knn_lines(without) == [cli_output.KNN_POINTER] and len(knn_lines(with_line)) == 1
     assert knn_lines(with_line) != knn_lines(without)
     assert without_knn(with_line) == without_knn(without)
     assert max(map(len, with_line.splitlines() + without.splitlines())) <= 100
@@ -118,12 +119,12 @@ def test_the_route_knn_lanes_are_counted_in_the_replays_progress(capsys):
 @pytest.fixture
 def no_trace(monkeypatch):
     """Make reading or generating a trace fail the test: flag errors come before it."""
-    import pallas_cache.sizing.cli_replay as cli_replay
+    import pallas_cache.sizing.cli.replay as cli_replay
 
     def load(*args, **kwargs):
         raise AssertionError("the trace was read before the flag error was reported")
 
-    monkeypatch.setattr(cli_replay, "_load", load)
+    monkeypatch.setattr(cli_replay, "_trace", load)
 
 
 TIMED = ["--model", "mixtral-8x7b", "--link-bandwidth", "25GB/s", "--cpu-bandwidth", "60GB/s"]
@@ -145,7 +146,7 @@ def test_a_bad_cpu_fixed_cost_fails_before_the_trace(capsys, no_trace, argv, mes
 def test_fraction_auto_with_a_fixed_cost_uses_the_traces_routes_per_call(tmp_path, capsys):
     """FAILS if fraction:auto ignores the fixed CPU cost, or balances another call size than the
     trace file's min(top_k, E) (known only once the file is read)."""
-    from pallas_cache.sizing.cost import CostModel
+    from pallas_cache.sizing.sweep.cost import CostModel
 
     path = tmp_path / "t.npy"
     np.save(path, np.random.default_rng(0).integers(0, 8, size=(6, 4, 2)).astype(np.int32))
@@ -430,7 +431,7 @@ def test_lines_say_a_trace_is_synthetic_and_which_sizes_it_is_too_short_for():
     of the Mixtral-calibrated generator, or a size where most of a ``full`` row's misses are
     cold (the first use of an expert) is not named, or a recorded trace is called synthetic."""
     from pallas_cache.sizing import synthetic
-    from pallas_cache.sizing.cli_sizing import trace_lines
+    from pallas_cache.sizing.cli.output import trace_lines
     from pallas_cache.sizing.synthetic import RealisticParams
 
     trace = synthetic.synthetic_trace(RealisticParams(num_layers=4, num_experts=16, top_k=2,

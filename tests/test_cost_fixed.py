@@ -7,7 +7,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from pallas_cache.sizing.cost import CostModel, modeled_seconds, with_costs
+from pallas_cache.sizing.sweep.cost import CostModel, modeled_seconds, with_costs
 from pallas_cache.sizing.sweep import ReplayResult
 
 

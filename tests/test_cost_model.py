@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pytest
 
-from pallas_cache.sizing.cost import CostModel, modeled_seconds
+from pallas_cache.sizing.sweep.cost import CostModel, modeled_seconds
 from pallas_cache.sizing.models import MODELS, resolve_model
 from pallas_cache.sizing.sweep import ReplayConfig, auto_cache_sizes, config_grid, replay
 from pallas_cache.sizing.traces import Trace

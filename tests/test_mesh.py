@@ -279,7 +279,7 @@ def test_device_traces_keep_every_call_with_each_devices_routes_as_local_ids():
 
 
 def test_tensor_parallel_slots_and_time_are_the_one_device_model_with_a_slot_of_w_over_t():
-    from pallas_cache.sizing.cost import modeled_seconds
+    from pallas_cache.sizing.sweep.cost import modeled_seconds
     from pallas_cache.sizing.devices import tensor_parallel_seconds, tensor_parallel_slots
 
     W = 352_321_536  # Mixtral-8x7B bf16

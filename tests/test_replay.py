@@ -3,7 +3,7 @@ program per bucket of sizes and eviction, no configuration replayed twice, error
 threads raised to the caller.
 
 Compilations are counted from ``jax.log_compiles`` (the chunk program is named
-``_replay_chunk``), after :func:`~pallas_cache.sizing.sweep_program.clear_compiled` so that
+``_replay_chunk``), after :func:`~pallas_cache.sizing.sweep.program.clear_compiled` so that
 earlier tests do not hide one.
 """
 
@@ -19,7 +19,9 @@ import jax
 import numpy as np
 import pytest
 
-from pallas_cache.sizing import bounds, sweep_program, sweep_runner
+from pallas_cache.sizing import bounds
+from pallas_cache.sizing.sweep import program as sweep_program
+from pallas_cache.sizing.sweep import runner as sweep_runner
 from pallas_cache.sizing.sweep import (ReplayConfig, capacity_buckets, config_grid, parse_policy,
                                        replay)
 from pallas_cache.sizing.traces import Trace

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from pallas_cache.sizing import cli
-from pallas_cache.sizing.cost import CostModel
+from pallas_cache.sizing.sweep.cost import CostModel
 from pallas_cache.sizing.sweep import ReplayResult, config_grid, replay
 from pallas_cache.sizing.report import (COLUMN_LEGEND, FORMATS, GPU_RECORD_KEYS, NOT_RECORDED,
                                         RECORD_KEYS, format_records, records, table_columns)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import types
 
-from pallas_cache.sizing import cli_replay
+from pallas_cache.sizing.cli import output as cli_output
 from pallas_cache.sizing.report import (RECORD_KEYS, TABLE_WIDTH, _split_key, format_records,
                                         merged_configs)
 
@@ -100,12 +100,12 @@ def test_budget_picks_name_their_batch_and_merge_equal_configurations():
     """FAILS if two batches' picks print the same words (`Best within 48GiB` twice, no batch),
     or two configurations with equal rows print two picks quoting the same time."""
     rows = _sweep(batch=1) + _sweep(batch=8)
-    lines = cli_replay._budget_picks(rows, "48.0GiB", per_device=False)
+    lines = cli_output._budget_picks(rows, "48.0GiB", per_device=False)
     assert [line.split(":")[0] for line in lines] == ["Best within 48.0GiB at batch=1",
                                                       "Best within 48.0GiB at batch=8"]
     rows = _sweep()
     rows += [dict(r, policy="fraction:0.45") for r in rows if r["policy"] == "fraction:0.2941"]
-    lines = cli_replay._budget_picks(rows, "24.0GiB", per_device=True)
+    lines = cli_output._budget_picks(rows, "24.0GiB", per_device=True)
     assert len(lines) == 1 and lines[0].startswith("Best within 24.0GiB per device: ")
     assert lines[0].endswith("(the same rows as policy=fraction:0.45).")
 
@@ -115,10 +115,10 @@ def test_a_fraction_that_copies_nothing_at_this_width_says_so_when_best():
     best with no word that it stops copying once the pool is full, or a fraction that does
     copy (0.4 copies 1 of 2) gets that line."""
     trace = types.SimpleNamespace(top_k=2, num_experts=8)
-    lines = cli_replay._stops_copying(_sweep(), trace)
+    lines = cli_output._stops_copying(_sweep(), trace)
     assert len(lines) == 1 and lines[0].startswith("fraction:0.2941 is marked best")
     assert "stops copying" in lines[0]
     rows = [dict(r, best=r["policy"] == "fraction:0.4", budget_best=False) for r in _sweep()]
-    assert cli_replay._stops_copying(rows, trace) == []
+    assert cli_output._stops_copying(rows, trace) == []
     # merged into one call of 8 requests' routes, 0.2941 copies some of up to 16 misses
-    assert cli_replay._stops_copying(_sweep(batch=8), trace) == []
+    assert cli_output._stops_copying(_sweep(batch=8), trace) == []

@@ -5,7 +5,7 @@ bound is the busiest resource's; the acceptance rows of the issue; the flags' re
 every output without the flags is today's, byte for byte.
 
 The simulation below knows nothing of the histogram or of the closed form in
-``pallas_cache.sizing.cost``: it keeps the link's free time, each expert's arrival (the end of
+``pallas_cache.sizing.sweep.cost``: it keeps the link's free time, each expert's arrival (the end of
 the copy that last brought it) and the device's clock, as the rules are written.
 """
 
@@ -23,7 +23,7 @@ import pytest
 from conftest import one_line_error
 from pallas_cache.reference import ReferenceCache, ReferencePolicy
 from pallas_cache.sizing import cli
-from pallas_cache.sizing.cost import CostModel, call_seconds, overlap_times
+from pallas_cache.sizing.sweep.cost import CostModel, call_seconds, overlap_times
 from pallas_cache.sizing.report import (GPU_LEGEND, GPU_RECORD_KEYS, RECORD_KEYS, format_records,
                                         records)
 from pallas_cache.sizing.sweep import config_grid, replay
@@ -129,7 +129,7 @@ def test_the_bound_is_the_busiest_resource():
 def test_the_packed_table_indexes_every_triple_once():
     """FAILS if two (hits, fetched, cpu_experts) triples share an entry of the replay's packed
     table, an entry is left unused, or its decoding is not the inverse."""
-    from pallas_cache.sizing.sweep_program import hit_index, hit_table_size, hit_triples
+    from pallas_cache.sizing.sweep.program import hit_index, hit_table_size, hit_triples
 
     for distinct in (0, 1, 2, 8, 17):
         triples = [(h, f, n - h - f) for n in range(distinct + 1) for h in range(n + 1)
@@ -193,7 +193,7 @@ def test_the_histogram_times_every_row_as_the_literal_simulation_does(small_rows
 
 
 def _costed(results, cost):
-    from pallas_cache.sizing.cost import with_costs
+    from pallas_cache.sizing.sweep.cost import with_costs
 
     return with_costs(results, cost)
 
@@ -247,7 +247,7 @@ def test_two_acceptance_rows_by_hand_from_the_rules(acceptance_rows, cache_size)
     over the NumPy reference's plans gives (the trace regenerated, the cache replayed by the
     reference, the time kept by the literal rules: nothing of the compiled replay or of the
     histogram's closed form)."""
-    from pallas_cache.sizing.sweep_records import ReplayConfig
+    from pallas_cache.sizing.sweep.records import ReplayConfig
 
     (row,) = [r for r in acceptance_rows
               if r["cache_size"] == cache_size and r["eviction"] == "lru"]

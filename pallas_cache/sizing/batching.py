@@ -147,7 +147,7 @@ def batched_records(trace: Trace, configs, cost, batches, replay, progress) -> t
     (a step's modeled time: every active request's token at once); ``top_k`` stays the
     trace's, ``sequences`` its requests, ``source`` its own.
     """
-    from pallas_cache.sizing.cost import with_costs
+    from pallas_cache.sizing.sweep.cost import with_costs
     from pallas_cache.sizing.report import records
 
     all_results, rows = [], []

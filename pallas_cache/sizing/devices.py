@@ -18,7 +18,7 @@ import numpy as np
 
 from pallas_cache import validate
 from pallas_cache.mesh import ExpertSharding
-from pallas_cache.sizing.cost import ordered_sum
+from pallas_cache.sizing.sweep.cost import ordered_sum
 from pallas_cache.sizing.traces import Trace
 
 __all__ = ["device_traces", "tensor_parallel_seconds", "tensor_parallel_slots"]

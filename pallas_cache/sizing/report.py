@@ -114,7 +114,7 @@ def records(results: Iterable, trace, cost=None) -> list[dict]:
     Args:
       results: :class:`~pallas_cache.sizing.sweep.ReplayResult` rows (from ``replay``).
       trace: the :class:`~pallas_cache.sizing.traces.Trace` they replayed (its metadata).
-      cost: the :class:`~pallas_cache.sizing.cost.CostModel` used, or ``None``.
+      cost: the :class:`~pallas_cache.sizing.sweep.cost.CostModel` used, or ``None``.
 
     ``pair_counts`` becomes a list of ``[fetched, cpu_experts, calls]`` lists (JSON's shape).
     With the GPU's time in ``cost`` (``cost.gpu``) the keys :data:`GPU_RECORD_KEYS` follow, the

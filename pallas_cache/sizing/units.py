@@ -1,8 +1,12 @@
 """Byte sizes and bandwidths as people write them: ``336MiB``, ``24GiB``, ``25GB/s``, ``60 GB/s``.
 
-Decimal prefixes are powers of 1000, binary ones powers of 1024, a bare number is bytes, and a
-lower-case ``b`` (bits) is refused (docs/semantics.md §11.1); parsers raise ``ValueError``
-naming the text.
+The one byte grammar of the command line. Decimal prefixes are powers of 1000, binary ones
+powers of 1024, a bare number is bytes. A size of the model (``--cache-size``, ``--expert-bytes``,
+``--device-budget``) and a bandwidth are case-sensitive, a lower-case ``b`` there means bits and
+is refused (docs/semantics.md §11.1), and ``8gb`` is not a cache size. A memory limit
+(``--max-memory``, :func:`parse_memory_size`) is read case-insensitively over the same prefixes,
+so ``8gb`` is 8 * 10**9 bytes there: a limit on the process's memory is never in bits. Parsers
+raise ``ValueError`` naming the text.
 """
 
 from __future__ import annotations
@@ -10,8 +14,8 @@ from __future__ import annotations
 import math
 import re
 
-__all__ = ["parse_bytes", "parse_bandwidth", "parse_duration", "format_bytes", "format_bandwidth",
-           "format_duration"]
+__all__ = ["parse_bytes", "parse_bandwidth", "parse_duration", "parse_memory_size", "format_bytes",
+           "format_bandwidth", "format_duration"]
 
 _PREFIX = {
     "": 1, "k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
@@ -43,6 +47,30 @@ def parse_bytes(text: str) -> int:
     value = int(_parse(text, "byte size", "336MiB, 24GiB or 12GB"))
     if value < 1:
         raise ValueError(f"bad byte size {text!r}: less than one byte")
+    return value
+
+
+#: :func:`parse_memory_size`'s units: every prefix of :data:`_PREFIX`, lower-case, with or
+#: without ``b`` (a binary one with it only): ``g``, ``gb``, ``gib``.
+_MEMORY_UNITS = {prefix.lower() + b: scale for prefix, scale in _PREFIX.items()
+                 for b in (("b",) if prefix.endswith("i") else ("", "b"))}
+_MEMORY = re.compile(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*")
+
+
+def parse_memory_size(text: str) -> int:
+    """A memory limit: ``8GiB``, ``512MiB``, ``8gb``, ``2e9``, ``1000000`` -> bytes; the unit
+    case-insensitive (see the module's note), a fraction of a byte rounded down, at least 1 and
+    below ``2**63``."""
+    match = _MEMORY.fullmatch(text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _MEMORY_UNITS:
+        raise ValueError(f"{text!r} is not a memory size (e.g. 8GiB, 512MiB, 2e9)")
+    number = float(match.group(1)) * _MEMORY_UNITS[unit]
+    if not number < 2**63:
+        raise ValueError(f"{text!r} is above the largest memory size, 2**63 - 1 bytes")
+    value = int(number)
+    if value < 1:
+        raise ValueError(f"{text!r} is not a positive memory size")
     return value
 
 

@@ -1,18 +1,14 @@
-"""Routing traces: the :class:`Trace` type, its readers (one module per format), the geometry
-rules and the memory budget every reader checks before it allocates."""
+"""Routing traces: the :class:`Trace` type, the format registry (:mod:`.formats`) with one reader
+module per format, the geometry rules and the memory budget every reader checks before it
+allocates.
 
-from pallas_cache.sizing.traces.arrays import load_array_trace, load_vllm_trace
-from pallas_cache.sizing.traces.files import (ARRAY_SUFFIXES, JSONL_SUFFIXES, PARQUET_SUFFIXES,
-                                              TRACE_FORMATS, load_trace, save_trace,
-                                              trace_format_of)
-from pallas_cache.sizing.traces.jsonl import load_jsonl_trace
-from pallas_cache.sizing.traces.memory import (RUN_FIXED_BYTES, MemoryLimitError,
-                                               ProcessBudget, check_memory,
-                                               default_memory_limit, format_bytes,
-                                               resolve_memory_limit, trace_bytes)
-from pallas_cache.sizing.traces.records import (FIELD_KEYS, SEQUENCE_KEYS, parse_fields,
-                                                trace_from_records)
-from pallas_cache.sizing.traces.base import Trace, TraceError
+The names load on first use (PEP 562): the command line's parser reads the format registry
+without importing NumPy.
+"""
+
+from __future__ import annotations
+
+import importlib
 
 __all__ = [
     "Trace",
@@ -40,3 +36,37 @@ __all__ = [
     "trace_bytes",
     "format_bytes",
 ]
+
+#: The module of each public name.
+_HOMES = {
+    "Trace": "base",
+    "TraceError": "errors",
+    "load_trace": "formats", "trace_format_of": "formats", "save_trace": "formats",
+    "JSONL_SUFFIXES": "formats", "ARRAY_SUFFIXES": "formats", "PARQUET_SUFFIXES": "formats",
+    "TRACE_FORMATS": "formats",
+    "load_jsonl_trace": "jsonl",
+    "load_array_trace": "arrays", "load_vllm_trace": "arrays",
+    "parse_fields": "records", "trace_from_records": "records", "FIELD_KEYS": "records",
+    "SEQUENCE_KEYS": "records",
+    "MemoryLimitError": "memory", "ProcessBudget": "memory", "RUN_FIXED_BYTES": "memory",
+    "default_memory_limit": "memory", "resolve_memory_limit": "memory", "check_memory": "memory",
+    "trace_bytes": "memory", "format_bytes": "memory",
+}
+
+
+def __getattr__(name: str):
+    home = _HOMES.get(name)
+    if home is None:
+        try:
+            return importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as error:
+            if error.name != f"{__name__}.{name}":
+                raise
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{home}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_HOMES))

@@ -5,38 +5,19 @@ from __future__ import annotations
 
 import os
 import zipfile
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from pallas_cache.sizing.traces.geometry import (OUTLIER_FLOOR, check_geometry, check_outlier,
-                                                 id_past_int32, next_largest,
-                                                 optional_positive_int)
-from pallas_cache.sizing.traces.memory import (check_memory, format_bytes, resolve_memory_limit,
-                                               trace_bytes)
-from pallas_cache.sizing.traces.base import READ_ERRORS, Trace, TraceError
-from pallas_cache.validate import INT32_MAX
+from pallas_cache.sizing.traces.base import Trace
+from pallas_cache.sizing.traces.dense import ArrayMember, assemble_dense, check_member
+from pallas_cache.sizing.traces.errors import READ_ERRORS, TraceError
+from pallas_cache.sizing.traces.geometry import optional_positive_int
+from pallas_cache.sizing.traces.memory import format_bytes, resolve_memory_limit
 
-__all__ = ["load_array_trace", "load_vllm_trace", "trace_from_dense"]
+__all__ = ["load_array_trace", "load_vllm_trace", "save_array_trace"]
 
 _ZIP_MAGIC = b"PK"
-
-
-@dataclass(frozen=True)
-class _Member:
-    """One ``[tokens, layers, top_k]`` array of a NumPy trace file, known from its header."""
-
-    name: str            # the array's name ('routes' for a .npy)
-    label: str           # "file: array 'name'", for messages
-    shape: tuple[int, ...]
-    dtype: np.dtype
-    fortran: bool
-    read: Any            # () -> np.ndarray, reading the data (or returning the array)
-
-    @property
-    def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=object)) * self.dtype.itemsize
 
 
 def _read_npy_header(stream: Any, label: str) -> tuple[tuple[int, ...], bool, np.dtype]:
@@ -71,7 +52,7 @@ def _read_npy_data(stream: Any, label: str, shape: tuple[int, ...], dtype: np.dt
     return np.frombuffer(data, dtype=dtype).reshape(shape, order="F" if fortran else "C")
 
 
-def _npy_members(path_str: str, name: str = "routes", label: str | None = None) -> list[_Member]:
+def _npy_members(path_str: str, name: str = "routes", label: str | None = None) -> list[ArrayMember]:
     label = label or f"{path_str}: array {name!r}"
     try:
         with open(path_str, "rb") as handle:
@@ -88,7 +69,7 @@ def _npy_members(path_str: str, name: str = "routes", label: str | None = None) 
         except OSError as exc:
             raise TraceError(f"{path_str}: cannot read trace file: {exc}") from None
 
-    member = _Member(name, label, shape, dtype, fortran, read)
+    member = ArrayMember(name, label, shape, dtype, fortran, read)
     if member.nbytes > size - offset:
         raise TraceError(f"{label}: the header claims shape {shape} "
                          f"({format_bytes(member.nbytes)}) but the file holds only "
@@ -96,7 +77,7 @@ def _npy_members(path_str: str, name: str = "routes", label: str | None = None) 
     return [member]
 
 
-def _npz_members(path_str: str) -> list[_Member]:
+def _npz_members(path_str: str) -> list[ArrayMember]:
     try:
         with zipfile.ZipFile(path_str) as archive:
             infos = archive.infolist()
@@ -125,21 +106,8 @@ def _npz_members(path_str: str) -> list[_Member]:
                 raise TraceError(f"{label}: cannot read the array data: {exc}") from None
         return read
 
-    return [_Member(name, label, shape, dtype, fortran, reader(info, label, shape, dtype, fortran))
+    return [ArrayMember(name, label, shape, dtype, fortran, reader(info, label, shape, dtype, fortran))
             for info, name, label, shape, fortran, dtype in headers]
-
-
-def _check_member(member: _Member, tokens: str = "tokens", empty_tokens: bool = False) -> None:
-    """Dtype, rank and emptiness, from the header alone (``empty_tokens``: a first dimension of
-    0 is allowed)."""
-    if member.dtype.kind not in "iu":
-        raise TraceError(f"{member.label}: expected an integer array of expert ids, got dtype "
-                         f"{member.dtype} (shape {member.shape})")
-    if len(member.shape) != 3:
-        raise TraceError(f"{member.label}: expected shape [{tokens}, layers, top_k], got "
-                         f"{len(member.shape)}-D shape {member.shape}")
-    if 0 in member.shape[empty_tokens:]:
-        raise TraceError(f"{member.label}: the trace is empty (shape {member.shape})")
 
 
 def load_array_trace(path: str | os.PathLike, *, num_layers: int | None = None,
@@ -170,13 +138,13 @@ def load_array_trace(path: str | os.PathLike, *, num_layers: int | None = None,
     limit = resolve_memory_limit(max_memory)
     members = _array_file_members(path_str)
     for member in members:
-        _check_member(member)
+        check_member(member)
         if member.shape[1] != members[0].shape[1]:
             raise TraceError(f"{member.label}: shape {member.shape} but {members[0].label} has "
                              f"shape {members[0].shape}: every sequence of one model routes the "
                              f"same layers")
-    return _assemble_dense(members, path_str, declared_layers, declared_experts, limit,
-                           names=len(members) > 1)
+    return Trace(**assemble_dense(members, path_str, declared_layers, declared_experts, limit,
+                                  names=len(members) > 1))
 
 
 def _array_file_members(path_str: str):
@@ -228,7 +196,7 @@ def load_vllm_trace(path: str | os.PathLike, *, num_layers: int | None = None,
     else:
         members = _array_file_members(path_str)
     for member in members:
-        _check_member(member, tokens="gen_len", empty_tokens=True)
+        check_member(member, tokens="gen_len", empty_tokens=True)
         if member.shape[1:] != members[0].shape[1:]:
             raise TraceError(f"{member.label}: shape {member.shape} but {members[0].label} has "
                              f"shape {members[0].shape}: every request of one model routes the "
@@ -236,89 +204,15 @@ def load_vllm_trace(path: str | os.PathLike, *, num_layers: int | None = None,
     kept = [member for member in members if member.shape[0] > 0]
     if not kept:
         raise TraceError(f"{path_str}: every request has gen_len 0 (no routes)")
-    return _assemble_dense(kept, path_str, declared_layers, declared_experts, limit,
-                           names=len(members) > 1 or os.path.isdir(path_str))
+    return Trace(**assemble_dense(kept, path_str, declared_layers, declared_experts, limit,
+                                  names=len(members) > 1 or os.path.isdir(path_str)))
 
 
-def trace_from_dense(dense: np.ndarray, *, num_layers: int | None, num_experts: int | None,
-                     where: str, field_name: str, max_memory: int | None = None) -> Trace:
-    """Validate an in-memory ``[tokens, layers, top_k]`` array into a token-major trace."""
-    label = f"{where}: array {field_name!r}"
-    member = _Member(field_name, label, tuple(dense.shape), dense.dtype, False, lambda: dense)
-    if dense.dtype.hasobject or member.dtype.kind not in "iu":
-        raise TraceError(f"{label}: expected an integer array of expert ids, got dtype "
-                         f"{dense.dtype}")
-    _check_member(member)
-    return _assemble_dense([member], where, optional_positive_int(num_layers, "num_layers"),
-                           optional_positive_int(num_experts, "num_experts"),
-                           resolve_memory_limit(max_memory), names=False, held=dense.nbytes)
-
-
-def _assemble_dense(members: list[_Member], where: str, declared_layers: int | None,
-                    declared_experts: int | None, limit: int, *, names: bool,
-                    held: int = 0) -> Trace:
-    """Validate the members' values and concatenate them, one sequence each, token-major."""
-    for member in members:
-        if declared_layers is not None and member.shape[1] > declared_layers:
-            raise TraceError(f"{member.label}: {member.shape[1]} layers in the array but "
-                             f"num_layers={declared_layers} was declared")
-    calls = sum(m.shape[0] * m.shape[1] for m in members)
-    top_k = max(m.shape[2] for m in members)
-    biggest = max(members, key=lambda m: m.nbytes)
-    check_memory(held + biggest.nbytes + 2 * trace_bytes(calls, top_k), limit, biggest.label,
-                 f"the shape {biggest.shape} ({biggest.dtype}) in its header makes the trace "
-                 f"[{calls} calls, top_k {top_k}], which")
-    num_layers = declared_layers or max(m.shape[1] for m in members)
-    if declared_experts is not None:
-        check_geometry(num_layers, declared_experts, limit, where, " (declared)")
-
-    routes = np.full((calls, top_k), -1, dtype=np.int32)
-    bound = declared_experts if declared_experts is not None else INT32_MAX
-    offsets, row = [], 0
-    for member in members:
-        values = member.read()
-        lo, hi = int(values.min()), int(values.max())
-        if lo < -1 or hi >= bound:
-            bad = (values < -1) | (values >= bound)
-            index = tuple(int(i) for i in np.argwhere(bad)[0])
-            text = (f"[-1, {declared_experts}) (num_experts={declared_experts})"
-                    if declared_experts is not None else "[-1, 2**31 - 1)")
-            note = " (-1 is the only padding value)" if int(values[index]) < -1 else ""
-            reason = f"expert {int(values[index])} is outside {text}{note}"
-            if declared_experts is None and int(values[index]) >= INT32_MAX:
-                reason = id_past_int32("expert", int(values[index]))
-            raise TraceError(f"{member.label}[token={index[0]}, layer={index[1]}, "
-                             f"k={index[2]}]: {reason}")
-        tokens, layers, width = member.shape
-        routes[row:row + tokens * layers, :width] = values.reshape(tokens * layers, width)
-        offsets.append(row)
-        row += tokens * layers
-        del values
-
-    def locate(flat_index: int) -> str:
-        call, k = divmod(flat_index, top_k)
-        number = int(np.searchsorted(offsets, call, side="right")) - 1
-        member = members[number]
-        token, layer = divmod(call - offsets[number], member.shape[1])
-        return f"{member.label}[token={token}, layer={layer}, k={k}]"
-
-    max_expert = int(routes.max())
-    if declared_experts is None:
-        if max_expert < 0:
-            raise TraceError(f"{members[0].label}: every route is padding (-1), so num_experts "
-                             f"cannot be inferred; pass num_experts=")
-        max_where = locate(int(np.argmax(routes == max_expert)))
-        if max_expert >= OUTLIER_FLOOR:
-            check_outlier("expert", max_expert, next_largest(routes, max_expert), max_where)
-        check_geometry(num_layers, max_expert + 1, limit, max_where, "")
-    sequence = np.repeat(np.arange(len(members), dtype=np.int32),
-                         [m.shape[0] * m.shape[1] for m in members])
-    layer_column = np.concatenate([np.tile(np.arange(m.shape[1], dtype=np.int32), m.shape[0])
-                                   for m in members])
-    token_column = np.concatenate([np.repeat(np.arange(m.shape[0], dtype=np.int64), m.shape[1])
-                                   for m in members])
-    return Trace(routes=routes, layers=layer_column, num_layers=num_layers,
-                 num_experts=declared_experts if declared_experts is not None else max_expert + 1,
-                 token_idx=token_column, sequence=sequence,
-                 sequence_names=tuple(m.name for m in members) if names else (None,),
-                 source=where)
+def save_array_trace(trace: Trace, path: str | os.PathLike) -> None:
+    """Write a full-grid trace (:meth:`Trace.is_dense`) as ``.npy`` (one array) or ``.npz``
+    (array ``routes``, compressed), by the suffix."""
+    path_str = os.fspath(path)
+    if os.path.splitext(path_str)[1].lower() == ".npz":
+        np.savez_compressed(path_str, routes=trace.to_dense())
+    else:
+        np.save(path_str, trace.to_dense())

@@ -1,32 +1,18 @@
-"""The routing trace type (:class:`Trace`) and the error every trace reader raises."""
+"""The routing trace type (:class:`Trace`); the error every trace reader raises is
+:class:`~pallas_cache.sizing.traces.errors.TraceError`."""
 
 from __future__ import annotations
 
-import lzma
-import tokenize
-import zipfile
-import zlib
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import numpy as np
 
+from pallas_cache.sizing.traces.dense import dense_fields
+from pallas_cache.sizing.traces.errors import TraceError
 from pallas_cache.validate import is_int
 
-__all__ = ["Trace", "TraceError", "READ_ERRORS"]
-
-
-class TraceError(ValueError):
-    """A trace file or trace array that cannot be read as a routing trace.
-
-    The message says where (file, line or array index) and what (the field and the value), e.g.
-    ``"trace.jsonl:12: field 'experts': expert 9 is outside [-1, 8) (num_experts=8)"``.
-    """
-
-#: What a corrupt or hostile file can raise while being read (gzip, zip, npy header parsing).
-READ_ERRORS = (OSError, EOFError, ValueError, TypeError, SyntaxError, RecursionError,
-                OverflowError, zipfile.BadZipFile, zlib.error, lzma.LZMAError,
-                tokenize.TokenError, NotImplementedError, RuntimeError)
+__all__ = ["Trace"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -254,11 +240,9 @@ class Trace:
         Raises:
             TraceError: wrong dtype, rank, empty array, or a value outside the geometry.
         """
-        from pallas_cache.sizing.traces.arrays import trace_from_dense  # arrays imports Trace
-
-        return trace_from_dense(np.asarray(routes), num_layers=num_layers,
-                                num_experts=num_experts, where=source, field_name="routes",
-                                max_memory=max_memory)
+        return cls(**dense_fields(np.asarray(routes), num_layers=num_layers,
+                                  num_experts=num_experts, where=source, field_name="routes",
+                                  max_memory=max_memory))
 
 
 def _positive_int(value: Any, name: str, error: type[Exception], where: str) -> int:

@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 
 from pallas_cache.sizing.traces.memory import BYTES_PER_FLAT_ID, check_memory
-from pallas_cache.sizing.traces.base import TraceError
+from pallas_cache.sizing.traces.errors import TraceError
 from pallas_cache.validate import INT32_MAX, is_int
 
 __all__ = ["OUTLIER_RATIO", "OUTLIER_FLOOR", "check_geometry", "check_outlier", "next_largest",

@@ -1,4 +1,4 @@
-"""JSONL routing traces (gzipped or not): one record per line, read in blocks."""
+"""JSONL routing traces (gzipped or not): one record per line, read in blocks, and written."""
 
 from __future__ import annotations
 
@@ -16,10 +16,11 @@ from pallas_cache.sizing.traces.geometry import (expert_out_of_range, id_past_in
 from pallas_cache.sizing.traces.memory import check_memory, resolve_memory_limit
 from pallas_cache.sizing.traces.records import (FIELD_KEYS, SEQUENCE_KEYS, TOKEN_MAX,
                                                 trace_from_records)
-from pallas_cache.sizing.traces.base import READ_ERRORS, Trace, TraceError
+from pallas_cache.sizing.traces.base import Trace
+from pallas_cache.sizing.traces.errors import READ_ERRORS, TraceError
 from pallas_cache.validate import INT32_MAX, is_int
 
-__all__ = ["MAX_LINE_BYTES", "numbered_lines", "load_jsonl_trace"]
+__all__ = ["MAX_LINE_BYTES", "numbered_lines", "load_jsonl_trace", "save_jsonl_trace"]
 
 #: Longest JSONL line read (a record with ~100k experts); a longer "line" is not a record.
 #: Whitespace is not counted against it: a blank stretch of any length is skipped.
@@ -294,3 +295,17 @@ def _record_int(record: dict, key: str, where: str) -> int:
         raise TraceError(f"{where}: field {key!r}: expected an integer, got "
                          f"{type(value).__name__} {_short(value)}")
     return value
+
+
+def save_jsonl_trace(trace: Trace, path: str | os.PathLike) -> None:
+    """One record per call (``sequence`` only when the trace has named sequences; the
+    ``experts`` list keeps its ``-1`` padding so ``top_k`` survives the round trip)."""
+    named = trace.sequence_names != (None,)
+    with open(os.fspath(path), "w", encoding="utf-8") as handle:
+        for seq, token, layer, routes in zip(trace.sequence.tolist(), trace.token_idx.tolist(),
+                                             trace.layers.tolist(), trace.routes.tolist()):
+            record: dict[str, Any] = {}
+            if named:
+                record["sequence"] = trace.sequence_names[seq]
+            record.update(token_idx=token, layer=layer, experts=routes)
+            handle.write(json.dumps(record, separators=(",", ":")) + "\n")

@@ -6,7 +6,7 @@ import os
 
 import numpy as np
 
-from pallas_cache.sizing.traces.base import TraceError
+from pallas_cache.sizing.traces.errors import TraceError
 
 __all__ = ["MemoryLimitError", "DEFAULT_MEMORY_FRACTION", "FALLBACK_MEMORY_LIMIT",
            "BYTES_PER_FLAT_ID", "RUN_FIXED_BYTES", "ProcessBudget", "default_memory_limit",

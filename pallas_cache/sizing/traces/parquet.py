@@ -11,7 +11,8 @@ import numpy as np
 
 from pallas_cache.sizing.traces.memory import check_memory, resolve_memory_limit
 from pallas_cache.sizing.traces.records import FIELD_KEYS, SEQUENCE_KEYS, trace_from_records
-from pallas_cache.sizing.traces.base import Trace, TraceError
+from pallas_cache.sizing.traces.base import Trace
+from pallas_cache.sizing.traces.errors import TraceError
 from pallas_cache.sizing.traces.jsonl import LABEL_BYTES
 
 __all__ = ["load_parquet_trace", "save_parquet_trace", "PARQUET_EXTRA"]

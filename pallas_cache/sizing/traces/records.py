@@ -10,7 +10,8 @@ from pallas_cache.sizing.traces.geometry import (OUTLIER_FLOOR, check_geometry, 
                                                  expert_out_of_range, id_past_int32, next_largest,
                                                  optional_positive_int)
 from pallas_cache.sizing.traces.memory import check_memory, resolve_memory_limit, trace_bytes
-from pallas_cache.sizing.traces.base import Trace, TraceError
+from pallas_cache.sizing.traces.base import Trace
+from pallas_cache.sizing.traces.errors import TraceError
 from pallas_cache.validate import INT32_MAX
 
 __all__ = ["SEQUENCE_KEYS", "FIELD_KEYS", "TOKEN_MAX", "parse_fields", "trace_from_records"]

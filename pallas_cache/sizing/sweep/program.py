@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from pallas_cache.evictions import Eviction
 from pallas_cache.ops import Rules, ensure_with_rules  # the core, with order/admission as data
 from pallas_cache.policy import ONE, Admission, FetchOrder, FetchPolicy
-from pallas_cache.sizing.sweep_records import ReplayConfig, capacity_buckets, parse_policy
+from pallas_cache.sizing.sweep.records import ReplayConfig, capacity_buckets, parse_policy
 from pallas_cache.state import init
 from pallas_cache.validate import is_int
 

@@ -18,9 +18,9 @@ from pallas_cache.host.reports import per_layer_stats
 from pallas_cache.policy import Admission, FetchOrder
 from pallas_cache.sizing import bounds as belady_lib
 from pallas_cache.sizing.progress import Progress
-from pallas_cache.sizing.sweep_program import (Placement, executable, group_batches, groups,
+from pallas_cache.sizing.sweep.program import (Placement, executable, group_batches, groups,
                                                hit_triples, lane_key)
-from pallas_cache.sizing.sweep_records import ReplayResult
+from pallas_cache.sizing.sweep.records import ReplayResult
 from pallas_cache.sizing.traces import Trace
 
 __all__ = ["OptimaThread", "SweepPlan", "run_groups"]
@@ -36,12 +36,12 @@ class SweepPlan:
       trace: the routing trace (its geometry and token count).
       configs: the configurations, in the caller's order; ``keys`` their lane keys, aligned.
       groups: ``(bucket of sizes, eviction)`` per compiled program
-        (:func:`~pallas_cache.sizing.sweep_program.groups`).
+        (:func:`~pallas_cache.sizing.sweep.program.groups`).
       layers: int32 ``[chunks * chunk_calls]``, the trace's layers padded with layer ``-1``.
       routes: int32 ``[chunks * chunk_calls, K]``, its routes padded with ``-1``.
       num_calls: the trace's layer-calls (before padding).
       chunk_calls: layer-calls per compiled chunk.
-      where: the devices and host threads (:class:`~pallas_cache.sizing.sweep_program.Placement`).
+      where: the devices and host threads (:class:`~pallas_cache.sizing.sweep.program.Placement`).
       hit_counts: count the calls by ``(hits, fetched, cpu_experts)`` too (the GPU-time model's
         histogram, docs/semantics.md §11.6).
       per_layer: keep each configuration's per-layer counters (``ReplayResult.layer_stats``).

@@ -1,28 +1,95 @@
-"""Trace files: the format a path names; :func:`load_trace` and :func:`save_trace` for each."""
+"""Trace file formats: a registry of records (:data:`FORMATS`: name, suffixes, load, save), the
+format a path names, and :func:`load_trace` / :func:`save_trace` for any of them. No NumPy here:
+the command line's parser takes ``--trace-format``'s choices and help from the registry."""
 
 from __future__ import annotations
 
-import json
+import dataclasses
+import importlib
 import os
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Callable, Mapping
 
-import numpy as np
+from pallas_cache.sizing.traces.errors import TraceError
 
-from pallas_cache.sizing.traces.arrays import load_array_trace, load_vllm_trace
-from pallas_cache.sizing.traces.jsonl import load_jsonl_trace
-from pallas_cache.sizing.traces.base import Trace, TraceError
+if TYPE_CHECKING:
+    from pallas_cache.sizing.traces.base import Trace
 
-__all__ = ["JSONL_SUFFIXES", "ARRAY_SUFFIXES", "PARQUET_SUFFIXES", "TRACE_FORMATS",
-           "trace_format_of", "load_trace", "save_trace"]
+__all__ = ["ARRAY_SUFFIXES", "FORMATS", "JSONL_SUFFIXES", "PARQUET_SUFFIXES", "TRACE_FORMATS",
+           "TraceFormat", "format_named", "load_trace", "save_trace", "trace_format_of"]
 
+
+def _late(module: str, name: str) -> Callable:
+    """``module.name``, imported at the first call (the readers import NumPy; Parquet's,
+    pyarrow, which is optional)."""
+    def call(*args, **kwargs):
+        return getattr(importlib.import_module(f"pallas_cache.sizing.traces.{module}"),
+                       name)(*args, **kwargs)
+
+    call.__name__ = call.__qualname__ = name
+    return call
+
+
+@dataclasses.dataclass(frozen=True)
+class TraceFormat:
+    """One trace file format.
+
+    Attributes:
+      name: what ``trace_format=`` (``--trace-format``) names it.
+      suffixes: the file suffixes :func:`trace_format_of` reads as it (none: a directory).
+      load: ``load(path, *, num_layers, num_experts, max_memory, **options)`` -> ``Trace``;
+        ``options`` are ``fields`` where :attr:`fields`, ``progress`` where :attr:`progress`.
+      save: ``save(trace, path)``, or ``None`` (not written).
+      about: what ``--trace-format``'s help says of it after its name ("" for nothing).
+      gzip: a gzipped file of its suffixes (``.jsonl.gz``) is it too.
+      fields: it takes the file's names of the record keys (``--field``).
+      progress: it reports its reading (bytes read, file size).
+    """
+
+    name: str
+    suffixes: tuple[str, ...]
+    load: Callable
+    save: Callable | None = None
+    about: str = ""
+    gzip: bool = False
+    fields: bool = False
+    progress: bool = False
+
+
+#: Every format, in the order ``--trace-format`` lists them.
+FORMATS: tuple[TraceFormat, ...] = (
+    TraceFormat("jsonl", (".jsonl", ".ndjson"), _late("jsonl", "load_jsonl_trace"),
+                _late("jsonl", "save_jsonl_trace"), gzip=True, fields=True, progress=True),
+    TraceFormat("array", (".npy", ".npz"), _late("arrays", "load_array_trace"),
+                _late("arrays", "save_array_trace"), about="(.npy/.npz [tokens, layers, top_k])"),
+    TraceFormat("vllm", (), _late("arrays", "load_vllm_trace"),
+                about="(the array layout, one request per file or .npz array, every request the "
+                      "same layers and top_k)"),
+    TraceFormat("parquet", (".parquet", ".pq"), _late("parquet", "load_parquet_trace"),
+                _late("parquet", "save_parquet_trace"), fields=True),
+)
+#: What ``trace_format=`` (``--trace-format``) names; ``"auto"`` picks one by
+#: :func:`trace_format_of`.
+TRACE_FORMATS = tuple(f.name for f in FORMATS)
 #: File suffixes read as one-record-per-line JSON.
-JSONL_SUFFIXES = (".jsonl", ".ndjson")
+JSONL_SUFFIXES = FORMATS[0].suffixes
 #: File suffixes read as a dense ``[tokens, layers, top_k]`` integer array.
-ARRAY_SUFFIXES = (".npy", ".npz")
+ARRAY_SUFFIXES = FORMATS[1].suffixes
 #: File suffixes read as Parquet (``pyarrow``: the ``parquet`` extra).
-PARQUET_SUFFIXES = (".parquet", ".pq")
-#: What ``trace_format=`` (``--trace-format``) names; ``"auto"`` picks one by :func:`trace_format_of`.
-TRACE_FORMATS = ("jsonl", "array", "vllm", "parquet")
+PARQUET_SUFFIXES = FORMATS[3].suffixes
+#: The directory format (a folder of vLLM ``.npy`` files).
+_DIRECTORY = "vllm"
+
+
+def format_named(name: str) -> TraceFormat:
+    """The format ``name`` names (KeyError for none)."""
+    for trace_format in FORMATS:
+        if trace_format.name == name:
+            return trace_format
+    raise KeyError(name)
+
+
+def _suffixes() -> str:
+    return ", ".join(suffix for f in FORMATS for suffix in f.suffixes)
 
 
 def trace_format_of(path: str | os.PathLike) -> str:
@@ -35,20 +102,16 @@ def trace_format_of(path: str | os.PathLike) -> str:
     """
     path_str = os.fspath(path)
     if os.path.isdir(path_str):
-        return "vllm"
+        return _DIRECTORY
     name = path_str.lower()
     gzipped = name.endswith(".gz")
     suffix = os.path.splitext(name[:-3] if gzipped else name)[1]
-    if suffix in JSONL_SUFFIXES:
-        return "jsonl"
-    if suffix in ARRAY_SUFFIXES and not gzipped:
-        return "array"
-    if suffix in PARQUET_SUFFIXES and not gzipped:
-        return "parquet"
+    for trace_format in FORMATS:
+        if suffix in trace_format.suffixes and (trace_format.gzip or not gzipped):
+            return trace_format.name
     raise TraceError(f"{path_str}: unknown trace format {suffix or '(no suffix)'!r}; expected "
-                     f"one of {', '.join(JSONL_SUFFIXES + ARRAY_SUFFIXES + PARQUET_SUFFIXES)} "
-                     f"(JSONL may be gzipped: .jsonl.gz) or a directory of vLLM .npy files, or "
-                     f"name the format (--trace-format)")
+                     f"one of {_suffixes()} (JSONL may be gzipped: .jsonl.gz) or a directory of "
+                     f"vLLM .npy files, or name the format (--trace-format)")
 
 
 def load_trace(path: str | os.PathLike, *, num_layers: int | None = None,
@@ -123,19 +186,16 @@ def load_trace(path: str | os.PathLike, *, num_layers: int | None = None,
     if trace_format not in ("auto",) + TRACE_FORMATS:
         raise ValueError(f"unknown trace format {trace_format!r}; expected auto or one of "
                          f"{', '.join(TRACE_FORMATS)}")
-    kind = trace_format_of(path_str) if trace_format == "auto" else trace_format
-    geometry = dict(num_layers=num_layers, num_experts=num_experts, max_memory=max_memory)
-    if kind == "jsonl":
-        return load_jsonl_trace(path_str, fields=fields, progress=progress, **geometry)
-    if kind == "parquet":
-        from pallas_cache.sizing.traces.parquet import load_parquet_trace  # pyarrow: optional
-
-        return load_parquet_trace(path_str, fields=fields, **geometry)
-    if fields:
+    reader = format_named(trace_format_of(path_str) if trace_format == "auto" else trace_format)
+    options = {}
+    if reader.fields:
+        options["fields"] = fields
+    elif fields:
         raise TraceError(f"{path_str}: field names apply to JSONL and Parquet traces only")
-    if kind == "vllm":
-        return load_vllm_trace(path_str, **geometry)
-    return load_array_trace(path_str, **geometry)
+    if reader.progress:
+        options["progress"] = progress
+    return reader.load(path_str, num_layers=num_layers, num_experts=num_experts,
+                       max_memory=max_memory, **options)
 
 
 def save_trace(trace: Trace, path: str | os.PathLike) -> None:
@@ -158,26 +218,8 @@ def save_trace(trace: Trace, path: str | os.PathLike) -> None:
     """
     path_str = os.fspath(path)
     suffix = os.path.splitext(path_str)[1].lower()
-    if suffix in JSONL_SUFFIXES:
-        named = trace.sequence_names != (None,)
-        with open(path_str, "w", encoding="utf-8") as handle:
-            for seq, token, layer, routes in zip(trace.sequence.tolist(),
-                                                  trace.token_idx.tolist(),
-                                                  trace.layers.tolist(), trace.routes.tolist()):
-                record: dict[str, Any] = {}
-                if named:
-                    record["sequence"] = trace.sequence_names[seq]
-                record.update(token_idx=token, layer=layer, experts=routes)
-                handle.write(json.dumps(record, separators=(",", ":")) + "\n")
-    elif suffix == ".npy":
-        np.save(path_str, trace.to_dense())
-    elif suffix == ".npz":
-        np.savez_compressed(path_str, routes=trace.to_dense())
-    elif suffix in PARQUET_SUFFIXES:
-        from pallas_cache.sizing.traces.parquet import save_parquet_trace  # pyarrow: optional
-
-        save_parquet_trace(trace, path_str)
-    else:
+    writer = next((f for f in FORMATS if suffix in f.suffixes and f.save is not None), None)
+    if writer is None:
         raise TraceError(f"{path_str}: unknown trace format {suffix or '(no suffix)'!r}; "
-                         f"expected one of "
-                         f"{', '.join(JSONL_SUFFIXES + ARRAY_SUFFIXES + PARQUET_SUFFIXES)}")
+                         f"expected one of {_suffixes()}")
+    writer.save(trace, path_str)

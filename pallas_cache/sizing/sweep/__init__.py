@@ -1,7 +1,7 @@
 """Replay a routing trace through many cache configurations at once, to size a cache: the
 compiled, vmapped sweep of docs/semantics.md §11 (:func:`replay`), its ahead-of-time compile
 (:func:`precompile`), and the records it takes and returns (from
-:mod:`~pallas_cache.sizing.sweep_records`)."""
+:mod:`~pallas_cache.sizing.sweep.records`)."""
 
 from __future__ import annotations
 
@@ -11,14 +11,14 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from pallas_cache.sizing.cost import CostModel, with_costs
+from pallas_cache.sizing.sweep.cost import CostModel, with_costs
 from pallas_cache.sizing.progress import Progress, as_progress
-from pallas_cache.sizing.sweep_program import (executable, group_batches, groups, lane_key,
+from pallas_cache.sizing.sweep.program import (executable, group_batches, groups, lane_key,
                                                placement)
-from pallas_cache.sizing.sweep_records import (DEFAULT_BUCKET_RATIO, ReplayConfig, ReplayResult,
+from pallas_cache.sizing.sweep.records import (DEFAULT_BUCKET_RATIO, ReplayConfig, ReplayResult,
                                                auto_cache_sizes, capacity_buckets, config_grid,
                                                parse_policy)
-from pallas_cache.sizing.sweep_runner import OptimaThread, SweepPlan, run_groups
+from pallas_cache.sizing.sweep.runner import OptimaThread, SweepPlan, run_groups
 from pallas_cache.sizing.traces import Trace
 
 __all__ = ["ReplayConfig", "ReplayResult", "parse_policy", "replay", "config_grid",

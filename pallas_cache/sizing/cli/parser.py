@@ -1,27 +1,24 @@
-"""``pallas-cache``'s command line: the argument parser with its help text, and the checks that
-refuse a bad command line before any work (each as one line, exit 2)."""
+"""``pallas-cache``'s command line: the argument parser with its help text. A command line it
+refuses is one :class:`UsageError` (one line, exit 2: :mod:`~pallas_cache.sizing.cli.entry`
+prints it); what it accepts, :func:`~pallas_cache.sizing.cli.request.build_request` turns into a
+typed request. No JAX, no NumPy: ``--help`` and ``--version`` answer at once."""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import os
 import re
-import tempfile
 
 from pallas_cache import __version__
-from pallas_cache.sizing import cli_names
-from pallas_cache.sizing.cli_checks import use_ascii_ints
-from pallas_cache.sizing.cli_sizing import add_sizing_arguments, cpu_fixed_seconds, gpu_seconds
-from pallas_cache.sizing.cost import CostModel
-from pallas_cache.sizing.models import MODELS, resolve_model
+from pallas_cache.sizing.cli import names as cli_names
+from pallas_cache.sizing.cli.process import NO_COMPILE_CACHE_ENV
+from pallas_cache.sizing.models import MODELS
 from pallas_cache.sizing.report import FORMATS, legend_text
-from pallas_cache.sizing.units import format_bytes, parse_bandwidth, parse_bytes
+from pallas_cache.sizing.traces.formats import FORMATS as TRACE_FILE_FORMATS
+from pallas_cache.sizing.traces.formats import TRACE_FORMATS
+from pallas_cache.sizing.units import parse_memory_size
 
 __all__ = ["DEFAULT_PLOT_NAME", "DEFAULT_POLICIES", "DEFAULT_PRESET", "DEFAULT_TIMED_POLICIES",
-           "NO_COMPILE_CACHE_ENV", "Parser", "REPLAY_HELP", "UsageError", "build_parser",
-           "cache_sizes", "check_plot_path", "check_state_memory", "clamped", "cost_options",
-           "memory_size", "model_mismatch", "policy_warnings", "resolve_policies"]
+           "Parser", "REPLAY_HELP", "UsageError", "ascii_int", "build_parser", "memory_size"]
 
 DEFAULT_PRESET = "mixtral-realistic"
 DEFAULT_POLICIES = ("full", "fraction:0.4")
@@ -29,9 +26,6 @@ DEFAULT_POLICIES = ("full", "fraction:0.4")
 DEFAULT_TIMED_POLICIES = ("full", "fraction:auto", "fraction:0.4")
 #: File written inside a directory given to ``--plot``.
 DEFAULT_PLOT_NAME = "hit_rate.png"
-#: Set to anything but ``""`` or ``"0"`` to keep the console script off JAX's persistent
-#: compilation cache (as ``--no-compile-cache`` does).
-NO_COMPILE_CACHE_ENV = "PALLAS_CACHE_NO_COMPILE_CACHE"
 
 REPLAY_HELP = r"""
 Replay a routing trace through a grid of cache configurations and report, for each one, how
@@ -85,7 +79,7 @@ the informative ones; an absent value is null in json, empty in csv, - in a tabl
 
 
 class UsageError(Exception):
-    """A command line argparse refuses, as the one line the CLI prints."""
+    """A refused command line: its text is the one line the CLI prints (exit 2)."""
 
 
 class Parser(argparse.ArgumentParser):
@@ -122,12 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--tokens", type=int, default=None,
                         help="tokens to generate for --synthetic (default: the preset's)")
     replay.add_argument("--seed", type=int, default=0, help="seed for --synthetic (default: 0)")
-    replay.add_argument("--trace-format", choices=("auto",) + cli_names.TRACE_FORMATS,
-                        default="auto",
-                        help="how to read --trace: auto (a directory is vllm, else the suffix "
-                             "decides), jsonl, array (.npy/.npz [tokens, layers, top_k]), vllm "
-                             "(the array layout, one request per file or .npz array, every "
-                             "request the same layers and top_k) or parquet (default: auto)")
+    replay.add_argument("--trace-format", choices=("auto",) + TRACE_FORMATS, default="auto",
+                        help=_trace_format_help())
     replay.add_argument("--field", metavar="KEY=NAME[,...]", default=None,
                         help="the names a JSONL or Parquet --trace uses for the record keys "
                              f"({', '.join(cli_names.FIELD_KEYS)}), e.g. "
@@ -200,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "(e.g. 8GiB, 512MiB, 2e9; default: half the machine's memory)")
     replay.add_argument("-q", "--quiet", action="store_true",
                         help="no progress on stderr (warnings and errors still go there)")
-    add_sizing_arguments(replay)
+    _add_sizing_arguments(replay)
 
     commands.add_parser("scenarios", help="print the promotion scenarios' table", parents=[common])
 
@@ -224,245 +214,85 @@ def build_parser() -> argparse.ArgumentParser:
                        help="expert matrix columns (default: 7168, half of Mixtral-8x7B's 14336: "
                             "112MiB per expert, past any CPU cache; fewer where memory is short)")
     bench.add_argument("--repeats", type=int, default=5, help="timed runs, median (default: 5)")
-    return use_ascii_ints(parser)
+    return _use_ascii_ints(parser)
 
 
-# ---- argument checks: everything that can fail does so before the work ----------------------
+def _trace_format_help() -> str:
+    """``--trace-format``'s help, from the format registry."""
+    parts = ["auto (a directory is vllm, else the suffix decides)"] + [
+        f"{trace_format.name} {trace_format.about}".strip() for trace_format in TRACE_FILE_FORMATS]
+    return f"how to read --trace: {', '.join(parts[:-1])} or {parts[-1]} (default: auto)"
 
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
-          "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12,
-          "tib": 2**40}
+
+def _add_sizing_arguments(replay: argparse.ArgumentParser) -> None:
+    """Add the sizing flags to the ``replay`` subcommand's parser, as one argument group."""
+    group = replay.add_argument_group("sizing")
+    group.add_argument("--route-knn-legend", dest="knn_legend",
+                       action=argparse.BooleanOptionalAction, default=False,
+                       help="end an LRU-only table's legend with route_knn's hit rate change at "
+                            "each size: route_knn replayed beside the sweep, in the same "
+                            "compiled programs (one more program to compile; off by default)")
+    group.add_argument("--per-layer", action="store_true",
+                       help="also give each configuration's hit rate per layer "
+                            "(pallas_cache.per_layer_stats of its final state): lines under a "
+                            "table or markdown, a layer_hit_rates list in each json, jsonl or "
+                            "csv record (only with this flag)")
+    group.add_argument("--top-k", type=int, default=None, metavar="K",
+                       help="routes per layer-call of a synthetic trace (with --num-layers and "
+                            "--num-experts, its geometry; default: --model's, else the "
+                            "preset's); a --trace's routes give its own")
+    group.add_argument("--batch", type=int, nargs="+", default=None, metavar="B",
+                       help="replay B requests decoding together (continuous batching: a "
+                            "finished request's place goes to the next), each layer-call "
+                            "carrying every active request's token; a sweep axis like "
+                            "--cache-size (default: 1, one token per call)")
+    group.add_argument("--requests", type=int, default=None, metavar="N",
+                       help="cut a synthetic trace into N requests of unequal length (for "
+                            "--batch; a --trace's sequences are its requests)")
+    group.add_argument("--cpu-fixed-cost", metavar="TIME", default=None,
+                       help="T_cpu, the CPU partial's fixed cost per layer-call that has at "
+                            "least one CPU expert, e.g. 0.08ms (pallas-cache bench-bandwidth "
+                            "measures it; needs W and both bandwidths; default 0)")
+    group.add_argument("--gpu-layer-ms", metavar="A", default=None,
+                       help="A, a layer-call's GPU time outside its routed experts (attention, "
+                            "router, norms, the cache step), in ms (e.g. 0.07, an estimate: "
+                            "docs/replay.md); with --gpu-expert-ms, times the decode with "
+                            "copies and compute overlapping (overlap_ms_per_token, "
+                            "stall_ms_per_token, prefetch_bound; docs/semantics.md §11.6); "
+                            "needs W and --link-bandwidth")
+    group.add_argument("--gpu-expert-ms", metavar="C", default=None,
+                       help="C, the GPU time of one routed expert computed on the device, in "
+                            "ms (e.g. 0.09); either flag turns the GPU-time model on, the "
+                            "other then counting as 0")
+
+
+_ASCII_INT = re.compile(r"[+-]?[0-9]+")
+
+
+def ascii_int(text: str) -> int:
+    """argparse type: an integer in ASCII digits (``int()`` also takes ``'٣'``, and ``'²'``
+    fails with Python's own message)."""
+    if not _ASCII_INT.fullmatch(text.strip()):
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer (ASCII digits)")
+    return int(text)
+
+
+def _use_ascii_ints(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``parser`` (and its sub-commands) with every ``type=int`` option read by
+    :func:`ascii_int`."""
+    for action in parser._actions:  # noqa: SLF001 - argparse exposes no public walk
+        if action.type is int:
+            action.type = ascii_int
+        if isinstance(action, argparse._SubParsersAction):  # noqa: SLF001
+            for sub in action.choices.values():
+                _use_ascii_ints(sub)
+    return parser
 
 
 def memory_size(text: str) -> int:
-    """``--max-memory``: ``8GiB``, ``512MiB``, ``2e9``, ``1000000`` -> bytes (argparse type)."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _UNITS:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a memory size (e.g. 8GiB, 512MiB, "
-                                         f"2e9)")
-    number = float(match.group(1)) * _UNITS[unit]
-    if not number < 2**63:
-        raise argparse.ArgumentTypeError(f"{text!r} is above the largest memory size, 2**63 - 1 "
-                                         f"bytes")
-    value = int(number)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive memory size")
-    return value
-
-
-def check_plot_path(path: str) -> str:
-    """The file ``--plot`` will write, checked now: matplotlib importable, a known image format,
-    an existing, writable directory, and an existing file there writable and replaceable (the
-    plot is renamed over it). A directory gets :data:`DEFAULT_PLOT_NAME` inside it.
-
-    Raises:
-        ValueError: the one-line reason.
-    """
+    """``--max-memory``: :func:`~pallas_cache.sizing.units.parse_memory_size` as an argparse
+    type."""
     try:
-        from matplotlib.backend_bases import FigureCanvasBase
-    except ImportError:
-        raise ValueError("--plot needs matplotlib: pip install 'pallas-cache[plot]'") from None
-    if os.path.isdir(path):
-        path = os.path.join(path, DEFAULT_PLOT_NAME)
-    elif path.endswith(("/", os.sep)):
-        raise ValueError(f"--plot {path}: no such directory")
-    formats = sorted(FigureCanvasBase.get_supported_filetypes())
-    extension = os.path.splitext(path)[1].lstrip(".").lower()
-    if extension not in formats:
-        raise ValueError(f"--plot {path}: unknown image format "
-                         f"{('.' + extension) if extension else '(no extension)'}; use one of "
-                         f"{', '.join('.' + f for f in formats)}")
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise ValueError(f"--plot {path}: no such directory {folder}")
-    try:  # a real write: permission bits say nothing to root or on a read-only mount
-        handle, probe = tempfile.mkstemp(dir=folder, prefix=".pallas-cache-probe-")
-        os.close(handle)
-        os.remove(probe)
-    except OSError as error:
-        raise ValueError(f"--plot {path}: cannot write in {folder}: "
-                         f"{error.strerror or error}") from None
-    if os.path.lexists(path):
-        if not os.access(path, os.W_OK, follow_symlinks=False):
-            raise ValueError(f"--plot {path}: the existing file is not writable")
-        try:
-            _rename_aside_and_back(path, folder)
-        except OSError as error:
-            raise ValueError(f"--plot {path}: cannot replace the existing file: "
-                             f"{error.strerror or error}") from None
-    return path
-
-
-def _rename_aside_and_back(path: str, folder: str) -> None:
-    """Rename the existing ``path`` to a temporary name in ``folder`` and back: the checks a
-    rename over it meets (an immutable file, a sticky directory, a read-only mount) are the
-    checks this meets, and the file ends where it was, same inode, same bytes."""
-    handle, aside = tempfile.mkstemp(dir=folder, prefix=".pallas-cache-probe-")
-    os.close(handle)
-    try:
-        os.replace(path, aside)
-    except OSError:
-        os.remove(aside)
-        raise
-    try:
-        os.replace(aside, path)
-    except OSError as error:
-        raise OSError(error.errno, f"{error.strerror}; the file is now {aside}") from None
-
-
-
-def policy_warnings(policies) -> list[str]:
-    """One line per ``fraction:Q`` whose clamping or rounding changes what it means
-    (docs/semantics.md §5.3: ``q`` clamps to ``[0, 1]`` and is kept in 1/65536 steps)."""
-    from pallas_cache.policy import ONE
-    from pallas_cache.sizing.sweep import parse_policy
-
-    lines = []
-    for text in policies:
-        kind, _, value = str(text).partition(":")
-        try:
-            requested, f16 = float(value), int(parse_policy(text).fraction16)
-        except ValueError:
-            continue  # not a fraction, or malformed: config_grid reports it
-        if kind != "fraction":
-            continue
-        if f16 == 0 and requested != 0:
-            lines.append(f"pallas-cache: warning: {text} means fetch fraction 0 (q clamps to "
-                         f"[0, 1] in steps of 1/{ONE}): the split fetches no miss")
-        elif f16 == ONE and requested > 1:
-            lines.append(f"pallas-cache: warning: {text} means fetch fraction 1 (q clamps to "
-                         f"[0, 1]): the split fetches every miss, as 'full'")
-    return lines
-
-
-#: Bytes of one cache state per flat id (slot map, recency, routing histogram and prefill
-#: snapshot: int32 [L, E] each) and per slot (id_of_slot, usage: int32 [S] each).
-_STATE_BYTES_PER_ID = 16
-_STATE_BYTES_PER_SLOT = 8
-
-
-def check_state_memory(sizes, configs_per_size: int, num_layers: int, num_experts: int,
-                        limit: int) -> int:
-    """Refuse cache sizes whose replay state would exceed ``limit``, before any is allocated;
-    returns the largest bucket's bytes (what the replay step's check adds to its own).
-
-    A bucket of sizes replays its ``n`` configurations (``configs_per_size`` per size) as one
-    batch of states at the bucket's largest size (``sweep.capacity_buckets``): the stacked
-    states, the program's output batch and the initial state, ``2 * n + 1`` states in all.
-    """
-    from pallas_cache.sizing.sweep import capacity_buckets  # after config_grid's jax import
-    from pallas_cache.sizing.traces import check_memory
-
-    largest = 0
-    for bucket in reversed(capacity_buckets(sizes)):
-        size, count = bucket[-1], configs_per_size * len(bucket)
-        state = (num_layers * num_experts * _STATE_BYTES_PER_ID + size * _STATE_BYTES_PER_SLOT
-                 + num_layers * 16)
-        check_memory((2 * count + 1) * state, limit, f"--cache-size {size}",
-                     f"{count} cache state(s) of {size} slots for {num_layers} "
-                     f"layers x {num_experts} experts")
-        largest = max(largest, (2 * count + 1) * state)
-    return largest
-
-
-def cost_options(args):
-    """``(CostModel, model label or None)`` from the flags; ValueError names the bad one."""
-    model = label = None
-    width = None
-    if args.model:
-        model, dtype = resolve_model(args.model)
-        width = model.expert_bytes(dtype)
-        label = model.weight_label(dtype)
-    elif args.expert_bytes:
-        width = parse_bytes(args.expert_bytes)
-        label = f"W = {format_bytes(width)} ({width} bytes)"
-    link = parse_bandwidth(args.link_bandwidth) if args.link_bandwidth else None
-    cpu = parse_bandwidth(args.cpu_bandwidth) if args.cpu_bandwidth else None
-    budget = parse_bytes(args.device_budget) if args.device_budget else None
-    cost = CostModel(width, link, cpu, budget)
-    cost = CostModel(width, link, cpu, budget, cpu_fixed_seconds(args, cost.timed))
-    layer_seconds, expert_seconds = gpu_seconds(args, cost)
-    if layer_seconds is not None or expert_seconds is not None:
-        cost = dataclasses.replace(cost, gpu_layer_seconds=layer_seconds,
-                                   gpu_expert_seconds=expert_seconds)
-    if budget is not None and not cost.timed:
-        raise ValueError("--device-budget needs an expert size (--model or --expert-bytes) and "
-                         "both --link-bandwidth and --cpu-bandwidth")
-    return cost, model, label
-
-
-def model_mismatch(model, trace) -> str | None:
-    """A warning when the trace's geometry is not the model's, else ``None``."""
-    ours = (trace.num_layers, trace.num_experts, trace.top_k)
-    theirs = (model.moe_layers, model.routed_experts, model.top_k)
-    if ours == theirs:
-        return None
-    return (f"pallas-cache: warning: the trace has {ours[0]} layers x {ours[1]} experts, "
-            f"top-{ours[2]}, but {model.name} has {theirs[0]} MoE layers x {theirs[1]} routed "
-            f"experts, top-{theirs[2]}: W comes from the model, the routing from the trace")
-
-
-def cache_sizes(texts, trace, cost):
-    """``(slot counts, lines saying how byte sizes were rounded)`` from ``--cache-size``."""
-    from pallas_cache.sizing.sweep import auto_cache_sizes
-
-    sizes, shown = [], []
-    for text in texts:
-        if text == "auto":
-            sizes += auto_cache_sizes(trace.num_layers, trace.num_experts, trace.top_k)
-        elif text.isdigit():
-            sizes.append(int(text))
-        elif re.fullmatch(r"\s*-\s*[0-9.]+\s*[a-zA-Z]*\s*", text):
-            raise ValueError(f"cache size {text!r} must be positive: a slot count (at least one "
-                             f"layer's experts) or bytes such as 12GiB")
-        else:
-            wanted = parse_bytes(text)
-            if cost.expert_bytes is None:
-                raise ValueError(f"cache size {text!r} is in bytes: give --model or "
-                                 f"--expert-bytes to turn it into slots")
-            slots = wanted // cost.expert_bytes
-            shown.append(f"{text} = {slots} slots of {format_bytes(cost.expert_bytes)} "
-                         f"({format_bytes(slots * cost.expert_bytes)})")
-            if slots < trace.num_experts:
-                raise ValueError(f"cache size {text} holds {slots} experts of "
-                                 f"{format_bytes(cost.expert_bytes)}, fewer than one layer's "
-                                 f"{trace.num_experts}")
-            sizes.append(slots)
-    sizes = sorted(set(sizes))
-    too_small = [s for s in sizes if s < trace.num_experts]
-    if too_small:
-        raise ValueError(f"cache size {too_small[0]} cannot hold one layer of "
-                         f"{trace.num_experts} experts")
-    return sizes, shown
-
-
-def resolve_policies(requested, cost, top_k=None):
-    """The policy list with ``fraction:auto`` resolved (docs/semantics.md §11.4; with a fixed
-    CPU cost it depends on ``top_k``, the routes per call)."""
-    if requested is None:
-        requested = DEFAULT_TIMED_POLICIES if cost.link_bandwidth and cost.cpu_bandwidth \
-            else DEFAULT_POLICIES
-    resolved = [cost.auto_policy(top_k) if p == "fraction:auto" else p for p in requested]
-    return list(dict.fromkeys(resolved))
-
-
-def clamped(policy: str) -> str:
-    """``fraction:Q`` as the fraction it runs when clamping or rounding changes it
-    (``fraction:1.5`` -> ``fraction:1``, ``fraction:-1`` -> ``fraction:0``; see
-    :func:`policy_warnings`), so a row shows what it ran; anything else unchanged."""
-    from pallas_cache.policy import ONE
-    from pallas_cache.sizing.sweep import parse_policy
-
-    kind, _, value = policy.partition(":")
-    if kind != "fraction":
-        return policy
-    try:
-        requested, f16 = float(value), int(parse_policy(policy).fraction16)
-    except ValueError:
-        return policy  # malformed: config_grid reports it
-    if f16 == 0 and requested != 0:
-        return "fraction:0"
-    if f16 == ONE and requested > 1:
-        return "fraction:1"
-    return policy
+        return parse_memory_size(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None

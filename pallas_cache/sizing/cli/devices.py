@@ -17,24 +17,22 @@ several devices (docs/replay.md, "Several devices"; docs/semantics.md §5.17).
 from __future__ import annotations
 
 import dataclasses
-import sys
 
-from pallas_cache.sizing.cli_checks import INT32_MAX
-from pallas_cache.sizing.cost import CostModel
+from pallas_cache.sizing.cli.checks import INT32_MAX
+from pallas_cache.sizing.report import format_records
+from pallas_cache.sizing.sweep.cost import CostModel
 from pallas_cache.sizing.units import format_bytes
 
-__all__ = ["PARALLEL", "budget_lines", "check_device_count", "declared_experts", "device_cost",
-           "device_header", "run_expert_parallel", "tensor_records"]
-
-PARALLEL = ("expert", "tensor")
+__all__ = ["budget_lines", "check_device_count", "device_cost", "device_header",
+           "print_expert_parallel", "tensor_records"]
 
 
-def device_cost(args, cost: CostModel) -> CostModel:
+def device_cost(devices: int | None, parallel: str | None, plot: bool,
+                cost: CostModel) -> CostModel:
     """Check ``--devices`` and ``--parallel`` (before the trace is read; ValueError, one line)
     and return the cost model each device's replay runs with: a slot of ``W / T`` bytes
     (tensor-parallel) and the host bandwidth's per-device share ``B_cpu / D``. Unchanged
     without the flags."""
-    devices, parallel = getattr(args, "devices", None), getattr(args, "parallel", None)
     if devices is None and parallel is None:
         return cost
     if devices is None or parallel is None:
@@ -44,7 +42,7 @@ def device_cost(args, cost: CostModel) -> CostModel:
         raise ValueError(f"--devices must be at least 1, got {devices}")
     if devices > INT32_MAX:
         raise ValueError(f"--devices {devices} is above {INT32_MAX}")
-    if args.plot:
+    if plot:
         raise ValueError("--plot draws the rows of one device: it does not combine with "
                          "--devices")
     width = cost.expert_bytes
@@ -57,38 +55,26 @@ def device_cost(args, cost: CostModel) -> CostModel:
     return dataclasses.replace(cost, expert_bytes=width, cpu_bandwidth=cpu)
 
 
-def declared_experts(args, default_preset: str) -> int | None:
-    """The experts per layer known before the trace is read: a synthetic trace's (its preset's,
-    or ``--model``'s / ``--num-experts``'), a ``--trace``'s declared ``--num-experts``; else
-    ``None`` (known once it is read). Call after the synthetic geometry is checked."""
-    from pallas_cache.sizing import synthetic
-
-    if getattr(args, "trace", None):
-        return getattr(args, "num_experts", None)
-    geometry = getattr(args, "geometry", None) or {}
-    preset = synthetic.PRESETS.get(getattr(args, "synthetic", None) or default_preset)
-    return geometry.get("num_experts", preset.num_experts if preset is not None else None)
-
-
-def check_device_count(args, num_experts: int | None) -> None:
+def check_device_count(devices: int | None, parallel: str | None,
+                       num_experts: int | None) -> None:
     """``--devices D --parallel expert`` needs ``D <= E``: each device owns at least one expert
     of every layer (the default share); more devices than experts would own nothing, and the
     per-device work grows with ``D``. Refused before that work (ValueError, one line naming
     ``--devices``); a device that owns experts the trace never routes still gets its rows."""
-    if getattr(args, "parallel", None) != "expert" or num_experts is None:
+    if parallel != "expert" or num_experts is None:
         return
-    if args.devices > num_experts:
-        raise ValueError(f"--devices {args.devices} --parallel expert: more devices than the "
+    if devices > num_experts:
+        raise ValueError(f"--devices {devices} --parallel expert: more devices than the "
                          f"{num_experts} experts per layer, so some device would own none; "
                          f"give --devices {num_experts} or fewer")
 
 
-def device_header(args, cost: CostModel) -> list[str]:
+def device_header(request) -> list[str]:
     """The lines above the table that say what the per-device columns mean."""
-    if getattr(args, "devices", None) is None:
+    if request.devices is None:
         return []
-    D = args.devices
-    if args.parallel == "tensor":
+    D, cost = request.devices, request.cost
+    if request.parallel == "tensor":
         slot = (f"a slot is W/{D} = {format_bytes(cost.expert_bytes)} on each device, "
                 if cost.expert_bytes else "")
         return [f"devices: {D}, tensor-parallel: one cache for all, each device 1/{D} of every "
@@ -99,13 +85,13 @@ def device_header(args, cost: CostModel) -> list[str]:
             f"of the host (B_cpu/{D})"]
 
 
-def tensor_records(rows: list[dict], args) -> list[dict]:
+def tensor_records(rows: list[dict], devices: int | None, parallel: str | None) -> list[dict]:
     """Tensor-parallel rows: ``cpu_bytes_per_token`` counts the host's bytes (all ``T`` slices
     of each CPU expert), not one device's slice."""
-    if getattr(args, "parallel", None) != "tensor":
+    if parallel != "tensor":
         return rows
     return [dict(row, cpu_bytes_per_token=None if row["cpu_bytes_per_token"] is None
-                 else row["cpu_bytes_per_token"] * args.devices) for row in rows]
+                 else row["cpu_bytes_per_token"] * devices) for row in rows]
 
 
 def budget_lines(rows: list[dict], cost: CostModel) -> list[str]:
@@ -146,57 +132,13 @@ def _pick(rows: list[dict], cost: CostModel) -> list[dict]:
             for row in rows]
 
 
-def run_expert_parallel(args, trace, cost: CostModel, policies, progress, latch,
-                        warnings=()) -> int:
-    """The expert-parallel replay: one replay per device of its trace, printed per device, then
-    the busiest device's row of each configuration. Every check (sizes, memory) runs for every
-    device before any replay; ``warnings`` are printed then, as the one-device replay does. A
-    ``--device-budget`` is per device: its exact-fit size joins each device's sizes, and each
-    table (the busiest rows' too) names its pick."""
-    from pallas_cache.mesh import expert_sharding
-    from pallas_cache.sizing.cli_args import cache_sizes, check_state_memory
-    from pallas_cache.sizing.cli_checks import check_geometry, check_step_memory
-    from pallas_cache.sizing.cli_sizing import with_budget_fit
-    from pallas_cache.sizing.devices import device_traces
-    from pallas_cache.sizing.report import format_records, records
-    from pallas_cache.sizing.sweep import config_grid, replay
-
-    plans = []
-    try:
-        sharding = expert_sharding(trace.num_experts, args.devices)
-        traces = device_traces(trace, sharding)
-        for device_trace in traces:
-            sizes, size_lines = with_budget_fit(
-                *cache_sizes(args.cache_size, device_trace, cost), cost,
-                device_trace.num_layers, device_trace.num_experts)
-            check_geometry(device_trace.num_layers, device_trace.num_experts, sizes)
-            configs = config_grid(sizes, policies, args.order, args.admission, args.eviction)
-            if not configs:
-                raise ValueError(f"admission reuse needs eviction lru; got --eviction "
-                                 f"{' '.join(args.eviction)}")
-            per_size = len(configs) // len(set(sizes))
-            states = check_state_memory(sizes, per_size, device_trace.num_layers,
-                                        device_trace.num_experts, args.max_memory)
-            held = states + sum(array.nbytes for array in (
-                device_trace.routes, trace.routes, trace.layers, trace.token_idx,
-                trace.sequence) if array is not None)
-            check_step_memory(sizes, per_size, device_trace.num_experts, device_trace.top_k,
-                              args.max_memory, held)
-            plans.append((device_trace, configs, size_lines))
-    except (TypeError, ValueError) as error:
-        progress.close()
-        print(f"pallas-cache: {error}", file=sys.stderr)
-        return 2
-    progress.close()  # the note: warnings follow on a clean line
-    for line in warnings:
-        print(line, file=sys.stderr)
-    per_device = []
-    for device_trace, configs, _ in plans:
-        results = replay(device_trace, configs, cost=cost, progress=progress)
-        per_device.append(records(results, device_trace, cost))
-    latch.check()
-    progress.close()
-    fmt = args.format or ("json" if args.json else "table")
+def print_expert_parallel(request, trace, sharding, per_device: list[list[dict]],
+                          size_lines: list[list[str]]) -> None:
+    """The expert-parallel replay's rows: each device's, then, per configuration, the busiest
+    device's row (the largest modeled time, or without timing the lowest hit rate: the slowest
+    device sets the step), with its picks; as records, or a table per device and one of the
+    busiest rows. A ``--device-budget`` is per device: each table names its pick."""
+    cost = request.cost
     busiest = []
     for rows in zip(*per_device):
         timed = rows[0]["modeled_ms_per_token"] is not None
@@ -206,19 +148,19 @@ def run_expert_parallel(args, trace, cost: CostModel, policies, progress, latch,
                                                 f"devices)", note="; ".join(
             filter(None, [f"busiest: device {worst}", rows[worst]["note"]]))))
     busiest = _pick(busiest, cost)
-    header = device_header(args, cost)
-    if fmt != "table":
-        print(format_records([row for rows in per_device for row in rows] + busiest, fmt))
-        return 0
+    header = device_header(request)
+    if request.output.format != "table":
+        print(format_records([row for rows in per_device for row in rows] + busiest,
+                             request.output.format))
+        return
     for d, rows in enumerate(per_device):
         experts = sharding.experts(d)
         print(format_records(rows, "table", header + [
             f"device {d}: experts {experts[0]}..{experts[-1]} of every layer" if experts
-            else f"device {d}: no experts"] + [f"size: {line}" for line in plans[d][2]]))
+            else f"device {d}: no experts"] + [f"size: {line}" for line in size_lines[d]]))
         for line in budget_lines(rows, cost):
             print(line)
         print()
     print(format_records(busiest, "table", header + ["the busiest device per configuration"]))
     for line in budget_lines(busiest, cost):
         print(line)
-    return 0

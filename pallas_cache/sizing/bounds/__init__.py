@@ -1,7 +1,7 @@
 """Offline bounds for a routing trace: Belady's optimum, the bypass optimum, the stationary oracle.
 
 The rules are docs/semantics.md §5.14; their eviction loops are
-:mod:`pallas_cache.sizing.bounds_loops`.
+:mod:`pallas_cache.sizing.bounds.loops`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any, Callable
 import numpy as np
 
 from pallas_cache.host.metrics import histogram_metrics, oracle_slots_for
-from pallas_cache.sizing import bounds_loops
+from pallas_cache.sizing.bounds import loops as bounds_loops
 from pallas_cache.sizing.traces import Trace
 from pallas_cache.validate import is_int
 
@@ -358,7 +358,7 @@ _COMPILED_FROM = 500_000
 
 
 def compiled_loops(accesses: int | None = None) -> bounds_loops.Loops | None:
-    """The Numba-compiled loops (:func:`pallas_cache.sizing.bounds_loops.loops`) when Numba can
+    """The Numba-compiled loops (:func:`pallas_cache.sizing.bounds.loops.loops`) when Numba can
     be imported (the ``fast`` extra) and the loop is worth compiling (``accesses`` at least
     ``_COMPILED_FROM``, or ``PALLAS_CACHE_COMPILED_BOUNDS=1``; never with ``=0``); else ``None``
     (the Python loop)."""

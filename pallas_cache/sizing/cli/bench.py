@@ -1,0 +1,108 @@
+"""``pallas-cache bench-bandwidth``: measure B_link, B_cpu and T_cpu roughly (the library's own
+CPU path, :func:`~pallas_cache.sizing.bandwidth.cpu_partial_timing`) and print them as replay
+flags, a line on stderr per phase."""
+
+from __future__ import annotations
+
+import sys
+
+from pallas_cache.sizing.cli.parser import UsageError
+from pallas_cache.sizing.units import format_bandwidth
+
+__all__ = ["BENCH_D_EXPERT", "BENCH_MARGIN_BYTES", "MOST_CPU_EXPERTS", "bench_bank_columns",
+           "run_bench"]
+
+
+def run_bench(args) -> int:
+    """Measure and print; a refused flag is a :class:`UsageError` (one line, exit 2)."""
+    default_bank = args.d_expert is None
+    d_expert = BENCH_D_EXPERT if default_bank else args.d_expert
+    if min(args.mib, args.d_model, d_expert, args.repeats) < 1:
+        raise UsageError("pallas-cache: --mib, --d-model, --d-expert and --repeats must be >= 1")
+
+    def progress(line: str) -> None:
+        print(f"pallas-cache: bench-bandwidth: {line}", file=sys.stderr, flush=True)
+
+    from pallas_cache.sizing.units import format_bytes, format_duration
+
+    if default_bank:
+        d_expert, shrunk = bench_bank_columns(args.d_model, d_expert, _available_memory())
+        if shrunk:
+            progress(f"the default bank shrinks to --d-expert {d_expert} to fit this machine's "
+                     f"available memory")
+    from pallas_cache.sizing.cli.checks import check_bench_memory
+    from pallas_cache.sizing.traces.memory import DEFAULT_MEMORY_FRACTION, default_memory_limit
+
+    try:
+        check_bench_memory(args.mib, args.d_model, d_expert,
+                           int(default_memory_limit() / DEFAULT_MEMORY_FRACTION))
+    except ValueError as error:
+        raise UsageError(f"pallas-cache: {error}") from None
+    progress("starting JAX")
+    import jax
+
+    from pallas_cache.sizing.bandwidth import bank_bytes, cpu_partial_timing, link_bandwidth
+
+    device = jax.devices()[0]
+    progress(f"B_link: {args.repeats + 1} copies of {args.mib}MiB to {device.platform}:"
+             f"{device.id}")
+    link = link_bandwidth(args.mib * 2**20, args.repeats, device)
+    progress(f"B_cpu, T_cpu: a host bank of {MOST_CPU_EXPERTS} experts of {args.d_model} x "
+             f"{d_expert} float32 ({format_bytes(bank_bytes(args.d_model, d_expert))}), "
+             f"{args.repeats + 1} runs of 8 layer-calls per count")
+    timing = cpu_partial_timing(args.d_model, d_expert, args.repeats, progress=progress)
+    cpu, fixed = timing.bandwidth, timing.fixed
+    print(f"device: {device.platform}:{device.id} ({device.device_kind})")
+    where = "host -> device" if device.platform != "cpu" else "host -> host (no accelerator)"
+    print(f"B_link ~ {format_bandwidth(link)}  ({where} copy of {args.mib}MiB, pageable memory, "
+          f"median of {args.repeats})")
+    slope = (f"{format_bytes(timing.expert_bytes)} per "
+             f"{format_duration(timing.per_expert)}, the slope of a line through its time"
+             if timing.per_expert > 0 else
+             f"no positive slope through its time (noise?): {MOST_CPU_EXPERTS} experts' bytes "
+             f"over their whole {format_duration(timing.seconds[-1])}, a lower bound")
+    print(f"B_cpu  ~ {format_bandwidth(cpu)}  (the library's cpu_partial, one token, float32 "
+          f"x @ W experts of {args.d_model} x {d_expert}: {slope} with 1-{MOST_CPU_EXPERTS} CPU "
+          f"experts; median of {args.repeats})")
+    print(f"T_cpu  ~ {format_duration(fixed)}  (fixed cost per layer-call of cpu_partial: the "
+          f"intercept of that line; median of {args.repeats})")
+    print(f"flags: --link-bandwidth {format_bandwidth(link)} --cpu-bandwidth {format_bandwidth(cpu)}"
+          f" --cpu-fixed-cost {format_duration(fixed)}")
+    return 0
+
+
+#: CPU experts of bench-bandwidth's bank (pallas_cache.sizing.bandwidth.MOST, which imports
+#: NumPy; a test checks they agree).
+MOST_CPU_EXPERTS = 4
+
+
+#: bench-bandwidth's default expert matrix: half a Mixtral-8x7B expert matrix (4096 x 14336),
+#: 112 MiB, far past any CPU cache, so it streams from memory as the whole one does.
+BENCH_D_EXPERT = 7168
+
+
+#: What bench-bandwidth's peak adds to twice its bank (the bank, and the rows the CPU path copies
+#: out of it): the runtime, the program, the link copy's buffers.
+BENCH_MARGIN_BYTES = 768 * 2**20
+
+
+def bench_bank_columns(d_model: int, d_expert: int, available: int | None) -> tuple[int, bool]:
+    """``(d_expert, shrunk)``: the default bank's columns, halved while above 256 until twice the
+    bank plus :data:`BENCH_MARGIN_BYTES` fits half of ``available`` bytes (unknown: as is)."""
+    shrunk = False
+    while (available is not None and d_expert > 256
+           and 2 * MOST_CPU_EXPERTS * d_model * d_expert * 4 + BENCH_MARGIN_BYTES > available // 2):
+        d_expert, shrunk = d_expert // 2, True
+    return d_expert, shrunk
+
+
+def _available_memory() -> int | None:
+    """Bytes of memory available now (``MemAvailable``), or ``None`` where unknown."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None

@@ -1,0 +1,448 @@
+"""What ``pallas-cache replay`` prints: the records in the asked format, or the text table with
+the lines above it (the expert size, the bandwidths, the sizes, the devices) and under it (what
+the trace can tell, the cliffs, the cost model, the picks, the GPU's time, route_knn, the hit
+rates per layer); warnings; and the plot, written whole or not at all."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import stat
+import sys
+import tempfile
+import textwrap
+
+from pallas_cache.sizing.cli.devices import device_header, tensor_records
+from pallas_cache.sizing.cli.parser import UsageError
+from pallas_cache.sizing.report import CONFIG_KEYS, format_records, merged_configs
+from pallas_cache.sizing.units import format_bandwidth, format_bytes, format_duration
+
+__all__ = ["COLD_SHARE", "KNN_POINTER", "budget_fit", "cliff_lines", "knn_line", "layer_hit_rates",
+           "legend", "model_mismatch", "per_layer_lines", "prefetch_lines", "print_rows",
+           "trace_lines", "with_budget_fit", "write_plot"]
+
+
+def print_rows(request, trace, results, rows, size_lines, auto_k, knn) -> None:
+    """The rows of one replay on stdout: records in the asked format (the lines about the trace
+    on stderr, unless quiet), or the table under its header lines with its legend; the hit
+    rates per layer under them, or in the records, with ``--per-layer``."""
+    fmt = request.output.format
+    rows = tensor_records(rows, request.devices, request.parallel)
+    per_layer = []
+    if request.output.per_layer and fmt in ("table", "markdown"):
+        per_layer = per_layer_lines(results, rows)
+    elif request.output.per_layer:
+        rows = [dict(row, layer_hit_rates=layer_hit_rates(result))
+                for row, result in zip(rows, results)]
+    about_trace = trace_lines(rows, trace, getattr(request.source, "preset", None))
+    if fmt != "table":
+        print(format_records(rows, fmt))
+        for line in per_layer:
+            print(line)
+        for line in [] if request.output.quiet else about_trace:
+            print(f"pallas-cache: {line}", file=sys.stderr)
+        return
+    header = _header_lines(request, auto_k) + [f"size: {line}" for line in size_lines]
+    print(format_records(rows, "table", header + device_header(request)))
+    print("\n".join(legend(results, trace, request.cost, knn, rows,
+                            request.parallel == "tensor", about_trace) + per_layer))
+
+
+def _header_lines(request, auto_k) -> list[str]:
+    """The lines above the table: what ``W`` is, the bandwidths, the GPU's times, and how
+    ``fraction:auto`` was resolved."""
+    cost, header = request.cost, []
+    if request.weight_label:
+        header.append(f"expert: {request.weight_label}")
+    if cost.link_bandwidth or cost.cpu_bandwidth:
+        header.append("bandwidth: " + "  ".join(
+            f"{name}={format_bandwidth(value)}" for name, value in
+            (("B_link", cost.link_bandwidth), ("B_cpu", cost.cpu_bandwidth)) if value)
+            + (f"  T_cpu={format_duration(cost.cpu_fixed_seconds)}"
+               if cost.cpu_fixed_seconds else ""))
+    if cost.gpu:
+        header.append(f"gpu: A={format_duration(cost.gpu_layer_seconds or 0.0)} per "
+                      f"layer-call  C={format_duration(cost.gpu_expert_seconds or 0.0)} per "
+                      f"device-computed expert (estimates you gave)")
+    if request.policies is None or "fraction:auto" in request.policies:
+        if cost.link_bandwidth and cost.cpu_bandwidth and not cost.cpu_fixed_seconds:
+            header.append(f"fraction:auto = B_link/(B_link+B_cpu) = "
+                          f"{cost.auto_fraction():.4f} -> {cost.auto_policy()}")
+        elif cost.link_bandwidth and cost.cpu_bandwidth:
+            header.append(f"fraction:auto = (k*W/B_cpu + T_cpu)/(k*W/B_link + k*W/B_cpu) at "
+                          f"k = {auto_k} = {cost.auto_fraction(auto_k):.4f} -> "
+                          f"{cost.auto_policy(auto_k)}")
+    return header
+
+
+def write_plot(request, rows) -> int:
+    """Draw the plot, if asked (its path checked before the replay); 0, or a
+    :class:`UsageError` when it could not be written."""
+    path = request.output.plot
+    if not path:
+        return 0
+    try:
+        _plot(rows, path)
+    except OSError as error:  # checked before the replay; changed since
+        raise UsageError(f"pallas-cache: --plot {path}: {error.strerror or error}") from None
+    print(f"plot written to {path}", file=sys.stderr)
+    return 0
+
+
+def model_mismatch(model, trace) -> str | None:
+    """A warning when the trace's geometry is not the model's, else ``None``."""
+    ours = (trace.num_layers, trace.num_experts, trace.top_k)
+    theirs = (model.moe_layers, model.routed_experts, model.top_k)
+    if ours == theirs:
+        return None
+    return (f"pallas-cache: warning: the trace has {ours[0]} layers x {ours[1]} experts, "
+            f"top-{ours[2]}, but {model.name} has {theirs[0]} MoE layers x {theirs[1]} routed "
+            f"experts, top-{theirs[2]}: W comes from the model, the routing from the trace")
+
+
+#: The legend's last line of an LRU-only table without ``--route-knn-legend``.
+KNN_POINTER = ("route_knn (the eviction that wins on real Mixtral routing): add --eviction lru "
+               "route_knn to see its rows, or --route-knn-legend for one line of its changes.")
+
+
+def knn_line(results, companions, knn_results, lru_table: bool) -> str | None:
+    """The legend's line: route_knn's hit rate minus LRU's, at each size of the companions'
+    series; ``knn_results`` are the companions' replay results. Without companions, an LRU-only
+    table (``lru_table``) gets :data:`KNN_POINTER`, any other ``None``."""
+    if not companions or len(knn_results) != len(companions):
+        return KNN_POINTER if lru_table else None
+    hit_rates = [r.hit_rate for r in knn_results]
+    first = companions[0]
+    lru = {r.cache_size: r.hit_rate for r in results
+           if (r.policy, r.order, r.admission, r.eviction)
+           == (first.policy, first.order, first.admission, "lru")}
+    changes = ", ".join(f"{rate - lru[knn.cache_size]:+.3f} at {knn.cache_size}"
+                        for knn, rate in zip(companions, hit_rates) if knn.cache_size in lru)
+    return (f"route_knn (the eviction that wins on real Mixtral routing) on this trace, policy "
+            f"{first.policy}: hit rate {changes} (add --eviction lru route_knn to see its rows).")
+
+
+def legend(results, trace, cost, knn_line: str | None = None, rows=None,
+            per_device: bool = False, about_trace=()) -> list[str]:
+    """What a newcomer needs to read the table: the bounds, the model, the verdict, and (an LRU
+    sweep) what route_knn changes (wrapped as the rest). ``rows``: the table's records (their
+    ``batch``, and the configurations the table shows once); ``per_device``: the budget is
+    each device's; ``about_trace``: what the trace can tell (first)."""
+    k = min(trace.top_k, trace.num_experts)
+    cliffs = cliff_lines(results, trace)
+    paragraphs = [
+        "hit_rate = 1 - missing/active per layer-call. Bounds: belady_hit_rate bounds the `full` "
+        "rows (every miss admitted); bypass_optimum_hit_rate bounds every row (a miss may be "
+        "served without being admitted); oracle_hit_rate (a fixed max(1, round(S/L)) slots per "
+        f"layer) is a reference, not a bound. L*k = {trace.num_layers * k} slots hold one "
+        "token's experts.",
+    ]
+    if not cost.expert_bytes:
+        paragraphs.append("For bytes and ms per token add --model NAME (or --expert-bytes 336MiB) "
+                          "and --link-bandwidth 25GB/s --cpu-bandwidth 60GB/s (your machine's "
+                          "numbers: see the README).")
+    elif not cost.timed:
+        paragraphs.append("For modeled ms per token add --link-bandwidth and --cpu-bandwidth.")
+    else:
+        fixed = " + T_cpu if cpu_experts > 0" if cost.cpu_fixed_seconds else ""
+        paragraphs.append("modeled_ms_per_token: per layer-call max(fetched*W/B_link, "
+                          f"cpu_experts*W/B_cpu{fixed}), summed per token (docs/semantics.md "
+                          "§11); best = the fastest row at its cache_size.")
+        if cost.device_budget is None:
+            paragraphs.append("No --device-budget: in this model a bigger cache is never slower, "
+                              "so only a budget picks one (e.g. --device-budget 24GiB).")
+        else:
+            budget = format_bytes(cost.device_budget)
+            if not any(r.budget_best for r in results):
+                smallest = min(r.cache_bytes for r in results)
+                paragraphs.append(f"No configuration fits the {budget} device budget (the "
+                                  f"smallest pool takes {format_bytes(smallest)}).")
+            paragraphs += _budget_picks(rows if rows is not None else
+                                        [dataclasses.asdict(r) for r in results],
+                                        budget, per_device)
+    if rows is not None:
+        paragraphs += _stops_copying(rows, trace)
+    if cost.gpu:
+        paragraphs.append(
+            "overlap_ms_per_token: the layer-calls one after the other, each taking A, then its "
+            "copies (tau = W/B_link each, one link) while the device computes each expert (C) "
+            "once it is there and the CPU partial runs beside; stall_ms_per_token = the "
+            "device's wait; prefetch_bound = 1 - busiest resource/overlap (docs/semantics.md "
+            "§11.6).")
+        paragraphs += prefetch_lines(results, trace, cost)
+    return [textwrap.fill(text, width=100, break_on_hyphens=False)
+            for text in [*about_trace, *cliffs, *paragraphs, *([knn_line] if knn_line else [])]]
+
+
+def _budget_picks(rows, budget: str, per_device: bool) -> list[str]:
+    """One line per budget pick (one per batch), naming its batch and, for a configuration
+    whose rows another's equal, both; a budget per device says so."""
+    merged = merged_configs(rows)
+    lines = []
+    for r in rows:
+        config = tuple(r[key] for key in CONFIG_KEYS)
+        if not r["budget_best"] or config in merged:
+            continue
+        same = [" ".join(f"{key}={mine}" for key, mine, theirs in zip(CONFIG_KEYS, other, kept)
+                         if mine != theirs)
+                for other, kept in merged.items() if kept == config]
+        where = (f"Best within {budget}{' per device' if per_device else ''}"
+                 f"{' at batch=' + str(r['batch']) if 'batch' in r else ''}")
+        lines.append(
+            f"{where}: cache_size={r['cache_size']} ({format_bytes(r['cache_bytes'])}) "
+            f"policy={r['policy']} order={r['order']} admission={r['admission']}"
+            f"{'' if r['eviction'] == 'lru' else ' eviction=' + r['eviction']}: "
+            f"{r['modeled_ms_per_token']:.1f} ms/token modeled"
+            + (f" (the same rows as {', '.join(same)})." if same else "."))
+    return lines
+
+
+def _stops_copying(rows, trace) -> list[str]:
+    """Why a ``fraction:Q`` marked best copies no miss once the pool is full: at this trace's
+    routes per call its split rounds every call's misses down to 0 (docs/semantics.md §5.3),
+    so only the admission rule fills empty slots, and the CPU computes every miss after."""
+    import jax.numpy as jnp
+
+    from pallas_cache.sizing.sweep.records import parse_policy
+
+    lines = []
+    for policy in dict.fromkeys(r["policy"] for r in rows if r["best"] or r["budget_best"]):
+        kind, _, value = policy.partition(":")
+        if kind != "fraction":
+            continue
+        widths = {min(trace.top_k, trace.num_experts) * r.get("batch", 1) for r in rows
+                  if r["policy"] == policy}
+        split = parse_policy(policy).split  # the library's own rule
+        for k in sorted(widths):
+            if int(jnp.max(split(jnp.arange(1, k + 1, dtype=jnp.int32)))) == 0:
+                lines.append(
+                    f"{policy} is marked best, but at {k} routes per call its balanced split "
+                    f"copies none of a call's 1-{k} misses (docs/semantics.md §5.3): only the "
+                    f"admission rule fills empty slots, so once the pool is full it stops "
+                    f"copying and the CPU computes every miss, which the model finds fastest "
+                    f"there.")
+                break
+    return lines
+
+
+def prefetch_lines(results, trace, cost) -> list[str]:
+    """The line under a table with the GPU's time (docs/semantics.md §11.6): at each cache size,
+    the fastest row's ``prefetch_bound`` (what any prefetch of the next layers could save) and,
+    for a ``full`` row, what better eviction could save at most (Belady's misses as demand
+    copies), then the regime: one expert's copy time beside one layer's GPU work."""
+    timed = [r for r in results if r.overlap_ms_per_token is not None]
+    if not timed:
+        return []
+    fastest = {}
+    for r in timed:  # the first of equally fast rows
+        best = fastest.get(r.cache_size)
+        if best is None or r.overlap_ms_per_token < best.overlap_ms_per_token:
+            fastest[r.cache_size] = r
+    rows = [fastest[size] for size in sorted(fastest)]
+    prefetch = ", ".join(f"{100 * r.prefetch_bound:.1f}% at S = {r.cache_size}" for r in rows)
+    eviction = [(r, _eviction_bound(r, cost)) for r in rows]
+    eviction = ", ".join(f"{100 * bound:.0f}% at S = {r.cache_size}" for r, bound in eviction
+                         if bound is not None)
+    A = cost.gpu_layer_seconds or 0.0
+    C = cost.gpu_expert_seconds or 0.0
+    k = min(trace.top_k, trace.num_experts)
+    tau = cost.expert_bytes / cost.link_bandwidth
+    layer = A + k * C
+    ratio = f"{tau / layer:.3g}x" if layer > 0 else "unbounded"
+    text = (f"prefetch_bound: any prefetch of the next layers could save at most {prefetch} "
+            f"here (the fastest row at each size, by overlap_ms_per_token)")
+    if eviction:
+        text += f"; better eviction could save up to {eviction} (Belady's misses, full rows)"
+    text += (f". One expert's copy takes tau = W/B_link = {1e3 * tau:.3g} ms, one layer's GPU "
+             f"work A + k*C = {1e3 * layer:.3g} ms ({ratio}): prefetch can pay only where "
+             f"they are near (docs/replay.md).")
+    return [text]
+
+
+def _eviction_bound(result, cost) -> float | None:
+    """For a ``full`` row with its Belady hit rate: ``1 - (A * calls + max(C * active,
+    tau * Belady's misses)) / overlap``, the most any eviction with demand copies could save
+    (each call takes at least ``A`` plus the larger of its device work and its copies, and no
+    eviction misses less than Belady); ``None`` for other rows."""
+    if (result.policy not in ("full", "fraction:1") or result.belady_hit_rate is None
+            or not result.overlap_ms_per_token):
+        return None
+    A = cost.gpu_layer_seconds or 0.0
+    C = cost.gpu_expert_seconds or 0.0
+    tau = cost.expert_bytes / cost.link_bandwidth
+    misses = result.active * (1.0 - result.belady_hit_rate)
+    floor = A * result.calls + max(C * result.active, tau * misses)
+    total = result.overlap_ms_per_token * max(result.tokens, 1) / 1e3
+    return max(0.0, 1.0 - floor / total)
+
+
+def budget_fit(cost, num_layers: int, num_experts: int) -> int | None:
+    """The pool size that exactly fills ``--device-budget``: ``floor(budget / W)`` slots, at most
+    ``L * E`` (every expert resident; a bigger pool holds nothing more); ``None`` without a
+    budget or when it holds less than one layer's ``E`` experts."""
+    if cost.device_budget is None or cost.expert_bytes is None:
+        return None
+    slots = min(cost.device_budget // cost.expert_bytes, num_layers * num_experts)
+    return slots if slots >= num_experts else None
+
+
+def with_budget_fit(sizes, lines, cost, num_layers: int, num_experts: int):
+    """``(sizes, lines)`` of the sweep with :func:`budget_fit`'s size added beside the grid's
+    (sorted in), and a line saying so; unchanged when the grid has it already or there is none."""
+
+    fit = budget_fit(cost, num_layers, num_experts)
+    if fit is None or fit in sizes:
+        return sizes, lines
+    whole = " (every expert)" if fit == num_layers * num_experts else ""
+    line = (f"--device-budget {format_bytes(cost.device_budget)} fits {fit} slots of "
+            f"{format_bytes(cost.expert_bytes)} ({format_bytes(fit * cost.expert_bytes)})"
+            f"{whole}: replayed beside the grid")
+    return sorted([*sizes, fit]), [*lines, line]
+
+
+def cliff_lines(results, trace) -> list[str]:
+    """The lines under the table that name the sizes past a cliff (docs/semantics.md §11.3):
+    below ``L*k`` slots, one token's working set, where global LRU thrashes (with each size's
+    measured hit rate, the best row's of that size); and, beside the stationary per-layer
+    oracle, sizes whose ``round(S/L)`` slots per layer are below ``3 * top_k``, where per-layer
+    LRU falls far below the oracle (peers measured about no hits there on fine-grained models),
+    with per-layer LRU's hit rate measured on this trace at ``round(S/L)`` slots per layer."""
+    from pallas_cache.sizing.trace_stats import per_layer_lru_hit_rate
+
+    num_layers, top_k = trace.num_layers, min(trace.top_k, trace.num_experts)
+    sizes = sorted({r.cache_size for r in results})
+    lines = []
+    below = [size for size in sizes if size < num_layers * top_k]
+    if below:
+        best = {size: max(r.hit_rate for r in results if r.cache_size == size) for size in below}
+        lines.append(f"Below one token's working set (S < L*k = {num_layers * top_k}): "
+                     + ", ".join(f"S = {size} (hit rate {best[size]:.3f})" for size in below)
+                     + ": LRU evicts what the next token's same layer needs.")
+    thin = [size for size in sizes if round(size / num_layers) < 3 * top_k]
+    if thin:
+        measured = []
+        for size in thin:
+            per_layer = round(size / num_layers)
+            if per_layer < trace.top_k:
+                measured.append(f"S = {size}: {per_layer} < top_k slots per layer")
+            else:
+                rate = per_layer_lru_hit_rate(trace, per_layer * num_layers)
+                measured.append(f"S = {size}: {rate:.3f}")
+        lines.append(f"Per-layer cliff (round(S/L) < 3*top_k = {3 * top_k} slots per layer; "
+                     f"oracle_hit_rate assumes each layer's best fixed set): per-layer LRU "
+                     f"measured on this trace, {'; '.join(measured)}.")
+    return lines
+
+
+#: A size is too short a trace's when more than this share of a ``full`` row's misses are cold
+#: (the first use of an expert, which every cache pays once).
+COLD_SHARE = 0.5
+
+
+def trace_lines(rows, trace, synthetic_preset: str | None) -> list[str]:
+    """The lines under the table (or on stderr) that say what the trace can tell: that it is
+    synthetic, and from which generator (``mixtral-realistic`` is calibrated on Mixtral-8x7B
+    decode traces, and stretched to another geometry it is that calibration's guess); and the
+    cache sizes it is too short for, where more than :data:`COLD_SHARE` of a ``full`` row's
+    misses are cold (the first use of each of the ``D`` distinct experts it routes), short of
+    a pool of every expert."""
+    import numpy as np
+
+    lines = []
+    geometry = f"{trace.num_layers} layers x {trace.num_experts} experts, top-{trace.top_k}"
+    if synthetic_preset is not None:
+        calibrated = synthetic_preset == "mixtral-realistic"
+        stretched = (trace.num_layers, trace.num_experts, trace.top_k) != (32, 8, 2)
+        lines.append(
+            f"The trace is synthetic ({synthetic_preset}, {trace.num_tokens} tokens, "
+            f"{geometry}): " + (
+                "a generator calibrated on Mixtral-8x7B decode traces"
+                + (", stretched to this geometry, so its hit rates are a guess for this model"
+                   if stretched else "") if calibrated else
+                "a generator calibrated on no model's routing")
+            + ". Replay a recorded trace of your model (--trace) before trusting a size.")
+    routes = trace.routes
+    valid = routes >= 0
+    flat = (np.broadcast_to(trace.layers[:, None], routes.shape).astype(np.int64)
+            * trace.num_experts + routes)[valid]
+    distinct = int(np.unique(flat).size)
+    # (a pool of every expert, S >= L*E, misses nothing but cold: its steady state is plain)
+    short = sorted({r["cache_size"] for r in rows if r["policy"] == "full" and r["missing"]
+                    and distinct > COLD_SHARE * r["missing"]
+                    and r["cache_size"] < trace.num_layers * trace.num_experts})
+    if short:
+        lines.append(
+            f"The trace is too short for cache_size {', '.join(map(str, short))}: there more "
+            f"than half of the misses are cold, the first use of one of the {distinct} experts "
+            f"it routes, which any cache pays once; a longer trace (--tokens, or more "
+            f"requests) shows what those sizes hold in steady state.")
+    return lines
+
+
+def layer_hit_rates(result) -> list[float | None]:
+    """A replay result's hit rate per layer, ``1 - missing/active`` of each layer's counters
+    (``ReplayResult.layer_stats``); ``None`` for a layer no call routed."""
+    return [None if not stats.active else 1.0 - stats.missing / stats.active
+            for stats in result.layer_stats]
+
+
+def per_layer_lines(results, rows, per_line: int = 12) -> list[str]:
+    """The lines under the table of ``--per-layer``: for each row, its cache size and the
+    configuration keys that vary, then its hit rate per layer, ``per_line`` layers a line after
+    their range (``-`` for a layer no call routed); within 100 columns for any layer count."""
+
+    varying = [key for key in CONFIG_KEYS if len({row[key] for row in rows}) > 1]
+    lines = ["Hit rate per layer (- where no call routed the layer):"]
+    for result, row in zip(results, rows):
+        lines.append(" ".join([f"cache_size={row['cache_size']}"]
+                              + [f"{key}={row[key]}" for key in varying]))
+        rates = ["-" if rate is None else f"{rate:.3f}" for rate in layer_hit_rates(result)]
+        width = len(str(max(len(rates) - 1, 0)))
+        for first in range(0, len(rates), per_line):
+            last = min(first + per_line, len(rates)) - 1
+            lines.append(f"  layers {first:>{width}}-{last:<{width}}  "
+                         + " ".join(f"{rate:>5}" for rate in rates[first:last + 1]))
+    return lines
+
+
+def _write_atomically(path: str, write) -> None:
+    """``write(temp_path)`` next to ``path``, then rename over it: an interrupt or error leaves
+    no partial file behind."""
+    folder, name = os.path.split(os.path.abspath(path))
+    handle, temp = tempfile.mkstemp(dir=folder, prefix=f".{name}.",
+                                    suffix=os.path.splitext(name)[1])
+    os.close(handle)
+    try:
+        write(temp)
+        try:  # the temporary file is 0600: give it the mode the file has, or a new file gets
+            mode = stat.S_IMODE(os.stat(path).st_mode)
+        except FileNotFoundError:
+            mode = _new_file_mode()
+        os.chmod(temp, mode)
+        os.replace(temp, path)
+    finally:
+        if os.path.exists(temp):
+            os.remove(temp)
+
+
+def _new_file_mode() -> int:
+    """The mode a newly created file gets from the process umask (0o644 under umask 022).
+    Read from /proc where Linux has it, so the umask is never changed, even for a moment."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+def _plot(rows, path: str) -> None:
+    from pallas_cache.sizing.plotting import plot
+
+    figure = plot(rows)
+    extension = os.path.splitext(path)[1].lstrip(".").lower()
+    _write_atomically(path, lambda temp: figure.savefig(temp, dpi=120, format=extension))
