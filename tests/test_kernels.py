@@ -95,7 +95,8 @@ def test_a_victim_round_packs_a_key_offset_only_where_it_fits(block, bits):
     usage = np.asarray(usage, np.int64)[order]
     state = _state_with_usage(usage, I32_MAX - 1, C)
     out = _kernel_step(block)(state, jnp.arange(E, dtype=jnp.int32))
-    np.testing.assert_array_equal(np.asarray(out[3]), np_victims(usage, I32_MAX, E, E))
+    np.testing.assert_array_equal(np.asarray(out[1].copy.dst_slots),
+                                  np_victims(usage, I32_MAX, E, E))
 
 
 # --------------------------------------------------------------------------------------------
