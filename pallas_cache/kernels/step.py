@@ -383,20 +383,24 @@ def _rank_victims(call, state, state_out, scratch, hits: _Hits, need, o_idx, *, 
     keyed = bool(state.tables or state.ring)  # the key reads the occupants
 
     def pool_load(start, width, when=True):
-        """The block's usage, loaded apart so the streamed search can issue the next block's
-        before this one's rounds; masked off unless ``when``."""
+        """The block's contiguous loads (usage, and the occupants when the key reads them),
+        issued apart so the streamed search can issue the next block's before this one's
+        rounds; masked off unless ``when``. Int32 vectors, 1 + ``keyed`` of them."""
         index = start + lax.iota(jnp.int32, width)
         valid = (index < C) & searching & when  # no pool read when no victim is needed
-        return plgpu.load(state_out.usage.at[index], mask=valid, other=0)
+        u = plgpu.load(state_out.usage.at[index], mask=valid, other=0)
+        if not keyed:
+            return (u,)
+        return u, plgpu.load(state.id_of_slot.at[index], mask=valid, other=-1)
 
-    def pool_block(start, width, u=None):
+    def pool_block(start, width, loaded=None):
         index = start + lax.iota(jnp.int32, width)
         valid = (index < C) & searching
-        u = pool_load(start, width) if u is None else u
+        u, *occupant = pool_load(start, width) if loaded is None else loaded
         ok = valid & (index < limit) & (u != step)
         if not keyed:
             return ranking.key((), None, u, None, None), jnp.where(ok, index, INT32_MAX)
-        occupant = plgpu.load(state.id_of_slot.at[index], mask=valid, other=-1)
+        (occupant,) = occupant
         at = jnp.maximum(occupant, 0)
         tables = tuple(plgpu.load(ref.at[at], mask=valid, other=_zero(ref))
                        for ref in state.tables)
@@ -413,8 +417,11 @@ def _rank_victims(call, state, state_out, scratch, hits: _Hits, need, o_idx, *, 
     if -(-C // block) == 1:
         return _victims_one_block(pool_block, state.id_of_slot, need, o_idx,
                                   width=ranking.width, block=block)
+    # PAIR_LFU's key (the tables gathered per slot) with the next block's loads held through
+    # the rounds made ptxas spill 44 bytes at (61, 256, 16384): it loads each block at its start.
     return _victims_streamed(pool_block, pool_load, state.id_of_slot, need, o_idx,
-                             width=ranking.width, block=block, prefetch=not keyed)
+                             width=ranking.width, block=block, num_loads=1 + keyed,
+                             prefetch=not state.tables)
 
 
 def _admit(fraction16, experts, recs, victims, vusage, occupants, num_fetch, *,
@@ -619,17 +626,14 @@ def _victims_one_block(pool_block, ios_ref, need, o_idx, *, width, block):
 
 
 def _victims_streamed(pool_block, pool_load, ios_ref, need, o_idx, *, width, block,
-                      prefetch: bool):
+                      num_loads, prefetch: bool):
     """:func:`_victims_one_block` for a pool of several blocks, in one pass over it: each block
-    is loaded once and yields its keys in ascending order into a set of the ``need`` smallest
-    seen so far until its next key would not enter; the set is sorted at the end ([picks,
-    picks] rank). The set's worst member is
-    kept as scalars: a key entering a set that is not full raises it to the larger of the two,
-    one entering a full set replaces it and the new worst is the set's maximum, a reduction
-    over the picks only on such an entry. With ``prefetch`` (a key of the usage alone: LRU) the
-    next block's usage is loaded before this block's rounds; a key that reads the occupants
-    loads its block at the block's start (the next block's usage held through the rounds made
-    PAIR_LFU spill at (61, 256, 16384))."""
+    is loaded once (with ``prefetch``, the next one's loads issued before this one's rounds)
+    and yields its keys in ascending order into a set of the ``need`` smallest seen so far until
+    its next key would not enter; the set is sorted at the end ([picks, picks] rank). The set's
+    worst member is kept as scalars: a key entering a set that is not full raises it to the
+    larger of the two, one entering a full set replaces it and the new worst is the set's
+    maximum, a reduction over the picks only on such an entry."""
     o_width, num_blocks = o_idx.shape[0], -(-ios_ref.shape[0] // block)
     none = jnp.full((o_width,), INT32_MAX, jnp.int32)
     lowest = (jnp.int32(INT32_MIN),) * width
@@ -637,10 +641,11 @@ def _victims_streamed(pool_block, pool_load, ios_ref, need, o_idx, *, width, blo
     def block_pass(b, carry):
         start = pl.multiple_of(b * block, block)
         *carry, loaded = carry
-        # The first block's usage here (the others came with the block before): a call that
-        # searches no victim runs no block and issues no load.
         if prefetch:
-            loaded = jnp.where(b == 0, pool_load(start, block, when=b == 0), loaded)
+            # The first block's loads here (the others came with the block before): a call
+            # that searches no victim runs no block and issues none.
+            first = pool_load(start, block, when=b == 0)
+            loaded = tuple(jnp.where(b == 0, x, y) for x, y in zip(first, loaded))
             ahead = pool_load(start + block, block)  # masked off past the pool
         else:
             loaded = ahead = pool_load(start, block)
@@ -676,7 +681,7 @@ def _victims_streamed(pool_block, pool_load, ios_ref, need, o_idx, *, width, blo
     best_key, best_i, count, *_ = lax.fori_loop(
         0, jnp.where(need > 0, jnp.int32(num_blocks), jnp.int32(0)), block_pass,
         ((none,) * width, none, jnp.int32(0), lowest, jnp.int32(INT32_MIN),
-         jnp.zeros((block,), jnp.int32)))
+         (jnp.zeros((block,), jnp.int32),) * num_loads))
     filled = o_idx < count
     ahead = filled[None, :] & common.after(tuple(k[:, None] for k in best_key), best_i[:, None],
                                      tuple(k[None, :] for k in best_key), best_i[None, :])
