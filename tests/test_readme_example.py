@@ -212,13 +212,20 @@ def test_the_reference_section_says_truthfully_that_pip_installs_it(tmp_path):
     """FAILS if `pip install .` does not package ``pallas_cache.reference`` (a user could not
     hold their decode loop to it), if the README's section says it needs a checkout, or if the
     block, saved as a script and run outside the checkout, does not run."""
+    import fnmatch
     import tomllib
-
-    from setuptools import find_packages
 
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())
     include = config["tool"]["setuptools"]["packages"]["find"].get("include", ["*"])
-    packages = find_packages(str(ROOT), include=include)
+    # setuptools' find_packages, which Python 3.12+ venvs do not ship: every folder with an
+    # __init__.py under a package, its dotted name kept if it matches an include pattern.
+    found = [".".join(init.parent.relative_to(ROOT).parts) for init in ROOT.rglob("__init__.py")
+             if not any(part.startswith(".") or part in ("build", "tests")
+                        for part in init.relative_to(ROOT).parts)]
+    packages = {name for name in found
+                if all(".".join(name.split(".")[:i]) in found
+                       for i in range(1, name.count(".") + 1))
+                and any(fnmatch.fnmatchcase(name, pattern) for pattern in include)}
     assert {"pallas_cache.reference", "pallas_cache.reference.evictions"} <= set(packages)
     assert "reference" not in packages, "a top-level `reference` would claim a generic name"
     section = _section(README.read_text(), "The NumPy reference")
