@@ -133,3 +133,43 @@ def test_ctrl_c_while_any_thread_runs_in_xla_exits_130_not_an_abort():
                                          "PYTHONPATH": REPO}, timeout=300)
     assert done.returncode == 130, done.stderr
     assert done.stderr.strip() == "pallas-cache: interrupted", done.stderr
+
+
+IGNORED_IN_A_FINALIZER = r"""
+import signal, sys
+from pallas_cache.sizing.cli.process import InterruptLatch
+
+class Interrupts:
+    def __del__(self):  # Ctrl-C while the garbage collector runs a finalizer
+        signal.raise_signal(signal.SIGINT)
+        for _ in range(10000):
+            pass
+
+class Fails:
+    def __del__(self):
+        raise ValueError("another ignored error")
+
+with InterruptLatch() as latch:
+    Fails()
+    Interrupts()
+    print("fired", latch.fired, flush=True)
+    try:
+        latch.check()
+    except KeyboardInterrupt:
+        print("raised by check", flush=True)
+print("hook restored", sys.unraisablehook is sys.__unraisablehook__, flush=True)
+"""
+
+
+def test_ctrl_c_inside_a_finalizer_is_held_by_the_latch_not_printed():
+    """FAILS if a SIGINT that lands in a finalizer or a weak reference's callback (where Python
+    cannot raise, and prints "Exception ignored in" with a traceback) is printed, or is lost
+    (the latch must still raise it), or if the latch hides any other ignored error or leaves
+    its hook installed."""
+    result = subprocess.run([sys.executable, "-c", IGNORED_IN_A_FINALIZER], capture_output=True,
+                            text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO},
+                            timeout=120)
+    assert result.stdout.split("\n")[:3] == ["fired True", "raised by check",
+                                             "hook restored True"], (result.stdout, result.stderr)
+    assert "KeyboardInterrupt" not in result.stderr, result.stderr
+    assert "another ignored error" in result.stderr, result.stderr

@@ -95,26 +95,42 @@ class InterruptLatch:
     during the first compile can let the replay finish and write its plot). The latch also
     records the signal, and :meth:`check` raises again wherever the CLI looks (every progress
     report, and before any output is written). Installed only over Python's default handler, in
-    the main thread."""
+    the main thread.
+
+    The next bytecode may also be a finalizer's or a weak reference's callback (the garbage
+    collector runs them anywhere), where Python cannot raise: it prints "Exception ignored in"
+    with a traceback and goes on. While the latch is installed, such an ignored
+    ``KeyboardInterrupt`` is not printed (the latch holds it; :meth:`check` raises it); every
+    other ignored exception goes to the hook that was there."""
 
     def __init__(self):
         self.fired = False
         self._previous = None
+        self._previous_unraisable = None
 
     def __enter__(self):
         if (threading.current_thread() is threading.main_thread()
                 and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
+            self._previous_unraisable = sys.unraisablehook
+            sys.unraisablehook = self._unraisable
             self._previous = signal.signal(signal.SIGINT, self._handle)
         return self
 
     def __exit__(self, *exc_info):
         if self._previous is not None:
             signal.signal(signal.SIGINT, self._previous)
+            if sys.unraisablehook == self._unraisable:
+                sys.unraisablehook = self._previous_unraisable
         return False
 
     def _handle(self, signum, frame):
         self.fired = True
         raise KeyboardInterrupt
+
+    def _unraisable(self, unraisable) -> None:
+        if self.fired and isinstance(unraisable.exc_value, KeyboardInterrupt):
+            return
+        self._previous_unraisable(unraisable)
 
     def check(self) -> None:
         if self.fired:
