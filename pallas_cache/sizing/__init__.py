@@ -8,7 +8,7 @@ The names load on first use (PEP 562), so the command line's parser, in this pac
 
 from __future__ import annotations
 
-import importlib
+from pallas_cache.sizing.lazy import lazy_names
 
 __all__ = [
     "PRESETS",
@@ -60,25 +60,4 @@ _HOMES = {
 }
 
 
-def __getattr__(name: str):
-    home = _HOMES.get(name)
-    if home is None:
-        return _submodule(name)
-    value = getattr(importlib.import_module(home), name)
-    globals()[name] = value
-    return value
-
-
-def _submodule(name: str):
-    """``pallas_cache.sizing.<name>`` imported on first use (the eager imports once bound the
-    submodules they imported); AttributeError for anything else."""
-    try:
-        return importlib.import_module(f"{__name__}.{name}")
-    except ModuleNotFoundError as error:
-        if error.name != f"{__name__}.{name}":
-            raise
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_HOMES))
+__getattr__, __dir__ = lazy_names(__name__, _HOMES)

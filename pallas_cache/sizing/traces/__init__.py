@@ -8,7 +8,7 @@ without importing NumPy.
 
 from __future__ import annotations
 
-import importlib
+from pallas_cache.sizing.lazy import lazy_names
 
 __all__ = [
     "Trace",
@@ -39,34 +39,19 @@ __all__ = [
 
 #: The module of each public name.
 _HOMES = {
-    "Trace": "base",
-    "TraceError": "errors",
-    "load_trace": "formats", "trace_format_of": "formats", "save_trace": "formats",
-    "JSONL_SUFFIXES": "formats", "ARRAY_SUFFIXES": "formats", "PARQUET_SUFFIXES": "formats",
-    "TRACE_FORMATS": "formats",
-    "load_jsonl_trace": "jsonl",
-    "load_array_trace": "arrays", "load_vllm_trace": "arrays",
-    "parse_fields": "records", "trace_from_records": "records", "FIELD_KEYS": "records",
-    "SEQUENCE_KEYS": "records",
-    "MemoryLimitError": "memory", "ProcessBudget": "memory", "RUN_FIXED_BYTES": "memory",
-    "default_memory_limit": "memory", "resolve_memory_limit": "memory", "check_memory": "memory",
-    "trace_bytes": "memory", "format_bytes": "memory",
+    "Trace": ".base",
+    "TraceError": ".errors",
+    "load_trace": ".formats", "trace_format_of": ".formats", "save_trace": ".formats",
+    "JSONL_SUFFIXES": ".formats", "ARRAY_SUFFIXES": ".formats", "PARQUET_SUFFIXES": ".formats",
+    "TRACE_FORMATS": ".formats",
+    "load_jsonl_trace": ".jsonl",
+    "load_array_trace": ".arrays", "load_vllm_trace": ".arrays",
+    "parse_fields": ".records", "trace_from_records": ".records", "FIELD_KEYS": ".records",
+    "SEQUENCE_KEYS": ".records",
+    "MemoryLimitError": ".memory", "ProcessBudget": ".memory", "RUN_FIXED_BYTES": ".memory",
+    "default_memory_limit": ".memory", "resolve_memory_limit": ".memory", "check_memory": ".memory",
+    "trace_bytes": ".memory", "format_bytes": ".memory",
 }
 
 
-def __getattr__(name: str):
-    home = _HOMES.get(name)
-    if home is None:
-        try:
-            return importlib.import_module(f"{__name__}.{name}")
-        except ModuleNotFoundError as error:
-            if error.name != f"{__name__}.{name}":
-                raise
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{home}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_HOMES))
+__getattr__, __dir__ = lazy_names(__name__, _HOMES)
