@@ -126,9 +126,6 @@ def _load() -> None:
         reset,
         resize,
     )
-    from pallas_cache import reprs
-
-    reprs.install()
     globals().update({name: value for name, value in locals().items() if name in __all__})
 
 

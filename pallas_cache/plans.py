@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import jax
 
+from pallas_cache import reprs
 from pallas_cache.tree import Record, pytree_dataclass, static_field
 
 __all__ = ["CopyPlan", "EnsurePlan", "ForgetPlan", "MaterializePlan", "ResizePlan"]
@@ -26,6 +27,8 @@ class CopyPlan(Record):
         Both let :func:`~pallas_cache.moe.apply_copy_plan` refuse a pool or bank of another
         geometry at trace time instead of dropping or misdirecting copies.
     """
+
+    __repr__ = reprs.plan_repr
 
     dst_slots: jax.Array
     src_rows: jax.Array
@@ -52,6 +55,8 @@ class EnsurePlan(Record):
         state was returned unchanged).
     """
 
+    __repr__ = reprs.plan_repr
+
     slots: jax.Array
     cpu: jax.Array
     copy: CopyPlan
@@ -70,6 +75,8 @@ class MaterializePlan(Record):
       error: int32[]. 0 or ERR_LAYER.
     """
 
+    __repr__ = reprs.plan_repr
+
     copy: CopyPlan
     error: jax.Array
 
@@ -82,6 +89,8 @@ class ForgetPlan(Record):
       old: int32[]. The flat id (``layer * E + expert``) the slot held, or -1 (empty, or error).
       error: int32[]. 0 or ERR_SLOT.
     """
+
+    __repr__ = reprs.plan_repr
 
     old: jax.Array
     error: jax.Array
@@ -103,12 +112,9 @@ class ResizePlan(Record):
       error: int32[]. 0 or ``ERR_CACHE_SIZE`` (then nothing was freed and the state is unchanged).
     """
 
+    __repr__ = reprs.plan_repr
+
     freed_slots: jax.Array
     freed_ids: jax.Array
     count: jax.Array
     error: jax.Array
-
-
-from pallas_cache import reprs as _reprs  # noqa: E402  (the short reprs, where the classes are)
-
-_reprs.install_on(EnsurePlan, CopyPlan, MaterializePlan, ForgetPlan, ResizePlan)

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pallas_cache import errors, validate
+from pallas_cache import errors, reprs, validate
 from pallas_cache.state import CacheState
 from pallas_cache.hints import IndexLike
 from pallas_cache.tree import Record, pytree_dataclass
@@ -65,6 +65,8 @@ class PrefillGather(Record):
         Always filled, also on a refusal.
     """
 
+    __repr__ = reprs.plan_repr
+
     dst_slots: jax.Array
     src_slots: jax.Array
     count: jax.Array
@@ -80,6 +82,8 @@ class MissRuns(Record):
       lens: int32[E]. Length of each run; -1 past ``count``.
       count: int32[]. Number of runs.
     """
+
+    __repr__ = reprs.plan_repr
 
     starts: jax.Array
     lens: jax.Array
@@ -102,6 +106,8 @@ class HostTransfers(Record):
       count: int32[]. Number of entries.
     """
 
+    __repr__ = reprs.plan_repr
+
     bank: jax.Array
     dst_slot: jax.Array
     src_row: jax.Array
@@ -123,6 +129,8 @@ class PrefillPlan(Record):
       transfers: the host-transfer entries (:class:`HostTransfers`).
       error: int32[]. 0 or error bits (then gathers, runs and transfers are empty).
     """
+
+    __repr__ = reprs.plan_repr
 
     layer: jax.Array
     buffer_id: jax.Array
@@ -345,8 +353,3 @@ def release_prefill_layer(state: CacheState, layer: IndexLike) -> CacheState:
     holds = (layer >= 0) & (layer < state.num_layers) & (state.prefill_layer[buffer_id] == layer)
     return state.replace(
         prefill_released=state.prefill_released | (holds & (jnp.arange(2) == buffer_id)))
-
-
-from pallas_cache import reprs as _reprs  # noqa: E402  (the short reprs, where the classes are)
-
-_reprs.install_on(PrefillPlan, PrefillGather, MissRuns, HostTransfers)

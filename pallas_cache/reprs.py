@@ -2,8 +2,8 @@
 
 The dataclass ``repr`` of a :class:`~pallas_cache.CacheState` prints every array of its 17
 leaves; these print one line that reads under ``jit`` (traced values show as ``?``) and on a
-batch (a counter per cache). :func:`install` sets them on the classes once, at package import,
-so the records keep their plain field lists.
+batch (a counter per cache). Each record sets one of them as its ``__repr__`` in its class
+body; this module imports none of them.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import numpy as np
 
 from pallas_cache import evictions
 
-__all__ = ["install", "plan_repr", "state_repr"]
+__all__ = ["plan_repr", "state_repr"]
 
 
 def _shape_text(leaf: Any) -> str:
@@ -81,19 +81,3 @@ def state_repr(state: Any) -> str:
     tail = [f"resident={_value_text(resident)}", f"calls={_value_text(calls)}"]
     return f"CacheState({', '.join(head + tail)})"
 
-
-def install() -> None:
-    """Set the short reprs on the state and plan classes (each module that defines one also
-    sets it, by :func:`install_on`, when it is imported)."""
-    from pallas_cache import plans, prefill, state
-
-    install_on(state.CacheState, state=True)
-    install_on(plans.EnsurePlan, plans.CopyPlan, plans.MaterializePlan, plans.ForgetPlan,
-               plans.ResizePlan, prefill.PrefillPlan, prefill.PrefillGather, prefill.MissRuns,
-               prefill.HostTransfers)
-
-
-def install_on(*classes: type, state: bool = False) -> None:
-    """Set :func:`state_repr` (``state=True``) or :func:`plan_repr` as ``classes``' repr."""
-    for cls in classes:
-        cls.__repr__ = state_repr if state else plan_repr  # type: ignore[method-assign]

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_cache import errors, validate
+from pallas_cache import errors, reprs, validate
 from pallas_cache import evictions
 from pallas_cache.evictions import Eviction, EvictionPolicy, PairLfuState, TokenRingState
 from pallas_cache.tree import Record, pytree_dataclass, static_field
@@ -71,6 +71,8 @@ class CacheState(Record):
       eviction_state: the policy's bookkeeping (``PairLfuState``, ``TokenRingState``), ``None``
         for LRU, so an LRU state has exactly the leaves above (docs/semantics.md §5.16).
     """
+
+    __repr__ = reprs.state_repr
 
     slot_for_id: jax.Array
     id_of_slot: jax.Array
@@ -386,11 +388,3 @@ def _resize(state: CacheState, new_size):
         error=error,
     )
     return new_state, plan
-
-
-
-# The short reprs, set where the classes are made (``import pallas_cache`` no longer imports
-# this module by itself).
-from pallas_cache import reprs as _reprs  # noqa: E402
-
-_reprs.install_on(CacheState, state=True)

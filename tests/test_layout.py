@@ -1,5 +1,6 @@
 """The package layout keeps its rules: no module reaches into another's private names (a private
-name may change with its module alone), and no module is named like a standard-library one."""
+name may change with its module alone), no import circle, and no module is named like a
+standard-library one."""
 
 from __future__ import annotations
 
@@ -147,3 +148,75 @@ def test_only_the_reference_imports_the_reference_and_it_imports_no_jax():
     assert not found, "\n".join(found)
     assert _reaches_reference(imports_of("from pallas_cache import reference\n", "x"))
     assert _reaches_reference(imports_of("from ..reference import ops\n", "pallas_cache.kernels.step"))
+
+
+def module_imports(source: str, module: str, root: Path, is_package: bool = False) -> set[str]:
+    """The package modules ``source`` imports, at any depth (an import inside a function
+    included): ``from p import m`` names the module ``p.m`` where one exists, else ``p``."""
+    top = root.name
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom):
+            source_module = _resolve(node, module, is_package)
+            if source_module.split(".")[0] != top:
+                continue
+            for alias in node.names:
+                dotted = f"{source_module}.{alias.name}"
+                found.add(dotted if _is_module(dotted, root) else source_module)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name.split(".")[0] == top)
+    found.discard(module)
+    return found
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected sets of more than one module (Tarjan's algorithm)."""
+    index, low, stack, on_stack, circles = {}, {}, [], set(), []
+
+    def visit(node):
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in sorted(graph.get(node, ())):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            members = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                members.append(member)
+                if member == node:
+                    break
+            if len(members) > 1:
+                circles.append(sorted(members))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return circles
+
+
+def test_no_import_circle_between_package_modules():
+    """No module of the package imports, directly or through others, a module that imports it,
+    an import inside a function included (a lazy import still ties the two modules).
+    FAILS if, for one, reprs.py imports the record classes it formats while they import it."""
+    graph = {module: module_imports(path.read_text(), module, PACKAGE, path.name == "__init__.py")
+             for path, module in package_modules()}
+    assert import_circles(graph) == []
+
+
+def test_the_circle_checker_sees_a_lazy_import(tmp_path):
+    root = tmp_path / "pkg"
+    root.mkdir()
+    sources = {"__init__": "", "a": "from pkg import b\n",
+               "b": "def f():\n    from pkg.a import x\n", "c": "import pkg.a\n"}
+    for name, source in sources.items():
+        (root / f"{name}.py").write_text(source)
+    graph = {f"pkg.{name}": module_imports(source, f"pkg.{name}", root)
+             for name, source in sources.items() if name != "__init__"}
+    assert graph == {"pkg.a": {"pkg.b"}, "pkg.b": {"pkg.a"}, "pkg.c": {"pkg.a"}}
+    assert import_circles(graph) == [["pkg.a", "pkg.b"]]
