@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_cache import evictions, validate
+from pallas_cache import validate
 from pallas_cache import state as state_lib
 from pallas_cache.state import CacheState
 
@@ -53,10 +53,10 @@ def pad_capacity(state: CacheState, capacity: int) -> CacheState:
 
 
 def _signature(state: CacheState) -> str:
-    history = evictions.history_of(state)
+    history = state.eviction.history_of(state.eviction_state)
     ring = f", history={history}" if history is not None else ""
     return (f"L={state.num_layers}, E={state.num_experts}, C={state.capacity}, "
-            f"eviction={evictions.name_of(state.eviction)}{ring}")
+            f"eviction={state.eviction.name}{ring}")
 
 
 def stack_states(states: Sequence[CacheState], *, capacity: int | None = None) -> CacheState:

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple, Sequence
 import numpy as np
 from hypothesis import strategies as st
 
-from pallas_cache.evictions import Eviction, policy_of
+from pallas_cache.evictions import Eviction
 from pallas_cache.testing.operations import (BeginPrefill, Ensure, EnsureHybrid, Forget, Geometry,
                                              Materialize, Operation, PolicySpec, PrefetchPrefill,
                                              ReleasePrefill, Reset, Resize)
@@ -141,7 +141,7 @@ def fetch_rules(eviction: str | Eviction | None = None) -> st.SearchStrategy[Fet
     is drawn only when ``eviction`` allows it (LRU, the default), since the other evictions
     refuse it (docs/semantics.md §5.5)."""
     admissions = ["promote_one", "none"]
-    if policy_of(Eviction.coerce(eviction or Eviction.LRU)).allows_reuse:
+    if Eviction.coerce(eviction or Eviction.LRU).policy.allows_reuse:
         admissions.append("reuse")
     return st.builds(FetchRules, st.sampled_from(["recency", "lowest_id"]),
                      st.sampled_from(admissions))

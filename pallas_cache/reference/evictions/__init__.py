@@ -26,11 +26,6 @@ def check_eviction(eviction) -> EvictionPolicy:
     return POLICIES[name]
 
 
-def policy_of(cache) -> EvictionPolicy:
-    """The record of a cache's eviction."""
-    return cache.eviction
-
-
 def ranked_victims(cache, step: int, layer: int) -> list[int]:
     """The evictable slots (``usage != step``, usable) in victim order under the cache's policy
     (free slots first by ``(usage, slot)``, then the residents by the policy's key)."""
