@@ -2,7 +2,7 @@
 
 A batch is a :class:`~pallas_cache.CacheState` whose every leaf has the same leading batch
 axes; ``vmap`` over it runs the caches independently (docs/semantics.md §1). Stacking needs
-one tree structure: the same ``L``, ``E``, eviction policy and ring, and the same capacity
+one tree structure: the same ``L``, ``E``, eviction and ring, and the same capacity
 ``C`` (a shape). Caches of different usable sizes share a capacity: build them with
 ``init(L, E, S, capacity=C)``, or pass ``capacity=`` here to pad the smaller ones with
 unusable slots, which changes no plan or count (docs/semantics.md §5.15).
@@ -70,7 +70,7 @@ def stack_states(states: Sequence[CacheState], *, capacity: int | None = None) -
         ``capacity`` slots per cache. Default: the capacities must already agree.
 
     Raises:
-      ValueError: no states, or states that differ in a shape or the eviction policy (naming
+      ValueError: no states, or states that differ in a shape or the eviction (naming
         both, with how to make them agree); a ``capacity`` :func:`pad_capacity` refuses
         (checked once, before any state is padded).
     """

@@ -257,7 +257,7 @@ def init(num_layers: int, num_experts: int, cache_size: int, *, capacity: int | 
       eviction: an :class:`~pallas_cache.evictions.Eviction` (or its string value, or an
         :class:`~pallas_cache.evictions.EvictionPolicy` record), fixed for the life of the state
         (static metadata; docs/semantics.md §5.16). Default LRU.
-      history: ROUTE_KNN's token ring ``W`` (>= 1); validated, unused by the other policies.
+      history: ROUTE_KNN's token ring ``W`` (>= 1); validated, unused by the other evictions.
 
     Returns:
       A ``CacheState`` with empty maps, usage 0, step 0, recency -1, zero counters, routing

@@ -113,8 +113,8 @@ def _tagged_bank():
 
 def test_the_cpu_work_is_one_expert_evaluation_per_distinct_cpu_expert():
     """FAILS if the CPU partial evaluates every route and masks (one evaluation per route, as
-    ``cpu_partial_oracle`` (conftest) and ``pallas_cache.testing.moe_combine`` do), evaluates all ``K'``
-    candidate experts whatever the count, or reads the rows of an expert the plan did not mark
+    ``cpu_partial_oracle`` (conftest) and ``pallas_cache.testing.moe_combine`` do), evaluates all
+    ``K'`` candidate experts whatever the count, or reads the rows of an expert the plan did not mark
     ``cpu``: the expert function, run with a host callback that records the row tag it was
     handed, must see exactly the distinct CPU experts of the layer-call, each once."""
     seen = []

@@ -75,8 +75,8 @@ def check_admission(eviction: EvictionPolicy, reuse) -> None:
                          f"(REUSE compares recency with the LRU victim's usage)")
 
 
-def rank_victims(eviction: EvictionPolicy, state, id_of_slot, usage, step, n, *, num_out: int, layer=None,
-                 num_experts=None, cache_size=None):
+def rank_victims(eviction: EvictionPolicy, state, id_of_slot, usage, step, n, *, num_out: int,
+                 layer=None, num_experts=None, cache_size=None):
     """The first ``n`` victims under ``eviction``: the evictable slots (``usage != step``) of the
     usable pool ``[0, cache_size)`` (docs/semantics.md §5.15) in ascending ``(key..., slot)``
     order of the eviction's victim keys (free usable slots first, by ``(usage, slot)``).

@@ -278,13 +278,13 @@ def diff(before: CacheState, after: CacheState) -> CacheDiff:
     evicted, and the slots themselves in neither list.
 
     Raises:
-      ValueError: the two states have different geometries or eviction policies (compare states
+      ValueError: the two states have different geometries or evictions (compare states
         of one pool only).
     """
     names = ["id_of_slot", "usage", "step", "slot_for_id"]
     old, new = _host_fields(before, names), _host_fields(after, names)
     if old["eviction"] != new["eviction"]:
-        raise ValueError(f"cannot diff caches of different eviction policies: "
+        raise ValueError(f"cannot diff caches of different evictions: "
                          f"{old['eviction']} vs {new['eviction']}")
     if old["slot_for_id"].shape != new["slot_for_id"].shape or \
             old["id_of_slot"].shape != new["id_of_slot"].shape:

@@ -67,10 +67,10 @@ def _words(ring) -> int:
 
 def supports(ring: TokenRingState) -> bool:
     """Whether the kernel holds the ring in single vectors: ``next_pow2(W)`` and
-    ``next_pow2(L * w)`` at most :data:`~pallas_cache.kernels.common.MAX_BLOCK`. A policy whose
+    ``next_pow2(L * w)`` at most :data:`~pallas_cache.kernels.common.MAX_BLOCK`. An eviction whose
     kernel hooks ask for per-call inputs must keep a token ring (TypeError otherwise)."""
     if not isinstance(ring, TokenRingState):
-        raise TypeError(f"KernelRanking.per_call needs a TokenRingState as the policy's "
+        raise TypeError(f"KernelRanking.per_call needs a TokenRingState as the eviction's "
                         f"bookkeeping, got {type(ring).__name__}")
     history, num_layers, words = ring.masks.shape
     return max(common.next_pow2(history),
@@ -196,8 +196,8 @@ def observe(ring: RingRefs, out: RingRefs, *, layer, layer_c, routed, bits, e_id
 def _lfu_counts(ring: RingRefs, out: RingRefs, *, head, start, layer_c, routed, e_idx,
                 words: int, num_layers: int, num_experts: int):
     """The ring frequency (a ring that keeps its counts) in :func:`observe`, before its barrier:
-    the other layers' entries written in place, the call's layer's row returned as ``(row, counts, e_ok)`` for
-    ``observe`` to write after the barrier."""
+    the other layers' entries written in place, the call's layer's row returned as
+    ``(row, counts, e_ok)`` for ``observe`` to write after the barrier."""
     L, E = num_layers, num_experts
     row_words = L * words
     # F follows the ring's one changed row R[T, ·] (the new head's): at a token start the

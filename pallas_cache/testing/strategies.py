@@ -46,7 +46,7 @@ OPERATION_KINDS = ("ensure", "ensure_hybrid", "materialize", "forget", "resize",
 
 
 def evictions(choices: Sequence[str | Eviction] | None = None) -> st.SearchStrategy[str]:
-    """An eviction policy's value (``"lru"``, ``"pair_lfu"``, ``"route_knn"``, ``"route_lfu"``),
+    """An eviction's value (``"lru"``, ``"pair_lfu"``, ``"route_knn"``, ``"route_lfu"``),
     from ``choices`` (default: every :class:`~pallas_cache.Eviction`); shrinks towards the first."""
     values = [Eviction.coerce(c).value for c in (choices or list(Eviction))]
     return st.sampled_from(values)
