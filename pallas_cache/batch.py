@@ -2,7 +2,7 @@
 
 A batch is a :class:`~pallas_cache.CacheState` whose every leaf has the same leading batch
 axes; ``vmap`` over it runs the caches independently (docs/semantics.md §1). Stacking needs
-one tree structure: the same ``L``, ``E``, eviction policy and ring, and the same capacity
+one tree structure: the same ``L``, ``E``, eviction and ring, and the same capacity
 ``C`` (a shape). Caches of different usable sizes share a capacity: build them with
 ``init(L, E, S, capacity=C)``, or pass ``capacity=`` here to pad the smaller ones with
 unusable slots, which changes no plan or count (docs/semantics.md §5.15).
@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_cache import evictions, validate
+from pallas_cache import validate
 from pallas_cache import state as state_lib
 from pallas_cache.state import CacheState
 
@@ -53,10 +53,10 @@ def pad_capacity(state: CacheState, capacity: int) -> CacheState:
 
 
 def _signature(state: CacheState) -> str:
-    history = evictions.history_of(state)
+    history = state.eviction.history_of(state.eviction_state)
     ring = f", history={history}" if history is not None else ""
     return (f"L={state.num_layers}, E={state.num_experts}, C={state.capacity}, "
-            f"eviction={evictions.name_of(state.eviction)}{ring}")
+            f"eviction={state.eviction.name}{ring}")
 
 
 def stack_states(states: Sequence[CacheState], *, capacity: int | None = None) -> CacheState:
@@ -70,7 +70,7 @@ def stack_states(states: Sequence[CacheState], *, capacity: int | None = None) -
         ``capacity`` slots per cache. Default: the capacities must already agree.
 
     Raises:
-      ValueError: no states, or states that differ in a shape or the eviction policy (naming
+      ValueError: no states, or states that differ in a shape or the eviction (naming
         both, with how to make them agree); a ``capacity`` :func:`pad_capacity` refuses
         (checked once, before any state is padded).
     """

@@ -22,7 +22,6 @@ __all__ = [
     "CpuExperts",
     "cpu_experts",
     "cpu_partial",
-    "cpu_partial_reference",
     "device_partial",
     "moe_hybrid",
 ]
@@ -270,25 +269,6 @@ def _check_bank(plan, host_bank, layer):
             raise ValueError(f"the plan is for {num_experts} experts per layer, but a host bank "
                              f"leaf has shape {tuple(leaf.shape)} ({leaf.shape[axis]} rows on "
                              f"its expert axis {axis})")
-
-
-def cpu_partial_reference(x, expert_ids, gates, plan, host_bank,
-                          expert_fn: Callable[[Any, jax.Array], jax.Array], *, layer=None):
-    """What :func:`cpu_partial` computes, as a masked evaluation of every route on the device
-    (one expert evaluation per route, CPU route or not): the oracle of its tests."""
-    layer = check_bank_layer(host_bank, layer)
-    tokens, ids, gate = _token_routes(x, expert_ids, gates)
-    on_cpu = _plan_routes(plan, expert_ids, "cpu") & (ids >= 0)
-    if layer is not None:
-        on_cpu = on_cpu & _layer_in_bank(host_bank, layer)
-        layer = jnp.where(_layer_in_bank(host_bank, layer), layer, 0)
-    weights = jax.tree.map(
-        lambda b: gather_rows(b, jnp.where(on_cpu, ids, 0).reshape(-1), layer, memory_space(x)),
-        host_bank)
-    routes = jnp.repeat(tokens, ids.shape[1], axis=0)
-    y = jax.vmap(expert_fn)(weights, routes).reshape(ids.shape + (-1,))
-    gated = jnp.where(on_cpu[..., None], gate[..., None].astype(y.dtype) * y, 0)
-    return gated.sum(axis=1).reshape(x.shape[:-1] + y.shape[-1:])
 
 
 def device_partial(x, expert_ids, gates, plan, pool,

@@ -14,7 +14,6 @@ from typing import Any
 import jax
 import numpy as np
 
-from pallas_cache import evictions
 
 __all__ = ["plan_repr", "state_repr"]
 
@@ -71,7 +70,7 @@ def state_repr(state: Any) -> str:
     head = [f"batch={batch}"] if batch else []
     head += [f"L={state.num_layers}", f"E={state.num_experts}",
              f"S={_value_text(state.cache_size)}", f"C={state.capacity}",
-             f"eviction={evictions.name_of(state.eviction)}", f"step={_value_text(state.step)}"]
+             f"eviction={state.eviction.name}", f"step={_value_text(state.step)}"]
     if isinstance(state.id_of_slot, jax.core.Tracer):
         return f"CacheState({', '.join(head)})"
     ids = np.asarray(jax.device_get(state.id_of_slot))

@@ -1,6 +1,6 @@
 """The cache state: one immutable pytree of int32 arrays (docs/semantics.md §3), and the
 operations that make or reshape one: init, reset, rebuild, resize. Why a pytree, and how the
-geometry, the usable size and the eviction policy live in it: docs/design.md, "The state and the
+geometry, the usable size and the eviction record live in it: docs/design.md, "The state and the
 step"."""
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ __all__ = [
     "rebuild",
     "reset",
     "resize",
-    "usable_slots",
 ]
 
 # The default clock threshold of docs/semantics.md §5.12: far below the int32 wrap, far above any test.
@@ -66,9 +65,10 @@ class CacheState(Record):
       prefill_hit_rows: int32[]. Prefill rows served from the cache in this stats window.
       prefill_rows: int32[]. All prefill rows staged in this stats window.
       rebase_threshold: int32[]. When ``step`` reaches it, the clock is renumbered (clock.py).
-      eviction: static. The :class:`~pallas_cache.evictions.Eviction` policy fixed by ``init``
-        (or an :class:`~pallas_cache.evictions.EvictionPolicy` record).
-      eviction_state: the policy's bookkeeping (``PairLfuState``, ``TokenRingState``), ``None``
+      eviction: static. The :class:`~pallas_cache.evictions.EvictionPolicy` record fixed by
+        ``init``, whose functions the ops and the fused kernel call
+        (``pc.Eviction(state.eviction)`` is its registry member).
+      eviction_state: the eviction's bookkeeping (``PairLfuState``, ``TokenRingState``), ``None``
         for LRU, so an LRU state has exactly the leaves above (docs/semantics.md §5.16).
     """
 
@@ -90,7 +90,7 @@ class CacheState(Record):
     prefill_hit_rows: jax.Array
     prefill_rows: jax.Array
     rebase_threshold: jax.Array
-    eviction: Eviction | EvictionPolicy = static_field(default=Eviction.LRU)
+    eviction: EvictionPolicy = static_field(default=Eviction.LRU.policy)
     eviction_state: PairLfuState | TokenRingState | None = None
 
     # Geometry from shapes. Negative axes, so a batched (stacked) state reports the geometry of
@@ -153,12 +153,6 @@ def check_state(state: CacheState) -> CacheState:
     return state
 
 
-def usable_slots(state: CacheState) -> jax.Array:
-    """bool[..., C]: which slots are usable (``slot < cache_size``); traced, batch-aware."""
-    slots = jnp.arange(state.capacity, dtype=jnp.int32)
-    return slots < jnp.expand_dims(state.cache_size, -1)
-
-
 class RebuildRejected(ValueError):
     """``rebuild`` refused a pool that cannot hold one layer; nothing changed (docs/semantics.md §5.8).
 
@@ -177,7 +171,7 @@ class RebuildRejected(ValueError):
 
 
 def _empty_state(num_layers, num_experts, capacity, cache_size, rebase_threshold,
-                 collect_routing, eviction=Eviction.LRU, history=DEFAULT_HISTORY):
+                 collect_routing, eviction=Eviction.LRU.policy, history=DEFAULT_HISTORY):
     """The cold state of a geometry; ``reset`` and ``rebuild`` reuse it so the three agree.
     ``cache_size`` may be traced (``reset`` keeps the usable size)."""
     L, E, C = num_layers, num_experts, capacity
@@ -199,7 +193,7 @@ def _empty_state(num_layers, num_experts, capacity, cache_size, rebase_threshold
         prefill_rows=jnp.zeros((), jnp.int32),
         rebase_threshold=jnp.asarray(rebase_threshold, jnp.int32),
         eviction=eviction,
-        eviction_state=evictions.cold_state(eviction, L, E, history),
+        eviction_state=eviction.init(L, E, history),
     )
 
 
@@ -263,7 +257,7 @@ def init(num_layers: int, num_experts: int, cache_size: int, *, capacity: int | 
       eviction: an :class:`~pallas_cache.evictions.Eviction` (or its string value, or an
         :class:`~pallas_cache.evictions.EvictionPolicy` record), fixed for the life of the state
         (static metadata; docs/semantics.md §5.16). Default LRU.
-      history: ROUTE_KNN's token ring ``W`` (>= 1); validated, unused by the other policies.
+      history: ROUTE_KNN's token ring ``W`` (>= 1); validated, unused by the other evictions.
 
     Returns:
       A ``CacheState`` with empty maps, usage 0, step 0, recency -1, zero counters, routing
@@ -279,7 +273,7 @@ def init(num_layers: int, num_experts: int, cache_size: int, *, capacity: int | 
     E = validate.positive_int("num_experts", num_experts)
     S = validate.positive_int("cache_size", cache_size)
     threshold = validate.positive_int("rebase_threshold", rebase_threshold)
-    policy = evictions.coerce(eviction)
+    eviction = evictions.coerce(eviction)
     ring = validate.positive_int("history", history)
     if S < E:
         raise ValueError(f"cache_size {S} cannot hold one layer of {E} experts")
@@ -287,7 +281,7 @@ def init(num_layers: int, num_experts: int, cache_size: int, *, capacity: int | 
     _check_representable(L, E, S, C)
     _fits_int32("rebase_threshold", threshold)
     _fits_int32("history", ring)
-    return _empty_state(L, E, C, S, threshold, collect_routing=False, eviction=policy,
+    return _empty_state(L, E, C, S, threshold, collect_routing=False, eviction=eviction,
                         history=ring)
 
 
@@ -300,7 +294,7 @@ def reset(state: CacheState) -> CacheState:
     """
     return _empty_state(state.num_layers, state.num_experts, state.capacity, state.cache_size,
                         state.rebase_threshold, state.collect_routing, state.eviction,
-                        evictions.history_of(state))
+                        state.eviction.history_of(state.eviction_state))
 
 
 def rebuild(state: CacheState, cache_size: int, *, capacity: int | None = None) -> CacheState:
@@ -325,7 +319,7 @@ def rebuild(state: CacheState, cache_size: int, *, capacity: int | None = None) 
     _check_representable(state.num_layers, state.num_experts, requested, new_capacity)
     return _empty_state(state.num_layers, state.num_experts, new_capacity,
                         requested, state.rebase_threshold, state.collect_routing, state.eviction,
-                        evictions.history_of(state))
+                        state.eviction.history_of(state.eviction_state))
 
 
 def resize(state: CacheState, cache_size: IndexLike) -> tuple[CacheState, ResizePlan]:
@@ -334,7 +328,7 @@ def resize(state: CacheState, cache_size: IndexLike) -> tuple[CacheState, Resize
     Growing adds empty usable slots (usage 0). Shrinking frees the slots at or past the new size:
     their experts lose residency, the slots become unusable (id -1, usage 0) and the plan lists
     them with their old occupants. Nothing else changes: no clock advance, no rebase, counters,
-    recency, histogram and the eviction policy's bookkeeping (per expert and per token, not per
+    recency, histogram and the eviction's bookkeeping (per expert and per token, not per
     slot; docs/semantics.md §5.16) kept. A shrink below ``2E`` also ends the prefill buffer at ``[E, 2E)``
     (its record is cleared), and is refused while that buffer holds a layer not yet released.
 

@@ -194,8 +194,7 @@ def _classify(state: CacheState, observed, layer_c, accepted):
     slot_row = state.slot_for_id[layer_c]
     hit = routed & (slot_row >= 0)
     miss = routed & (slot_row < 0)
-    eviction_state = evictions.observe_call(state.eviction, state.eviction_state, layer_c, routed,
-                                            accepted)
+    eviction_state = state.eviction.observe(state.eviction_state, layer_c, routed, accepted)
     hits = Hits(slot_row, routed, hit, miss, jnp.sum(routed, dtype=jnp.int32),
                 jnp.sum(miss, dtype=jnp.int32))
     return hits, eviction_state

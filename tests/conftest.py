@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +38,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 import pallas_cache as pc
-from pallas_cache import reference
+from pallas_cache import hybrid, reference
 from pallas_cache.reference.checks import assert_invariants, assert_plan_well_formed  # noqa: F401
 from pallas_cache.testing import record_difference
 
@@ -314,3 +315,23 @@ class Cache:
 
 def _is_state(x):
     return isinstance(x, (pc.CacheState, reference.ReferenceCache))
+
+
+def cpu_partial_oracle(x, expert_ids, gates, plan, host_bank, expert_fn: Callable, *,
+                       layer=None):
+    """What ``pc.cpu_partial`` computes, as a masked evaluation of every route on the device
+    (one expert evaluation per route, CPU route or not): the oracle of its tests."""
+    layer = hybrid.check_bank_layer(host_bank, layer)
+    tokens, ids, gate = hybrid._token_routes(x, expert_ids, gates)
+    on_cpu = hybrid._plan_routes(plan, expert_ids, "cpu") & (ids >= 0)
+    if layer is not None:
+        on_cpu = on_cpu & hybrid._layer_in_bank(host_bank, layer)
+        layer = jnp.where(hybrid._layer_in_bank(host_bank, layer), layer, 0)
+    weights = jax.tree.map(
+        lambda b: hybrid.gather_rows(b, jnp.where(on_cpu, ids, 0).reshape(-1), layer,
+                                     hybrid.memory_space(x)),
+        host_bank)
+    routes = jnp.repeat(tokens, ids.shape[1], axis=0)
+    y = jax.vmap(expert_fn)(weights, routes).reshape(ids.shape + (-1,))
+    gated = jnp.where(on_cpu[..., None], gate[..., None].astype(y.dtype) * y, 0)
+    return gated.sum(axis=1).reshape(x.shape[:-1] + y.shape[-1:])

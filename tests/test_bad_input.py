@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import cpu_partial_oracle
 import pallas_cache as pc
-from pallas_cache import hybrid
 from pallas_cache.moe import apply_copy_plan, put_host_bank
 from pallas_cache.testing import moe_dense
 
@@ -84,7 +84,7 @@ def test_a_traced_layer_outside_the_bank_reads_no_row(placement):
         pool = jnp.full((num_experts, H), 7.0)
         copied = apply_copy_plan(pool, placed, plan, layer=layer)
         return (pc.cpu_partial(x, ids, gates, plan, placed, _scale_fn, layer=layer),
-                hybrid.cpu_partial_reference(x, ids, gates, plan, placed, _scale_fn, layer=layer),
+                cpu_partial_oracle(x, ids, gates, plan, placed, _scale_fn, layer=layer),
                 copied)
 
     for layer in (6, 4, -1, -3):

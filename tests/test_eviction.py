@@ -4,6 +4,8 @@ states unchanged, REUSE refused, loop-free tracing)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,7 +16,7 @@ from hypothesis import strategies as st
 import pallas_cache as pc
 from conftest import (ADAPTER, assert_same, deep_only, evictions_under_test, examples, slot_of,
                       valid)
-from pallas_cache import reference
+from pallas_cache import evictions, reference
 from pallas_cache.reference import ReferenceCache, ReferencePolicy
 from test_lockstep import assert_same_caches, build_policy, run_lockstep
 from test_loop_free import primitives, trace
@@ -309,7 +311,7 @@ def test_the_hybrid_path_checks_the_admission_once(monkeypatch):
 
 def test_init_validates_the_eviction_and_history():
     """FAILS if a bad eviction or history is accepted, or if the string form is not accepted."""
-    assert pc.init(1, 1, 1, eviction="PAIR_LFU").eviction is pc.Eviction.PAIR_LFU
+    assert pc.init(1, 1, 1, eviction="PAIR_LFU").eviction is pc.Eviction.PAIR_LFU.policy
     with pytest.raises(ValueError, match="eviction 'mru'"):
         pc.init(1, 1, 1, eviction="mru")
     with pytest.raises(ValueError, match="history"):
@@ -318,18 +320,37 @@ def test_init_validates_the_eviction_and_history():
         pc.init(1, 1, 1, history=2.0)
 
 
+def test_the_state_holds_the_eviction_record_and_the_ops_call_it_directly():
+    """FAILS if ``state.eviction`` holds the ``Eviction`` enum (or a name) rather than the record
+    whose functions the ops and the kernel call, if ``Eviction(record)`` does not give back its
+    member, or if a forwarder between an op and the record is still there."""
+    for member in pc.Eviction:
+        for given in (member, member.value, member.policy):
+            state = pc.init(2, 3, 4, eviction=given)
+            assert state.eviction is member.policy
+            assert pc.Eviction(state.eviction) is member
+        assert repr(member.policy) == f"EvictionPolicy({member.value!r})"
+    assert pc.CacheState.__dataclass_fields__["eviction"].default is pc.Eviction.LRU.policy
+    with pytest.raises(ValueError):
+        pc.Eviction(dataclasses.replace(pc.Eviction.LRU.policy, name="lru"))
+    for gone in ("policy_of", "name_of", "cold_state", "history_of", "observe_call"):
+        assert not hasattr(evictions, gone), gone
+        assert gone not in evictions.__all__
+    assert not hasattr(reference.evictions, "policy_of")
+
+
 def test_lru_states_carry_no_extra_leaves_and_keep_their_policy_through_reset_and_rebuild():
     """FAILS if the default LRU state grows a leaf (the replay's and users' compiled functions,
     checkpoints and vmapped batches would change) or reset/rebuild drop the policy."""
     lru = pc.init(2, 3, 4)
-    assert lru.eviction is pc.Eviction.LRU and lru.eviction_state is None
+    assert lru.eviction is pc.Eviction.LRU.policy and lru.eviction_state is None
     # 16: the fields of docs/semantics.md §3, the traced usable size (§5.15) included.
     assert len(jax.tree.leaves(lru)) == 16
     lfu = pc.init(2, 3, 4, eviction=pc.Eviction.PAIR_LFU)
     assert len(jax.tree.leaves(lfu)) == 18
     assert jax.tree.structure(lru) != jax.tree.structure(lfu)
     for state in (pc.reset(lfu), pc.rebuild(lfu, 6)):
-        assert state.eviction is pc.Eviction.PAIR_LFU
+        assert state.eviction is pc.Eviction.PAIR_LFU.policy
         assert not np.asarray(state.eviction_state.freq).any()
 
 
@@ -792,5 +813,6 @@ def test_a_new_policy_runs_the_views_and_refuses_reuse():
     change = pc.diff(before, state)
     assert change.evicted == [(1, 0, 1)] and change.installed == [(1, 1, 0)]
     assert pc.reset(state).eviction is MRU
+    assert repr(MRU) == "EvictionPolicy('mru')"
     with pytest.raises(ValueError, match="REUSE"):
         pc.ensure_hybrid(state, 0, jnp.array([0]), pc.FetchPolicy.full(), admission="reuse")

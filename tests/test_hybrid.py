@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from conftest import examples
+from conftest import cpu_partial_oracle, examples
 
 import pallas_cache as pc
 from benchmarks.lowering import lower_cuda
@@ -47,7 +47,7 @@ def _step(state, pool, bank, layer, ids, gates, x, policy):
     pool = apply_copy_plan(pool, bank, plan, layer=layer)
     out = pc.moe_hybrid(x, ids, gates, plan, pool, bank, expert_fn, layer=layer)
     cpu = pc.cpu_partial(x, ids, gates, plan, bank, expert_fn, layer=layer)
-    cpu_want = hybrid.cpu_partial_reference(x, ids, gates, plan, bank, expert_fn, layer=layer)
+    cpu_want = cpu_partial_oracle(x, ids, gates, plan, bank, expert_fn, layer=layer)
     return state, pool, plan, out, cpu, cpu_want
 
 
@@ -113,8 +113,8 @@ def _tagged_bank():
 
 def test_the_cpu_work_is_one_expert_evaluation_per_distinct_cpu_expert():
     """FAILS if the CPU partial evaluates every route and masks (one evaluation per route, as
-    ``cpu_partial_reference`` and ``pallas_cache.testing.moe_combine`` do), evaluates all ``K'``
-    candidate experts whatever the count, or reads the rows of an expert the plan did not mark
+    ``cpu_partial_oracle`` (conftest) and ``pallas_cache.testing.moe_combine`` do), evaluates all
+    ``K'`` candidate experts whatever the count, or reads the rows of an expert the plan did not mark
     ``cpu``: the expert function, run with a host callback that records the row tag it was
     handed, must see exactly the distinct CPU experts of the layer-call, each once."""
     seen = []

@@ -29,7 +29,7 @@ def test_every_state_leaf_is_aliased_to_its_own_output(eviction):
     the lowered call's aliases are exactly ``input i -> output j`` for the ``j``-th state leaf,
     with equal shapes and dtypes."""
     state = pc.init(3, 5, 7, eviction=eviction)
-    ranking = evictions.policy_of(state.eviction).kernel
+    ranking = state.eviction.kernel
     leaves = jax.tree.leaves(fused._state_refs(state, ranking))
     routes = jnp.arange(3, dtype=jnp.int32)
     text = lower_cuda(lambda s: pc.ensure(s, 1, routes, backend="pallas"), state).as_text()
@@ -139,17 +139,41 @@ def test_the_gpu_path_orders_its_read_after_writes_with_barriers(capacity):
 
 def test_per_call_inputs_are_checked_where_the_record_is_made_and_where_the_kernel_runs():
     """FAILS if a record may ask for a per-call input the kernel does not compute (a typo would
-    surface as an AttributeError deep in a trace) or pass a bare string, or if a policy without a
-    token ring that asks for one reaches the kernel instead of a TypeError naming its
-    bookkeeping."""
+    surface as an AttributeError deep in a trace) or name one by a plain string instead of a
+    ``PerCall`` member, or if an eviction without a token ring that asks for one reaches the
+    kernel instead of a TypeError naming its bookkeeping."""
     ranking = pc.evictions.Eviction.ROUTE_KNN.policy.kernel
-    for bad in (("next_uses",), "next_use"):
-        with pytest.raises(ValueError, match=r"KernelRanking.per_call must be a tuple of names"):
+    for bad in (("next_uses",), "next_use", ("next_use",), evictions.PerCall.NEXT_USE):
+        with pytest.raises(ValueError, match=r"KernelRanking.per_call must be a tuple of PerCall"):
             dataclasses.replace(ranking, per_call=bad)
     lru = pc.evictions.Eviction.LRU.policy
     record = dataclasses.replace(lru, name="lru_per_call", allows_reuse=False,
-                                 kernel=dataclasses.replace(lru.kernel, per_call=("next_use",)))
+                                 kernel=dataclasses.replace(
+                                     lru.kernel, per_call=(evictions.PerCall.NEXT_USE,)))
     state = pc.init(2, 4, 6, eviction=record)
     rules = pc.ops.Rules.of(hybrid=False, order="lowest_id", admission="none")
     with pytest.raises(TypeError, match="needs a TokenRingState.*got NoneType"):
         dispatch.fused_step_for(state, rules, 3, "pallas")
+
+
+def test_the_kernels_ring_names_no_eviction_and_hands_the_key_typed_inputs():
+    """FAILS if kernels/ring.py imports a particular eviction's module (ROUTE_KNN's
+    ``NEIGHBOURS`` from ``evictions.route_knn``, as it once did) instead of the ring's shared
+    constants in ``evictions/ring.py``, or if ``per_slot`` hands the key a namespace instead of
+    a ``PerCallInputs`` with ``None`` for the inputs the record did not ask for."""
+    from pallas_cache.evictions import ring, route_knn
+    from pallas_cache.kernels import ring as kernel_ring
+
+    names = {"lru", "pair_lfu", "route_knn", "route_lfu"}
+    imported = {m.rsplit(".", 1)[-1] for m in _imports(ROOT / "kernels" / "ring.py")
+                if m.startswith("pallas_cache.evictions")}
+    assert not imported & names, imported
+    assert route_knn.NEIGHBOURS is ring.NEIGHBOURS == kernel_ring.NEIGHBOURS
+    source = (ROOT / "evictions" / "route_knn.py").read_text()
+    assert not re.search(r"^NEIGHBOURS\s*=", source, flags=re.M)
+    for text in ((ROOT / "kernels" / "ring.py").read_text(),
+                 (ROOT / "kernels" / "step.py").read_text()):
+        assert "SimpleNamespace" not in text
+    assert kernel_ring.per_slot(None, None, None, (), num_layers=2, num_experts=4) is None
+    inputs = evictions.PerCallInputs(num_layers=2, next_use=jnp.int32(1))
+    assert inputs.prot is None and inputs.freq is None

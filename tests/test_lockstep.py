@@ -175,7 +175,7 @@ def eviction_options(data, eviction):
     if eviction in RING_EVICTIONS:
         options["history"] = data.draw(st.sampled_from((1, 3, 6)), label="history")
         extra = ["start_token"] * 2
-    allows_reuse = pc.evictions.policy_of(pc.evictions.coerce(eviction)).allows_reuse
+    allows_reuse = pc.evictions.coerce(eviction).allows_reuse
     return options, ADMISSIONS if allows_reuse else ("promote_one", "none"), extra
 
 

@@ -183,3 +183,22 @@ def test_records_declare_their_constructor_and_replace_for_type_checkers():
     assert {c.__name__ for c in found} >= {"CacheState", "EnsurePlan", "FetchPolicy",
                                            "PrefillPlan", "TokenRingState", "Rules"}
     assert [c.__name__ for c in found if not issubclass(c, tree.Record)] == []
+
+
+def test_removed_names_stay_removed_and_the_eviction_record_has_a_short_repr():
+    """FAILS if a name the library does not use comes back as public surface (the forwarders
+    between an op and its eviction record, ``state.usable_slots``, the test oracle
+    ``hybrid.cpu_partial_reference``, ``selection.argmin_among``), or if the state's eviction
+    record prints its functions (the dataclass default) instead of ``EvictionPolicy('lru')``."""
+    from pallas_cache import evictions, hybrid, reference, selection, state
+
+    gone = {evictions: ("policy_of", "name_of", "cold_state", "history_of", "observe_call",
+                        "PER_CALL"),
+            state: ("usable_slots",), hybrid: ("cpu_partial_reference",),
+            selection: ("argmin_among",), reference.evictions: ("policy_of",)}
+    for module, names in gone.items():
+        for name in names:
+            assert not hasattr(module, name), f"{module.__name__}.{name}"
+            assert name not in getattr(module, "__all__", ())
+    assert repr(pc.init(1, 2, 2).eviction) == "EvictionPolicy('lru')"
+    assert repr(pc.Eviction.ROUTE_KNN.policy) == "EvictionPolicy('route_knn')"

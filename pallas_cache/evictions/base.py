@@ -1,11 +1,12 @@
-"""The record an eviction policy is: its bookkeeping's init, what an accepted call records, the
-victim keys it ranks by, what it refuses, and (for a policy the fused kernel ranks) the kernel's
+"""The record an eviction is: its bookkeeping's init, what an accepted call records, the
+victim keys it ranks by, what it refuses, and (for an eviction the fused kernel ranks) the kernel's
 hooks (docs/semantics.md §5.16)."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+import enum
+from typing import Any, Callable, NamedTuple
 
 
 def _unchanged(state, num_layers):
@@ -16,13 +17,28 @@ def _no_history(state):
     return None
 
 
-#: The per-call inputs the fused kernel computes from a token ring (``KernelRanking.per_call``).
-PER_CALL = ("next_use", "prot", "freq")
+class PerCall(enum.Enum):
+    """A per-call input of the victim key that the fused kernel computes from the token ring
+    (``KernelRanking.per_call``), not stored."""
+
+    NEXT_USE = "next_use"  # ROUTE_KNN's predicted next use of the occupant
+    PROT = "prot"  # routed by the latest call of its layer
+    FREQ = "freq"  # the ring tokens that routed it
+
+
+class PerCallInputs(NamedTuple):
+    """What ``KernelRanking.key`` reads per call, int32 per slot; ``None`` for an input the
+    record's ``per_call`` does not ask for."""
+
+    num_layers: int
+    next_use: Any = None
+    prot: Any = None
+    freq: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
 class KernelRanking:
-    """How the fused kernel (kernels/step.py) ranks a policy's victims and keeps its bookkeeping.
+    """How the fused kernel (kernels/step.py) ranks an eviction's victims and keeps its bookkeeping.
 
     Attributes:
       tables: ``state -> tuple`` of the bookkeeping's per-expert ``[L, E]`` arrays the kernel
@@ -33,15 +49,12 @@ class KernelRanking:
         victim key of a block of slots, from the tables as they stood *before* this call
         (``own``: the occupant is an expert of this call's layer, so this call's bookkeeping
         changes its entries) and the per-call inputs ``computed`` (``None`` without
-        ``per_call``; else a namespace of the names in ``per_call``, each int32 per slot, and
-        ``num_layers``).
+        ``per_call``; else a :class:`PerCallInputs`).
       observe_row: ``(rows, routed) -> rows``: the layer's rows of ``tables`` after an accepted
         call routing ``routed`` (bool[E]).
-      per_call: what the key reads that the kernel computes per call from the token ring
-        (:class:`~pallas_cache.evictions.ring.TokenRingState`, which the kernel then updates in
-        place), not stored: ``"next_use"`` (ROUTE_KNN's predicted next use of the occupant),
-        ``"prot"`` (routed by the latest call of its layer), ``"freq"`` (the ring tokens that
-        routed it). ``()``: the bookkeeping is ``tables`` alone.
+      per_call: the :class:`PerCall` inputs the key reads that the kernel computes per call
+        from the token ring (:class:`~pallas_cache.evictions.ring.TokenRingState`, which the
+        kernel then updates in place), not stored. ``()``: the bookkeeping is ``tables`` alone.
     """
 
     tables: Callable[[Any], tuple]
@@ -49,23 +62,24 @@ class KernelRanking:
     width: int
     key: Callable[..., tuple]
     observe_row: Callable[[tuple, Any], tuple]
-    per_call: tuple[str, ...] = ()
+    per_call: tuple[PerCall, ...] = ()
 
     def __post_init__(self):
-        unknown = [name for name in self.per_call if name not in PER_CALL]
-        if isinstance(self.per_call, str) or unknown:
-            raise ValueError(f"KernelRanking.per_call must be a tuple of names from {PER_CALL}, "
+        if not isinstance(self.per_call, tuple) or not all(
+                isinstance(x, PerCall) for x in self.per_call):
+            raise ValueError(f"KernelRanking.per_call must be a tuple of PerCall members "
+                             f"({', '.join(f'PerCall.{m.name}' for m in PerCall)}), "
                              f"got {self.per_call!r}")
 
 
 @dataclasses.dataclass(frozen=True)
 class EvictionPolicy:
-    """One eviction policy as pure functions (docs/semantics.md §5.16).
+    """One eviction as pure functions (docs/semantics.md §5.16).
 
     Attributes:
-      name: the policy's string value (``"lru"``, ``"pair_lfu"``, ...).
+      name: the eviction's string value (``"lru"``, ``"pair_lfu"``, ...).
       init: ``(num_layers, num_experts, history) -> state``: the bookkeeping of a cold cache
-        (``None`` for a policy that keeps none).
+        (``None`` for an eviction that keeps none).
       observe: ``(state, layer, routed, accepted) -> state``: the bookkeeping after an accepted
         call of ``layer`` routing ``routed`` (bool[E]); a refused call changes nothing.
       victim_keys: ``(state, id_of_slot, usage, layer, num_experts, cache_size) -> keys``: one
@@ -74,8 +88,8 @@ class EvictionPolicy:
         slots must rank first in ``(usage, slot)`` order.
       start_token: ``(state, num_layers) -> state``: the next accepted call starts a token.
       history_of: ``state -> int | None``: the ring size ``init`` was given, kept by ``reset``.
-      allows_reuse: whether the REUSE admission may run with the policy.
-      kernel: the fused kernel's hooks, or ``None``: the policy ranks in the XLA step only.
+      allows_reuse: whether the REUSE admission may run with the eviction.
+      kernel: the fused kernel's hooks, or ``None``: the eviction ranks in the XLA step only.
       view_columns: the bookkeeping's per-expert ``[L, E]`` fields ``describe`` shows per slot
         (fields of :class:`~pallas_cache.host.views.SlotRow`: ``prot``, ``freq``).
     """
@@ -89,3 +103,6 @@ class EvictionPolicy:
     allows_reuse: bool = False
     kernel: KernelRanking | None = None
     view_columns: tuple[str, ...] = ()
+
+    def __repr__(self) -> str:
+        return f"EvictionPolicy({self.name!r})"

@@ -11,6 +11,10 @@ from jax.custom_batching import custom_vmap
 
 from pallas_cache.tree import Record, pytree_dataclass, varying_like
 
+#: The similar past tokens ROUTE_KNN's and ROUTE_LFU's next use is predicted from (``K``), in
+#: the XLA step and the fused kernel alike.
+NEIGHBOURS = 3
+
 
 @pytree_dataclass
 class TokenRingState(Record):

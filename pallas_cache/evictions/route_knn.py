@@ -11,11 +11,9 @@ from jax import lax
 
 from pallas_cache import selection
 from pallas_cache.evictions import ring as ring_module
-from pallas_cache.evictions.base import EvictionPolicy, KernelRanking
+from pallas_cache.evictions.base import EvictionPolicy, KernelRanking, PerCall
+from pallas_cache.evictions.ring import NEIGHBOURS
 from pallas_cache.validate import INT32_MAX
-
-#: ROUTE_KNN's neighbours per call (``K``).
-NEIGHBOURS = 3
 
 
 def _victim_keys(state, id_of_slot, usage, layer, num_experts, cache_size):
@@ -169,5 +167,5 @@ POLICY = EvictionPolicy(
     history_of=ring_module.history_of,
     kernel=KernelRanking(tables=lambda state: (), from_tables=lambda tables: None, width=2,
                          key=_kernel_key, observe_row=lambda rows, routed: (),
-                         per_call=("next_use",)),
+                         per_call=(PerCall.NEXT_USE,)),
 )

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_cache.evictions import ring
-from pallas_cache.evictions.base import EvictionPolicy, KernelRanking
+from pallas_cache.evictions.base import EvictionPolicy, KernelRanking, PerCall
 from pallas_cache.evictions.ring import unpacked
 from pallas_cache.evictions.route_knn import next_use
 
@@ -57,5 +57,5 @@ POLICY = EvictionPolicy(
     history_of=ring.history_of,
     kernel=KernelRanking(tables=lambda state: (), from_tables=lambda tables: None, width=3,
                          key=_kernel_key, observe_row=lambda rows, routed: (),
-                         per_call=("next_use", "prot", "freq")),
+                         per_call=(PerCall.NEXT_USE, PerCall.PROT, PerCall.FREQ)),
 )

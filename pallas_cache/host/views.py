@@ -33,7 +33,7 @@ class SlotRow(NamedTuple):
         very first victim).
       prot, freq: under ``Eviction.PAIR_LFU``, the occupant's protection bit and Q16 frequency
         (its victim key is ``(prot, freq, usage, slot)``, docs/semantics.md §5.16); else None.
-        (A policy's record names the per-expert fields its rows show: ``view_columns``.)
+        (An eviction's record names the per-expert fields its rows show: ``view_columns``.)
     """
 
     slot: int
@@ -56,13 +56,13 @@ class SlotEntry(NamedTuple):
 
 
 def _host_fields(state, names):
-    """The named fields of one (unbatched) state as NumPy arrays, plus the eviction policy's
+    """The named fields of one (unbatched) state as NumPy arrays, plus the eviction's
     name under ``"eviction"``, its ``view_columns`` under ``"columns"`` and those per-expert
     fields of its bookkeeping (``prot``, ``freq`` for PAIR_LFU)."""
     values = jax.device_get({name: getattr(state, name) for name in names})
-    policy = evictions.policy_of(state.eviction)
+    eviction = state.eviction
     bookkeeping = jax.device_get(state.eviction_state)
-    for name in policy.view_columns:
+    for name in eviction.view_columns:
         values[name] = getattr(bookkeeping, name)
     id_of_slot = np.asarray(values["id_of_slot"])
     if id_of_slot.ndim != 1:
@@ -70,8 +70,8 @@ def _host_fields(state, names):
             f"diff takes one cache, got a batch of shape {id_of_slot.shape[:-1]}; "
             f"pick one with pc.take_state(batch, i)")
     fields = {name: np.asarray(value) for name, value in values.items()}
-    fields["eviction"] = policy.name
-    fields["columns"] = policy.view_columns
+    fields["eviction"] = eviction.name
+    fields["columns"] = eviction.view_columns
     return fields
 
 
@@ -104,8 +104,8 @@ class CacheView:
       rows: one :class:`SlotRow` per usable slot, in slot order (slots at or past ``S`` are
         neither empty nor occupied, docs/semantics.md §5.15, and have no row).
       capacity: the allocated slots ``C >= S`` (``None``: the same as ``S``).
-      eviction: the state's eviction policy (``"lru"``, ``"pair_lfu"``, ...).
-      columns: the per-slot bookkeeping fields the rows carry (the policy's ``view_columns``).
+      eviction: the state's eviction (``"lru"``, ``"pair_lfu"``, ...).
+      columns: the per-slot bookkeeping fields the rows carry (the eviction's ``view_columns``).
     """
 
     num_layers: int
@@ -138,9 +138,9 @@ class CacheView:
         capacity = ("" if self.capacity in (None, self.cache_size)
                     else f" (capacity {self.capacity})")
         default = self.eviction == evictions.Eviction.LRU.value  # init's default is not shown
-        policy = "" if default else f" eviction={self.eviction}"
+        eviction = "" if default else f" eviction={self.eviction}"
         return (f"CacheState L={self.num_layers} E={self.num_experts} S={self.cache_size}"
-                f"{capacity} step={self.step}{policy} "
+                f"{capacity} step={self.step}{eviction} "
                 f"resident={self.resident_count}/{self.cache_size} "
                 f"(per layer: {per_layer})")
 
@@ -278,13 +278,13 @@ def diff(before: CacheState, after: CacheState) -> CacheDiff:
     evicted, and the slots themselves in neither list.
 
     Raises:
-      ValueError: the two states have different geometries or eviction policies (compare states
+      ValueError: the two states have different geometries or evictions (compare states
         of one pool only).
     """
     names = ["id_of_slot", "usage", "step", "slot_for_id"]
     old, new = _host_fields(before, names), _host_fields(after, names)
     if old["eviction"] != new["eviction"]:
-        raise ValueError(f"cannot diff caches of different eviction policies: "
+        raise ValueError(f"cannot diff caches of different evictions: "
                          f"{old['eviction']} vs {new['eviction']}")
     if old["slot_for_id"].shape != new["slot_for_id"].shape or \
             old["id_of_slot"].shape != new["id_of_slot"].shape:

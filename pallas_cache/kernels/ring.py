@@ -1,16 +1,17 @@
-"""The token ring of ROUTE_KNN and ROUTE_LFU inside the fused kernel (kernels/step.py): the call's
-bookkeeping written in place, and what the victim key reads per call, computed, not stored: the
-neighbours' first uses as bit-sliced counters in a scratch buffer, then per slot the occupant's
-predicted next use, protection and ring frequency (docs/semantics.md §5.16, §7).
+"""The token ring (:class:`~pallas_cache.evictions.ring.TokenRingState`) inside the fused kernel
+(kernels/step.py), for any eviction whose kernel hooks ask for per-call inputs
+(``KernelRanking.per_call``): the call's bookkeeping written in place, and what the victim key
+reads per call, computed, not stored: the neighbours' first uses as bit-sliced counters in a
+scratch buffer, then per slot the occupant's predicted next use, protection and ring frequency
+(:class:`~pallas_cache.evictions.base.PerCallInputs`; docs/semantics.md §5.16, §7).
 
-The arithmetic is :mod:`~pallas_cache.evictions.ring`'s and
-:mod:`~pallas_cache.evictions.route_knn`'s, integer for integer; only the layout differs: a
+The arithmetic is the XLA step's (:mod:`~pallas_cache.evictions.ring` and the evictions that
+read it), integer for integer; only the layout differs: a
 vector per ring position or per mask word, gathers from the flat refs for the rest.
 """
 
 from __future__ import annotations
 
-import types
 from typing import Any, NamedTuple
 
 import jax.numpy as jnp
@@ -18,8 +19,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_cache.evictions.ring import TokenRingState
-from pallas_cache.evictions.route_knn import NEIGHBOURS
+from pallas_cache.evictions.base import PerCall, PerCallInputs
+from pallas_cache.evictions.ring import NEIGHBOURS, TokenRingState
 from pallas_cache.kernels import common
 from pallas_cache.kernels.common import INT32_MIN
 
@@ -37,7 +38,7 @@ class RingRefs(NamedTuple):
     head: Any  # i32[1]
     count: Any  # i32[1]
     last_layer: Any  # i32[1]
-    counts: tuple  # (i32[L * E],) under ROUTE_LFU; () under ROUTE_KNN
+    counts: tuple  # (i32[L * E],) when the ring keeps its counts; () otherwise
 
 
 class RingCall(NamedTuple):
@@ -66,10 +67,10 @@ def _words(ring) -> int:
 
 def supports(ring: TokenRingState) -> bool:
     """Whether the kernel holds the ring in single vectors: ``next_pow2(W)`` and
-    ``next_pow2(L * w)`` at most :data:`~pallas_cache.kernels.common.MAX_BLOCK`. A policy whose
+    ``next_pow2(L * w)`` at most :data:`~pallas_cache.kernels.common.MAX_BLOCK`. An eviction whose
     kernel hooks ask for per-call inputs must keep a token ring (TypeError otherwise)."""
     if not isinstance(ring, TokenRingState):
-        raise TypeError(f"KernelRanking.per_call needs a TokenRingState as the policy's "
+        raise TypeError(f"KernelRanking.per_call needs a TokenRingState as the eviction's "
                         f"bookkeeping, got {type(ring).__name__}")
     history, num_layers, words = ring.masks.shape
     return max(common.next_pow2(history),
@@ -138,7 +139,8 @@ def observe(ring: RingRefs, out: RingRefs, *, layer, layer_c, routed, bits, e_id
     writes nothing. Every read of an entry another thread writes comes before ``barrier()`` and
     that write after it (the outputs alias the inputs): a token start if the layer does not
     increase, the call's bitmask recorded in the current token's row and matched against every
-    past token's same layer, and under ROUTE_LFU the ring frequency following the changed row."""
+    past token's same layer, and, where the ring keeps its counts, the ring frequency following
+    the changed row."""
     L, E = num_layers, num_experts
     history = ring.sim.shape[0]
     words = ring.masks.shape[0] // (history * L)
@@ -193,9 +195,9 @@ def observe(ring: RingRefs, out: RingRefs, *, layer, layer_c, routed, bits, e_id
 
 def _lfu_counts(ring: RingRefs, out: RingRefs, *, head, start, layer_c, routed, e_idx,
                 words: int, num_layers: int, num_experts: int):
-    """ROUTE_LFU's ring frequency in :func:`observe`, before its barrier: the other layers'
-    entries written in place, the call's layer's row returned as ``(row, counts, e_ok)`` for
-    ``observe`` to write after the barrier."""
+    """The ring frequency (a ring that keeps its counts) in :func:`observe`, before its barrier:
+    the other layers' entries written in place, the call's layer's row returned as
+    ``(row, counts, e_ok)`` for ``observe`` to write after the barrier."""
     L, E = num_layers, num_experts
     row_words = L * words
     # F follows the ring's one changed row R[T, ·] (the new head's): at a token start the
@@ -370,11 +372,14 @@ def _first_uses(masks, head, ages, horizon, *, layer_c, history: int, words: int
                     lambda: planes)
 
 
-def per_slot(pred: RingPrediction, occupant, valid, names, *, num_layers: int,
-             num_experts: int):
+def per_slot(pred: RingPrediction | None, occupant, valid, names: tuple[PerCall, ...], *,
+             num_layers: int, num_experts: int) -> PerCallInputs | None:
     """The per-call inputs of the victim key for a block of slots (``occupant`` -1 when free;
-    ``valid``: the lanes read), int32 each: ``next_use`` (``found * distance + L * steps``,
-    ``steps`` the neighbours' first uses within ``H``), ``prot`` and ``freq``."""
+    ``valid``: the lanes read), int32 each, those in ``names`` (the others ``None``):
+    ``next_use`` (``found * distance + L * steps``, ``steps`` the neighbours' first uses within
+    ``H``), ``prot`` and ``freq``. ``None`` without a prediction (no token ring)."""
+    if pred is None:
+        return None
     L, E = num_layers, num_experts
     history = pred.refs.sim.shape[0]
     row_words = pred.refs.masks.shape[0] // history
@@ -383,22 +388,22 @@ def per_slot(pred: RingPrediction, occupant, valid, names, *, num_layers: int,
     occ = jnp.maximum(occupant, 0)
     m, e = occ // E, occ % E
     word_at = m * words + e // 32
-    out = {"num_layers": L}  # names as the record's per_call
-    if "next_use" in names:
+    next_use = prot = freq = None
+    if PerCall.NEXT_USE in names:
         uses = jnp.zeros(occupant.shape, jnp.int32)
         for b in range(pred.planes.shape[0] // width):
             word = plgpu.load(pred.planes.at[b * width + word_at], mask=valid, other=0)
             uses = uses + (_bit(word, e % 32) << b)
         distance = (m - pred.layer - 1 + L) % L + 1
-        out["next_use"] = pred.found * distance + L * (pred.found * pred.horizon - uses)
-    if "prot" in names:
+        next_use = pred.found * distance + L * (pred.found * pred.horizon - uses)
+    if PerCall.PROT in names:
         # Routed by the latest call of its layer the ring holds: this token's for layers up to
         # this one, the previous token's after it.
         mine = m <= pred.layer
         position = jnp.where(mine, pred.call.head, (pred.call.head - 1 + history) % history)
         word = plgpu.load(pred.refs.masks.at[position * row_words + word_at],
                           mask=valid & (mine | (pred.call.count >= 2)), other=0)
-        out["prot"] = _bit(word, e % 32)
-    if "freq" in names:
-        out["freq"] = plgpu.load(pred.refs.counts[0].at[occ], mask=valid, other=0)
-    return types.SimpleNamespace(**out)
+        prot = _bit(word, e % 32)
+    if PerCall.FREQ in names:
+        freq = plgpu.load(pred.refs.counts[0].at[occ], mask=valid, other=0)
+    return PerCallInputs(num_layers=L, next_use=next_use, prot=prot, freq=freq)

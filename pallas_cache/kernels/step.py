@@ -97,7 +97,7 @@ def supports(state, rules, num_routes: int) -> bool:
     kernel hooks, a route."""
     static = all(isinstance(getattr(rules, f), bool)
                  for f in ("hybrid", "by_recency", "promote_one", "reuse"))
-    ranking = evictions.policy_of(state.eviction).kernel
+    ranking = state.eviction.kernel
     return (static and ranking is not None and num_routes >= 1
             and (not ranking.per_call or token_ring.supports(state.eviction_state)))
 
@@ -405,15 +405,16 @@ def _rank_victims(call, state, state_out, scratch, hits: _Hits, need, o_idx, *, 
         tables = tuple(plgpu.load(ref.at[at], mask=valid, other=_zero(ref))
                        for ref in state.tables)
         own = (occupant >= base) & (occupant < base + E)
-        computed = (token_ring.per_slot(prediction, occupant, valid, ranking.per_call,
-                                        num_layers=sz.L, num_experts=E) if state.ring else None)
+        computed = token_ring.per_slot(prediction, occupant, valid, ranking.per_call,
+                                       num_layers=sz.L, num_experts=E)
         return ranking.key(tables, occupant, u, own, computed), jnp.where(ok, index, INT32_MAX)
 
     searching = need > 0
-    if state.ring:  # the per-call inputs of the key, only when a victim is searched
-        prediction = token_ring.predict(hits.ring_call, state_out.ring[0], scratch[0],
-                                        layer_c=layer_c, size=limit, searching=searching,
-                                        num_layers=sz.L, capacity=C, barrier=barrier)
+    # The per-call inputs of the key (a token ring's), only when a victim is searched.
+    prediction = (token_ring.predict(hits.ring_call, state_out.ring[0], scratch[0],
+                                     layer_c=layer_c, size=limit, searching=searching,
+                                     num_layers=sz.L, capacity=C, barrier=barrier)
+                  if state.ring else None)
     if -(-C // block) == 1:
         return _victims_one_block(pool_block, state.id_of_slot, need, o_idx,
                                   width=ranking.width, block=block)
@@ -754,7 +755,7 @@ def fused_step(state, layer, routes, policy, rules, *, interpret: bool, debug: b
     num_out = min(K, E)
     block = (common.default_block(C, interpret) if block is None
              else common.check_block(block, C))
-    ranking = evictions.policy_of(state.eviction).kernel
+    ranking = state.eviction.kernel
     scalar = lambda x: jnp.reshape(x, (1,))  # noqa: E731
     call = CallRefs(layer=scalar(layer), routes=routes, fraction16=scalar(policy.fraction16),
                     cap=scalar(policy.cap), size=scalar(state.cache_size),

@@ -92,7 +92,7 @@ def first_difference(a: Any, b: Any) -> str | None:
 def assert_states_equal(a: Any, b: Any) -> None:
     """Raise ``AssertionError`` naming the first differing field and index of two cache states.
 
-    Exact: every leaf (the eviction bookkeeping included) and the static eviction policy. Works
+    Exact: every leaf (the eviction bookkeeping included) and the static eviction record. Works
     on batched (stacked) states as well; the index then starts with the batch position.
     """
     difference = first_difference(a, b)

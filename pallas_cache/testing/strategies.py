@@ -22,7 +22,7 @@ from typing import Any, NamedTuple, Sequence
 import numpy as np
 from hypothesis import strategies as st
 
-from pallas_cache.evictions import Eviction, policy_of
+from pallas_cache.evictions import Eviction
 from pallas_cache.testing.operations import (BeginPrefill, Ensure, EnsureHybrid, Forget, Geometry,
                                              Materialize, Operation, PolicySpec, PrefetchPrefill,
                                              ReleasePrefill, Reset, Resize)
@@ -46,7 +46,7 @@ OPERATION_KINDS = ("ensure", "ensure_hybrid", "materialize", "forget", "resize",
 
 
 def evictions(choices: Sequence[str | Eviction] | None = None) -> st.SearchStrategy[str]:
-    """An eviction policy's value (``"lru"``, ``"pair_lfu"``, ``"route_knn"``, ``"route_lfu"``),
+    """An eviction's value (``"lru"``, ``"pair_lfu"``, ``"route_knn"``, ``"route_lfu"``),
     from ``choices`` (default: every :class:`~pallas_cache.Eviction`); shrinks towards the first."""
     values = [Eviction.coerce(c).value for c in (choices or list(Eviction))]
     return st.sampled_from(values)
@@ -141,7 +141,7 @@ def fetch_rules(eviction: str | Eviction | None = None) -> st.SearchStrategy[Fet
     is drawn only when ``eviction`` allows it (LRU, the default), since the other evictions
     refuse it (docs/semantics.md §5.5)."""
     admissions = ["promote_one", "none"]
-    if policy_of(Eviction.coerce(eviction or Eviction.LRU)).allows_reuse:
+    if Eviction.coerce(eviction or Eviction.LRU).policy.allows_reuse:
         admissions.append("reuse")
     return st.builds(FetchRules, st.sampled_from(["recency", "lowest_id"]),
                      st.sampled_from(admissions))

@@ -1,4 +1,4 @@
-"""The reference's eviction policies (docs/semantics.md §5.16), stated plainly over Python ints:
+"""The reference's evictions (docs/semantics.md §5.16), stated plainly over Python ints:
 one record per policy, one module each, registered in :data:`POLICIES`."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from .pair_lfu import PairLfuState  # noqa: F401
 from .ring import TokenRingState  # noqa: F401
 
 #: The registry: name -> record.
-POLICIES = {policy.name: policy for policy in
+POLICIES = {eviction.name: eviction for eviction in
             (lru.POLICY, pair_lfu.POLICY, route_knn.POLICY, route_lfu.POLICY)}
 
 
@@ -26,13 +26,8 @@ def check_eviction(eviction) -> EvictionPolicy:
     return POLICIES[name]
 
 
-def policy_of(cache) -> EvictionPolicy:
-    """The record of a cache's eviction."""
-    return cache.eviction
-
-
 def ranked_victims(cache, step: int, layer: int) -> list[int]:
-    """The evictable slots (``usage != step``, usable) in victim order under the cache's policy
-    (free slots first by ``(usage, slot)``, then the residents by the policy's key)."""
+    """The evictable slots (``usage != step``, usable) in victim order under the cache's eviction
+    (free slots first by ``(usage, slot)``, then the residents by the eviction's key)."""
     evictable = [slot for slot in range(cache.cache_size) if cache.usage[slot] != step]
     return cache.eviction.rank(cache, evictable, layer)

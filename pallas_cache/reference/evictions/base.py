@@ -1,4 +1,4 @@
-"""The record a reference eviction policy is, the NumPy twin of ``pallas_cache.evictions.base``."""
+"""The record a reference eviction is, the NumPy twin of ``pallas_cache.evictions.base``."""
 
 from __future__ import annotations
 
@@ -20,17 +20,17 @@ def free_first(cache, evictable, resident_key) -> list[int]:
 
 @dataclasses.dataclass(frozen=True)
 class EvictionPolicy:
-    """One reference eviction policy (docs/semantics.md §5.16).
+    """One reference eviction (docs/semantics.md §5.16).
 
     Attributes:
-      name: the policy's string value (the library record's ``name``).
+      name: the eviction's string value (the library record's ``name``).
       init: ``(num_layers, num_experts, history) -> record | None``: the bookkeeping of a cold
         cache, kept as ``cache.eviction_state`` under the library record's field names.
       observe: ``(cache, layer, distinct) -> None``: an accepted call of ``layer`` routed the
         experts ``distinct``; updates ``cache.eviction_state`` in place.
       rank: ``(cache, evictable, layer) -> list``: the ``evictable`` slots in victim order.
       start_token: ``cache -> None``: the next accepted call starts a token.
-      allows_reuse: whether the REUSE admission may run with the policy.
+      allows_reuse: whether the REUSE admission may run with the eviction.
     """
 
     name: str

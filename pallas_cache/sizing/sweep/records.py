@@ -56,7 +56,7 @@ class ReplayConfig:
     def __post_init__(self):
         parse_policy(self.policy)
         FetchOrder.coerce(self.order)
-        check_admission(Eviction.coerce(self.eviction),
+        check_admission(Eviction.coerce(self.eviction).policy,
                         Admission.coerce(self.admission) is Admission.REUSE)
         if not is_int(self.cache_size):
             raise TypeError(f"cache_size must be an int, got {self.cache_size!r}")
