@@ -28,8 +28,8 @@ def reset_stats(state: CacheState) -> CacheState:
     histogram kept (the histogram estimates a distribution; a scrape must not destroy it)."""
     return state.replace(
         stats=jnp.zeros_like(state.stats),
-        prefill_hit_rows=jnp.zeros_like(state.prefill_hit_rows),
-        prefill_rows=jnp.zeros_like(state.prefill_rows),
+        prefill=state.prefill.replace(hit_rows=jnp.zeros_like(state.prefill.hit_rows),
+                                      rows=jnp.zeros_like(state.prefill.rows)),
     )
 
 
@@ -40,7 +40,8 @@ def set_collect_routing(state: CacheState, on: bool | jax.Array) -> CacheState:
         hasattr(on, "dtype") and np.shape(on) == () and jnp.issubdtype(on.dtype, jnp.bool_)
     ):
         raise TypeError(f"set_collect_routing takes a bool, got {on!r}")
-    return state.replace(collect_routing=jnp.asarray(on, jnp.bool_))
+    return state.replace(
+        settings=state.settings.replace(collect_routing=jnp.asarray(on, jnp.bool_)))
 
 
 def routing_histogram(state: CacheState, layer: IndexLike) -> jax.Array:
@@ -50,9 +51,9 @@ def routing_histogram(state: CacheState, layer: IndexLike) -> jax.Array:
     range, since a report cannot carry an error bit."""
     if validate.is_int(layer):
         layer = checked_layer(state, layer)
-    return state.routing_freq[jnp.clip(layer, 0, state.num_layers - 1)]
+    return state.routing.freq[jnp.clip(layer, 0, state.num_layers - 1)]
 
 
 def reset_routing(state: CacheState) -> CacheState:
     """Throw the observed routing distribution away (collection setting unchanged)."""
-    return state.replace(routing_freq=jnp.zeros_like(state.routing_freq))
+    return state.replace(routing=state.routing.replace(freq=jnp.zeros_like(state.routing.freq)))

@@ -21,7 +21,7 @@ from pallas_cache.kernels import dispatch
 from pallas_cache.hints import Backend, IndexLike, RoutesLike
 from pallas_cache.plans import CopyPlan, EnsurePlan, ForgetPlan, MaterializePlan
 from pallas_cache.policy import Admission, FetchOrder, FetchPolicy
-from pallas_cache.state import CacheState, check_state
+from pallas_cache.state import CacheState, Clock, Residency, check_state
 from pallas_cache.step import Rules, ensure_with_rules
 from pallas_cache.step import drop_unless as _drop_unless
 
@@ -132,11 +132,11 @@ def _materialize_layer(state: CacheState, layer):
     base = layer_c * E
 
     slots = lax.iota(jnp.int32, C)
-    occupant = state.id_of_slot
+    occupant = state.residency.id_of_slot
     own_layer = (occupant >= base) & (occupant < base + E)
     target = slots < E  # the slots the layer is copied into
     displaced = accepted & target & (occupant >= 0) & ~own_layer
-    slot_for_id = state.slot_for_id.reshape(-1).at[_drop_unless(displaced, occupant, L * E)].set(
+    slot_for_id = state.residency.slot_for_id.reshape(-1).at[_drop_unless(displaced, occupant, L * E)].set(
         -1, mode="drop").reshape(L, E)
     slot_for_id = jnp.where(
         accepted & (lax.iota(jnp.int32, L) == layer_c)[:, None],
@@ -145,14 +145,12 @@ def _materialize_layer(state: CacheState, layer):
     )
     stale = accepted & own_layer
     id_of_slot = jnp.where(accepted & target, base + slots, jnp.where(stale, -1, occupant))
-    usage = jnp.where(accepted & target, step, jnp.where(stale, 0, state.usage))
+    usage = jnp.where(accepted & target, step, jnp.where(stale, 0, state.residency.usage))
 
     experts = jnp.where(accepted, lax.iota(jnp.int32, E), -1)
     new_state = state.replace(
-        slot_for_id=slot_for_id,
-        id_of_slot=id_of_slot,
-        usage=usage,
-        step=jnp.where(accepted, step, state.step),
+        residency=Residency(slot_for_id=slot_for_id, id_of_slot=id_of_slot, usage=usage),
+        clock=Clock(step=jnp.where(accepted, step, state.step)),
     )
     count = jnp.where(accepted, E, 0).astype(jnp.int32)
     copy = CopyPlan(dst_slots=experts, src_rows=experts, count=count, num_slots=C, num_experts=E)
@@ -178,14 +176,16 @@ def _forget_slot(state: CacheState, slot):
     error = errors.slot_bits(slot, state.cache_size)  # an unusable slot is out of range
     accepted = error == 0
     slot_c = jnp.clip(slot, 0, C - 1)
-    old = jnp.where(accepted, state.id_of_slot[slot_c], -1)
+    old = jnp.where(accepted, state.residency.id_of_slot[slot_c], -1)
     drop = old >= 0
-    new_state = state.replace(
-        id_of_slot=state.id_of_slot.at[_drop_unless(drop, slot_c, C)].set(-1, mode="drop"),
-        slot_for_id=state.slot_for_id.reshape(-1).at[_drop_unless(drop, old, L * E)].set(
+    residency = state.residency
+    new_state = state.replace(residency=Residency(
+        id_of_slot=residency.id_of_slot.at[_drop_unless(drop, slot_c, C)].set(-1, mode="drop"),
+        slot_for_id=residency.slot_for_id.reshape(-1).at[_drop_unless(drop, old, L * E)].set(
             -1, mode="drop").reshape(L, E),
-        usage=state.usage.at[_drop_unless(drop, slot_c, C)].set(validate.INT32_MIN, mode="drop"),
-    )
+        usage=residency.usage.at[_drop_unless(drop, slot_c, C)].set(validate.INT32_MIN,
+                                                                    mode="drop"),
+    ))
     return new_state, ForgetPlan(old=old, error=error)
 
 

@@ -340,7 +340,7 @@ def check_example_expert_parallel():
                                             mesh=mesh, config=config)
     error = _max_error(result)
     assert error <= TOLERANCE, f"cached != dense: {error:.3g}"
-    id_of_slot = np.asarray(result.state.id_of_slot)
+    id_of_slot = np.asarray(result.state.residency.id_of_slot)
     for d in range(NUM_DEVICES):
         for name, bank in params.experts.items():
             pool = np.asarray(result.pool[name])[d]
@@ -367,7 +367,7 @@ def check_example_tensor_parallel():
     for d in range(1, NUM_DEVICES):
         for a, b in zip(jax.tree.leaves(copies[d]), jax.tree.leaves(copies[0])):
             assert np.array_equal(a, b), f"device {d}'s cache differs from device 0's"
-    id_of_slot = copies[0].id_of_slot
+    id_of_slot = copies[0].residency.id_of_slot
     slices = pm.split_weights(params.experts, NUM_DEVICES, example.TENSOR_AXES)
     for name in params.experts:
         pool, bank = np.asarray(result.pool[name]), np.asarray(slices[name])

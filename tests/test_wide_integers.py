@@ -77,7 +77,7 @@ def test_in_range_ids_of_every_dtype_install_the_same_expert(dtype):
     ref_plan = cache.ensure(np.array(3, dtype).item(), ids)
     assert int(plan.error) == ref_plan.error == 0
     np.testing.assert_array_equal(np.asarray(plan.slots), ref_plan.slots)
-    np.testing.assert_array_equal(np.asarray(state.id_of_slot), cache.id_of_slot)
+    np.testing.assert_array_equal(np.asarray(state.residency.id_of_slot), cache.residency.id_of_slot)
 
 
 @pytest.mark.parametrize("dtype", WIDE_DTYPES, ids=lambda d: np.dtype(d).name)

@@ -34,5 +34,5 @@ def policy_of(cache) -> EvictionPolicy:
 def ranked_victims(cache, step: int, layer: int) -> list[int]:
     """The evictable slots (``usage != step``, usable) in victim order under the cache's policy
     (free slots first by ``(usage, slot)``, then the residents by the policy's key)."""
-    evictable = [slot for slot in range(cache.cache_size) if cache.usage[slot] != step]
+    evictable = [slot for slot in range(cache.cache_size) if cache.residency.usage[slot] != step]
     return cache.eviction.rank(cache, evictable, layer)
