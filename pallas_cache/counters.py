@@ -25,7 +25,10 @@ def checked_layer(state: CacheState, layer) -> int:
 
 def reset_stats(state: CacheState) -> CacheState:
     """Open a new window: counters and prefill row counters zeroed; residency and the routing
-    histogram kept (the histogram estimates a distribution; a scrape must not destroy it)."""
+    histogram kept (the histogram estimates a distribution; a scrape must not destroy it).
+
+    Writes ``stats``, ``prefill.hit_rows`` and ``prefill.rows``.
+    """
     return state.replace(
         stats=jnp.zeros_like(state.stats),
         prefill=state.prefill.replace(hit_rows=jnp.zeros_like(state.prefill.hit_rows),
@@ -35,7 +38,10 @@ def reset_stats(state: CacheState) -> CacheState:
 
 def set_collect_routing(state: CacheState, on: bool | jax.Array) -> CacheState:
     """Turn routing-histogram collection on or off (``on`` may be traced). Off by default: a
-    histogram is only meaningful over a long stationary window."""
+    histogram is only meaningful over a long stationary window.
+
+    Writes ``settings.collect_routing``.
+    """
     if not isinstance(on, (bool, np.bool_)) and not (
         hasattr(on, "dtype") and np.shape(on) == () and jnp.issubdtype(on.dtype, jnp.bool_)
     ):
@@ -55,5 +61,8 @@ def routing_histogram(state: CacheState, layer: IndexLike) -> jax.Array:
 
 
 def reset_routing(state: CacheState) -> CacheState:
-    """Throw the observed routing distribution away (collection setting unchanged)."""
+    """Throw the observed routing distribution away (collection setting unchanged).
+
+    Writes ``routing.freq``.
+    """
     return state.replace(routing=state.routing.replace(freq=jnp.zeros_like(state.routing.freq)))

@@ -50,6 +50,9 @@ def ensure(state: CacheState, layer: IndexLike, expert_ids: RoutesLike, *,
            backend: Backend = None) -> tuple[CacheState, EnsurePlan]:
     """Make every routed expert of ``layer`` resident, evicting by the state's eviction (§5.2).
 
+    Writes ``residency``, ``clock``, ``stats``, ``routing`` (``freq`` while collecting,
+    ``recency`` when the clock rebases) and ``eviction_state``.
+
     The victims are the first in the order of ``state.eviction`` (global LRU by default; the
     others of docs/semantics.md §5.16 as :func:`~pallas_cache.state.init` chose).
 
@@ -81,6 +84,8 @@ def ensure_hybrid(state: CacheState, layer: IndexLike, expert_ids: RoutesLike, p
                   backend: Backend = None) -> tuple[CacheState, EnsurePlan]:
     """Fetch what the split says, hand the other misses to the CPU (docs/semantics.md §5.4, 5.5).
 
+    Writes ``residency``, ``clock``, ``routing``, ``stats`` and ``eviction_state``.
+
     Args:
       state, layer, expert_ids, backend: as in :func:`ensure`.
       policy: a traced :class:`FetchPolicy` (scalar fields; vmap to sweep several).
@@ -107,6 +112,8 @@ def ensure_hybrid(state: CacheState, layer: IndexLike, expert_ids: RoutesLike, p
 
 def materialize_layer(state: CacheState, layer: IndexLike) -> tuple[CacheState, MaterializePlan]:
     """Copy a whole layer into slots ``[0, E)``, position = expert id, for a prefill (docs/semantics.md §5.6).
+
+    Writes ``residency``, ``clock`` (and ``routing.recency`` when the clock rebases).
 
     Using the occupancy on entry: every slot holding an expert of this layer is emptied (usage 0),
     and every other layer's expert in ``[0, E)`` loses residency; then the clock advances and
@@ -159,6 +166,8 @@ def _materialize_layer(state: CacheState, layer):
 
 def forget_slot(state: CacheState, slot: IndexLike) -> tuple[CacheState, ForgetPlan]:
     """Drop one slot after its copy failed (docs/semantics.md §5.7).
+
+    Writes ``residency``.
 
     The slot becomes empty, the expert it held non-resident, and its usage the smallest int32, so
     it is the very first victim. A slot that is already empty is left as it is (idempotent).

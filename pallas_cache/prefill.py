@@ -175,6 +175,8 @@ def _require_fit(state: CacheState):
 def begin_prefill(state: CacheState) -> CacheState:
     """Open a prefill chunk: both buffers empty and released, ``slot_for_id`` snapshotted.
 
+    Writes ``prefill``.
+
     The chunk classifies every row against this snapshot, so the classification is stable for
     the whole chunk. Raises :class:`PrefillDoesNotFit` when the capacity is below ``2E``; when
     only the usable size is (a traced value), the state comes back unchanged and no chunk is
@@ -200,6 +202,8 @@ def _compact(mask, values, size):
 def prefetch_prefill_layer(state: CacheState, layer: IndexLike, bank_feat_bytes: Sequence[int]
                            ) -> tuple[CacheState, PrefillPlan]:
     """Stage ``layer`` into buffer ``layer % 2`` and say what that costs (docs/semantics.md §5.11).
+
+    Writes ``residency`` and ``prefill``.
 
     Args:
       state: the cache, with a chunk opened by :func:`begin_prefill`.
@@ -345,6 +349,8 @@ def _stage_buffer(state: CacheState, layer, buffer_id, stage) -> CacheState:
 
 def release_prefill_layer(state: CacheState, layer: IndexLike) -> CacheState:
     """Mark ``layer``'s buffer released, so the next layer of its parity may reuse it.
+
+    Writes ``prefill.released``.
 
     A layer that is not the one its buffer holds (out of range included) is ignored. Returns the
     state only (docs/design.md).

@@ -366,6 +366,8 @@ def init(num_layers: int, num_experts: int, cache_size: int, *, capacity: int | 
 def reset(state: CacheState) -> CacheState:
     """A cold start with the same geometry (docs/semantics.md §5.8).
 
+    Writes every part but ``settings`` (a cold state with the same settings).
+
     Maps emptied, usage 0, step 0, recency -1, counters, histogram and prefill bookkeeping
     cleared. The routing-collection switch, the rebase threshold, the capacity and the usable
     size are settings or geometry, not contents, and are kept. Jittable.
@@ -377,6 +379,9 @@ def reset(state: CacheState) -> CacheState:
 
 def rebuild(state: CacheState, cache_size: int, *, capacity: int | None = None) -> CacheState:
     """A new pool of ``cache_size`` usable slots for the same model (docs/semantics.md §5.8).
+
+    Writes every part but ``settings.rebase_threshold`` and ``settings.collect_routing`` (a new
+    allocation).
 
     A new allocation, exactly as :func:`init` makes one: ``capacity`` defaults to the new
     ``cache_size`` (the old capacity is not kept; to change the usable size within the
@@ -402,6 +407,8 @@ def rebuild(state: CacheState, cache_size: int, *, capacity: int | None = None) 
 
 def resize(state: CacheState, cache_size: IndexLike) -> tuple[CacheState, ResizePlan]:
     """Change the usable pool size within the capacity, without a recompile (docs/semantics.md §5.15).
+
+    Writes ``residency``, ``settings.cache_size`` and, below ``2E``, ``prefill``.
 
     Growing adds empty usable slots (usage 0). Shrinking frees the slots at or past the new size:
     their experts lose residency, the slots become unusable (id -1, usage 0) and the plan lists

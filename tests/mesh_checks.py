@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import operator
 import os
 import pathlib
 import sys
@@ -36,7 +37,8 @@ AXIS = "d"
 NUM_DEVICES = 4
 EVICTIONS = ("lru", "pair_lfu", "route_knn", "route_lfu")
 #: The state fields compared with the reference's after every call.
-STATE_FIELDS = ("slot_for_id", "id_of_slot", "usage", "step", "recency", "stats")
+STATE_FIELDS = ("residency.slot_for_id", "residency.id_of_slot", "residency.usage", "step",
+                "routing.recency", "stats")
 PLAN_FIELDS = ("slots", "cpu", "active", "missing", "fetched", "error")
 COPY_FIELDS = ("dst_slots", "src_rows", "count")
 TOLERANCE = 1e-5  # tests/test_apply.py's, cached against dense
@@ -115,7 +117,8 @@ def _compare(context, got_state, got_plan, cache, plan):
         _equal(f"{context}: plan.copy.{field}", getattr(got_plan.copy, field),
                getattr(plan.copy, field))
     for field in STATE_FIELDS:
-        _equal(f"{context}: state.{field}", getattr(got_state, field), getattr(cache, field))
+        _equal(f"{context}: state.{field}", operator.attrgetter(field)(got_state),
+               operator.attrgetter(field)(cache))
 
 
 def _equal(what, got, expected):

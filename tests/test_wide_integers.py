@@ -6,6 +6,7 @@ int32, so the two implementations are called directly; traced int64 runs in an x
 import subprocess
 import sys
 import textwrap
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -57,9 +58,9 @@ def _warm_reference():
 
 
 def _reference_snapshot(cache):
-    return {name: np.array(getattr(cache, name)).copy()
-            for name in ("slot_for_id", "id_of_slot", "usage", "recency", "stats")} | {
-                "step": cache.step}
+    return {name: np.array(operator.attrgetter(name)(cache)).copy()
+            for name in ("residency.slot_for_id", "residency.id_of_slot", "residency.usage",
+                         "routing.recency", "stats")} | {"step": cache.step}
 
 
 def _assert_reference_unchanged(before, cache):
