@@ -64,7 +64,7 @@ def main(argv=None):
                     jax.block_until_ready(run(state)))
                 results[f"{preset}/{eviction}/{backend}"] = {
                     "missing": int(missing.sum()),
-                    "id_of_slot": np.asarray(final.id_of_slot).tolist(),
+                    "id_of_slot": np.asarray(final.residency.id_of_slot).tolist(),
                     "compile_s": compile_s}
             times = interleaved(programs, args.repeats, warmup=0)  # compiled above
             base = summarize(times[("lru", "xla")]).median / layers.shape[0]

@@ -246,7 +246,7 @@ def main(num_steps: int = 200, seed: int = 0) -> None:
               f"fetched={totals.fetched} cpu routes={int(result.cpu_routes[d].sum())} "
               f"miss rate={totals.miss_rate:.3f}")
     result = decode_tensor_parallel(params, tokens, E, policy, mesh=mesh, config=config)
-    copies = [shard.data for shard in result.state.id_of_slot.addressable_shards]
+    copies = [shard.data for shard in result.state.residency.id_of_slot.addressable_shards]
     agree = all(np.array_equal(copies[0], copy) for copy in copies)
     totals = pc.stats(result.state)
     print(f"tensor-parallel, {E} slots of 1/{D} expert on each device: max|cached - dense| = "

@@ -25,7 +25,7 @@ __all__ = ["batch_shape", "pad_capacity", "stack_states", "take_state", "unstack
 
 def batch_shape(state: CacheState) -> tuple[int, ...]:
     """The leading batch axes of a state: ``()`` for one cache, ``(B,)`` for a stack of ``B``."""
-    return tuple(np.shape(state.id_of_slot)[:-1])
+    return tuple(np.shape(state.residency.id_of_slot)[:-1])
 
 
 def pad_capacity(state: CacheState, capacity: int) -> CacheState:
@@ -49,7 +49,8 @@ def pad_capacity(state: CacheState, capacity: int) -> CacheState:
     def pad(leaf: jax.Array, value: int) -> jax.Array:
         return jnp.concatenate([leaf, jnp.full(batch + (extra,), value, leaf.dtype)], axis=-1)
 
-    return state.replace(id_of_slot=pad(state.id_of_slot, -1), usage=pad(state.usage, 0))
+    return state.replace(residency=state.residency.replace(
+        id_of_slot=pad(state.residency.id_of_slot, -1), usage=pad(state.residency.usage, 0)))
 
 
 def _signature(state: CacheState) -> str:

@@ -1,7 +1,7 @@
 """Keeping the int32 clock from wrapping: the dense-rank rebase (docs/semantics.md §5.12).
 
 Every live stamp (``usage``, ``recency``, ``step``) is renumbered by its rank once the clock
-reaches ``state.rebase_threshold``; the XLA step's rebase carries its own batching rule.
+reaches ``state.settings.rebase_threshold``; the XLA step's rebase carries its own batching rule.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.custom_batching import custom_vmap
 
-from pallas_cache.state import CacheState
+from pallas_cache.state import CacheState, Clock
 from pallas_cache.validate import INT32_MIN
 
 __all__ = ["dense_rank_stamps", "rebase_if_due"]
@@ -83,6 +83,8 @@ def rebase_if_due(state: CacheState, accepted) -> CacheState:
     """The state with its stamps renumbered if the call is accepted and ``step`` reached the
     threshold; otherwise the state itself. Traced: the renumbering runs under ``lax.cond``, also
     under ``vmap`` (see ``_rebase_stamps``)."""
-    due = accepted & (state.step >= state.rebase_threshold)
-    usage, recency, step = _rebase_stamps(due, state.usage, state.recency, state.step)
-    return state.replace(usage=usage, recency=recency, step=step)
+    due = accepted & (state.step >= state.settings.rebase_threshold)
+    usage, recency, step = _rebase_stamps(due, state.residency.usage, state.routing.recency,
+                                          state.step)
+    return state.replace(residency=state.residency.replace(usage=usage),
+                         routing=state.routing.replace(recency=recency), clock=Clock(step=step))

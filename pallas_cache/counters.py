@@ -25,22 +25,29 @@ def checked_layer(state: CacheState, layer) -> int:
 
 def reset_stats(state: CacheState) -> CacheState:
     """Open a new window: counters and prefill row counters zeroed; residency and the routing
-    histogram kept (the histogram estimates a distribution; a scrape must not destroy it)."""
+    histogram kept (the histogram estimates a distribution; a scrape must not destroy it).
+
+    Writes ``stats``, ``prefill.hit_rows`` and ``prefill.rows``.
+    """
     return state.replace(
         stats=jnp.zeros_like(state.stats),
-        prefill_hit_rows=jnp.zeros_like(state.prefill_hit_rows),
-        prefill_rows=jnp.zeros_like(state.prefill_rows),
+        prefill=state.prefill.replace(hit_rows=jnp.zeros_like(state.prefill.hit_rows),
+                                      rows=jnp.zeros_like(state.prefill.rows)),
     )
 
 
 def set_collect_routing(state: CacheState, on: bool | jax.Array) -> CacheState:
     """Turn routing-histogram collection on or off (``on`` may be traced). Off by default: a
-    histogram is only meaningful over a long stationary window."""
+    histogram is only meaningful over a long stationary window.
+
+    Writes ``settings.collect_routing``.
+    """
     if not isinstance(on, (bool, np.bool_)) and not (
         hasattr(on, "dtype") and np.shape(on) == () and jnp.issubdtype(on.dtype, jnp.bool_)
     ):
         raise TypeError(f"set_collect_routing takes a bool, got {on!r}")
-    return state.replace(collect_routing=jnp.asarray(on, jnp.bool_))
+    return state.replace(
+        settings=state.settings.replace(collect_routing=jnp.asarray(on, jnp.bool_)))
 
 
 def routing_histogram(state: CacheState, layer: IndexLike) -> jax.Array:
@@ -50,9 +57,12 @@ def routing_histogram(state: CacheState, layer: IndexLike) -> jax.Array:
     range, since a report cannot carry an error bit."""
     if validate.is_int(layer):
         layer = checked_layer(state, layer)
-    return state.routing_freq[jnp.clip(layer, 0, state.num_layers - 1)]
+    return state.routing.freq[jnp.clip(layer, 0, state.num_layers - 1)]
 
 
 def reset_routing(state: CacheState) -> CacheState:
-    """Throw the observed routing distribution away (collection setting unchanged)."""
-    return state.replace(routing_freq=jnp.zeros_like(state.routing_freq))
+    """Throw the observed routing distribution away (collection setting unchanged).
+
+    Writes ``routing.freq``.
+    """
+    return state.replace(routing=state.routing.replace(freq=jnp.zeros_like(state.routing.freq)))

@@ -21,7 +21,7 @@ from pallas_cache.kernels import dispatch
 from pallas_cache.hints import Backend, IndexLike, RoutesLike
 from pallas_cache.plans import CopyPlan, EnsurePlan, ForgetPlan, MaterializePlan
 from pallas_cache.policy import Admission, FetchOrder, FetchPolicy
-from pallas_cache.state import CacheState, check_state
+from pallas_cache.state import CacheState, Clock, Residency, check_state
 from pallas_cache.step import Rules, ensure_with_rules
 from pallas_cache.step import drop_unless as _drop_unless
 
@@ -49,6 +49,9 @@ def _ensure(state: CacheState, layer, routes, policy: FetchPolicy, rules: Rules,
 def ensure(state: CacheState, layer: IndexLike, expert_ids: RoutesLike, *,
            backend: Backend = None) -> tuple[CacheState, EnsurePlan]:
     """Make every routed expert of ``layer`` resident, evicting by the state's eviction (§5.2).
+
+    Writes ``residency``, ``clock``, ``stats``, ``routing`` (``freq`` while collecting,
+    ``recency`` when the clock rebases) and ``eviction_state``.
 
     The victims are the first in the order of ``state.eviction`` (global LRU by default; the
     others of docs/semantics.md §5.16 as :func:`~pallas_cache.state.init` chose).
@@ -81,6 +84,8 @@ def ensure_hybrid(state: CacheState, layer: IndexLike, expert_ids: RoutesLike, p
                   backend: Backend = None) -> tuple[CacheState, EnsurePlan]:
     """Fetch what the split says, hand the other misses to the CPU (docs/semantics.md §5.4, 5.5).
 
+    Writes ``residency``, ``clock``, ``routing``, ``stats`` and ``eviction_state``.
+
     Args:
       state, layer, expert_ids, backend: as in :func:`ensure`.
       policy: a traced :class:`FetchPolicy` (scalar fields; vmap to sweep several).
@@ -108,6 +113,8 @@ def ensure_hybrid(state: CacheState, layer: IndexLike, expert_ids: RoutesLike, p
 def materialize_layer(state: CacheState, layer: IndexLike) -> tuple[CacheState, MaterializePlan]:
     """Copy a whole layer into slots ``[0, E)``, position = expert id, for a prefill (docs/semantics.md §5.6).
 
+    Writes ``residency``, ``clock`` (and ``routing.recency`` when the clock rebases).
+
     Using the occupancy on entry: every slot holding an expert of this layer is emptied (usage 0),
     and every other layer's expert in ``[0, E)`` loses residency; then the clock advances and
     slot ``e`` holds expert ``e`` with this step's usage. Idempotent; recency and counters are
@@ -132,11 +139,11 @@ def _materialize_layer(state: CacheState, layer):
     base = layer_c * E
 
     slots = lax.iota(jnp.int32, C)
-    occupant = state.id_of_slot
+    occupant = state.residency.id_of_slot
     own_layer = (occupant >= base) & (occupant < base + E)
     target = slots < E  # the slots the layer is copied into
     displaced = accepted & target & (occupant >= 0) & ~own_layer
-    slot_for_id = state.slot_for_id.reshape(-1).at[_drop_unless(displaced, occupant, L * E)].set(
+    slot_for_id = state.residency.slot_for_id.reshape(-1).at[_drop_unless(displaced, occupant, L * E)].set(
         -1, mode="drop").reshape(L, E)
     slot_for_id = jnp.where(
         accepted & (lax.iota(jnp.int32, L) == layer_c)[:, None],
@@ -145,14 +152,12 @@ def _materialize_layer(state: CacheState, layer):
     )
     stale = accepted & own_layer
     id_of_slot = jnp.where(accepted & target, base + slots, jnp.where(stale, -1, occupant))
-    usage = jnp.where(accepted & target, step, jnp.where(stale, 0, state.usage))
+    usage = jnp.where(accepted & target, step, jnp.where(stale, 0, state.residency.usage))
 
     experts = jnp.where(accepted, lax.iota(jnp.int32, E), -1)
     new_state = state.replace(
-        slot_for_id=slot_for_id,
-        id_of_slot=id_of_slot,
-        usage=usage,
-        step=jnp.where(accepted, step, state.step),
+        residency=Residency(slot_for_id=slot_for_id, id_of_slot=id_of_slot, usage=usage),
+        clock=Clock(step=jnp.where(accepted, step, state.step)),
     )
     count = jnp.where(accepted, E, 0).astype(jnp.int32)
     copy = CopyPlan(dst_slots=experts, src_rows=experts, count=count, num_slots=C, num_experts=E)
@@ -161,6 +166,8 @@ def _materialize_layer(state: CacheState, layer):
 
 def forget_slot(state: CacheState, slot: IndexLike) -> tuple[CacheState, ForgetPlan]:
     """Drop one slot after its copy failed (docs/semantics.md §5.7).
+
+    Writes ``residency``.
 
     The slot becomes empty, the expert it held non-resident, and its usage the smallest int32, so
     it is the very first victim. A slot that is already empty is left as it is (idempotent).
@@ -178,14 +185,16 @@ def _forget_slot(state: CacheState, slot):
     error = errors.slot_bits(slot, state.cache_size)  # an unusable slot is out of range
     accepted = error == 0
     slot_c = jnp.clip(slot, 0, C - 1)
-    old = jnp.where(accepted, state.id_of_slot[slot_c], -1)
+    old = jnp.where(accepted, state.residency.id_of_slot[slot_c], -1)
     drop = old >= 0
-    new_state = state.replace(
-        id_of_slot=state.id_of_slot.at[_drop_unless(drop, slot_c, C)].set(-1, mode="drop"),
-        slot_for_id=state.slot_for_id.reshape(-1).at[_drop_unless(drop, old, L * E)].set(
+    residency = state.residency
+    new_state = state.replace(residency=Residency(
+        id_of_slot=residency.id_of_slot.at[_drop_unless(drop, slot_c, C)].set(-1, mode="drop"),
+        slot_for_id=residency.slot_for_id.reshape(-1).at[_drop_unless(drop, old, L * E)].set(
             -1, mode="drop").reshape(L, E),
-        usage=state.usage.at[_drop_unless(drop, slot_c, C)].set(validate.INT32_MIN, mode="drop"),
-    )
+        usage=residency.usage.at[_drop_unless(drop, slot_c, C)].set(validate.INT32_MIN,
+                                                                    mode="drop"),
+    ))
     return new_state, ForgetPlan(old=old, error=error)
 
 

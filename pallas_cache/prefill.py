@@ -16,7 +16,7 @@ import numpy as np
 from jax import lax
 
 from pallas_cache import errors, reprs, validate
-from pallas_cache.state import CacheState
+from pallas_cache.state import CacheState, Residency
 from pallas_cache.hints import IndexLike
 from pallas_cache.tree import Record, pytree_dataclass
 
@@ -175,6 +175,8 @@ def _require_fit(state: CacheState):
 def begin_prefill(state: CacheState) -> CacheState:
     """Open a prefill chunk: both buffers empty and released, ``slot_for_id`` snapshotted.
 
+    Writes ``prefill``.
+
     The chunk classifies every row against this snapshot, so the classification is stable for
     the whole chunk. Raises :class:`PrefillDoesNotFit` when the capacity is below ``2E``; when
     only the usable size is (a traced value), the state comes back unchanged and no chunk is
@@ -182,12 +184,12 @@ def begin_prefill(state: CacheState) -> CacheState:
     """
     _require_fit(state)
     fits = state.cache_size >= 2 * state.num_experts
-    return state.replace(
-        prefill_layer=jnp.where(fits, -1, state.prefill_layer),
-        prefill_released=state.prefill_released | fits,
-        prefill_open=state.prefill_open | fits,
-        prefill_snapshot=jnp.where(fits, state.slot_for_id, state.prefill_snapshot),
-    )
+    return state.replace(prefill=state.prefill.replace(
+        layer=jnp.where(fits, -1, state.prefill.layer),
+        released=state.prefill.released | fits,
+        open=state.prefill.open | fits,
+        snapshot=jnp.where(fits, state.residency.slot_for_id, state.prefill.snapshot),
+    ))
 
 
 def _compact(mask, values, size):
@@ -200,6 +202,8 @@ def _compact(mask, values, size):
 def prefetch_prefill_layer(state: CacheState, layer: IndexLike, bank_feat_bytes: Sequence[int]
                            ) -> tuple[CacheState, PrefillPlan]:
     """Stage ``layer`` into buffer ``layer % 2`` and say what that costs (docs/semantics.md §5.11).
+
+    Writes ``residency`` and ``prefill``.
 
     Args:
       state: the cache, with a chunk opened by :func:`begin_prefill`.
@@ -227,7 +231,7 @@ def prefetch_prefill_layer(state: CacheState, layer: IndexLike, bank_feat_bytes:
 def _prefetch_prefill_layer(state: CacheState, layer, banks: tuple):
     L, E = state.num_layers, state.num_experts
     buffer_id = jnp.remainder(layer, 2)
-    held = state.prefill_layer[buffer_id]
+    held = state.prefill.layer[buffer_id]
     error = _prefetch_errors(state, layer, buffer_id, held)
     accepted = error == 0
     already_loaded = accepted & (held == layer)
@@ -236,18 +240,19 @@ def _prefetch_prefill_layer(state: CacheState, layer, banks: tuple):
     layer_c = jnp.clip(layer, 0, L - 1)
     buffer_base = buffer_id * E
     experts = lax.iota(jnp.int32, E)
-    snapshot_row = state.prefill_snapshot[layer_c]
+    snapshot_row = state.prefill.snapshot[layer_c]
     # Below 2E is the buffers' own range: a miss. A snapshot hit that a decode step evicted (or
     # moved) since begin_prefill is a miss too: its slot no longer holds the expert's rows.
-    still_there = state.slot_for_id[layer_c] == snapshot_row
+    still_there = state.residency.slot_for_id[layer_c] == snapshot_row
     hit = stage & (snapshot_row >= 2 * E) & still_there
     runs = _miss_runs(stage & ~hit)
     gather_banks = [bank for bank, feat in enumerate(banks) if feat >= SMALL_BANK_FEAT_BYTES]
     gather_banks = jnp.asarray(gather_banks + [-1] * (len(banks) - len(gather_banks)), jnp.int32)
-    new_state = _stage_buffer(state, layer, buffer_id, stage).replace(
-        prefill_hit_rows=state.prefill_hit_rows + jnp.sum(hit, dtype=jnp.int32),
-        prefill_rows=state.prefill_rows + jnp.where(stage, E, 0),
-    )
+    staged = _stage_buffer(state, layer, buffer_id, stage)
+    new_state = staged.replace(prefill=staged.prefill.replace(
+        hit_rows=state.prefill.hit_rows + jnp.sum(hit, dtype=jnp.int32),
+        rows=state.prefill.rows + jnp.where(stage, E, 0),
+    ))
     plan = PrefillPlan(
         layer=layer,
         buffer_id=buffer_id,
@@ -270,10 +275,10 @@ def _prefetch_errors(state: CacheState, layer, buffer_id, held):
     asks about the layer's buffer, which only an in-range layer has; "not begun" does not
     depend on the layer."""
     layer_error = errors.layer_bits(layer, state.num_layers)
-    busy = (layer_error == 0) & (held >= 0) & (held != layer) & ~state.prefill_released[buffer_id]
+    busy = (layer_error == 0) & (held >= 0) & (held != layer) & ~state.prefill.released[buffer_id]
     return (
         layer_error
-        | jnp.where(state.prefill_open, 0, errors.ERR_PREFILL_NOT_BEGUN)
+        | jnp.where(state.prefill.open, 0, errors.ERR_PREFILL_NOT_BEGUN)
         | jnp.where(busy, errors.ERR_PREFILL_BUSY, 0)
         | jnp.where(state.cache_size < 2 * state.num_experts, errors.ERR_CACHE_SIZE, 0)
     ).astype(jnp.int32)
@@ -330,26 +335,28 @@ def _stage_buffer(state: CacheState, layer, buffer_id, stage) -> CacheState:
     buffer_base = buffer_id * E
     slots = lax.iota(jnp.int32, S)
     in_buffer = stage & (slots >= buffer_base) & (slots < buffer_base + E)
-    occupant = state.id_of_slot
-    slot_for_id = state.slot_for_id.reshape(-1).at[
+    occupant = state.residency.id_of_slot
+    slot_for_id = state.residency.slot_for_id.reshape(-1).at[
         jnp.where(in_buffer & (occupant >= 0), occupant, L * E)].set(-1, mode="drop").reshape(L, E)
+    this_buffer = stage & (jnp.arange(2) == buffer_id)
     return state.replace(
-        slot_for_id=slot_for_id,
-        id_of_slot=jnp.where(in_buffer, -1, occupant),
-        usage=jnp.where(in_buffer, 0, state.usage),
-        prefill_layer=jnp.where(stage & (jnp.arange(2) == buffer_id), layer, state.prefill_layer),
-        prefill_released=state.prefill_released & ~(stage & (jnp.arange(2) == buffer_id)),
+        residency=Residency(slot_for_id=slot_for_id, id_of_slot=jnp.where(in_buffer, -1, occupant),
+                            usage=jnp.where(in_buffer, 0, state.residency.usage)),
+        prefill=state.prefill.replace(layer=jnp.where(this_buffer, layer, state.prefill.layer),
+                                      released=state.prefill.released & ~this_buffer),
     )
 
 
 def release_prefill_layer(state: CacheState, layer: IndexLike) -> CacheState:
     """Mark ``layer``'s buffer released, so the next layer of its parity may reuse it.
 
+    Writes ``prefill.released``.
+
     A layer that is not the one its buffer holds (out of range included) is ignored. Returns the
     state only (docs/design.md).
     """
     layer = validate.as_index("layer", layer)
     buffer_id = jnp.remainder(layer, 2)
-    holds = (layer >= 0) & (layer < state.num_layers) & (state.prefill_layer[buffer_id] == layer)
-    return state.replace(
-        prefill_released=state.prefill_released | (holds & (jnp.arange(2) == buffer_id)))
+    holds = (layer >= 0) & (layer < state.num_layers) & (state.prefill.layer[buffer_id] == layer)
+    return state.replace(prefill=state.prefill.replace(
+        released=state.prefill.released | (holds & (jnp.arange(2) == buffer_id))))

@@ -66,14 +66,14 @@ def plan_repr(plan: Any, batch_ndim: int | None = None) -> str:
 def state_repr(state: Any) -> str:
     """``CacheState(L=8, E=16, S=64, C=64, eviction=lru, step=12, resident=40, calls=96)``;
     ``batch=(B,)`` first, and a value per cache, for a stacked state."""
-    batch = tuple(np.shape(state.id_of_slot)[:-1])
+    batch = tuple(np.shape(state.residency.id_of_slot)[:-1])
     head = [f"batch={batch}"] if batch else []
     head += [f"L={state.num_layers}", f"E={state.num_experts}",
              f"S={_value_text(state.cache_size)}", f"C={state.capacity}",
              f"eviction={state.eviction.name}", f"step={_value_text(state.step)}"]
-    if isinstance(state.id_of_slot, jax.core.Tracer):
+    if isinstance(state.residency.id_of_slot, jax.core.Tracer):
         return f"CacheState({', '.join(head)})"
-    ids = np.asarray(jax.device_get(state.id_of_slot))
+    ids = np.asarray(jax.device_get(state.residency.id_of_slot))
     table = np.asarray(jax.device_get(state.stats))
     resident = (ids >= 0).sum(axis=-1)
     calls = table[..., 0].sum(axis=-1)

@@ -5,6 +5,7 @@ step"."""
 
 from __future__ import annotations
 
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -34,123 +35,197 @@ DEFAULT_HISTORY = 128
 
 
 @pytree_dataclass
+class Residency(Record):
+    """Which expert each slot holds, and when each slot was last touched (docs/semantics.md §3).
+    Cold: both maps -1, usage 0."""
+
+    #: int32[L, E]. Expert -> slot holding it, -1 = not resident.
+    slot_for_id: jax.Array
+    #: int32[C]. Slot -> flat id ``layer * E + expert`` it holds, -1 = empty; ``C`` is the static
+    #: ``capacity``. Slots at or past ``cache_size`` are always -1.
+    id_of_slot: jax.Array
+    #: int32[C]. The step that last touched each slot (hit or fill). 0 for a slot never filled or
+    #: emptied by a prefill or a shrink, the smallest int32 for a slot dropped by ``forget_slot``
+    #: (the very first victim). Slots at or past ``cache_size`` are always 0.
+    usage: jax.Array
+
+
+@pytree_dataclass
+class Clock(Record):
+    """The step counter (docs/semantics.md §5.12). Cold: 0."""
+
+    #: int32[]. +1 at the start of every ensure / ensure_hybrid / materialize_layer call, so the
+    #: first call of a fresh cache runs at step 1.
+    step: jax.Array
+
+
+@pytree_dataclass
+class Routing(Record):
+    """What the routes asked for, resident or not. Cold: recency -1, freq 0."""
+
+    #: int32[L, E]. The step at which each expert was last routed to by a hybrid call; -1 = never.
+    recency: jax.Array
+    #: int32[L, E]. Routing histogram (duplicates counted), grown only while
+    #: ``settings.collect_routing`` is on.
+    freq: jax.Array
+
+
+@pytree_dataclass
+class Prefill(Record):
+    """The prefill staging buffers and the open chunk (docs/semantics.md §5.9). Cold: no layer
+    staged, both buffers released, no chunk open, zero rows."""
+
+    #: int32[2]. The layer each staging buffer holds, -1 = none.
+    layer: jax.Array
+    #: bool[2]. Whether the consumer is done reading each buffer.
+    released: jax.Array
+    #: bool[]. Whether ``begin_prefill`` opened a chunk.
+    open: jax.Array
+    #: int32[L, E]. ``residency.slot_for_id`` as it stood at ``begin_prefill`` (the chunk
+    #: classifies hits against it); all -1 while no chunk is open.
+    snapshot: jax.Array
+    #: int32[]. Prefill rows served from the cache in this stats window.
+    hit_rows: jax.Array
+    #: int32[]. All prefill rows staged in this stats window.
+    rows: jax.Array
+
+
+@pytree_dataclass
+class Settings(Record):
+    """The traced settings: kept by ``reset`` (they are not contents). Cold: as ``init`` sets
+    them (routing collection off)."""
+
+    #: int32[]. ``S``, the usable pool size, ``E <= S <= C``: only slots ``[0, S)`` hold experts,
+    #: are victims or count in reports (docs/semantics.md §5.15). Traced, so :func:`resize`
+    #: changes it without a recompile.
+    cache_size: jax.Array
+    #: int32[]. When ``clock.step`` reaches it, the clock is renumbered (clock.py).
+    rebase_threshold: jax.Array
+    #: bool[]. Whether ensure calls add to ``routing.freq``.
+    collect_routing: jax.Array
+
+
+@pytree_dataclass
 class CacheState(Record):
-    """The whole cache, as arrays (docs/semantics.md §3). Build one with :func:`init`.
+    """The whole cache, as arrays in parts (docs/semantics.md §3). Build one with :func:`init`.
 
     Attributes:
-      slot_for_id: int32[L, E]. Expert -> slot holding it, -1 = not resident.
-      id_of_slot: int32[C]. Slot -> flat id ``layer * E + expert`` it holds, -1 = empty; ``C`` is
-        the static ``capacity``. Slots at or past ``cache_size`` are always -1.
-      usage: int32[C]. The step that last touched each slot (hit or fill). 0 for a slot that was
-        never filled or was emptied by a prefill or a shrink, the smallest int32 for a slot
-        dropped by ``forget_slot`` (the very first victim). Slots at or past ``cache_size`` are
-        always 0.
-      cache_size: int32[]. ``S``, the usable pool size, ``E <= S <= C``: only slots ``[0, S)``
-        hold experts, are victims or count in reports (docs/semantics.md §5.15). Traced, so
-        :func:`resize` changes it without a recompile.
-      step: int32[]. The clock: +1 at the start of every ensure / ensure_hybrid /
-        materialize_layer call, so the first call of a fresh cache runs at step 1.
-      recency: int32[L, E]. The step at which each expert was last routed to by a hybrid call,
-        resident or not; -1 = never.
+      residency: :class:`Residency`, the two maps and the slots' usage.
+      clock: :class:`Clock`, the step.
+      routing: :class:`Routing`, recency and the routing histogram.
       stats: int32[L, 4]. Per-layer counters (calls, active, missing, fetched) of the current
-        window; the global counters are the column sums.
-      routing_freq: int32[L, E]. Routing histogram (duplicates counted), only grown while
-        ``collect_routing`` is on.
-      collect_routing: bool[]. Whether ensure calls add to ``routing_freq``.
-      prefill_layer: int32[2]. The layer each prefill staging buffer holds, -1 = none.
-      prefill_released: bool[2]. Whether the consumer is done reading each buffer.
-      prefill_open: bool[]. Whether ``begin_prefill`` opened a chunk.
-      prefill_snapshot: int32[L, E]. ``slot_for_id`` as it stood at ``begin_prefill`` (the chunk
-        classifies hits against it); all -1 while no chunk is open.
-      prefill_hit_rows: int32[]. Prefill rows served from the cache in this stats window.
-      prefill_rows: int32[]. All prefill rows staged in this stats window.
-      rebase_threshold: int32[]. When ``step`` reaches it, the clock is renumbered (clock.py).
+        window; the global counters are the column sums. Cold: 0.
+      prefill: :class:`Prefill`, the staging buffers' bookkeeping.
+      settings: :class:`Settings`, the usable size, the rebase threshold, routing collection.
       eviction: static. The :class:`~pallas_cache.evictions.EvictionPolicy` record fixed by
         ``init``, whose functions the ops and the fused kernel call
         (``pc.Eviction(state.eviction)`` is its registry member).
       eviction_state: the eviction's bookkeeping (``PairLfuState``, ``TokenRingState``), ``None``
         for LRU, so an LRU state has exactly the leaves above (docs/semantics.md §5.16).
+
+    The kernel rewrites ``residency``, ``clock``, ``routing`` and ``stats`` (and the eviction's
+    bookkeeping) in place: a field added to one of those parts is a kernel ref with no list to
+    edit.
     """
 
     __repr__ = reprs.state_repr
 
-    slot_for_id: jax.Array
-    id_of_slot: jax.Array
-    usage: jax.Array
-    cache_size: jax.Array
-    step: jax.Array
-    recency: jax.Array
+    residency: Residency
+    clock: Clock
+    routing: Routing
     stats: jax.Array
-    routing_freq: jax.Array
-    collect_routing: jax.Array
-    prefill_layer: jax.Array
-    prefill_released: jax.Array
-    prefill_open: jax.Array
-    prefill_snapshot: jax.Array
-    prefill_hit_rows: jax.Array
-    prefill_rows: jax.Array
-    rebase_threshold: jax.Array
+    prefill: Prefill
+    settings: Settings
     eviction: EvictionPolicy = static_field(default=Eviction.LRU.policy)
     eviction_state: PairLfuState | TokenRingState | None = None
+
+    @property
+    def step(self) -> jax.Array:
+        """int32[], read-only: ``clock.step``, the step of the last call (0 for a cold cache)."""
+        return self.clock.step
+
+    @property
+    def cache_size(self) -> jax.Array:
+        """int32[], read-only: ``settings.cache_size``, the usable pool size ``S``."""
+        return self.settings.cache_size
 
     # Geometry from shapes. Negative axes, so a batched (stacked) state reports the geometry of
     # its members, and the same code works inside and outside a vmap.
     @property
     def num_layers(self) -> int:
-        return self.slot_for_id.shape[-2]
+        return self.residency.slot_for_id.shape[-2]
 
     @property
     def num_experts(self) -> int:
-        return self.slot_for_id.shape[-1]
+        return self.residency.slot_for_id.shape[-1]
 
     @property
     def capacity(self) -> int:
         """``C``, the allocated slots (a shape, static); the usable ones are ``cache_size``."""
-        return self.id_of_slot.shape[-1]
-
-
-def _field_specs(L: int, E: int, C: int) -> dict:
-    """``{field: (dtype, shape)}`` of one (unbatched) state of geometry ``L, E, C``."""
-    i32, b = jnp.int32, jnp.bool_
-    return {"slot_for_id": (i32, (L, E)), "id_of_slot": (i32, (C,)), "usage": (i32, (C,)),
-            "cache_size": (i32, ()), "step": (i32, ()), "recency": (i32, (L, E)),
-            "stats": (i32, (L, 4)), "routing_freq": (i32, (L, E)), "collect_routing": (b, ()),
-            "prefill_layer": (i32, (2,)), "prefill_released": (b, (2,)), "prefill_open": (b, ()),
-            "prefill_snapshot": (i32, (L, E)), "prefill_hit_rows": (i32, ()),
-            "prefill_rows": (i32, ()), "rebase_threshold": (i32, ())}
+        return self.residency.id_of_slot.shape[-1]
 
 
 def check_state(state: CacheState) -> CacheState:
-    """Refuse, at call/trace time, a state whose fields do not have the shapes and dtypes
-    :func:`init` gives (a hand-built or mangled state): ``TypeError`` for a dtype, ``ValueError``
-    for a shape, naming the field, what it has and what the geometry ``L, E, C`` (read from
-    ``slot_for_id`` and ``id_of_slot``) asks for. Unchecked, a wrong shape is read with
-    clamped indices or fails deep inside a ``lax.cond``, and a float ``usage`` compares
-    rounded steps."""
+    """Refuse, at call/trace time, a state whose leaves do not have the shapes and dtypes
+    :func:`init` gives (a hand-built or mangled state): ``TypeError`` for a dtype or a part of the
+    wrong type, ``ValueError`` for a shape, naming the leaf by its path (``state.residency.usage``),
+    what it has and what the geometry ``L, E, C`` (read from ``residency``) asks for. The expected
+    leaves are those of the cold state of that geometry (``jax.eval_shape`` of it), so every leaf
+    of every part is checked, with no list to keep. Unchecked, a wrong shape is read with clamped
+    indices or fails deep inside a ``lax.cond``, and a float ``usage`` compares rounded steps."""
     if not isinstance(state, CacheState):
         raise TypeError(f"state must be a CacheState (from init), got {type(state).__name__}")
-    if np.ndim(state.slot_for_id) != 2 or np.ndim(state.id_of_slot) != 1:
-        raise ValueError(f"state.slot_for_id must be [L, E] and state.id_of_slot [C], got "
-                         f"shapes {list(np.shape(state.slot_for_id))} and "
-                         f"{list(np.shape(state.id_of_slot))} (vmap over a stacked state)")
-    L, E = np.shape(state.slot_for_id)
-    (C,) = np.shape(state.id_of_slot)
-    for name, (dtype, shape) in _field_specs(L, E, C).items():
-        value = getattr(state, name)
-        if type(value) in (int, bool) and shape == ():  # a Python scalar: weakly typed
-            if (type(value) is bool) != (dtype is jnp.bool_):
-                raise TypeError(f"state.{name} is {value!r}, expected {np.dtype(dtype).name}")
+    residency = state.residency
+    if not isinstance(residency, Residency):
+        raise TypeError(f"state.residency must be a Residency, got {type(residency).__name__}")
+    if np.ndim(residency.slot_for_id) != 2 or np.ndim(residency.id_of_slot) != 1:
+        raise ValueError(f"state.residency.slot_for_id must be [L, E] and "
+                         f"state.residency.id_of_slot [C], got shapes "
+                         f"{list(np.shape(residency.slot_for_id))} and "
+                         f"{list(np.shape(residency.id_of_slot))} (vmap over a stacked state)")
+    L, E = np.shape(residency.slot_for_id)
+    (C,) = np.shape(residency.id_of_slot)
+    cold = _cold_shapes(L, E, C, state.eviction, state.eviction.history_of(state.eviction_state))
+    for name in ("clock", "routing", "prefill", "settings"):
+        want, got = type(getattr(cold, name)), getattr(state, name)
+        if not isinstance(got, want):
+            raise TypeError(f"state.{name} must be a {want.__name__}, got {type(got).__name__}")
+    expected, _ = jax.tree_util.tree_flatten_with_path(cold)
+    leaves, _ = jax.tree_util.tree_flatten_with_path(state)
+    if [path for path, _ in leaves] != [path for path, _ in expected]:
+        raise TypeError(f"state has leaves {[_path(p) for p, _ in leaves]}, expected "
+                        f"{[_path(p) for p, _ in expected]}")
+    for (path, value), (_, spec) in zip(leaves, expected):
+        name = _path(path)
+        if type(value) in (int, bool) and spec.shape == ():  # a Python scalar: weakly typed
+            if (type(value) is bool) != (spec.dtype == np.bool_):
+                raise TypeError(f"{name} is {value!r}, expected {spec.dtype.name}")
             continue
         got_dtype = getattr(value, "dtype", None)
         if got_dtype is None:
             got_dtype = np.asarray(value).dtype
-        if tuple(np.shape(value)) != shape:
-            raise ValueError(f"state.{name} has shape {list(np.shape(value))}, expected "
-                             f"{list(shape)} for L={L} layers, E={E} experts, C={C} slots")
-        if np.dtype(got_dtype) != np.dtype(dtype):
-            raise TypeError(f"state.{name} has dtype {np.dtype(got_dtype).name}, expected "
-                            f"{np.dtype(dtype).name}")
+        if tuple(np.shape(value)) != spec.shape:
+            raise ValueError(f"{name} has shape {list(np.shape(value))}, expected "
+                             f"{list(spec.shape)} for L={L} layers, E={E} experts, C={C} slots")
+        if np.dtype(got_dtype) != spec.dtype:
+            raise TypeError(f"{name} has dtype {np.dtype(got_dtype).name}, expected "
+                            f"{spec.dtype.name}")
     return state
+
+
+@functools.lru_cache(maxsize=64)
+def _cold_shapes(L: int, E: int, C: int, eviction, history) -> CacheState:
+    """The shapes and dtypes of the cold state of a geometry (``jax.eval_shape``: nothing is
+    allocated), what :func:`check_state` compares a state against; cached, since every op call
+    checks its state."""
+    history = DEFAULT_HISTORY if history is None else history
+    return jax.eval_shape(lambda: _empty_state(L, E, C, E, 1, False, eviction, history))
+
+
+def _path(path) -> str:
+    """``state.residency.usage``: a leaf named by its key path."""
+    return "state" + "".join(f".{k.name}" if hasattr(k, "name") else jax.tree_util.keystr((k,))
+                             for k in path)
 
 
 class RebuildRejected(ValueError):
@@ -176,22 +251,19 @@ def _empty_state(num_layers, num_experts, capacity, cache_size, rebase_threshold
     ``cache_size`` may be traced (``reset`` keeps the usable size)."""
     L, E, C = num_layers, num_experts, capacity
     return CacheState(
-        slot_for_id=jnp.full((L, E), -1, jnp.int32),
-        id_of_slot=jnp.full((C,), -1, jnp.int32),
-        usage=jnp.zeros((C,), jnp.int32),
-        cache_size=jnp.asarray(cache_size, jnp.int32),
-        step=jnp.zeros((), jnp.int32),
-        recency=jnp.full((L, E), -1, jnp.int32),
+        residency=Residency(slot_for_id=jnp.full((L, E), -1, jnp.int32),
+                            id_of_slot=jnp.full((C,), -1, jnp.int32),
+                            usage=jnp.zeros((C,), jnp.int32)),
+        clock=Clock(step=jnp.zeros((), jnp.int32)),
+        routing=Routing(recency=jnp.full((L, E), -1, jnp.int32),
+                        freq=jnp.zeros((L, E), jnp.int32)),
         stats=jnp.zeros((L, 4), jnp.int32),
-        routing_freq=jnp.zeros((L, E), jnp.int32),
-        collect_routing=jnp.asarray(collect_routing, jnp.bool_),
-        prefill_layer=jnp.full((2,), -1, jnp.int32),
-        prefill_released=jnp.ones((2,), jnp.bool_),
-        prefill_open=jnp.zeros((), jnp.bool_),
-        prefill_snapshot=jnp.full((L, E), -1, jnp.int32),
-        prefill_hit_rows=jnp.zeros((), jnp.int32),
-        prefill_rows=jnp.zeros((), jnp.int32),
-        rebase_threshold=jnp.asarray(rebase_threshold, jnp.int32),
+        prefill=Prefill(layer=jnp.full((2,), -1, jnp.int32), released=jnp.ones((2,), jnp.bool_),
+                        open=jnp.zeros((), jnp.bool_), snapshot=jnp.full((L, E), -1, jnp.int32),
+                        hit_rows=jnp.zeros((), jnp.int32), rows=jnp.zeros((), jnp.int32)),
+        settings=Settings(cache_size=jnp.asarray(cache_size, jnp.int32),
+                          rebase_threshold=jnp.asarray(rebase_threshold, jnp.int32),
+                          collect_routing=jnp.asarray(collect_routing, jnp.bool_)),
         eviction=eviction,
         eviction_state=eviction.init(L, E, history),
     )
@@ -288,17 +360,22 @@ def init(num_layers: int, num_experts: int, cache_size: int, *, capacity: int | 
 def reset(state: CacheState) -> CacheState:
     """A cold start with the same geometry (docs/semantics.md §5.8).
 
+    Writes every part but ``settings`` (a cold state with the same settings).
+
     Maps emptied, usage 0, step 0, recency -1, counters, histogram and prefill bookkeeping
     cleared. The routing-collection switch, the rebase threshold, the capacity and the usable
     size are settings or geometry, not contents, and are kept. Jittable.
     """
     return _empty_state(state.num_layers, state.num_experts, state.capacity, state.cache_size,
-                        state.rebase_threshold, state.collect_routing, state.eviction,
-                        state.eviction.history_of(state.eviction_state))
+                        state.settings.rebase_threshold, state.settings.collect_routing,
+                        state.eviction, state.eviction.history_of(state.eviction_state))
 
 
 def rebuild(state: CacheState, cache_size: int, *, capacity: int | None = None) -> CacheState:
     """A new pool of ``cache_size`` usable slots for the same model (docs/semantics.md §5.8).
+
+    Writes every part but ``settings.rebase_threshold`` and ``settings.collect_routing`` (a new
+    allocation).
 
     A new allocation, exactly as :func:`init` makes one: ``capacity`` defaults to the new
     ``cache_size`` (the old capacity is not kept; to change the usable size within the
@@ -318,12 +395,15 @@ def rebuild(state: CacheState, cache_size: int, *, capacity: int | None = None) 
     new_capacity = _capacity(requested, capacity)
     _check_representable(state.num_layers, state.num_experts, requested, new_capacity)
     return _empty_state(state.num_layers, state.num_experts, new_capacity,
-                        requested, state.rebase_threshold, state.collect_routing, state.eviction,
+                        requested, state.settings.rebase_threshold,
+                        state.settings.collect_routing, state.eviction,
                         state.eviction.history_of(state.eviction_state))
 
 
 def resize(state: CacheState, cache_size: IndexLike) -> tuple[CacheState, ResizePlan]:
     """Change the usable pool size within the capacity, without a recompile (docs/semantics.md §5.15).
+
+    Writes ``residency``, ``settings.cache_size`` and, below ``2E``, ``prefill``.
 
     Growing adds empty usable slots (usage 0). Shrinking frees the slots at or past the new size:
     their experts lose residency, the slots become unusable (id -1, usage 0) and the plan lists
@@ -352,7 +432,7 @@ def _resize(state: CacheState, new_size):
     below_buffers = new_size < 2 * E
     # The buffer at [E, 2E) (buffer 1) loses slots on a shrink below 2E: refused while a staged
     # layer there is still being read (docs/semantics.md §5.15).
-    busy = below_buffers & (state.prefill_layer[1] >= 0) & ~state.prefill_released[1]
+    busy = below_buffers & (state.prefill.layer[1] >= 0) & ~state.prefill.released[1]
     bad = (new_size < E) | (new_size > C) | busy
     error = jnp.where(bad, errors.ERR_CACHE_SIZE, 0).astype(jnp.int32)
     accepted = error == 0
@@ -360,18 +440,17 @@ def _resize(state: CacheState, new_size):
 
     slots = jnp.arange(C, dtype=jnp.int32)
     freed = accepted & (slots >= size) & (slots < state.cache_size)
-    occupant = state.id_of_slot
+    occupant = state.residency.id_of_slot
     dropped = freed & (occupant >= 0)
-    slot_for_id = state.slot_for_id.reshape(-1).at[jnp.where(dropped, occupant, L * E)].set(
+    slot_for_id = state.residency.slot_for_id.reshape(-1).at[jnp.where(dropped, occupant, L * E)].set(
         -1, mode="drop").reshape(L, E)
     end_buffer = accepted & below_buffers & (jnp.arange(2) == 1)
     new_state = state.replace(
-        slot_for_id=slot_for_id,
-        id_of_slot=jnp.where(freed, -1, occupant),
-        usage=jnp.where(freed, 0, state.usage),
-        cache_size=size.astype(jnp.int32),
-        prefill_layer=jnp.where(end_buffer, -1, state.prefill_layer),
-        prefill_released=state.prefill_released | end_buffer,
+        residency=Residency(slot_for_id=slot_for_id, id_of_slot=jnp.where(freed, -1, occupant),
+                            usage=jnp.where(freed, 0, state.residency.usage)),
+        settings=state.settings.replace(cache_size=size.astype(jnp.int32)),
+        prefill=state.prefill.replace(layer=jnp.where(end_buffer, -1, state.prefill.layer),
+                                      released=state.prefill.released | end_buffer),
     )
     position = jnp.cumsum(freed, dtype=jnp.int32) - 1
     target = jnp.where(freed, position, C)

@@ -22,7 +22,7 @@ from pallas_cache.kernels import dispatch
 from pallas_cache.plans import CopyPlan, EnsurePlan
 from pallas_cache.policy import (Admission, FetchOrder, FetchPolicy, admit_promote_one,
                                  admit_reuse, split_count)
-from pallas_cache.state import CacheState
+from pallas_cache.state import CacheState, Clock, Residency, Routing
 from pallas_cache.tree import Record, pytree_dataclass, varying_axes
 
 __all__ = ["Rules", "drop_unless", "ensure_with_rules"]
@@ -141,8 +141,8 @@ def ensure_with_rules(state: CacheState, layer, routes, policy: FetchPolicy, rul
     step = state.step + 1
     hits, eviction_state = _classify(state, observed, layer_c, accepted)
     num_fetch = split_count(policy.fraction16, policy.cap, hits.num_missing)
-    usage = _refresh_hits(state.usage, hits, step, accepted)
-    recency_row = state.recency[layer_c]
+    usage = _refresh_hits(state.residency.usage, hits, step, accepted)
+    recency_row = state.routing.recency[layer_c]
     experts, recs = _fetch_order(flat_routes, is_route, hits.miss, recency_row, rules, num_out)
     victims, vusage, occupants = _rank_victims(state, eviction_state, usage, step, layer_c,
                                                rules, num_out)
@@ -154,9 +154,10 @@ def ensure_with_rules(state: CacheState, layer, routes, policy: FetchPolicy, rul
     recency, stats, routing_freq, num_active, num_missing = _count(
         state, hits, observed, installed.num_fetch, recency_row, layer_c, step, accepted, rules)
     new_state = state.replace(
-        slot_for_id=slot_for_id, id_of_slot=id_of_slot, usage=usage,
-        step=jnp.where(accepted, step, state.step), recency=recency, stats=stats,
-        routing_freq=routing_freq, eviction_state=eviction_state)
+        residency=Residency(slot_for_id=slot_for_id, id_of_slot=id_of_slot, usage=usage),
+        clock=Clock(step=jnp.where(accepted, step, state.step)),
+        routing=Routing(recency=recency, freq=routing_freq), stats=stats,
+        eviction_state=eviction_state)
     copy = CopyPlan(dst_slots=installed.victims, src_rows=installed.experts,
                     count=installed.num_fetch, num_slots=state.capacity, num_experts=E)
     return new_state, EnsurePlan(
@@ -191,7 +192,7 @@ def _classify(state: CacheState, observed, layer_c, accepted):
     """Phase classify: the routed experts, hit or missed, and the eviction's bookkeeping after
     its observation of the call (a refused call changes nothing)."""
     routed = observed > 0
-    slot_row = state.slot_for_id[layer_c]
+    slot_row = state.residency.slot_for_id[layer_c]
     hit = routed & (slot_row >= 0)
     miss = routed & (slot_row < 0)
     eviction_state = state.eviction.observe(state.eviction_state, layer_c, routed, accepted)
@@ -267,11 +268,11 @@ def _rank_victims(state: CacheState, eviction_state, usage, step, layer_c, rules
     past the evictable slots, ranked by the eviction (docs/semantics.md §5.16) among the usable
     slots ``[0, cache_size)`` (§5.15) not touched this step; ``vusage`` each one's usage (None
     unless REUSE reads it), ``occupants`` the expert each holds."""
-    victims = evictions.rank_victims(state.eviction, eviction_state, state.id_of_slot, usage, step,
+    victims = evictions.rank_victims(state.eviction, eviction_state, state.residency.id_of_slot, usage, step,
                                      num_out, num_out=num_out, layer=layer_c,
                                      num_experts=state.num_experts, cache_size=state.cache_size)
     at = jnp.maximum(victims, 0)
-    occupants = jnp.where(victims >= 0, state.id_of_slot[at], -1)
+    occupants = jnp.where(victims >= 0, state.residency.id_of_slot[at], -1)
     vusage = None if rules.reuse is False else jnp.where(victims >= 0, usage[at], -1)
     return victims, vusage, occupants
 
@@ -305,11 +306,11 @@ def _install(state: CacheState, usage, installed: Installs, layer_c, step):
     L, E, C = state.num_layers, state.num_experts, state.capacity
     installs, victims, experts, occupants, _ = installed
     base = layer_c * E
-    slot_for_id = state.slot_for_id.reshape(-1).at[jnp.concatenate([
+    slot_for_id = state.residency.slot_for_id.reshape(-1).at[jnp.concatenate([
         drop_unless(installs & (occupants >= 0), occupants, L * E),
         drop_unless(installs, base + experts, L * E),
     ])].set(jnp.concatenate([jnp.full_like(victims, -1), victims]), mode="drop").reshape(L, E)
-    id_of_slot = state.id_of_slot.at[drop_unless(installs, victims, C)].set(
+    id_of_slot = state.residency.id_of_slot.at[drop_unless(installs, victims, C)].set(
         base + experts, mode="drop")
     usage = usage.at[drop_unless(installs, victims, C)].set(step, mode="drop")
     return slot_for_id, id_of_slot, usage
@@ -335,7 +336,7 @@ def _count(state: CacheState, hits: Hits, observed, num_fetch, recency_row, laye
     def row_update(table, row):
         return lax.dynamic_update_slice(table, row[None], (layer_c, jnp.int32(0)))
 
-    recency = state.recency
+    recency = state.routing.recency
     if rules.hybrid is not False:
         stamped = hits.routed & accepted & _gate(rules.hybrid, True, False)
         recency = row_update(recency, jnp.where(stamped, step, recency_row))
@@ -344,7 +345,7 @@ def _count(state: CacheState, hits: Hits, observed, num_fetch, recency_row, laye
     # Columns of CacheState.stats: calls, active, missing, fetched.
     counters = jnp.stack([accepted.astype(jnp.int32), num_active, num_missing, num_fetch])
     stats = row_update(state.stats, state.stats[layer_c] + counters)
-    observe = accepted & state.collect_routing
+    observe = accepted & state.settings.collect_routing
     routing_freq = row_update(
-        state.routing_freq, state.routing_freq[layer_c] + jnp.where(observe, observed, 0))
+        state.routing.freq, state.routing.freq[layer_c] + jnp.where(observe, observed, 0))
     return recency, stats, routing_freq, num_active, num_missing

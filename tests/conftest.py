@@ -168,11 +168,11 @@ def assert_same(a, b, context="", path="state"):
 
 def slot_of(state, layer, expert):
     """The slot holding ``(layer, expert)``, None if it is not resident."""
-    return int(state.slot_for_id[layer, expert]) if state.slot_for_id[layer, expert] >= 0 else None
+    return int(state.residency.slot_for_id[layer, expert]) if state.residency.slot_for_id[layer, expert] >= 0 else None
 
 
 def resident_slots(state) -> int:
-    return int((_np(state.id_of_slot) >= 0).sum())
+    return int((_np(state.residency.id_of_slot) >= 0).sum())
 
 
 def valid(record, name):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import operator
 import os
 import pathlib
 import sys
@@ -36,7 +37,8 @@ AXIS = "d"
 NUM_DEVICES = 4
 EVICTIONS = ("lru", "pair_lfu", "route_knn", "route_lfu")
 #: The state fields compared with the reference's after every call.
-STATE_FIELDS = ("slot_for_id", "id_of_slot", "usage", "step", "recency", "stats")
+STATE_FIELDS = ("residency.slot_for_id", "residency.id_of_slot", "residency.usage", "step",
+                "routing.recency", "stats")
 PLAN_FIELDS = ("slots", "cpu", "active", "missing", "fetched", "error")
 COPY_FIELDS = ("dst_slots", "src_rows", "count")
 TOLERANCE = 1e-5  # tests/test_apply.py's, cached against dense
@@ -115,7 +117,8 @@ def _compare(context, got_state, got_plan, cache, plan):
         _equal(f"{context}: plan.copy.{field}", getattr(got_plan.copy, field),
                getattr(plan.copy, field))
     for field in STATE_FIELDS:
-        _equal(f"{context}: state.{field}", getattr(got_state, field), getattr(cache, field))
+        _equal(f"{context}: state.{field}", operator.attrgetter(field)(got_state),
+               operator.attrgetter(field)(cache))
 
 
 def _equal(what, got, expected):
@@ -340,7 +343,7 @@ def check_example_expert_parallel():
                                             mesh=mesh, config=config)
     error = _max_error(result)
     assert error <= TOLERANCE, f"cached != dense: {error:.3g}"
-    id_of_slot = np.asarray(result.state.id_of_slot)
+    id_of_slot = np.asarray(result.state.residency.id_of_slot)
     for d in range(NUM_DEVICES):
         for name, bank in params.experts.items():
             pool = np.asarray(result.pool[name])[d]
@@ -367,7 +370,7 @@ def check_example_tensor_parallel():
     for d in range(1, NUM_DEVICES):
         for a, b in zip(jax.tree.leaves(copies[d]), jax.tree.leaves(copies[0])):
             assert np.array_equal(a, b), f"device {d}'s cache differs from device 0's"
-    id_of_slot = copies[0].id_of_slot
+    id_of_slot = copies[0].residency.id_of_slot
     slices = pm.split_weights(params.experts, NUM_DEVICES, example.TENSOR_AXES)
     for name in params.experts:
         pool, bank = np.asarray(result.pool[name]), np.asarray(slices[name])

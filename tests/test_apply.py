@@ -94,7 +94,7 @@ def test_zero_count_is_the_identity():
 def test_accepts_an_ensure_plan_and_fills_every_resident_slot():
     state, plan = jax.jit(pc.ensure)(pc.init(2, E, S), 1, jnp.array([3, 0, 3, -1], jnp.int32))
     new_pool = np.asarray(jax.jit(apply_copy_plan)(_pool(), _bank(), plan))
-    slot_for_id, bank = np.asarray(state.slot_for_id), np.asarray(_bank())
+    slot_for_id, bank = np.asarray(state.residency.slot_for_id), np.asarray(_bank())
     assert int(plan.copy.count) == 2
     written = {int(slot_for_id[1, expert]) for expert in (0, 3)}
     assert len(written) == 2
@@ -546,7 +546,7 @@ def test_every_step_of_the_cached_loop_equals_the_dense_moe(model, cache_size):
         else:
             assert cpu_routes > 0 and counters.fetched < counters.missing, name
         # every resident slot of the final pool holds the bytes of the expert the state names
-        id_of_slot = np.asarray(result.state.id_of_slot)
+        id_of_slot = np.asarray(result.state.residency.id_of_slot)
         for leaf_name, bank_leaf in params.experts.items():
             pool_leaf, bank_leaf = np.asarray(result.pool[leaf_name]), np.asarray(bank_leaf)
             for slot in np.flatnonzero(id_of_slot >= 0):

@@ -282,20 +282,32 @@ def test_entry_bytes_past_int64_is_refused_not_wrapped():
     assert plan.entry_bytes((2**40,)).tolist() == [4 * 2**40, -1, -1, -1]
 
 
+def _with_leaf(state, path: str, value):
+    """``state`` with the leaf at the dotted ``path`` (``"residency.usage"``) replaced."""
+    head, _, rest = path.partition(".")
+    if not rest:
+        return state.replace(**{head: value})
+    return state.replace(**{head: _with_leaf(getattr(state, head), rest, value)})
+
+
 @pytest.mark.parametrize("field, bad, error, message", [
-    ("recency", jnp.zeros((3, 8), jnp.int32), ValueError,
-     r"state.recency has shape \[3, 8\], expected \[2, 4\]"),
-    ("usage", jnp.zeros((6,), jnp.float32), TypeError,
-     r"state.usage has dtype float32, expected int32"),
+    ("routing.recency", jnp.zeros((3, 8), jnp.int32), ValueError,
+     r"state.routing.recency has shape \[3, 8\], expected \[2, 4\]"),
+    ("residency.usage", jnp.zeros((6,), jnp.float32), TypeError,
+     r"state.residency.usage has dtype float32, expected int32"),
     ("stats", jnp.zeros((2, 3), jnp.int32), ValueError, r"state.stats has shape \[2, 3\]"),
-    ("collect_routing", jnp.int32(0), TypeError, r"state.collect_routing has dtype int32"),
+    ("settings.collect_routing", jnp.int32(0), TypeError,
+     r"state.settings.collect_routing has dtype int32"),
+    ("prefill.snapshot", jnp.zeros((2, 3), jnp.int32), ValueError,
+     r"state.prefill.snapshot has shape \[2, 3\], expected \[2, 4\]"),
+    ("clock", (jnp.int32(0),), TypeError, r"state.clock must be a Clock, got tuple"),
 ])
 def test_a_hand_built_state_of_the_wrong_shape_or_dtype_is_refused(field, bad, error, message):
     """FAILS if a hand-built state whose field has another shape or dtype than ``init`` gives
     is accepted (error 0, its rows read with clamped indices, float steps rounded) or fails
     inside ``lax.cond`` with JAX's own message: every public op refuses it at call time naming
     the field, what it has and what the geometry asks for."""
-    state = pc.init(2, 4, 6).replace(**{field: bad})
+    state = _with_leaf(pc.init(2, 4, 6), field, bad)
     ids = jnp.asarray([1, 2], jnp.int32)
     for call in (lambda s: pc.ensure(s, 0, ids),
                  lambda s: pc.ensure_hybrid(s, 0, ids, pc.FetchPolicy.full()),
@@ -304,6 +316,25 @@ def test_a_hand_built_state_of_the_wrong_shape_or_dtype_is_refused(field, bad, e
             call(state)
         with pytest.raises(error, match=message):
             jax.jit(call)(state)
+
+
+@pytest.mark.parametrize("eviction", [e.value for e in pc.Eviction])
+def test_every_leaf_of_every_part_of_the_state_is_checked(eviction):
+    """FAILS if ``check_state`` checks a hand-kept list of fields (a field, or the eviction's
+    bookkeeping, left out of the list goes unchecked): every leaf of the cold state, of every
+    part, given a wrong shape, is refused naming its path."""
+    from pallas_cache.state import check_state
+
+    state = pc.init(2, 4, 6, eviction=eviction)
+    paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
+    assert len(paths) >= 16
+    for target in paths:
+        bad = jax.tree_util.tree_map_with_path(
+            lambda path, x: jnp.zeros(np.shape(x) + (3,), x.dtype) if path == target else x,
+            state)
+        name = "state" + "".join(f".{key.name}" for key in target)
+        with pytest.raises(ValueError, match=name.replace(".", r"\.")):
+            check_state(bad)
 
 
 def test_float_expert_ids_are_refused_not_truncated():

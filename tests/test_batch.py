@@ -70,9 +70,10 @@ def test_stacking_different_sizes_says_how_and_works_with_capacity():
         got = pc.take_state(batch, i)
         # Same usable part; the padded slots stay empty with usage 0.
         C = state.capacity
-        pct.assert_states_equal(got.replace(id_of_slot=got.id_of_slot[:C], usage=got.usage[:C]),
-                                state)
-        assert np.all(np.asarray(got.id_of_slot[C:]) == -1)
+        usable = got.residency.replace(id_of_slot=got.residency.id_of_slot[:C],
+                                       usage=got.residency.usage[:C])
+        pct.assert_states_equal(got.replace(residency=usable), state)
+        assert np.all(np.asarray(got.residency.id_of_slot[C:]) == -1)
         pct.check_state(got)  # the padded slots are unusable: empty, usage 0
         for plan, want in zip(plans, expected):
             one = jax.tree.map(lambda x: x[i], plan)

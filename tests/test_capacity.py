@@ -35,7 +35,7 @@ def test_victims_never_lie_past_the_usable_size(adapter):
     plan = cache.ensure(2, [0, 1])
     assert valid(plan.copy, "dst_slots") == [0, 1], "the two least recently used usable slots"
     state = cache.state
-    assert (state.id_of_slot[4:] == -1).all()
+    assert (state.residency.id_of_slot[4:] == -1).all()
     assert slot_of(state, 0, 0) is None and slot_of(state, 0, 1) is None
 
 
@@ -65,7 +65,7 @@ def test_resize_shrink_frees_the_tail_and_lists_it(adapter):
     assert (plan.freed_slots[4:] == -1).all() and (plan.freed_ids[4:] == -1).all()
     state = cache.state
     assert int(state.cache_size) == 4
-    assert state.id_of_slot.tolist() == [0, 1, 2, 3] + [-1] * 6
+    assert state.residency.id_of_slot.tolist() == [0, 1, 2, 3] + [-1] * 6
     assert slot_of(state, 1, 1) is None and slot_of(state, 1, 0) == 3
     grow = cache.resize(10)
     assert (grow.error, grow.count) == (0, 0)
@@ -100,7 +100,7 @@ def test_a_shrink_below_2e_waits_for_the_second_buffer_and_then_ends_it(adapter)
     assert cache.resize(2 * E).error == 0, "2E keeps both buffers: allowed"
     cache.release_prefill_layer(1)
     assert cache.resize(E).error == 0
-    assert cache.state.prefill_layer.tolist() == [-1, -1]
+    assert cache.state.prefill.layer.tolist() == [-1, -1]
     assert cache.prefetch_prefill_layer(1, (1 << 20,)).error == ERR_CACHE_SIZE
     assert cache.resize(9).error == 0
     again = cache.prefetch_prefill_layer(1, (1 << 20,))
@@ -150,8 +150,8 @@ def test_a_capacity_2048_state_resized_to_48_behaves_like_a_48_slot_pool():
         small, theirs = step(small, layer, routes, policy)
         for a, b in zip(jax.tree.leaves(mine), jax.tree.leaves(theirs)):
             np.testing.assert_array_equal(a, b, err_msg=f"call {call}")
-    np.testing.assert_array_equal(big.id_of_slot[:48], small.id_of_slot)
-    assert (np.asarray(big.id_of_slot[48:]) == -1).all()
+    np.testing.assert_array_equal(big.residency.id_of_slot[:48], small.residency.id_of_slot)
+    assert (np.asarray(big.residency.id_of_slot[48:]) == -1).all()
     with pytest.raises(pc.PrefillDoesNotFit):
         pc.begin_prefill(small)
     assert bool(pc.prefill_overlap_fits(big)) is False
@@ -224,9 +224,9 @@ def test_the_largest_representable_sizes_are_accepted():
     ``C + L * E + 1 <= 2**31 - 2``; under ``jax.eval_shape``, so nothing is allocated)."""
     L, E = 1, 2**29
     big = jax.eval_shape(lambda: pc.init(L, E, INT32_MAX - 2 - L * E))
-    assert big.id_of_slot.shape == (INT32_MAX - 2 - L * E,)
+    assert big.residency.id_of_slot.shape == (INT32_MAX - 2 - L * E,)
     wide = jax.eval_shape(lambda: pc.init(2, 8, 16, capacity=INT32_MAX - 2 - 16))
-    assert wide.id_of_slot.shape == (INT32_MAX - 18,)
+    assert wide.residency.id_of_slot.shape == (INT32_MAX - 18,)
 
 
 # ---- kernels and the dispatch point ------------------------------------------------------------

@@ -138,7 +138,7 @@ def test_pair_lfu_vmapped_over_caches_equals_a_loop_of_references():
             lane = jax.tree.map(lambda x: x[i], states)
             np.testing.assert_array_equal(lane.eviction_state.freq, ref.eviction_state.freq)
             np.testing.assert_array_equal(lane.eviction_state.prot, ref.eviction_state.prot)
-            np.testing.assert_array_equal(lane.id_of_slot, ref.id_of_slot)
+            np.testing.assert_array_equal(lane.residency.id_of_slot, ref.residency.id_of_slot)
 
 
 # ---- the rules (every adapter) -------------------------------------------------------------
@@ -224,7 +224,7 @@ def test_free_slots_come_first_in_lru_order_before_any_resident(adapter):
     cache.prefetch_prefill_layer(0, (512 * 1024,))  # slots 0, 1 emptied with usage 0
     state = cache.state
     assert state.eviction_state.prot[0].all() and state.eviction_state.freq[0, 0] > state.eviction_state.freq[0, 1]
-    assert state.usage.tolist()[:2] == [0, 0] and state.usage[4] == -(2**31)
+    assert state.residency.usage.tolist()[:2] == [0, 0] and state.residency.usage[4] == -(2**31)
     plan = cache.ensure(1, [0, 1])
     assert valid(plan.copy, "dst_slots") == [4, 0]
 
@@ -546,9 +546,9 @@ def test_route_knn_next_use_per_slot_equals_the_per_layer_expert_form(L, E, S, u
     def loop(state, layers, routes):
         def body(s, xs):
             s, _ = pc.ensure_hybrid(s, xs[0], xs[1], policy)
-            args = (s.eviction_state, s.id_of_slot, xs[0], E, s.cache_size)
+            args = (s.eviction_state, s.residency.id_of_slot, xs[0], E, s.cache_size)
             return s, (next_use(*args, per_slot=True), next_use(*args, per_slot=False),
-                       s.id_of_slot)
+                       s.residency.id_of_slot)
         return jax.lax.scan(body, state, (layers, routes))
 
     state, _ = pc.resize(pc.init(L, E, S, eviction="route_knn", history=W), usable)

@@ -107,8 +107,8 @@ def test_diff_agrees_with_the_plans_over_a_random_sequence():
     for i in range(40):
         layer = int(rng.integers(num_layers))
         routes = rng.integers(-1, num_experts, size=3).astype(np.int32)
-        before_slot_for_id = np.asarray(state.slot_for_id)
-        before_id_of_slot = np.asarray(state.id_of_slot)
+        before_slot_for_id = np.asarray(state.residency.slot_for_id)
+        before_id_of_slot = np.asarray(state.residency.id_of_slot)
         after, plan = step(state, layer, jnp.asarray(routes), policies[i % 3])
         change = diff(state, after)
 

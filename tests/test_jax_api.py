@@ -33,7 +33,7 @@ def ids(*values):
 
 
 def resident_slots(state):
-    return int((state.id_of_slot >= 0).sum())
+    return int((state.residency.id_of_slot >= 0).sum())
 
 
 def valid(array, count):

@@ -17,6 +17,7 @@ import pytest
 import pallas_cache as pc
 from pallas_cache import ops
 from pallas_cache.kernels import step as fused
+from pallas_cache.state import Clock, Residency
 
 
 DEEP = os.environ.get("PALLAS_CACHE_PROFILE", "ci") == "deep"
@@ -74,10 +75,11 @@ def test_streamed_victims_equal_the_xla_step(kind, eviction):
     ids = rng.permutation(np.arange(E, L * E))[:S]
     sfi = np.full(L * E, -1, np.int32)
     sfi[ids] = np.arange(S)
-    state = state.replace(id_of_slot=jnp.asarray(ids, jnp.int32),
-                          slot_for_id=jnp.asarray(sfi.reshape(L, E)),
-                          usage=jnp.asarray(_usage_pattern(kind, rng, S, clock), jnp.int32),
-                          step=jnp.int32(clock))
+    state = state.replace(
+        residency=Residency(id_of_slot=jnp.asarray(ids, jnp.int32),
+                            slot_for_id=jnp.asarray(sfi.reshape(L, E)),
+                            usage=jnp.asarray(_usage_pattern(kind, rng, S, clock), jnp.int32)),
+        clock=Clock(step=jnp.int32(clock)))
     rules = ops.Rules.of(hybrid=True, order="recency",
                          admission="reuse" if eviction == "lru" else "promote_one")
     ours, theirs = _steps(rules, 8)
@@ -123,9 +125,10 @@ def test_a_hit_is_never_a_victim(block):
     ids = np.asarray([0, 8, 1, 9, 10, 11, 12, 2], np.int32)
     sfi = np.full(L * E, -1, np.int32)
     sfi[ids] = np.arange(S)
-    state = state.replace(id_of_slot=jnp.asarray(ids), slot_for_id=jnp.asarray(sfi.reshape(L, E)),
-                          usage=jnp.asarray([1, 9, 1, 9, 9, 9, 9, 1], jnp.int32),
-                          step=jnp.int32(10))
+    state = state.replace(
+        residency=Residency(id_of_slot=jnp.asarray(ids), slot_for_id=jnp.asarray(sfi.reshape(L, E)),
+                            usage=jnp.asarray([1, 9, 1, 9, 9, 9, 9, 1], jnp.int32)),
+        clock=Clock(step=jnp.int32(10)))
     rules = ops.Rules.of(hybrid=False, order="lowest_id", admission="none")
     ours, theirs = _steps(rules, block)
     routes = jnp.asarray([0, 1, 2, 5, 6, 7], jnp.int32)  # hits on slots 0, 2, 7; three misses

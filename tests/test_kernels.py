@@ -24,6 +24,7 @@ from pallas_cache import selection
 from pallas_cache.kernels import dispatch
 from pallas_cache.kernels import step as fused
 from pallas_cache.ops import Rules
+from pallas_cache.state import Clock, Residency
 
 I32_MIN = int(np.iinfo(np.int32).min)
 I32_MAX = int(np.iinfo(np.int32).max)
@@ -61,8 +62,10 @@ def _state_with_usage(usage, clock, cache_size):
     ids[:E] = E + np.arange(E)
     slot_for_id = np.full((L, E), -1, np.int32)
     slot_for_id[1] = np.arange(E)
-    return state.replace(id_of_slot=jnp.asarray(ids), slot_for_id=jnp.asarray(slot_for_id),
-                         usage=jnp.asarray(usage, jnp.int32), step=jnp.int32(clock))
+    return state.replace(
+        residency=Residency(id_of_slot=jnp.asarray(ids), slot_for_id=jnp.asarray(slot_for_id),
+                            usage=jnp.asarray(usage, jnp.int32)),
+        clock=Clock(step=jnp.int32(clock)))
 
 
 @given(clock=st.sampled_from([5, I32_MAX - 1]), block=st.sampled_from([None, 2]),
@@ -286,7 +289,7 @@ def test_ensure_after_a_resize_and_capacity_above_the_size():
         (a, plan_a), (b, plan_b) = (ours(a, layers[call], routes[call]),
                                     theirs(b, layers[call], routes[call]))
         assert_trees_equal((a, plan_a), (b, plan_b), f"call {call}")
-        assert int(jnp.max(a.id_of_slot[int(a.cache_size):], initial=-1)) == -1
+        assert int(jnp.max(a.residency.id_of_slot[int(a.cache_size):], initial=-1)) == -1
 
 
 def test_a_refused_call_writes_nothing():

@@ -63,7 +63,7 @@ ERR_CACHE_SIZE = pc.ERR_CACHE_SIZE
 
 def assert_same_caches(cache, ref, context):
     native = cache.state
-    chex.assert_type([native.slot_for_id, native.id_of_slot, native.usage, native.step], jnp.int32)
+    chex.assert_type([native.residency.slot_for_id, native.residency.id_of_slot, native.residency.usage, native.step], jnp.int32)
     assert_same(cache.state, ref.state, f"after {context}")
     assert_invariants(cache.state)
 
@@ -388,14 +388,15 @@ def assert_usable_part_equal(big, truth, context):
     compared whole."""
     size = truth.capacity
     assert int(big.cache_size) == size == int(truth.cache_size), context
-    ids, usage = np.asarray(big.id_of_slot), np.asarray(big.usage)
+    ids, usage = np.asarray(big.residency.id_of_slot), np.asarray(big.residency.usage)
     assert (ids[size:] == -1).all() and (usage[size:] == 0).all(), \
         f"a slot past the usable size holds something {context}"
     if isinstance(big, reference.ReferenceCache):
         big = reference.copy_state(big)
-        big.id_of_slot, big.usage = ids[:size], usage[:size]
+        big.residency.id_of_slot, big.residency.usage = ids[:size], usage[:size]
     else:
-        big = big.replace(id_of_slot=big.id_of_slot[:size], usage=big.usage[:size])
+        big = big.replace(residency=big.residency.replace(
+            id_of_slot=big.residency.id_of_slot[:size], usage=big.residency.usage[:size]))
     assert_same(big, truth, context)
 
 

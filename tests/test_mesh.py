@@ -191,7 +191,7 @@ def test_route_assignment_reads_each_route_from_its_owners_plan():
 def test_per_device_sizes_share_one_capacity_and_a_size_below_the_local_experts_names_the_device():
     sharding = pm.expert_sharding(10, 4)
     state = pm.init_expert_parallel(sharding, 2, [3, 4, 5, 6], capacity=8)
-    assert state.id_of_slot.shape == (4, 8) and state.slot_for_id.shape == (4, 2, 3)
+    assert state.residency.id_of_slot.shape == (4, 8) and state.residency.slot_for_id.shape == (4, 2, 3)
     assert np.asarray(state.cache_size).tolist() == [3, 4, 5, 6]
     with pytest.raises(ValueError, match="device 2 .*cache_size 2 cannot hold one layer of 3"):
         pm.init_expert_parallel(sharding, 2, [3, 3, 2, 3])

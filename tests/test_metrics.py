@@ -20,8 +20,8 @@ def test_the_three_reports_agree_exactly_on_one_trace():
     trace = synthetic_trace("fine-grained", num_tokens=40, seed=3)
     histogram = trace.routing_histogram()
     cache_size = 216  # S / L = 4.5 over 48 layers: 5 slots (half away from zero), not 4
-    state = pc.init(trace.num_layers, trace.num_experts, cache_size).replace(
-        routing_freq=jnp.asarray(histogram, jnp.int32))
+    state = pc.init(trace.num_layers, trace.num_experts, cache_size)
+    state = state.replace(routing=state.routing.replace(freq=jnp.asarray(histogram, jnp.int32)))
     skew = pc.routing_skew(state)
     oracle = stationary_oracle(trace, cache_size)
     statistics = trace_statistics(trace)

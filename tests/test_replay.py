@@ -60,7 +60,7 @@ def reference_replay(trace, config):
         pairs[pair] = pairs.get(pair, 0) + 1
     stats = reference.stats(cache)
     return dict(calls=stats.calls, active=stats.active, missing=stats.missing,
-                fetched=stats.fetched, cpu_routes=cpu, empty_slots=int((cache.id_of_slot < 0).sum()),
+                fetched=stats.fetched, cpu_routes=cpu, empty_slots=int((cache.residency.id_of_slot < 0).sum()),
                 pair_counts=sorted((f, c, n) for (f, c), n in pairs.items()))
 
 
@@ -222,7 +222,7 @@ def reference_missing_hybrid(trace, row):
     layers, routes = trace.to_array()
     for layer, route in zip(layers, routes):
         cache.ensure_hybrid(int(layer), route, policy, order=row.order, admission=row.admission)
-    return reference.stats(cache).missing, int((cache.id_of_slot < 0).sum())
+    return reference.stats(cache).missing, int((cache.residency.id_of_slot < 0).sum())
 
 
 def test_one_program_per_bucket_and_eviction_and_the_first_line_counts_them(caplog):

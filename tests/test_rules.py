@@ -19,6 +19,7 @@ from conftest import (ADAPTER, PROFILE, assert_invariants, assert_same, entries,
                       slot_of, valid)
 from pallas_cache import reference
 from pallas_cache.sizing import scenarios
+from pallas_cache.state import Clock
 
 INT32_MIN = -(2**31)
 
@@ -48,7 +49,7 @@ def test_layers_share_one_pool_through_a_flat_id_space(adapter):
     state = c.state
     assert slot_of(state, 0, 3) != slot_of(state, 1, 3)
     assert resident_slots(state) == 2
-    assert state.id_of_slot[slot_of(state, 1, 3)] == 1 * 8 + 3
+    assert state.residency.id_of_slot[slot_of(state, 1, 3)] == 1 * 8 + 3
 
 
 def test_duplicate_routes_collapse_into_one_copy_and_one_slot(adapter):
@@ -66,7 +67,7 @@ def test_a_step_never_evicts_an_expert_it_is_about_to_read(adapter):
     c.ensure(1, [0])
     held = slot_of(c.state, 1, 0)
     c.ensure(0, [1, 2, 3])  # every other slot is now newer than `held`
-    assert c.state.usage[held] == c.state.usage.min()
+    assert c.state.residency.usage[held] == c.state.residency.usage.min()
     plan = c.ensure(1, [0, 1])
     assert plan.missing == 1
     assert slot_of(c.state, 1, 0) == held, "the hit kept its slot"
@@ -187,12 +188,12 @@ def test_a_recurring_miss_climbs_the_fetch_order(adapter):
 def test_recency_is_stamped_in_both_fetch_orders_and_never_by_plain_ensure(adapter):
     c = adapter.cache(1, 8, 8)
     c.ensure(0, [1])
-    assert c.state.recency[0, 1] == -1, "plain ensure does not touch recency"
+    assert c.state.routing.recency[0, 1] == -1, "plain ensure does not touch recency"
     c.ensure_hybrid(0, [5, 2], adapter.Policy.fixed_cap(0), order="lowest_id")
-    recency = c.state.recency
+    recency = c.state.routing.recency
     assert recency[0, 5] == recency[0, 2] == 2, "LOWEST_ID stamps too (docs/semantics.md §10)"
     c.ensure(0, [3])
-    assert c.state.recency[0, 3] == -1
+    assert c.state.routing.recency[0, 3] == -1
 
 
 def test_the_fixed_cap_fetches_at_most_cap_misses(adapter):
@@ -226,7 +227,7 @@ def test_materialize_empties_this_layers_stale_placements_elsewhere(adapter):
     c.ensure(1, [0])  # slot 4
     assert slot_of(c.state, 1, 0) == 4
     c.materialize_layer(1)
-    assert c.state.id_of_slot[4] == -1 and c.state.usage[4] == 0
+    assert c.state.residency.id_of_slot[4] == -1 and c.state.residency.usage[4] == 0
     assert_invariants(c.state)
 
 
@@ -239,10 +240,10 @@ def test_a_second_materialize_of_the_same_layer_is_idempotent(adapter):
     for expert in range(4):
         assert slot_of(c.state, 1, expert) == expert
     assert resident_slots(c.state) == 4
-    np.testing.assert_array_equal(c.state.slot_for_id, once.slot_for_id)
-    np.testing.assert_array_equal(c.state.id_of_slot, once.id_of_slot)
-    assert c.state.usage[4] == 0, "a slot outside [0, E) was never used"
-    assert c.stats().calls == 1 and (c.state.recency == -1).all(), "counters and recency untouched"
+    np.testing.assert_array_equal(c.state.residency.slot_for_id, once.residency.slot_for_id)
+    np.testing.assert_array_equal(c.state.residency.id_of_slot, once.residency.id_of_slot)
+    assert c.state.residency.usage[4] == 0, "a slot outside [0, E) was never used"
+    assert c.stats().calls == 1 and (c.state.routing.recency == -1).all(), "counters and recency untouched"
 
 
 @pytest.mark.traced
@@ -254,8 +255,8 @@ def test_forget_slot_makes_the_slot_the_first_victim_and_is_idempotent(adapter):
         c.ensure(0, [expert])
     result = c.forget_slot(3)  # the newest slot
     assert (result.old, result.error) == (3, 0)
-    assert slot_of(c.state, 0, 3) is None and c.state.id_of_slot[3] == -1
-    assert c.state.usage[3] == INT32_MIN
+    assert slot_of(c.state, 0, 3) is None and c.state.residency.id_of_slot[3] == -1
+    assert c.state.residency.usage[3] == INT32_MIN
     before = c.state
     again = c.forget_slot(3)
     assert (again.old, again.error) == (-1, 0), "idempotent"
@@ -301,7 +302,7 @@ def test_a_rebuild_that_cannot_hold_a_layer_changes_nothing(adapter):
     c.rebuild(8)
     assert c.state.cache_size == 8 and resident_slots(c.state) == 0, "slot ids no longer mean anything"
     assert c.state.step == 0 and c.stats().calls == 0
-    assert c.state.collect_routing, "a setting, kept"
+    assert c.state.settings.collect_routing, "a setting, kept"
 
 
 def test_a_cache_too_small_for_one_layer_is_rejected_at_construction(adapter):
@@ -324,7 +325,7 @@ def test_reset_is_a_cold_start_with_the_same_geometry(adapter):
     fresh.set_collect_routing(True)
     assert_same(c.state, fresh.state)
     assert resident_slots(c.state) == 0 and c.state.step == 0 and c.stats().calls == 0
-    assert c.state.routing_freq.sum() == 0 and not c.state.prefill_open
+    assert c.state.routing.freq.sum() == 0 and not c.state.prefill.open
 
 
 # ---- per-layer stats and the routing histogram (docs/semantics.md §8) ------------------------
@@ -398,7 +399,7 @@ def test_the_routing_histogram_counts_every_route_not_every_distinct_expert(adap
 def test_routing_is_collected_only_when_switched_on(adapter):
     c = adapter.cache(2, 4, 8)
     c.ensure(0, [1, 2])
-    assert c.state.routing_freq.sum() == 0, "collection is opt-in"
+    assert c.state.routing.freq.sum() == 0, "collection is opt-in"
     c.set_collect_routing(True)
     c.ensure(0, [1])
     c.set_collect_routing(False)
@@ -580,11 +581,11 @@ def test_promotion_needs_an_empty_argmin_slot(adapter):
     full = adapter.cache(2, 2, 2)
     full.ensure_hybrid(0, [0, 1], adapter.Policy.fixed_cap(2))
     full.ensure(1, [0])
-    assert slot_of(full.state, 0, 0) is None and full.state.recency[0, 0] >= 0
+    assert slot_of(full.state, 0, 0) is None and full.state.routing.recency[0, 0] >= 0
     plan = full.clone().ensure_hybrid(0, [0], q)
     assert plan.fetched == 0 and plan.cpu[0]
     # Forget the LRU slot: now it is empty and the argmin, and the rule fires.
-    lru = int(np.argmin(full.state.usage))
+    lru = int(np.argmin(full.state.residency.usage))
     full.forget_slot(lru)
     plan = full.clone().ensure_hybrid(0, [0], q)
     assert plan.fetched == 1 and valid(plan.copy, "dst_slots") == [lru]
@@ -624,10 +625,10 @@ def test_reuse_admits_misses_more_recent_than_their_victims_and_stops_at_the_fir
     assert plain.ensure_hybrid(0, [3, 4], q, admission="none").fetched == 1
     # Fill the pool, give layer 1 three slots, then walk layer 0 against newer victims.
     c.ensure_hybrid(0, [5, 6, 7], q, admission="reuse")  # 1 by split + 2 admitted
-    assert (c.state.id_of_slot >= 0).all()
+    assert (c.state.residency.id_of_slot >= 0).all()
     c.ensure_hybrid(1, [0, 1, 2], q, admission="reuse")  # step 4: takes slot 0
     c.ensure_hybrid(1, [1, 2], q, admission="reuse")  # step 5: slots 1 and 2
-    assert c.state.slot_for_id[1, :3].tolist() == [0, 1, 2]
+    assert c.state.residency.slot_for_id[1, :3].tolist() == [0, 1, 2]
     # Step 6: misses 0, 1, 2 of layer 0 (recency 1), hit 3. Split: 1 fetch into slot 4
     # (usage 2). The next victim, slot 5, was used at step 3 > recency 1: rejected, walk ends.
     plan = c.ensure_hybrid(0, [0, 1, 2, 3], q, admission="reuse")
@@ -681,7 +682,7 @@ def same_order(a, b):
 
 
 def stamps(state):
-    return np.concatenate([state.usage, state.recency.ravel(), [state.step]]).astype(np.int64)
+    return np.concatenate([state.residency.usage, state.routing.recency.ravel(), [state.step]]).astype(np.int64)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -697,27 +698,31 @@ def test_a_rebased_run_makes_exactly_the_decisions_of_an_unrebased_one(adapter, 
     for i, op in enumerate(ops):
         assert_same(apply(adapter, plain, op), apply(adapter, rebased, op), f"op {i} {op}")
         a, b = plain.state, rebased.state
-        np.testing.assert_array_equal(a.slot_for_id, b.slot_for_id)
-        np.testing.assert_array_equal(a.id_of_slot, b.id_of_slot)
+        np.testing.assert_array_equal(a.residency.slot_for_id, b.residency.slot_for_id)
+        np.testing.assert_array_equal(a.residency.id_of_slot, b.residency.id_of_slot)
         assert same_order(stamps(a), stamps(b)), f"order changed at op {i}"
         assert b.step <= bound, "stamps stay bounded"
-        assert (b.usage[b.id_of_slot >= 0] >= 1).all()
+        assert (b.residency.usage[b.residency.id_of_slot >= 0] >= 1).all()
     assert plain.state.step > 100 > bound, "the run crossed the threshold several times"
 
 
 def shift_clock(cache, offset):
     """Move every live stamp and the clock of ``cache`` forward, as if it had run that long."""
     state = cache.state
-    usage, recency = np.asarray(state.usage), np.asarray(state.recency)
+    usage, recency = np.asarray(state.residency.usage), np.asarray(state.routing.recency)
     fields = {"usage": np.where(usage >= 1, usage + offset, usage),
               "recency": np.where(recency >= 0, recency + offset, recency),
               "step": np.asarray(int(state.step) + offset)}
     if cache.adapter.is_jax:
-        cache.state = state.replace(**{k: jnp.asarray(v, jnp.int32) for k, v in fields.items()})
+        i32 = {k: jnp.asarray(v, jnp.int32) for k, v in fields.items()}
+        cache.state = state.replace(
+            residency=state.residency.replace(usage=i32["usage"]),
+            routing=state.routing.replace(recency=i32["recency"]), clock=Clock(step=i32["step"]))
     else:
         cache.state = reference.copy_state(state)
-        for name, value in fields.items():
-            setattr(cache.state, name, value if value.ndim else int(value))
+        cache.state.residency.usage = fields["usage"]
+        cache.state.routing.recency = fields["recency"]
+        cache.state.clock.step = int(fields["step"])
 
 
 def test_a_cache_just_below_the_default_threshold_runs_across_it(adapter):
@@ -737,7 +742,7 @@ def test_a_cache_just_below_the_default_threshold_runs_across_it(adapter):
         assert shifted.state.step < 2**31 - 1
         assert same_order(stamps(plain.state), stamps(shifted.state)), f"order changed at op {i}"
     assert shifted.state.step < 100, "the clock was renumbered"
-    np.testing.assert_array_equal(plain.state.id_of_slot, shifted.state.id_of_slot)
+    np.testing.assert_array_equal(plain.state.residency.id_of_slot, shifted.state.residency.id_of_slot)
     assert_invariants(shifted.state)
 
 
@@ -748,13 +753,13 @@ def test_the_rebase_keeps_the_sentinels(adapter):
     c.ensure(1, [2])  # slot 2
     assert c.forget_slot(1).old == 1
     c.ensure(1, [2])  # step 3: the next call rebases first
-    before = c.state.usage
+    before = c.state.residency.usage
     c.ensure(1, [2])
     state = c.state
     assert before[2] == 3 and state.step == 3, "stamps {1, 3} became {1, 2}, so step 4 became 3"
-    assert state.usage[1] == -(2**31), "forgotten stays forgotten"
-    assert (state.usage[3:] == 0).all(), "empty stays 0"
-    assert state.recency[1, 0] == -1 and state.recency[0, 0] >= 1, "never routed stays -1"
+    assert state.residency.usage[1] == -(2**31), "forgotten stays forgotten"
+    assert (state.residency.usage[3:] == 0).all(), "empty stays 0"
+    assert state.routing.recency[1, 0] == -1 and state.routing.recency[0, 0] >= 1, "never routed stays -1"
 
 
 # ---- bad input: an error bit and nothing changed (docs/semantics.md §6) -----------------------
@@ -890,7 +895,7 @@ def one_layer_per_quarter(adapter):
     c = adapter.cache(4, 4, 16)
     for layer in range(4):
         c.ensure(layer, [0, 1, 2, 3])
-    assert c.state.slot_for_id.tolist() == [[4 * l + e for e in range(4)] for l in range(4)]
+    assert c.state.residency.slot_for_id.tolist() == [[4 * l + e for e in range(4)] for l in range(4)]
     return c
 
 
@@ -902,7 +907,7 @@ def test_a_slot_inside_the_prefill_buffers_is_a_miss_however_resident_it_looks(a
     plan = c.prefetch_prefill_layer(1, (BIG_BANK,))
     assert plan.buffer_id == 1 and plan.gather.count == 0
     assert valid(plan.runs, "starts") == [0] and valid(plan.runs, "lens") == [4]
-    assert (c.state.prefill_hit_rows, c.state.prefill_rows) == (0, 4)
+    assert (c.state.prefill.hit_rows, c.state.prefill.rows) == (0, 4)
 
 
 def test_a_resident_expert_above_the_buffer_slots_is_gathered_device_side(adapter):
@@ -913,7 +918,7 @@ def test_a_resident_expert_above_the_buffer_slots_is_gathered_device_side(adapte
     assert valid(plan.gather, "dst_slots") == [0, 1, 2, 3]
     assert valid(plan.gather, "src_slots") == [8, 9, 10, 11]
     assert plan.runs.count == 0 and plan.transfers.count == 0, "a big bank with no misses ships nothing"
-    assert (c.state.prefill_hit_rows, c.state.prefill_rows) == (4, 4)
+    assert (c.state.prefill.hit_rows, c.state.prefill.rows) == (4, 4)
 
 
 def test_invalidating_a_prefill_buffer_makes_its_slots_the_first_victims(adapter):
@@ -924,11 +929,11 @@ def test_invalidating_a_prefill_buffer_makes_its_slots_the_first_victims(adapter
     c.ensure(1, [0, 1, 2, 3])
     c.begin_prefill()
     c.prefetch_prefill_layer(0, (BIG_BANK,))
-    assert (c.state.slot_for_id[0] == -1).all(), "the buffer's occupants lost their residency"
-    assert (c.state.usage[:4] == 0).all()
+    assert (c.state.residency.slot_for_id[0] == -1).all(), "the buffer's occupants lost their residency"
+    assert (c.state.residency.usage[:4] == 0).all()
     plan = c.ensure(0, [0])
     assert valid(plan.copy, "dst_slots") == [0]
-    assert c.state.slot_for_id[2, 0] == 8, "no live resident was evicted while free slots existed"
+    assert c.state.residency.slot_for_id[2, 0] == 8, "no live resident was evicted while free slots existed"
 
 
 def test_prefill_misses_ship_as_contiguous_expert_runs(adapter):
@@ -966,17 +971,17 @@ def test_a_small_bank_ships_its_whole_layer_even_with_no_misses(adapter):
 def test_the_two_prefill_buffers_rotate_by_layer_parity(adapter):
     c = adapter.cache(4, 4, 16)
     c.begin_prefill()
-    assert c.state.prefill_layer.tolist() == [-1, -1]
+    assert c.state.prefill.layer.tolist() == [-1, -1]
     assert c.prefetch_prefill_layer(0, (BIG_BANK,)).buffer_id == 0
     assert c.prefetch_prefill_layer(1, (BIG_BANK,)).buffer_id == 1
-    assert c.state.prefill_layer.tolist() == [0, 1]
+    assert c.state.prefill.layer.tolist() == [0, 1]
     again = c.prefetch_prefill_layer(1, (BIG_BANK,))
     assert again.already_loaded and again.transfers.count == 0 and again.error == 0
-    assert c.state.prefill_rows == 8, "the no-op staged no rows"
+    assert c.state.prefill.rows == 8, "the no-op staged no rows"
     c.release_prefill_layer(0)
     plan = c.prefetch_prefill_layer(2, (BIG_BANK,))
     assert plan.buffer_id == 0 and plan.error == 0
-    assert c.state.prefill_layer.tolist() == [2, 1]
+    assert c.state.prefill.layer.tolist() == [2, 1]
 
 
 @pytest.mark.traced
@@ -997,7 +1002,7 @@ def test_the_chunk_snapshot_and_the_live_map_agree_on_every_row(adapter):
         c.ensure(layer, [0, 1, 2, 3])
     c.begin_prefill()
     for layer in (2, 3, 2):
-        live = [int(s) for s in c.state.slot_for_id[layer] if s >= 8]
+        live = [int(s) for s in c.state.residency.slot_for_id[layer] if s >= 8]
         plan = c.prefetch_prefill_layer(layer, (BIG_BANK,))
         c.release_prefill_layer(layer)
         if not plan.already_loaded:
@@ -1018,7 +1023,7 @@ def test_nothing_staged_is_registered_as_resident(adapter):
     c = adapter.cache(2, 4, 8)
     c.begin_prefill()
     c.prefetch_prefill_layer(0, (BIG_BANK,))
-    assert (c.state.slot_for_id == -1).all() and (c.state.id_of_slot == -1).all()
+    assert (c.state.residency.slot_for_id == -1).all() and (c.state.residency.id_of_slot == -1).all()
 
 
 def test_reset_stats_zeroes_the_prefill_row_counters(adapter):
@@ -1026,7 +1031,7 @@ def test_reset_stats_zeroes_the_prefill_row_counters(adapter):
     c.begin_prefill()
     c.prefetch_prefill_layer(2, (BIG_BANK,))
     c.reset_stats()
-    assert (c.state.prefill_hit_rows, c.state.prefill_rows) == (0, 0)
+    assert (c.state.prefill.hit_rows, c.state.prefill.rows) == (0, 0)
 
 
 STALE_BANKS = (1 << 20,)  # one large bank: hits are gathered, misses travel as runs
@@ -1051,15 +1056,15 @@ def test_an_expert_evicted_after_begin_prefill_is_copied_from_the_host(adapter):
     L, E, S = 4, 2, 6
     cache = warm_three_layers(adapter, L, E, S)
     cache.begin_prefill()
-    assert cache.state.prefill_snapshot[2].tolist() == [4, 5]  # both are snapshot hits
+    assert cache.state.prefill.snapshot[2].tolist() == [4, 5]  # both are snapshot hits
     for layer in (0, 1, 3):  # refresh layers 0 and 1, then layer 3's misses evict slots 4, 5
         cache.ensure(layer, np.arange(E))
-    assert cache.state.slot_for_id[2].tolist() == [-1, -1]
-    before = int(cache.state.prefill_hit_rows)
+    assert cache.state.residency.slot_for_id[2].tolist() == [-1, -1]
+    before = int(cache.state.prefill.hit_rows)
     plan = cache.prefetch_prefill_layer(2, STALE_BANKS)
     assert plan.error == 0 and plan.gather.count == 0
     assert (plan.runs.count, plan.runs.starts[0], plan.runs.lens[0]) == (1, 0, 2)
-    assert int(cache.state.prefill_hit_rows) == before
+    assert int(cache.state.prefill.hit_rows) == before
 
 
 def test_a_snapshot_hit_still_in_place_is_gathered(adapter):
@@ -1089,7 +1094,7 @@ def test_interleaved_decode_and_prefill_gather_only_resident_rows(calls):
             args["banks"] = STALE_BANKS
         ops.append((kind, args))
     ref, cache = ADAPTER["reference"].cache(L, E, S), ADAPTER["jax-eager"].cache(L, E, S)
-    resident = [ref.state.id_of_slot]
+    resident = [ref.state.residency.id_of_slot]
 
     def compare(context, op, expected, got):
         (kind, args), (theirs, truth), (mine, jax_cache) = op, expected, got
@@ -1102,7 +1107,7 @@ def test_interleaved_decode_and_prefill_gather_only_resident_rows(calls):
         else:
             assert_same(mine, theirs, context)
         assert_same(jax_cache.state, truth.state, context)
-        resident[0] = truth.state.id_of_slot
+        resident[0] = truth.state.residency.id_of_slot
 
     lockstep.run(ops, lockstep.steps(ref, ops), {"jax-eager": lockstep.steps(cache, ops)},
                  compare)

@@ -300,14 +300,15 @@ def test_check_plan_rejects_wrong_state_changes():
     other_layer = after.replace(stats=after.stats.at[1, 0].add(1))
     with pytest.raises(AssertionError, match="stats of layer 1 changed"):
         pct.check_plan(state, 0, routes, plan, other_layer)
-    no_tick = after.replace(step=after.step + 1)
+    no_tick = after.replace(clock=after.clock.replace(step=after.step + 1))
     with pytest.raises(AssertionError, match="step went from"):
         pct.check_plan(state, 0, routes, plan, no_tick)
     bad = np.array([1, 9], np.int32)
     _, refused = pc.ensure(state, 0, bad)
     with pytest.raises(AssertionError, match="a refused call changed the state"):
         pct.check_plan(state, 0, bad, refused, after)
-    broken = after.replace(id_of_slot=after.id_of_slot.at[0].set(-1))
+    broken = after.replace(residency=after.residency.replace(
+        id_of_slot=after.residency.id_of_slot.at[0].set(-1)))
     with pytest.raises(AssertionError, match="state_after: slot_for_id"):
         pct.check_plan(state, 0, routes, plan, broken)
 
@@ -365,7 +366,7 @@ def test_assert_lockstep_names_the_step_operation_and_state_field(monkeypatch):
     """FAILS if a state that differs only between two steps (``usage`` bumped at step 1, cleared
     by the reset of step 3; no plan reads it) goes unseen: comparing only plans or only the last
     step (both shown passing here) misses it."""
-    _break_ensure(monkeypatch, (1,), lambda s, p: (dataclasses.replace(s, usage=_plus_one(s.usage, 1)), p))
+    _break_ensure(monkeypatch, (1,), lambda s, p: (dataclasses.replace(s, usage=_plus_one(s.residency.usage, 1)), p))
     _naive_lockstep(MID_SEQUENCE, NO_EVICTION, plans_only=True)
     _naive_lockstep(MID_SEQUENCE, NO_EVICTION, at_end=True)
     with pytest.raises(AssertionError) as failure:
@@ -402,8 +403,8 @@ def test_record_difference_reads_across_the_reference_and_the_library():
         ours = pc.init(2, 3, 4, eviction=eviction, history=5)
         theirs = pc.reference.init(2, 3, 4, eviction=eviction, history=5)
         assert pct.record_difference(theirs, ours, "state") is None
-    theirs.usage[2] = 7
-    assert pct.record_difference(theirs, ours, "state") == "state.usage[2]: 7 != 0"
+    theirs.residency.usage[2] = 7
+    assert pct.record_difference(theirs, ours, "state") == "state.residency.usage[2]: 7 != 0"
 
 
 def test_each_operation_record_runs_its_own_operation_on_both_sides():
@@ -416,7 +417,7 @@ def test_each_operation_record_runs_its_own_operation_on_both_sides():
     lib, ref = pc.init(2, 4, 6), reference.init(2, 4, 6)
     lib, _ = pc.ensure(lib, 0, np.array([1, 2], np.int32))
     ref, _ = reference.ensure(ref, 0, np.array([1, 2], np.int64))
-    slot = int(np.asarray(lib.slot_for_id)[0, 1])
+    slot = int(np.asarray(lib.residency.slot_for_id)[0, 1])
     cases = [(ops.Forget(slot=slot), lambda s: pc.forget_slot(s, slot),
               lambda s: reference.forget_slot(s, slot)),
              (ops.Resize(cache_size=4), lambda s: pc.resize(s, 4),

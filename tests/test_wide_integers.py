@@ -6,6 +6,7 @@ int32, so the two implementations are called directly; traced int64 runs in an x
 import subprocess
 import sys
 import textwrap
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -57,9 +58,9 @@ def _warm_reference():
 
 
 def _reference_snapshot(cache):
-    return {name: np.array(getattr(cache, name)).copy()
-            for name in ("slot_for_id", "id_of_slot", "usage", "recency", "stats")} | {
-                "step": cache.step}
+    return {name: np.array(operator.attrgetter(name)(cache)).copy()
+            for name in ("residency.slot_for_id", "residency.id_of_slot", "residency.usage",
+                         "routing.recency", "stats")} | {"step": cache.step}
 
 
 def _assert_reference_unchanged(before, cache):
@@ -77,7 +78,7 @@ def test_in_range_ids_of_every_dtype_install_the_same_expert(dtype):
     ref_plan = cache.ensure(np.array(3, dtype).item(), ids)
     assert int(plan.error) == ref_plan.error == 0
     np.testing.assert_array_equal(np.asarray(plan.slots), ref_plan.slots)
-    np.testing.assert_array_equal(np.asarray(state.id_of_slot), cache.id_of_slot)
+    np.testing.assert_array_equal(np.asarray(state.residency.id_of_slot), cache.residency.id_of_slot)
 
 
 @pytest.mark.parametrize("dtype", WIDE_DTYPES, ids=lambda d: np.dtype(d).name)

@@ -24,4 +24,4 @@ REFERENCE_MRU = reference.EvictionPolicy(
     name="mru", init=lambda num_layers, num_experts, history: None,
     observe=lambda cache, layer, distinct: None,
     rank=lambda cache, evictable, layer: reference.evictions.free_first(
-        cache, evictable, lambda s: (-cache.usage[s], s)))
+        cache, evictable, lambda s: (-cache.residency.usage[s], s)))

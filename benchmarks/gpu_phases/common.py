@@ -20,6 +20,7 @@ import numpy as np
 from jax import lax
 
 import pallas_cache as pc
+from pallas_cache.state import Clock, Residency
 from benchmarks.lowering import count_ops  # the one StableHLO op counter
 
 TOP_K = 8
@@ -60,7 +61,7 @@ def _key_name(key) -> str:
 
 
 def named_leaves(tree) -> list[tuple[str, np.ndarray]]:
-    """``[(dotted name, host array)]`` for every leaf, e.g. ``('state.usage', ...)``."""
+    """``[(dotted name, host array)]`` for every leaf, e.g. ``('state.residency.usage', ...)``."""
     flat, _ = jax.tree.flatten_with_path(tree)
     return [(".".join(_key_name(k) for k in path), np.asarray(leaf)) for path, leaf in flat]
 
@@ -97,8 +98,10 @@ def filled_state(rng, eviction, L, E, S, capacity, rebase_threshold=None, empty=
     sfi[ids[:n]] = np.arange(n)
     usage = np.zeros(capacity, np.int32)
     usage[:n] = rng.permutation(n) + 1
-    return state.replace(id_of_slot=jnp.asarray(ids), slot_for_id=jnp.asarray(sfi.reshape(L, E)),
-                         usage=jnp.asarray(usage), step=jnp.int32(n))
+    return state.replace(
+        residency=Residency(id_of_slot=jnp.asarray(ids), slot_for_id=jnp.asarray(sfi.reshape(L, E)),
+                            usage=jnp.asarray(usage)),
+        clock=Clock(step=jnp.int32(n)))
 
 
 # --------------------------------------------------------------------------------------------
@@ -286,7 +289,7 @@ def floor_program(call, state, layers, routes):
             fake = jax.tree.map(
                 lambda s: jnp.broadcast_to((x[0] + x[1].ravel()[0]).astype(s.dtype), s.shape),
                 like)
-            return state.replace(step=state.step + 1), fake
+            return state.replace(clock=Clock(step=state.step + 1)), fake
         return lax.scan(body, state, (layers, routes))
     return jax.jit(run).lower(state, layers, routes).compile()
 
@@ -398,6 +401,6 @@ def full_state(rng, L, E, S, empty: int = 0):
         per_layer.setdefault(int(f) // E, []).append(int(f) % E)
     layers, routes = chunked_routes(rng, per_layer)
     state = _fill(pc.init(L, E, S), jnp.asarray(layers), jnp.asarray(routes))
-    ids = np.asarray(state.id_of_slot)
+    ids = np.asarray(state.residency.id_of_slot)
     assert int((ids < 0).sum()) == empty, "warm-up fill left the wrong number of empty slots"
     return state

@@ -206,7 +206,7 @@ def _branches(num_experts: int, cache_size: int, backend: str):
 
     def do_forget(state, x):
         # sel >= 0: the (sel mod count)-th occupied slot (any slot if none); sel < 0: slot S (bad).
-        occupied = state.id_of_slot >= 0
+        occupied = state.residency.id_of_slot >= 0
         count = jnp.sum(occupied, dtype=jnp.int32)
         rank = jnp.cumsum(occupied.astype(jnp.int32)) - 1
         target = x["sel"] % jnp.maximum(count, 1)
@@ -318,8 +318,8 @@ def sequence_ops(xs):
 def coverage(xs, ys, init_state) -> str:
     """How often each interesting path ran, from the xla run."""
     plan = {n: a for n, a in named_leaves(ys["plan"])}
-    ids_after = np.asarray(ys["state"].id_of_slot)
-    ids_before = np.concatenate([np.asarray(init_state.id_of_slot)[None], ids_after[:-1]])
+    ids_after = np.asarray(ys["state"].residency.id_of_slot)
+    ids_before = np.concatenate([np.asarray(init_state.residency.id_of_slot)[None], ids_after[:-1]])
     op = xs["op"]
     hybrid = (op >= 1) & (op <= 6)
     fetched, missing, error = plan["fetched"], plan["missing"], plan["error"]

@@ -191,11 +191,11 @@ def routing_skew(state: CacheState) -> RoutingSkewReport | None:
     """The :class:`RoutingSkewReport` of the observed histogram, or None if nothing was observed.
 
     One cache: a batch raises ``ValueError`` (take one with :func:`~pallas_cache.take_state`)."""
-    if np.ndim(state.routing_freq) != 2:
+    if np.ndim(state.routing.freq) != 2:
         raise ValueError(f"routing_skew reads one cache, got a batch of shape "
-                         f"{np.shape(state.routing_freq)[:-2]}; take one with "
+                         f"{np.shape(state.routing.freq)[:-2]}; take one with "
                          f"pc.take_state(batch, i)")
-    freq = np.asarray(jax.device_get(state.routing_freq)).astype(np.int64)
+    freq = np.asarray(jax.device_get(state.routing.freq)).astype(np.int64)
     num_layers, cache_size = state.num_layers, int(jax.device_get(state.cache_size))
     oracle_slots = oracle_slots_for(cache_size, num_layers)
     routed_layers = np.flatnonzero(freq.sum(axis=1))

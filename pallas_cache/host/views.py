@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import html
+import operator
 from typing import Any, NamedTuple
 
 import jax
@@ -55,11 +56,13 @@ class SlotEntry(NamedTuple):
     expert: int
 
 
-def _host_fields(state, names):
-    """The named fields of one (unbatched) state as NumPy arrays, plus the eviction's
-    name under ``"eviction"``, its ``view_columns`` under ``"columns"`` and those per-expert
-    fields of its bookkeeping (``prot``, ``freq`` for PAIR_LFU)."""
-    values = jax.device_get({name: getattr(state, name) for name in names})
+def _host_fields(state, paths):
+    """The leaves at ``paths`` (``"residency.usage"``, ``"step"``) of one (unbatched) state as
+    NumPy arrays, keyed by their last name, plus the eviction's name under ``"eviction"``, its
+    ``view_columns`` under ``"columns"`` and those per-expert fields of its bookkeeping (``prot``,
+    ``freq`` for PAIR_LFU)."""
+    values = jax.device_get({path.rsplit(".", 1)[-1]: operator.attrgetter(path)(state)
+                             for path in paths})
     eviction = state.eviction
     bookkeeping = jax.device_get(state.eviction_state)
     for name in eviction.view_columns:
@@ -178,13 +181,14 @@ def describe(state: CacheState) -> CacheView | list[Any]:
       it in a notebook for an HTML table, or read ``view.rows`` / ``view.residents``. For a
       batch, a list with one per cache (nested, one level per batch axis).
     """
-    if isinstance(state.id_of_slot, jax.core.Tracer):
+    if isinstance(state.residency.id_of_slot, jax.core.Tracer):
         raise TypeError("describe reads the state on the host and cannot run under jit/vmap; "
                         "call it on the state the compiled function returns")
-    if np.ndim(state.id_of_slot) > 1:
+    if np.ndim(state.residency.id_of_slot) > 1:
         return [describe(jax.tree.map(lambda leaf: leaf[i], state))
-                for i in range(np.shape(state.id_of_slot)[0])]
-    fields = _host_fields(state, ["id_of_slot", "usage", "step", "slot_for_id", "cache_size"])
+                for i in range(np.shape(state.residency.id_of_slot)[0])]
+    fields = _host_fields(state, ["residency.id_of_slot", "residency.usage", "step",
+                                  "residency.slot_for_id", "cache_size"])
     num_layers, num_experts = fields["slot_for_id"].shape
     step = int(fields["step"])
     usable = int(fields["cache_size"])
@@ -281,7 +285,7 @@ def diff(before: CacheState, after: CacheState) -> CacheDiff:
       ValueError: the two states have different geometries or evictions (compare states
         of one pool only).
     """
-    names = ["id_of_slot", "usage", "step", "slot_for_id"]
+    names = ["residency.id_of_slot", "residency.usage", "step", "residency.slot_for_id"]
     old, new = _host_fields(before, names), _host_fields(after, names)
     if old["eviction"] != new["eviction"]:
         raise ValueError(f"cannot diff caches of different evictions: "

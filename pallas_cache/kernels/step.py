@@ -38,17 +38,15 @@ class CallRefs(NamedTuple):
 
 
 class StateRefs(NamedTuple):
-    """The state leaves the kernel rewrites in place: an input each, aliased to the output of
-    the same name. A leaf added here (and in :func:`_state_refs` / :func:`_with_state`) is read,
-    aliased and written back with no index to shift."""
+    """The state parts the kernel rewrites in place, each leaf flattened to a 1-D ref: an input
+    each, aliased to the output of the same path. A field added to one of these parts of
+    ``CacheState`` is a ref here with no list to edit (read, aliased and written back with no
+    index to shift)."""
 
-    slot_for_id: Any  # i32[L * E]
-    id_of_slot: Any  # i32[C]
-    usage: Any  # i32[C]
-    recency: Any  # i32[L * E]
+    residency: Any  # Residency: slot_for_id i32[L * E], id_of_slot i32[C], usage i32[C]
+    clock: Any  # Clock: step i32[1]
+    routing: Any  # Routing: recency i32[L * E], freq i32[L * E]
     stats: Any  # i32[L * 4]
-    routing_freq: Any  # i32[L * E]
-    step: Any  # i32[1]: the clock
     tables: tuple  # the eviction's [L * E] tables (KernelRanking.tables), flat
     ring: tuple  # (RingRefs,) for an eviction with per-call inputs (its token ring), else ()
 
@@ -70,9 +68,8 @@ def _state_refs(state, ranking) -> StateRefs:
     """The state's in-place leaves, flattened to the kernel's 1-D refs."""
     flat = lambda x: jnp.reshape(x, (-1,))  # noqa: E731
     return StateRefs(
-        slot_for_id=flat(state.slot_for_id), id_of_slot=state.id_of_slot, usage=state.usage,
-        recency=flat(state.recency), stats=flat(state.stats),
-        routing_freq=flat(state.routing_freq), step=flat(state.step),
+        residency=jax.tree.map(flat, state.residency), clock=jax.tree.map(flat, state.clock),
+        routing=jax.tree.map(flat, state.routing), stats=flat(state.stats),
         tables=tuple(flat(t) for t in ranking.tables(state.eviction_state)),
         ring=(token_ring.refs_of(state.eviction_state),) if ranking.per_call else ())
 
@@ -85,11 +82,12 @@ def _with_state(state, ranking, out: StateRefs):
         eviction_state = ranking.from_tables(tuple(x.reshape(L, E) for x in out.tables))
     if out.ring:
         eviction_state = token_ring.ring_from(eviction_state, out.ring[0])
+    shaped = lambda new, old: new.reshape(old.shape)  # noqa: E731
     return state.replace(
-        slot_for_id=out.slot_for_id.reshape(L, E), id_of_slot=out.id_of_slot, usage=out.usage,
-        step=out.step.reshape(()), recency=out.recency.reshape(L, E),
-        stats=out.stats.reshape(L, 4), routing_freq=out.routing_freq.reshape(L, E),
-        eviction_state=eviction_state)
+        residency=jax.tree.map(shaped, out.residency, state.residency),
+        clock=jax.tree.map(shaped, out.clock, state.clock),
+        routing=jax.tree.map(shaped, out.routing, state.routing),
+        stats=out.stats.reshape(state.stats.shape), eviction_state=eviction_state)
 
 
 def supports(state, rules, num_routes: int) -> bool:
@@ -190,20 +188,20 @@ def step_kernel(
     comes before any write to it (the outputs alias the inputs), but for the stamps, which are
     read back after the rebase and the hit refresh wrote them."""
     L, E = num_layers, num_experts
-    K, C = call.routes.shape[0], state.id_of_slot.shape[0]
+    K, C = call.routes.shape[0], state.residency.id_of_slot.shape[0]
     e_width, o_width = common.next_pow2(E), common.next_pow2(num_out)
     k_width = max(1, min(common.next_pow2(K), _PAIR_BLOCK // max(e_width, o_width)))
     sz = _Sizes(L, E, K, C, num_out, e_width, o_width, k_width)
     barrier = functools.partial(_barrier, interpret)
     # The scalars first: every one of them is read in the first wave of loads.
-    layer, step0, limit = call.layer[0], state.step[0], call.size[0]
+    layer, step0, limit = call.layer[0], state.clock.step[0], call.size[0]
     fraction16, cap = call.fraction16[0], call.cap[0]
     e_idx = lax.iota(jnp.int32, e_width)
     e_ok = e_idx < E
 
     layer_c = jnp.minimum(jnp.maximum(layer, 0), L - 1)
     base = layer_c * E
-    lanes = _route_lanes(call.routes, state.slot_for_id, base, sz) if K <= _RANK_ROUTES else None
+    lanes = _route_lanes(call.routes, state.residency.slot_for_id, base, sz) if K <= _RANK_ROUTES else None
     observed, bad = _observe_routes(call.routes, e_idx, sz, lanes)
     error, accepted = _validate(layer, bad, L)
     row = base + e_idx
@@ -218,7 +216,7 @@ def step_kernel(
     _refresh_hits(state_out, hits, step, accepted)
     barrier()  # the hit refresh (and the ring) before the scan's loads by other threads
     o_idx = lax.iota(jnp.int32, o_width)
-    experts, recs = _fetch_order(lanes, state_out.recency, base, hits.miss, hits.num_missing,
+    experts, recs = _fetch_order(lanes, state_out.routing.recency, base, hits.miss, hits.num_missing,
                                  o_idx, num_experts=E, by_recency=by_recency,
                                  with_recs=promote_one or reuse)
     need = _victims_needed(num_fetch, hits.num_missing, accepted, promote_one=promote_one,
@@ -314,8 +312,8 @@ def _rebase_if_due(call, state, state_out, step0, accepted, *, block, stamp_bloc
     + 1). Every stamp read after it is a renumbered one, read from ``state_out`` (the
     interpreter keeps the aliased input unchanged)."""
     due = accepted & (step0 >= call.threshold[0])
-    return lax.cond(due, functools.partial(_rebase, state.usage, state.recency, state_out.usage,
-                                           state_out.recency, block=block,
+    return lax.cond(due, functools.partial(_rebase, state.residency.usage, state.routing.recency, state_out.residency.usage,
+                                           state_out.routing.recency, block=block,
                                            stamp_block=stamp_block),
                     lambda s: s, step0) + 1
 
@@ -330,7 +328,7 @@ def _classify(state, state_out, observed, lanes: _Lanes | None, row, e_idx, e_ok
         hit, hit_slots, miss = lanes.first & (lanes.slots >= 0), lanes.slots, None
         num_active, num_missing = _two_sums(lanes.first, lanes.first & (lanes.slots < 0))
     else:
-        hit_slots = plgpu.load(state.slot_for_id.at[row], mask=e_ok, other=-1)
+        hit_slots = plgpu.load(state.residency.slot_for_id.at[row], mask=e_ok, other=-1)
         hit, miss = routed & (hit_slots >= 0), routed & (hit_slots < 0)
         num_active, num_missing = _two_sums(routed, miss)
     ring_call = None
@@ -353,7 +351,7 @@ def _refresh_hits(state_out, hits: _Hits, step, accepted):
     """Phase refresh hits: each hit slot's usage becomes this call's stamp, which also makes it
     ineligible as a victim of this step (the pool scan skips it by its usage, once per block,
     as it skips every slot touched this step)."""
-    common.scatter(state_out.usage, jnp.where(hits.hit, hits.hit_slots, -1),
+    common.scatter(state_out.residency.usage, jnp.where(hits.hit, hits.hit_slots, -1),
                    jnp.full(hits.hit.shape, step), hits.hit & accepted)
 
 
@@ -388,10 +386,10 @@ def _rank_victims(call, state, state_out, scratch, hits: _Hits, need, o_idx, *, 
         rounds; masked off unless ``when``. Int32 vectors, 1 + ``keyed`` of them."""
         index = start + lax.iota(jnp.int32, width)
         valid = (index < C) & searching & when  # no pool read when no victim is needed
-        u = plgpu.load(state_out.usage.at[index], mask=valid, other=0)
+        u = plgpu.load(state_out.residency.usage.at[index], mask=valid, other=0)
         if not keyed:
             return (u,)
-        return u, plgpu.load(state.id_of_slot.at[index], mask=valid, other=-1)
+        return u, plgpu.load(state.residency.id_of_slot.at[index], mask=valid, other=-1)
 
     def pool_block(start, width, loaded=None):
         index = start + lax.iota(jnp.int32, width)
@@ -416,11 +414,11 @@ def _rank_victims(call, state, state_out, scratch, hits: _Hits, need, o_idx, *, 
                                      num_layers=sz.L, capacity=C, barrier=barrier)
                   if state.ring else None)
     if -(-C // block) == 1:
-        return _victims_one_block(pool_block, state.id_of_slot, need, o_idx,
+        return _victims_one_block(pool_block, state.residency.id_of_slot, need, o_idx,
                                   width=ranking.width, block=block)
     # PAIR_LFU's key (the tables gathered per slot) with the next block's loads held through
     # the rounds made ptxas spill 44 bytes at (61, 256, 16384): it loads each block at its start.
-    return _victims_streamed(pool_block, pool_load, state.id_of_slot, need, o_idx,
+    return _victims_streamed(pool_block, pool_load, state.residency.id_of_slot, need, o_idx,
                              width=ranking.width, block=block, num_loads=1 + keyed,
                              prefetch=not state.tables)
 
@@ -472,7 +470,7 @@ def _route_slots(call, state, plan, lanes: _Lanes | None, installed, *, base, ac
     def plan_chunk(c, _):
         r, index, lane = _route_chunk(call.routes, c, sz.k_width)
         is_route = lane & (r >= 0) & (r < E) & accepted
-        old = plgpu.load(state.slot_for_id.at[base + jnp.clip(r, 0, E - 1)], mask=is_route,
+        old = plgpu.load(state.residency.slot_for_id.at[base + jnp.clip(r, 0, E - 1)], mask=is_route,
                          other=-1)
         match = (r[:, None] == experts[None, :]) & installs[None, :]
         new = jnp.max(jnp.where(match, victims[None, :], -1), axis=1)
@@ -492,7 +490,7 @@ def _count(state, stats_idx, row, e_ok, observed, ranking):
     :func:`_write_state` adds the counters to the stats and writes them (the histogram where
     routed and collected)."""
     stats_row = plgpu.load(state.stats.at[stats_idx])
-    hist_row = plgpu.load(state.routing_freq.at[row], mask=e_ok, other=0)
+    hist_row = plgpu.load(state.routing.freq.at[row], mask=e_ok, other=0)
     table_rows = tuple(plgpu.load(ref.at[row], mask=e_ok, other=_zero(ref))
                        for ref in state.tables)
     # What the writes store, formed here: one vector per row held to the end, not the row and
@@ -507,23 +505,23 @@ def _write_state(state_out, rows, hits: _Hits, installed, *, step, base, row, e_
     recency stamps, the counters, the histogram, the eviction's tables, the clock."""
     installs, victims, experts, occupants, num_fetch = installed
     stats_row, hist_row, table_rows = rows
-    common.scatter(state_out.usage, victims, jnp.full((sz.o_width,), step), installs)
-    common.scatter(state_out.id_of_slot, victims, base + experts, installs)
-    common.scatter(state_out.slot_for_id, occupants, jnp.full((sz.o_width,), -1, jnp.int32),
+    common.scatter(state_out.residency.usage, victims, jnp.full((sz.o_width,), step), installs)
+    common.scatter(state_out.residency.id_of_slot, victims, base + experts, installs)
+    common.scatter(state_out.residency.slot_for_id, occupants, jnp.full((sz.o_width,), -1, jnp.int32),
                    installs & (occupants >= 0))
-    common.scatter(state_out.slot_for_id, base + experts, victims, installs)
+    common.scatter(state_out.residency.slot_for_id, base + experts, victims, installs)
     if hybrid:
-        plgpu.store(state_out.recency.at[row], jnp.full((sz.e_width,), step),
+        plgpu.store(state_out.routing.recency.at[row], jnp.full((sz.e_width,), step),
                     mask=hits.routed & accepted)
     counters = jnp.where(lax.iota(jnp.int32, 4) == 0, 1, jnp.where(
         lax.iota(jnp.int32, 4) == 1, hits.num_active,
         jnp.where(lax.iota(jnp.int32, 4) == 2, hits.num_missing, num_fetch)))
     plgpu.store(state_out.stats.at[stats_idx], stats_row + counters,
                 mask=jnp.full((4,), accepted))
-    plgpu.store(state_out.routing_freq.at[row], hist_row, mask=hits.routed & observe_on)
+    plgpu.store(state_out.routing.freq.at[row], hist_row, mask=hits.routed & observe_on)
     for out_ref, value in zip(state_out.tables, table_rows):
         plgpu.store(out_ref.at[row], value, mask=e_ok & accepted)
-    _store_scalar(state_out.step, step, accepted)
+    _store_scalar(state_out.clock.step, step, accepted)
 
 
 def _write_plan(plan, hits: _Hits, installed, o_idx, error, accepted, num_out: int):
@@ -759,8 +757,8 @@ def fused_step(state, layer, routes, policy, rules, *, interpret: bool, debug: b
     scalar = lambda x: jnp.reshape(x, (1,))  # noqa: E731
     call = CallRefs(layer=scalar(layer), routes=routes, fraction16=scalar(policy.fraction16),
                     cap=scalar(policy.cap), size=scalar(state.cache_size),
-                    threshold=scalar(state.rebase_threshold),
-                    collect=scalar(state.collect_routing))
+                    threshold=scalar(state.settings.rebase_threshold),
+                    collect=scalar(state.settings.collect_routing))
     leaves = _state_refs(state, ranking)
     # Inside a shard_map (check_vma) every input and output varies over the mesh axes any input
     # varies over: the state leaves alias their outputs, whose type is then the inputs' (docs/

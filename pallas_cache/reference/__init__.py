@@ -2,7 +2,8 @@
 
 Imperative, int64, no JAX. :class:`ReferenceCache` implements every operation of
 docs/semantics.md as a method over a state whose fields have the library's ``CacheState`` names
-and nesting (:data:`FIELDS`: ``stats``, ``eviction``, ``eviction_state``...); the functions of
+and nesting (the parts ``residency``, ``clock``, ``routing``, ``stats``, ``prefill``,
+``settings``, ``eviction``, ``eviction_state``); the functions of
 :mod:`.functions` are the same operations with the library's signatures
 (``ensure(state, layer, expert_ids) -> (state, plan)``). ``ReferencePolicy`` is the fetch policy
 and its balanced split; :mod:`.evictions` the eviction policies. The plans have the JAX plans'
@@ -17,7 +18,6 @@ from .cache import (  # noqa: F401
     ERR_PREFILL_BUSY,
     ERR_PREFILL_NOT_BEGUN,
     ERR_SLOT,
-    FIELDS,
     FORGOTTEN,
     SMALL_BANK_FEAT_BYTES,
     CopyPlan,

@@ -55,7 +55,6 @@ from .prefill import (  # noqa: F401
 from .reports import COVERAGE_FRACTION, LayerSkew, ReferenceStats, Reports, SkewReport  # noqa: F401
 from .state import (  # noqa: F401
     DEFAULT_REBASE_THRESHOLD,
-    FIELDS,
     FORGOTTEN,
     RebuildRejected,
     ResizePlan,

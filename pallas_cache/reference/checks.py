@@ -11,8 +11,8 @@ import numpy as np
 
 def assert_invariants(state):
     """docs/semantics.md §3: the maps are mutually inverse, no slot is claimed twice, usage <= step."""
-    slot_for_id, id_of_slot = np.asarray(state.slot_for_id), np.asarray(state.id_of_slot)
-    usage = np.asarray(state.usage)
+    slot_for_id, id_of_slot = np.asarray(state.residency.slot_for_id), np.asarray(state.residency.id_of_slot)
+    usage = np.asarray(state.residency.usage)
     E = slot_for_id.shape[-1]
     for slot, flat in enumerate(id_of_slot.tolist()):
         if flat >= 0:

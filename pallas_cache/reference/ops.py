@@ -134,10 +134,10 @@ class DecodeOps:
 
         # The histogram describes what the router asked for: every non-padding route counts,
         # duplicates included (deduplicating would flatten the skew it exists to measure).
-        if self.collect_routing:
+        if self.settings.collect_routing:
             for expert in flat_routes:
                 if expert >= 0:
-                    self.routing_freq[layer, expert] += 1
+                    self.routing.freq[layer, expert] += 1
 
         # Distinct routes, first occurrence wins; padding (-1) is ignored everywhere.
         distinct: list[int] = []
@@ -151,16 +151,16 @@ class DecodeOps:
         # Hits refresh their slot, which also protects it for the rest of this step.
         missing: list[int] = []
         for expert in distinct:
-            slot = self.slot_for_id[layer, expert]
+            slot = self.residency.slot_for_id[layer, expert]
             if slot >= 0:
-                self.usage[slot] = t
+                self.residency.usage[slot] = t
             else:
                 missing.append(expert)
 
         # Fetch order. RECENCY (hybrid only): most recently routed first, using recency as it
         # was before this call, ties to the lower id, never-routed (-1) last. Otherwise by id.
         if hybrid and order == "recency":
-            missing.sort(key=lambda e: (-self.recency[layer, e], e))
+            missing.sort(key=lambda e: (-self.routing.recency[layer, e], e))
         else:
             missing.sort()
 
@@ -177,16 +177,16 @@ class DecodeOps:
                 if (
                     num_fetch == 0
                     and num_missing >= 1
-                    and self.id_of_slot[victims[0]] == -1
-                    and self.recency[layer, missing[0]] >= 0
+                    and self.residency.id_of_slot[victims[0]] == -1
+                    and self.routing.recency[layer, missing[0]] >= 0
                 ):
                     num_fetch = 1
             elif admission == "reuse":
                 # Past the split, admit a miss while it was routed more recently than the slot
                 # it would take was used; the first rejection ends the walk.
                 while num_fetch < num_missing:
-                    recency = self.recency[layer, missing[num_fetch]]
-                    if recency >= 0 and recency >= self.usage[victims[num_fetch]]:
+                    recency = self.routing.recency[layer, missing[num_fetch]]
+                    if recency >= 0 and recency >= self.residency.usage[victims[num_fetch]]:
                         num_fetch += 1
                     else:
                         break
@@ -198,12 +198,12 @@ class DecodeOps:
         src_rows = np.full(width, -1, np.int64)
         for k, expert in enumerate(missing[:num_fetch]):
             victim = victims[k]
-            old = self.id_of_slot[victim]
+            old = self.residency.id_of_slot[victim]
             if old >= 0:
-                self.slot_for_id[old // E, old % E] = -1
-            self.id_of_slot[victim] = base + expert
-            self.slot_for_id[layer, expert] = victim
-            self.usage[victim] = t
+                self.residency.slot_for_id[old // E, old % E] = -1
+            self.residency.id_of_slot[victim] = base + expert
+            self.residency.slot_for_id[layer, expert] = victim
+            self.residency.usage[victim] = t
             dst_slots[k] = victim
             src_rows[k] = expert
 
@@ -213,14 +213,14 @@ class DecodeOps:
         cpu = np.zeros(flat_routes.shape, bool)
         for i, expert in enumerate(flat_routes):
             if expert >= 0:
-                slots[i] = self.slot_for_id[layer, expert]
+                slots[i] = self.residency.slot_for_id[layer, expert]
                 cpu[i] = slots[i] < 0
 
         # Recency: every distinct routed expert of a hybrid call, hit, fetched or CPU, in both
         # fetch orders (docs/semantics.md §10: the Rust port's choice).
         if hybrid:
             for expert in distinct:
-                self.recency[layer, expert] = t
+                self.routing.recency[layer, expert] = t
 
         self.stats[layer] += (1, len(distinct), num_missing, num_fetch)
         return EnsurePlan(
@@ -252,18 +252,18 @@ class DecodeOps:
             return MaterializePlan(copy=CopyPlan.empty(E), error=ERR_LAYER)
         t = self._tick()  # first, so a rebase sees the stamps as they were on entry
         base = layer * E
-        previous = self.id_of_slot.copy()  # every check reads the occupant as it was on entry
+        previous = self.residency.id_of_slot.copy()  # every check reads the occupant as it was on entry
         for slot, old in enumerate(previous):
             if base <= old < base + E:
-                self.id_of_slot[slot] = -1
-                self.usage[slot] = 0
+                self.residency.id_of_slot[slot] = -1
+                self.residency.usage[slot] = 0
         for old in previous[:E]:
             if old >= 0 and not (base <= old < base + E):
-                self.slot_for_id[old // E, old % E] = -1
+                self.residency.slot_for_id[old // E, old % E] = -1
         experts = np.arange(E, dtype=np.int64)
-        self.id_of_slot[:E] = base + experts
-        self.slot_for_id[layer] = experts
-        self.usage[:E] = t
+        self.residency.id_of_slot[:E] = base + experts
+        self.residency.slot_for_id[layer] = experts
+        self.residency.usage[:E] = t
         copy = CopyPlan(dst_slots=experts.copy(), src_rows=experts.copy(), count=E)
         return MaterializePlan(copy=copy)
 
@@ -277,10 +277,10 @@ class DecodeOps:
         slot = int_arg(slot, "slot")
         if not 0 <= slot < self.cache_size:  # the usable size: unusable slots hold nothing
             return ForgetPlan(old=-1, error=ERR_SLOT)
-        old = int(self.id_of_slot[slot])
+        old = int(self.residency.id_of_slot[slot])
         if old < 0:
             return ForgetPlan(old=-1)
-        self.id_of_slot[slot] = -1
-        self.slot_for_id[old // self.num_experts, old % self.num_experts] = -1
-        self.usage[slot] = FORGOTTEN
+        self.residency.id_of_slot[slot] = -1
+        self.residency.slot_for_id[old // self.num_experts, old % self.num_experts] = -1
+        self.residency.usage[slot] = FORGOTTEN
         return ForgetPlan(old=old)

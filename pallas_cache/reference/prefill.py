@@ -103,10 +103,10 @@ class PrefillOps:
         self._require_prefill_fits()
         if not self.prefill_overlap_fits():
             return  # a usable pool below 2E: no chunk opens, as a pool of that size would raise
-        self.prefill_layer[:] = -1
-        self.prefill_released[:] = True
-        self.prefill_open = True
-        self.prefill_snapshot = self.slot_for_id.copy()
+        self.prefill.layer[:] = -1
+        self.prefill.released[:] = True
+        self.prefill.open = True
+        self.prefill.snapshot = self.residency.slot_for_id.copy()
 
     def prefetch_prefill_layer(self, layer, bank_feat_bytes) -> PrefillPlan:
         """Stage ``layer`` into buffer ``layer % 2`` and say what moves where."""
@@ -147,13 +147,13 @@ class PrefillOps:
         gather, run_parts, transfers = plan.gather, plan.runs, plan.transfers
         # Refusals: every failing check sets its bit (the buffer checks need a valid layer).
         layer_ok = self._layer_ok(layer)
-        held = self.prefill_layer[buffer_id] if layer_ok else -1
+        held = self.prefill.layer[buffer_id] if layer_ok else -1
         if not layer_ok:
             plan.error |= ERR_LAYER
-        if not self.prefill_open:
+        if not self.prefill.open:
             plan.error |= ERR_PREFILL_NOT_BEGUN
         # Reusing a buffer a running multiply still reads would silently corrupt it: refused.
-        if held >= 0 and held != layer and not self.prefill_released[buffer_id]:
+        if held >= 0 and held != layer and not self.prefill.released[buffer_id]:
             plan.error |= ERR_PREFILL_BUSY
         # The buffers need usable slots [0, 2E); a pool resized below that cannot lend them.
         if self.cache_size < 2 * self.num_experts:
@@ -172,26 +172,26 @@ class PrefillOps:
         threshold = 2 * E
         missing = []
         for expert in range(E):
-            slot = self.prefill_snapshot[layer, expert]
-            if slot >= threshold and self.slot_for_id[layer, expert] == slot:
+            slot = self.prefill.snapshot[layer, expert]
+            if slot >= threshold and self.residency.slot_for_id[layer, expert] == slot:
                 k = gather.count
                 gather.dst_slots[k] = buffer_base + expert
                 gather.src_slots[k] = slot
                 gather.count += 1
             else:
                 missing.append(expert)
-        self.prefill_hit_rows += gather.count
-        self.prefill_rows += E
+        self.prefill.hit_rows += gather.count
+        self.prefill.rows += E
 
         # Invalidate the buffer: its occupants lose residency (or a decode step would hit on
         # bytes about to be overwritten) and its usage goes to 0 (so the next decode miss takes
         # these free slots first instead of evicting a live resident elsewhere).
         for slot in range(buffer_base, buffer_base + E):
-            old = self.id_of_slot[slot]
+            old = self.residency.id_of_slot[slot]
             if old >= 0:
-                self.slot_for_id[old // E, old % E] = -1
-            self.id_of_slot[slot] = -1
-            self.usage[slot] = 0
+                self.residency.slot_for_id[old // E, old % E] = -1
+            self.residency.id_of_slot[slot] = -1
+            self.residency.usage[slot] = 0
 
         # Misses coalesce into maximal runs of consecutive ids: one entry per run, not per row.
         runs: list[list[int]] = []
@@ -225,12 +225,12 @@ class PrefillOps:
                     add_entry(bank, buffer_base + start, start, length, False)
 
         # Nothing staged is registered as resident: the buffer's bytes are volatile.
-        self.prefill_layer[buffer_id] = layer
-        self.prefill_released[buffer_id] = False
+        self.prefill.layer[buffer_id] = layer
+        self.prefill.released[buffer_id] = False
         return plan
 
     def release_prefill_layer(self, layer):
         """Mark ``layer``'s buffer done; a layer that is not the one staged is ignored."""
         layer = int_arg(layer, "layer")
-        if self._layer_ok(layer) and self.prefill_layer[layer % 2] == layer:
-            self.prefill_released[layer % 2] = True
+        if self._layer_ok(layer) and self.prefill.layer[layer % 2] == layer:
+            self.prefill.released[layer % 2] = True

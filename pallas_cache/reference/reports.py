@@ -91,7 +91,7 @@ def per_layer_stats(cache) -> list[ReferenceStats]:
 
 
 def routing_histogram(cache, layer) -> np.ndarray:
-    return cache.routing_freq[layer].copy()
+    return cache.routing.freq[layer].copy()
 
 
 class Reports:
@@ -101,16 +101,16 @@ class Reports:
         """Open a new window: counters and prefill row counters zeroed; residency and the
         histogram kept (a metrics scrape must not destroy a slowly built distribution)."""
         self.stats[:] = 0
-        self.prefill_hit_rows = 0
-        self.prefill_rows = 0
+        self.prefill.hit_rows = 0
+        self.prefill.rows = 0
 
     def set_collect_routing(self, on: bool):
         if not isinstance(on, (bool, np.bool_)):
             raise TypeError(f"collect_routing must be a bool, got {on!r}")
-        self.collect_routing = bool(on)
+        self.settings.collect_routing = bool(on)
 
     def reset_routing(self):
-        self.routing_freq[:] = 0
+        self.routing.freq[:] = 0
 
 
 def routing_skew(cache) -> SkewReport | None:
@@ -125,7 +125,7 @@ def routing_skew(cache) -> SkewReport | None:
     oracle_slots = max(1, math.floor(slots_per_layer + 0.5))  # half away from zero
     per_layer = []
     for layer in range(cache.num_layers):
-        freq = cache.routing_freq[layer]
+        freq = cache.routing.freq[layer]
         routed = int(freq.sum())
         if routed == 0:
             continue

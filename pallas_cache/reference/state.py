@@ -27,11 +27,53 @@ DEFAULT_REBASE_THRESHOLD = 2**30
 DEFAULT_HISTORY = 128
 
 
-#: The state's fields: those of the library's ``CacheState``, in its order.
-FIELDS = ("slot_for_id", "id_of_slot", "usage", "cache_size", "step", "recency", "stats",
-          "routing_freq", "collect_routing", "prefill_layer", "prefill_released", "prefill_open",
-          "prefill_snapshot", "prefill_hit_rows", "prefill_rows", "rebase_threshold", "eviction",
-          "eviction_state")
+# The state's parts: the library's (pallas_cache/state.py), same names, mutable, int64.
+
+
+@dataclass
+class Residency:
+    """``slot_for_id [L, E]``, ``id_of_slot [C]``, ``usage [C]``."""
+
+    slot_for_id: np.ndarray
+    id_of_slot: np.ndarray
+    usage: np.ndarray
+
+
+@dataclass
+class Clock:
+    """``step``, the clock."""
+
+    step: int = 0
+
+
+@dataclass
+class Routing:
+    """``recency [L, E]`` (-1 = never), ``freq [L, E]`` (the routing histogram)."""
+
+    recency: np.ndarray
+    freq: np.ndarray
+
+
+@dataclass
+class Prefill:
+    """The prefill bookkeeping: ``layer [2]`` (-1 = none), ``released [2]``, ``open``,
+    ``snapshot [L, E]``, ``hit_rows``, ``rows``."""
+
+    layer: np.ndarray
+    released: np.ndarray
+    open: bool
+    snapshot: np.ndarray
+    hit_rows: int
+    rows: int
+
+
+@dataclass
+class Settings:
+    """``cache_size`` (the usable size ``S``), ``rebase_threshold``, ``collect_routing``."""
+
+    cache_size: int
+    rebase_threshold: int
+    collect_routing: bool = False
 
 
 class RebuildRejected(ValueError):
@@ -59,16 +101,14 @@ class ResizePlan:
 class ReferenceState:
     """The expert slot cache's state as a mutable object over int64 NumPy arrays.
 
-    The attributes named in :data:`FIELDS` are the library's ``CacheState`` fields, same names,
-    same nesting (int64 arrays, Python ints for the scalars): ``slot_for_id [L, E]``,
-    ``id_of_slot [C]``, ``usage [C]`` (``C`` = ``capacity``), ``cache_size`` (the usable size
-    ``S``: slots at or past it always hold -1 with usage 0, docs/semantics.md §5.15), ``step``,
-    ``recency [L, E]``, ``stats [L, 4]`` (calls, active, missing, fetched), ``routing_freq
-    [L, E]``, ``collect_routing``, the prefill bookkeeping ``prefill_layer [2]`` (-1 = none),
-    ``prefill_released [2]``, ``prefill_open``, ``prefill_snapshot [L, E]``,
-    ``prefill_hit_rows``, ``prefill_rows``, ``rebase_threshold``; ``eviction`` (the policy's
-    record, :mod:`.evictions`) and ``eviction_state`` (its bookkeeping under the library record's
-    field names: ``PairLfuState``, ``TokenRingState``; None for lru).
+    Its parts are the library's ``CacheState`` fields, same names, same nesting (int64 arrays,
+    Python ints for the scalars): ``residency`` (:class:`Residency`, ``C`` = ``capacity``; slots
+    at or past ``settings.cache_size`` always hold -1 with usage 0, docs/semantics.md §5.15),
+    ``clock``, ``routing``, ``stats [L, 4]`` (calls, active, missing, fetched), ``prefill``,
+    ``settings``; ``eviction`` (the policy's record, :mod:`.evictions`) and ``eviction_state``
+    (its bookkeeping under the library record's field names: ``PairLfuState``,
+    ``TokenRingState``; None for lru). ``step`` and ``cache_size`` read (and here, write) the
+    clock's and the settings' fields, as the library's read-only properties read them.
     """
 
     def __init__(self, num_layers, num_experts, cache_size, rebase_threshold=DEFAULT_REBASE_THRESHOLD,
@@ -90,13 +130,30 @@ class ReferenceState:
             raise ValueError(f"capacity {capacity} is below cache_size {cache_size}")
         self.num_layers = num_layers
         self.num_experts = num_experts
-        self.rebase_threshold = int_arg(rebase_threshold, "rebase_threshold")
+        self.settings = Settings(cache_size=cache_size,
+                                 rebase_threshold=int_arg(rebase_threshold, "rebase_threshold"))
         self.eviction = check_eviction(eviction)  # a record, fixed for the cache's life, like its geometry
         self.history = int_arg(history, "history")
         if self.history < 1:
             raise ValueError(f"history must be >= 1, got {self.history}")
-        self.collect_routing = False
+        self.settings.collect_routing = False
         self._clear(cache_size, capacity)
+
+    @property
+    def step(self) -> int:
+        return self.clock.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.clock.step = value
+
+    @property
+    def cache_size(self) -> int:
+        return self.settings.cache_size
+
+    @cache_size.setter
+    def cache_size(self, value: int) -> None:
+        self.settings.cache_size = value
 
     # ---- construction and cold starts ------------------------------------------------------
 
@@ -106,19 +163,16 @@ class ReferenceState:
         L, E = self.num_layers, self.num_experts
         self.cache_size = cache_size
         self.capacity = capacity
-        self.slot_for_id = np.full((L, E), -1, np.int64)
-        self.id_of_slot = np.full(capacity, -1, np.int64)
-        self.usage = np.zeros(capacity, np.int64)
-        self.step = 0
-        self.recency = np.full((L, E), -1, np.int64)
+        self.residency = Residency(slot_for_id=np.full((L, E), -1, np.int64),
+                                   id_of_slot=np.full(capacity, -1, np.int64),
+                                   usage=np.zeros(capacity, np.int64))
+        self.clock = Clock(step=0)
+        self.routing = Routing(recency=np.full((L, E), -1, np.int64),
+                               freq=np.zeros((L, E), np.int64))
         self.stats = np.zeros((L, 4), np.int64)
-        self.routing_freq = np.zeros((L, E), np.int64)
-        self.prefill_layer = np.full(2, -1, np.int64)
-        self.prefill_released = np.ones(2, bool)
-        self.prefill_open = False
-        self.prefill_snapshot = np.full((L, E), -1, np.int64)
-        self.prefill_hit_rows = 0
-        self.prefill_rows = 0
+        self.prefill = Prefill(layer=np.full(2, -1, np.int64), released=np.ones(2, bool),
+                               open=False, snapshot=np.full((L, E), -1, np.int64), hit_rows=0,
+                               rows=0)
         # The eviction policy's bookkeeping (docs/semantics.md §5.16).
         self.eviction_state = self.eviction.init(L, E, self.history)
 
@@ -160,22 +214,22 @@ class ReferenceState:
         new_size = int_arg(cache_size, "cache_size")
         E, C = self.num_experts, self.capacity
         plan = ResizePlan(freed_slots=np.full(C, -1, np.int64), freed_ids=np.full(C, -1, np.int64))
-        buffer_busy = self.prefill_layer[1] >= 0 and not self.prefill_released[1]
+        buffer_busy = self.prefill.layer[1] >= 0 and not self.prefill.released[1]
         if not E <= new_size <= C or (new_size < 2 * E and buffer_busy):
             plan.error = ERR_CACHE_SIZE
             return plan
         for slot in range(new_size, self.cache_size):
-            old = int(self.id_of_slot[slot])
+            old = int(self.residency.id_of_slot[slot])
             if old >= 0:
-                self.slot_for_id[old // E, old % E] = -1
-            self.id_of_slot[slot] = -1
-            self.usage[slot] = 0  # an unusable slot is as never filled
+                self.residency.slot_for_id[old // E, old % E] = -1
+            self.residency.id_of_slot[slot] = -1
+            self.residency.usage[slot] = 0  # an unusable slot is as never filled
             plan.freed_slots[plan.count] = slot
             plan.freed_ids[plan.count] = old
             plan.count += 1
         if new_size < 2 * E:
-            self.prefill_layer[1] = -1
-            self.prefill_released[1] = True
+            self.prefill.layer[1] = -1
+            self.prefill.released[1] = True
         self.cache_size = new_size
         return plan
 
@@ -204,8 +258,8 @@ class ReferenceState:
 
     def _tick(self) -> int:
         """Advance the clock, renumbering the stamps first if it reached the threshold."""
-        if self.step >= self.rebase_threshold:
-            self.usage, self.recency, self.step = dense_rank_stamps(
-                self.usage, self.recency, self.step)
+        if self.step >= self.settings.rebase_threshold:
+            self.residency.usage, self.routing.recency, self.step = dense_rank_stamps(
+                self.residency.usage, self.routing.recency, self.step)
         self.step += 1
         return self.step

@@ -53,7 +53,7 @@ def one_active_layer(admission) -> ScenarioCounts:
     state, _ = ensure_hybrid(state, 0, jnp.arange(7), FetchPolicy.fixed_cap(7), admission=admission)
     layers = jnp.zeros(STEPS, jnp.int32)
     state, fetches, cpu = _run(state, layers, admission is Admission.PROMOTE_ONE)
-    return ScenarioCounts(int(fetches), int(cpu), int(jnp.sum(state.id_of_slot < 0)))
+    return ScenarioCounts(int(fetches), int(cpu), int(jnp.sum(state.residency.id_of_slot < 0)))
 
 
 def all_layers_cold(admission) -> ScenarioCounts:
@@ -62,7 +62,7 @@ def all_layers_cold(admission) -> ScenarioCounts:
     state = init(NUM_LAYERS, NUM_EXPERTS, CACHE_SIZE)
     layers = jnp.tile(jnp.arange(NUM_LAYERS, dtype=jnp.int32), STEPS)
     state, fetches, cpu = _run(state, layers, admission is Admission.PROMOTE_ONE)
-    return ScenarioCounts(int(fetches), int(cpu), int(jnp.sum(state.id_of_slot < 0)))
+    return ScenarioCounts(int(fetches), int(cpu), int(jnp.sum(state.residency.id_of_slot < 0)))
 
 
 def promotion_table() -> list[tuple[str, int, int]]:

@@ -20,12 +20,15 @@ class _Host:
     """One unbatched state's fields as NumPy arrays."""
 
     def __init__(self, state: CacheState, what: str):
-        if np.ndim(state.id_of_slot) != 1:
+        if np.ndim(state.residency.id_of_slot) != 1:
             raise ValueError(f"check_plan takes one cache; {what} is a batch of shape "
-                             f"{np.shape(state.id_of_slot)[:-1]} (take one with pc.take_state)")
-        fields = jax.device_get({name: getattr(state, name) for name in (
-            "slot_for_id", "id_of_slot", "usage", "cache_size", "step", "stats",
-            "rebase_threshold")})
+                             f"{np.shape(state.residency.id_of_slot)[:-1]} (take one with "
+                             f"pc.take_state)")
+        residency = state.residency
+        fields = jax.device_get({
+            "slot_for_id": residency.slot_for_id, "id_of_slot": residency.id_of_slot,
+            "usage": residency.usage, "cache_size": state.cache_size, "step": state.step,
+            "stats": state.stats, "rebase_threshold": state.settings.rebase_threshold})
         self.slot_for_id = np.asarray(fields["slot_for_id"], np.int64)
         self.id_of_slot = np.asarray(fields["id_of_slot"], np.int64)
         self.usage = np.asarray(fields["usage"], np.int64)

@@ -38,7 +38,8 @@ _EVICTIONS = (pc.Eviction, pc.evictions.EvictionPolicy, reference.EvictionPolicy
 
 def _fields(record: Any) -> dict[str, Any]:
     if isinstance(record, reference.ReferenceCache):
-        return {name: getattr(record, name) for name in reference.FIELDS}
+        # The library state's fields, read off the reference: a part missing there differs.
+        return {f.name: getattr(record, f.name, None) for f in dataclasses.fields(CacheState)}
     # No reference twin: a copy plan's static geometry, the ring's incremental ``match``.
     return {f.name: getattr(record, f.name) for f in dataclasses.fields(record)
             if f.name not in ("num_slots", "num_experts", "match")}
@@ -46,7 +47,7 @@ def _fields(record: Any) -> dict[str, Any]:
 
 def record_difference(a: Any, b: Any, path: str = "") -> str | None:
     """The first difference of two records (states, plans, reports; library or reference, nested
-    records included) as one line (``"state.usage[0, 3]: 5 != 7"``), or None when equal.
+    records included) as one line (``"state.residency.usage[0, 3]: 5 != 7"``), or None when equal.
 
     Values compare exactly, not dtypes (the reference is int64). The library's ring is bitmask
     words (``masks``), the reference's bools (``ring``): compared as bools. An eviction compares

@@ -29,5 +29,5 @@ def check_eviction(eviction) -> EvictionPolicy:
 def ranked_victims(cache, step: int, layer: int) -> list[int]:
     """The evictable slots (``usage != step``, usable) in victim order under the cache's eviction
     (free slots first by ``(usage, slot)``, then the residents by the eviction's key)."""
-    evictable = [slot for slot in range(cache.cache_size) if cache.usage[slot] != step]
+    evictable = [slot for slot in range(cache.cache_size) if cache.residency.usage[slot] != step]
     return cache.eviction.rank(cache, evictable, layer)

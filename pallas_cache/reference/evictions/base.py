@@ -13,9 +13,9 @@ def _nothing(cache) -> None:
 def free_first(cache, evictable, resident_key) -> list[int]:
     """``evictable`` slots in victim order: free slots first by ``(usage, slot)``, then the
     residents ascending by ``resident_key(slot)``."""
-    free = sorted((s for s in evictable if cache.id_of_slot[s] < 0),
-                  key=lambda s: (cache.usage[s], s))
-    return free + sorted((s for s in evictable if cache.id_of_slot[s] >= 0), key=resident_key)
+    free = sorted((s for s in evictable if cache.residency.id_of_slot[s] < 0),
+                  key=lambda s: (cache.residency.usage[s], s))
+    return free + sorted((s for s in evictable if cache.residency.id_of_slot[s] >= 0), key=resident_key)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,6 +8,6 @@ POLICY = EvictionPolicy(
     name="lru",
     init=lambda num_layers, num_experts, history: None,
     observe=lambda cache, layer, distinct: None,
-    rank=lambda cache, evictable, layer: sorted(evictable, key=lambda s: (cache.usage[s], s)),
+    rank=lambda cache, evictable, layer: sorted(evictable, key=lambda s: (cache.residency.usage[s], s)),
     allows_reuse=True,
 )

@@ -45,8 +45,8 @@ def _rank(cache, evictable, layer) -> list[int]:
     E, lfu = cache.num_experts, cache.eviction_state
 
     def key(slot):
-        m, e = divmod(int(cache.id_of_slot[slot]), E)
-        return bool(lfu.prot[m, e]), int(lfu.freq[m, e]), int(cache.usage[slot]), slot
+        m, e = divmod(int(cache.residency.id_of_slot[slot]), E)
+        return bool(lfu.prot[m, e]), int(lfu.freq[m, e]), int(cache.residency.usage[slot]), slot
 
     return free_first(cache, evictable, key)
 

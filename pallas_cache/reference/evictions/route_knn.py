@@ -18,7 +18,7 @@ def next_use(cache, layer: int) -> dict[int, int]:
                         reverse=True)[:NEIGHBOURS]
     horizon = -(-cache.cache_size // L)
     out = {}
-    for flat in cache.id_of_slot:
+    for flat in cache.residency.id_of_slot:
         if flat < 0:
             continue
         m, e = divmod(int(flat), E)
@@ -40,8 +40,8 @@ def next_use(cache, layer: int) -> dict[int, int]:
 def _rank(cache, evictable, layer) -> list[int]:
     predicted = next_use(cache, layer)
     # The largest predicted next use first, ties to the oldest last use, then lowest slot.
-    return free_first(cache, evictable, lambda s: (-predicted[int(cache.id_of_slot[s])],
-                                                   cache.usage[s], s))
+    return free_first(cache, evictable, lambda s: (-predicted[int(cache.residency.id_of_slot[s])],
+                                                   cache.residency.usage[s], s))
 
 
 POLICY = EvictionPolicy(name="route_knn", init=ring.init, observe=ring.observe, rank=_rank,

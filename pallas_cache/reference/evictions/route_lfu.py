@@ -30,8 +30,8 @@ def ring_frequency_key(cache, layer: int) -> dict[int, tuple[int, int]]:
 def _rank(cache, evictable, layer) -> list[int]:
     keys = ring_frequency_key(cache, layer)
     # Unprotected first, then the smallest L * F - NU, the oldest last use, the lowest slot.
-    return free_first(cache, evictable, lambda s: keys[int(cache.id_of_slot[s])]
-                      + (cache.usage[s], s))
+    return free_first(cache, evictable, lambda s: keys[int(cache.residency.id_of_slot[s])]
+                      + (cache.residency.usage[s], s))
 
 
 POLICY = EvictionPolicy(name="route_lfu", init=functools.partial(ring.init, counts=True),

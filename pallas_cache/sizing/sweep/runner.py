@@ -165,7 +165,7 @@ def run_groups(plan: SweepPlan, report: Progress, compiled: Callable[[], None]) 
                 fetched=fetched,
                 cpu_routes=int(cpu_routes[row]),
                 # Usable slots only: those past the lane's size are neither empty nor full.
-                empty_slots=int((states.id_of_slot[row][:size] < 0).sum()),
+                empty_slots=int((states.residency.id_of_slot[row][:size] < 0).sum()),
                 hit_rate=1.0 - missing / active if active else 1.0,
                 belady_hit_rate=None,
                 bypass_optimum_hit_rate=None,
