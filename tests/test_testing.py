@@ -191,9 +191,9 @@ def test_assert_states_equal_names_the_first_differing_field_and_index():
     pct.assert_states_equal(a, a)
     with pytest.raises(AssertionError) as failure:
         pct.assert_states_equal(a, b)
-    # Expert 2 is resident in a, expert 3 in b: slot_for_id is the first field, [0, 2] its
-    # first differing entry.
-    assert str(failure.value).startswith("states differ at .slot_for_id[0, 2]: ")
+    # Expert 2 is resident in a, expert 3 in b: residency.slot_for_id is the first leaf, [0, 2]
+    # its first differing entry.
+    assert str(failure.value).startswith("states differ at .residency.slot_for_id[0, 2]: ")
     assert "first of 2 differing entries" in str(failure.value)
     bumped = a.replace(eviction_state=a.eviction_state.replace(
         freq=a.eviction_state.freq.at[1, 3].add(1)))
@@ -366,13 +366,14 @@ def test_assert_lockstep_names_the_step_operation_and_state_field(monkeypatch):
     """FAILS if a state that differs only between two steps (``usage`` bumped at step 1, cleared
     by the reset of step 3; no plan reads it) goes unseen: comparing only plans or only the last
     step (both shown passing here) misses it."""
-    _break_ensure(monkeypatch, (1,), lambda s, p: (dataclasses.replace(s, usage=_plus_one(s.residency.usage, 1)), p))
+    _break_ensure(monkeypatch, (1,), lambda s, p: (s.replace(residency=s.residency.replace(
+        usage=_plus_one(s.residency.usage, 1))), p))
     _naive_lockstep(MID_SEQUENCE, NO_EVICTION, plans_only=True)
     _naive_lockstep(MID_SEQUENCE, NO_EVICTION, at_end=True)
     with pytest.raises(AssertionError) as failure:
         pct.assert_lockstep(MID_SEQUENCE, geometry=NO_EVICTION)
     assert str(failure.value) == ("op 1 Ensure(layer=0, routes=(1,)) on xla: states differ at "
-                                  ".usage[1]: 2 != 3 (reference != library)")
+                                  ".residency.usage[1]: 2 != 3 (reference != library)")
 
 
 def test_assert_lockstep_names_the_plan_field(monkeypatch):

@@ -11,6 +11,7 @@ import copy
 import numpy as np
 
 from .cache import ReferenceCache
+from .state import Part
 from .reports import layer_stats, per_layer_stats, routing_histogram, routing_skew, stats  # noqa: F401
 
 
@@ -26,8 +27,8 @@ def copy_state(state: ReferenceCache) -> ReferenceCache:
     """An independent copy of ``state`` (its arrays and eviction bookkeeping copied)."""
     twin = copy.copy(state)
     for name, value in vars(state).items():
-        if isinstance(value, np.ndarray):
-            setattr(twin, name, value.copy())
+        if isinstance(value, (np.ndarray, Part)):
+            setattr(twin, name, copy.deepcopy(value))
     twin.eviction_state = copy.deepcopy(state.eviction_state)
     return twin
 

@@ -30,8 +30,12 @@ DEFAULT_HISTORY = 128
 # The state's parts: the library's (pallas_cache/state.py), same names, mutable, int64.
 
 
+class Part:
+    """The base of the state's parts: a copy of the state copies each part (``copy_state``)."""
+
+
 @dataclass
-class Residency:
+class Residency(Part):
     """``slot_for_id [L, E]``, ``id_of_slot [C]``, ``usage [C]``."""
 
     slot_for_id: np.ndarray
@@ -40,14 +44,14 @@ class Residency:
 
 
 @dataclass
-class Clock:
+class Clock(Part):
     """``step``, the clock."""
 
     step: int = 0
 
 
 @dataclass
-class Routing:
+class Routing(Part):
     """``recency [L, E]`` (-1 = never), ``freq [L, E]`` (the routing histogram)."""
 
     recency: np.ndarray
@@ -55,7 +59,7 @@ class Routing:
 
 
 @dataclass
-class Prefill:
+class Prefill(Part):
     """The prefill bookkeeping: ``layer [2]`` (-1 = none), ``released [2]``, ``open``,
     ``snapshot [L, E]``, ``hit_rows``, ``rows``."""
 
@@ -68,7 +72,7 @@ class Prefill:
 
 
 @dataclass
-class Settings:
+class Settings(Part):
     """``cache_size`` (the usable size ``S``), ``rebase_threshold``, ``collect_routing``."""
 
     cache_size: int
