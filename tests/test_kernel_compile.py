@@ -25,35 +25,18 @@ CASES = [(geometry, eviction, variant) for geometry in kernel_compile.TEST_GEOME
          for eviction in kernel_compile.EVICTIONS
          for variant in kernel_compile.variants(eviction, ci=not ALL_VARIANTS)]
 # Known spills, each a strict xfail: the case fails the run once it stops spilling (drop it here).
-_RING_E512 = ("ptxas settles on 128 registers and spills outside loops at E = 512 (the "
-              "no-miss walk's section of benchmarks/RESULTS.md: what keeping loads late did)")
-_COMBINED = ("ptxas spills 8-40 bytes since the no-miss path's first waves and the streamed "
-             "search's loads ahead were combined (benchmarks/RESULTS.md)")
-KNOWN_SPILLS = {
-    ((48, 128, 4096, 8), "lru", "ensure"):
-        "ptxas settles on 64 registers and spills 8 bytes (two rows' values held across the "
-        "one-block victim search, stored and loaded once per call, outside the loop; "
-        "benchmarks/RESULTS.md)",
-    ((64, 512, 16384, 8), "route_knn", "ensure"): _RING_E512,
-    ((64, 512, 16384, 8), "route_knn", "ensure_hybrid/recency/promote_one"): _RING_E512,
-    # The no-miss path's first waves and the streamed search's loads ahead, combined: each change
-    # alone kept these free of spills; together ptxas spills 8-40 bytes (the list in
-    # benchmarks/RESULTS.md, "Spills of the combined kernel"; loading each block at its start
-    # instead still spilled at 8 of them).
-    **dict.fromkeys([
-        ((64, 512, 16384, 8), "pair_lfu", "ensure"),
-        ((64, 512, 16384, 8), "pair_lfu", "ensure_hybrid/recency/promote_one"),
-        ((64, 512, 16384, 8), "route_lfu", "ensure"),
-        ((64, 512, 16384, 8), "route_lfu", "ensure_hybrid/recency/promote_one"),
-        ((58, 256, 2048, 8), "lru", "ensure_hybrid/recency/reuse"),
-        ((61, 256, 16384, 8), "pair_lfu", "ensure"),
-        ((61, 256, 16384, 8), "pair_lfu", "ensure_hybrid/recency/promote_one"),
-        ((61, 256, 16384, 8), "route_knn", "ensure"),
-        ((61, 256, 16384, 8), "route_knn", "ensure_hybrid/recency/promote_one"),
-        ((61, 256, 16384, 8), "route_lfu", "ensure"),
-        ((61, 256, 16384, 8), "route_lfu", "ensure_hybrid/recency/promote_one"),
-    ], _COMBINED),
-}
+_LEFT = ("ptxas, given only the threads per block (Pallas passes no register limit), settles on "
+         "64-128 registers and spills outside loops (benchmarks/RESULTS.md, \"Spills of the "
+         "combined kernel\")")
+KNOWN_SPILLS = dict.fromkeys([
+    ((64, 512, 16384, 8), "route_knn", "ensure"),
+    ((64, 512, 16384, 8), "route_knn", "ensure_hybrid/recency/promote_one"),
+    ((64, 512, 16384, 8), "route_lfu", "ensure_hybrid/recency/promote_one"),
+    ((58, 256, 2048, 8), "lru", "ensure_hybrid/recency/reuse"),
+    ((61, 256, 16384, 8), "pair_lfu", "ensure_hybrid/recency/promote_one"),
+    ((61, 256, 16384, 8), "route_knn", "ensure"),
+    ((61, 256, 16384, 8), "route_knn", "ensure_hybrid/recency/promote_one"),
+], _LEFT)
 
 
 def _case(geometry, eviction, variant):

@@ -206,7 +206,6 @@ def step_kernel(
     error, accepted = _validate(layer, bad, L)
     row = base + e_idx
     stats_idx = layer_c * 4 + lax.iota(jnp.int32, 4)
-    rows = _count(state, stats_idx, row, e_ok, observed, ranking)
     step = _rebase_if_due(call, state, state_out, step0, accepted, block=block,
                           stamp_block=stamp_block)
     barrier()  # the rebase's usage / recency stores before the reads of them by other threads
@@ -224,16 +223,18 @@ def step_kernel(
     victims, vusage, occupants = _rank_victims(
         call, state, state_out, scratch, hits, need, o_idx, step=step, base=base, limit=limit,
         layer_c=layer_c, ranking=ranking, block=block, sz=sz, barrier=barrier)
+    # The layer's rows and the collect flag after the victim search, not in the first waves:
+    # held across it they made ptxas spill (benchmarks/RESULTS.md, "Spills").
+    rows = _count(state, stats_idx, row, e_ok, observed, ranking)
+    collect = call.collect[0]
     num_fetch = _admit(fraction16, experts, recs, victims, vusage, occupants, num_fetch,
                        promote_one=promote_one, reuse=reuse, num_out=num_out)
     installed = _install(victims, experts, occupants, num_fetch, o_idx, accepted, num_out)
     _route_slots(call, state, plan, lanes, installed, base=base, accepted=accepted, sz=sz)
     barrier()  # every read of id_of_slot / slot_for_id / the rows (victims, plan) before the writes
-    # The collect flag is read here, after the last barrier, not with the first wave: held from
-    # there it made ptxas spill at one warp under the ring evictions.
     _write_state(state_out, rows, hits, installed, step=step, base=base, row=row,
                  e_ok=e_ok, stats_idx=stats_idx, accepted=accepted,
-                 observe_on=accepted & call.collect[0],
+                 observe_on=accepted & collect,
                  hybrid=hybrid, ranking=ranking, sz=sz)
     _write_plan(plan, hits, installed, o_idx, error, accepted, num_out)
 
@@ -485,8 +486,8 @@ def _route_slots(call, state, plan, lanes: _Lanes | None, installed, *, base, ac
 
 def _count(state, stats_idx, row, e_ok, observed, ranking):
     """Phase count: the rows this call adds to (the layer's stats, histogram and eviction
-    tables), read in the first waves (no write of the call comes before the barrier ahead of
-    the writes): ``(stats row, histogram row + observed, the tables' rows after the call)``;
+    tables), read after the victim search (no write of the call comes before the barrier ahead
+    of the writes): ``(stats row, histogram row + observed, the tables' rows after the call)``;
     :func:`_write_state` adds the counters to the stats and writes them (the histogram where
     routed and collected)."""
     stats_row = plgpu.load(state.stats.at[stats_idx])
