@@ -1,4 +1,5 @@
-"""Shared test configuration: Hypothesis profiles (``ci``, the default, fast; ``deep`` via
+"""Shared test helpers (``tests/conftest.py`` re-exports the hooks and fixtures; test files import
+``from tests.harness import ...``): Hypothesis profiles (``ci``, the default, fast; ``deep`` via
 ``PALLAS_CACHE_PROFILE=deep``: many more sequences, every adapter test on all four adapters), the
 adapters, the one record comparison and the evictions under test.
 
@@ -40,6 +41,7 @@ import pallas_cache as pc
 from pallas_cache import reference
 from pallas_cache.reference.checks import assert_invariants, assert_plan_well_formed  # noqa: F401
 from pallas_cache.testing import record_difference
+from pallas_cache.testing.lockstep import describe, run  # noqa: F401
 
 _SLOW_OK = [HealthCheck.too_slow, HealthCheck.data_too_large]
 settings.register_profile("ci", max_examples=25, deadline=None, derandomize=True,
@@ -314,3 +316,50 @@ class Cache:
 
 def _is_state(x):
     return isinstance(x, (pc.CacheState, reference.ReferenceCache))
+
+
+# ---- the lockstep tests' operations: (kind, args) on a Cache of any adapter ---------------
+
+
+def build_policy(cache, spec):
+    """The adapter's policy for ``spec = (kind, argument)``: fraction, fixed_cap or full."""
+    kind, argument = spec
+    make = getattr(cache.adapter.Policy, kind)
+    return make() if argument is None else make(argument)
+
+
+def do(cache, kind, args):
+    """Run one operation on a cache handle; returns its plan, None, or the static error it
+    raised as a string (``PrefillDoesNotFit``, ``RebuildRejected(requested=.., minimum=..)``)."""
+    errors = cache.adapter.errors
+    try:
+        if kind == "ensure":
+            return cache.ensure(args["layer"], args["routes"])
+        if kind == "ensure_hybrid":
+            return cache.ensure_hybrid(args["layer"], args["routes"],
+                                       build_policy(cache, args["policy"]), order=args["order"],
+                                       admission=args["admission"])
+        if kind in ("materialize_layer", "release_prefill_layer"):
+            return getattr(cache, kind)(args["layer"])
+        if kind == "prefetch_prefill_layer":
+            return cache.prefetch_prefill_layer(args["layer"], args["banks"])
+        if kind == "forget_slot":
+            return cache.forget_slot(args["slot"])
+        if kind == "set_collect_routing":
+            return cache.set_collect_routing(args["on"])
+        if kind == "resize":
+            return cache.resize(args["size"])
+        if kind == "rebuild":
+            return cache.rebuild(args["size"], **({"capacity": args["capacity"]}
+                                                  if "capacity" in args else {}))
+        return getattr(cache, kind)()
+    except errors.PrefillDoesNotFit:
+        return "PrefillDoesNotFit"
+    except errors.RebuildRejected as error:
+        return f"RebuildRejected(requested={error.requested}, minimum={error.minimum})"
+
+
+def steps(cache, ops):
+    """Run ``ops`` on ``cache`` one at a time, yielding ``(outcome, cache)`` after each."""
+    for kind, args in ops:
+        yield do(cache, kind, args), cache

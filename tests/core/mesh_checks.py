@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 import pallas_cache as pc
 from pallas_cache import mesh as pm
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 AXIS = "d"
 NUM_DEVICES = 4
 EVICTIONS = ("lru", "pair_lfu", "route_knn", "route_lfu")

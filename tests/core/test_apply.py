@@ -23,11 +23,11 @@ from pallas_cache.moe import apply_copy_plan, host_memory_kind, memory_space, pu
 from pallas_cache.testing import moe_combine, moe_dense
 from pallas_cache.reference import moe as reference_moe
 
-from conftest import examples
+from tests.harness import examples
 
 
 def _load_example():
-    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "decode_loop.py"
+    path = pathlib.Path(__file__).resolve().parents[2] / "examples" / "decode_loop.py"
     spec = importlib.util.spec_from_file_location("decode_loop_example", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up while the file runs

@@ -175,7 +175,7 @@ def test_the_decode_loop_example_prints_counts_that_add_up(capsys):
     import sys
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "examples" / "decode_loop.py"
+    path = Path(__file__).resolve().parents[2] / "examples" / "decode_loop.py"
     spec = importlib.util.spec_from_file_location("decode_loop_counts", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import pallas_cache as pc
-from conftest import assert_same, resident_slots, slot_of, valid
+from tests.harness import assert_same, resident_slots, slot_of, valid
 from pallas_cache.policy import admit_promote_one
 from pallas_cache.selection import select_victims
 

@@ -12,13 +12,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import pallas_cache as pc
-from conftest import (ADAPTER, assert_same, deep_only, evictions_under_test, examples, slot_of,
+from tests.harness import (ADAPTER, assert_same, deep_only, evictions_under_test, examples, slot_of,
                       valid)
 from pallas_cache import reference
 from pallas_cache.reference import ReferenceCache, ReferencePolicy
-from test_lockstep import assert_same_caches, build_policy, run_lockstep
-from test_loop_free import primitives, trace
-from toy_policies import MRU, REFERENCE_MRU
+from tests.lockstep.test_lockstep import assert_same_caches, build_policy, run_lockstep
+from tests.kernels.test_loop_free import primitives, trace
+from tests.toy_policies import MRU, REFERENCE_MRU
 
 PAIR_LFU = "pair_lfu"
 

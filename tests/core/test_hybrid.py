@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from conftest import examples
+from tests.harness import examples
 
 import pallas_cache as pc
 from benchmarks.lowering import lower_cuda

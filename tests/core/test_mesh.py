@@ -18,7 +18,7 @@ import pytest
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-import mesh_checks
+from tests.core import mesh_checks
 import pallas_cache as pc
 from benchmarks.lowering import abstract_gpu_mesh, count_ops
 from pallas_cache import mesh as pm
@@ -233,12 +233,12 @@ def test_split_weights_slices_each_leaf_and_refuses_a_count_that_does_not_divide
 def mesh_results(tmp_path_factory):
     """Every check of tests/mesh_checks.py, run once in a subprocess with four CPU devices."""
     out = tmp_path_factory.mktemp("mesh") / "results.json"
-    root = pathlib.Path(__file__).resolve().parents[1]
+    root = pathlib.Path(__file__).resolve().parents[2]
     flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
     env = dict(os.environ, XLA_FLAGS=flags.strip(), JAX_PLATFORMS="cpu",
                PYTHONPATH=os.pathsep.join(filter(None, [str(root),
                                                         os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run([sys.executable, str(root / "tests" / "mesh_checks.py"), str(out)],
+    proc = subprocess.run([sys.executable, str(root / "tests" / "core" / "mesh_checks.py"), str(out)],
                           env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0 and out.exists(), proc.stdout[-2000:] + proc.stderr[-4000:]
     return json.loads(out.read_text())

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import pallas_cache as pc
-from conftest import JITTED
+from tests.harness import JITTED
 
 _SPLIT = jax.jit(pc.FetchPolicy.split)
 

@@ -122,7 +122,7 @@ def test_the_readme_recorder_snippet_runs_and_replays_to_its_counts(tmp_path, mo
     import re
     from pathlib import Path
 
-    text = (Path(__file__).resolve().parents[1] / "docs" / "replay.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "docs" / "replay.md").read_text()
     blocks = [b for b in re.findall(r"^```python[ \t]*\n(.*?)^```", text, re.M | re.S)
               if "init_recorder(" in b]
     assert len(blocks) == 1, "docs/replay.md has one python block using init_recorder"

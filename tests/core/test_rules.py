@@ -14,8 +14,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-import lockstep
-from conftest import (ADAPTER, PROFILE, assert_invariants, assert_same, entries, resident_slots,
+from tests import harness as lockstep  # the lockstep operations (steps, do) and driver (run)
+from tests.harness import (ADAPTER, PROFILE, assert_invariants, assert_same, entries, resident_slots,
                       slot_of, valid)
 from pallas_cache import reference
 from pallas_cache.sizing import scenarios

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 DOCS = [README, *sorted((ROOT / "docs").glob("*.md"))]
 
@@ -33,8 +33,8 @@ NOT_RUN = {
 
 #: Blocks that another test runs and checks further: a phrase that finds the block, and the test
 #: file that must contain it.
-RUN_ELSEWHERE = {"init_recorder(": "tests/test_recorder.py",
-                 "def test_decode_step_keeps_the_rules(": "tests/test_testing_docs.py"}
+RUN_ELSEWHERE = {"init_recorder(": "tests/core/test_recorder.py",
+                 "def test_decode_step_keeps_the_rules(": "tests/docs/test_testing_docs.py"}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,7 +10,7 @@ import textwrap
 from pathlib import Path
 
 
-PACKAGE = Path(__file__).resolve().parents[1] / "pallas_cache"
+PACKAGE = Path(__file__).resolve().parents[2] / "pallas_cache"
 
 
 def _is_private(name: str) -> bool:

@@ -20,7 +20,7 @@ import pallas_cache as pc
 import pallas_cache.testing as pct
 import pallas_cache.testing.strategies as pcst
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PUBLIC = [pc, pct, pcst]
 
 

@@ -18,7 +18,7 @@ import pallas_cache as pc
 from benchmarks.lowering import PALLAS_CALL, lower_cuda
 from pallas_cache.kernels import dispatch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EVICTIONS = ("lru", "pair_lfu", "route_knn", "route_lfu")
 
 

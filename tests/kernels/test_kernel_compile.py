@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("triton", reason="the compile check needs the triton package "
                                      "(pip install -e '.[compile]')")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import kernel_compile  # noqa: E402
 
 # Every variant (``ensure`` and each ``ensure_hybrid`` order and admission) when

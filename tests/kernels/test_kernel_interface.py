@@ -19,7 +19,7 @@ from pallas_cache import evictions
 from pallas_cache.kernels import dispatch
 from pallas_cache.kernels import step as fused
 
-ROOT = Path(__file__).resolve().parents[1] / "pallas_cache"
+ROOT = Path(__file__).resolve().parents[2] / "pallas_cache"
 
 
 @pytest.mark.parametrize("eviction", ["lru", "pair_lfu"])

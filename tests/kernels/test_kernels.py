@@ -19,7 +19,7 @@ from jax import lax
 import pallas_cache as pc
 from benchmarks.lowering import count_ops
 from benchmarks.lowering import lower_cuda as lower_cuda_module
-from conftest import PROFILE, evictions_under_test
+from tests.harness import PROFILE, evictions_under_test
 from pallas_cache import selection
 from pallas_cache.kernels import dispatch
 from pallas_cache.kernels import step as fused

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks import sass_walk  # noqa: E402
 
 # cuobjdump's layout: address comment, optional guard, opcode and operands, encoding comment.

@@ -15,12 +15,13 @@ from pathlib import Path
 import pytest
 
 import pallas_cache as pc
-from conftest import assert_same, evictions_under_test
+from tests.harness import assert_same, evictions_under_test
 from pallas_cache import reference
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 #: The test files with eviction-parametrised tests.
-EVICTION_FILES = ("test_eviction.py", "test_kernels.py", "test_lockstep.py")
+EVICTION_FILES = ("tests/core/test_eviction.py", "tests/kernels/test_kernels.py",
+                  "tests/lockstep/test_lockstep.py")
 
 #: Registers a toy policy (MRU: the most recently used resident goes first; tests/toy_policies.py,
 #: not a test module, so none is imported before collection) and its reference twin, and
@@ -28,13 +29,13 @@ EVICTION_FILES = ("test_eviction.py", "test_kernels.py", "test_lockstep.py")
 TOY_PLUGIN = '''
 import json
 
-from toy_policies import MRU, REFERENCE_MRU
+from tests.toy_policies import MRU, REFERENCE_MRU
 
 
 def pytest_configure(config):
-    import conftest  # the module pytest loaded (it re-imports conftest.py under that name)
+    from tests import harness  # the module the copied tests' conftest.py re-exports from
 
-    conftest.add_eviction_under_test(MRU, REFERENCE_MRU)
+    harness.add_eviction_under_test(MRU, REFERENCE_MRU)
 
 
 def pytest_collection_modifyitems(items):
@@ -64,8 +65,7 @@ def test_a_policy_added_before_collection_is_under_every_eviction_test(tmp_path)
     """FAILS if an eviction-parametrised test names its evictions by hand: a toy policy (MRU: no
     kernel ranking, no ring, not the default) registered by a plugin must join every parameter
     group of every test whose list is not restricted to kernel-ranked or ring policies."""
-    for path in TESTS.glob("*.py"):
-        shutil.copy(path, tmp_path / path.name)
+    shutil.copytree(TESTS, tmp_path / "tests", ignore=shutil.ignore_patterns("data", "__pycache__"))
     (tmp_path / "toy_plugin.py").write_text(TOY_PLUGIN)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(TESTS.parent)])}
     run = subprocess.run([sys.executable, "-m", "pytest", "-p", "toy_plugin", "--collect-only",
@@ -79,7 +79,7 @@ def test_a_policy_added_before_collection_is_under_every_eviction_test(tmp_path)
     # asks for one of those (read off each test's decorator).
     admits = {}
     for name in EVICTION_FILES:
-        source = (TESTS / name).read_text()
+        source = (TESTS.parent / name).read_text()
         for args, test in re.findall(r"evictions_under_test\(([^)]*)\)\)\n(?:@.*\n)*def (\w+)",
                                      source):
             admits[test] = "True" not in args

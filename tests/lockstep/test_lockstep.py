@@ -11,10 +11,10 @@ import pytest
 from hypothesis import event, given
 from hypothesis import strategies as st
 
-import lockstep
+from tests import harness as lockstep  # the lockstep operations (steps, do) and driver (run)
 import pallas_cache as pc
 from pallas_cache import reference
-from conftest import (
+from tests.harness import (
     ADAPTER,
     assert_invariants,
     assert_plan_well_formed,
@@ -23,7 +23,7 @@ from conftest import (
     evictions_under_test,
     examples,
 )
-from lockstep import build_policy
+from tests.harness import build_policy
 
 BIG_BANK = 512 * 1024
 SMALL_BANK = 4 * 1024

@@ -16,7 +16,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import one_line_error
+from tests.harness import one_line_error
 from pallas_cache.sizing import cli
 from pallas_cache.sizing.cli.checks import check_state_memory
 from pallas_cache.sizing.cli.parser import memory_size
@@ -24,7 +24,7 @@ from pallas_cache.sizing.traces import RUN_FIXED_BYTES
 
 replay_mod = importlib.import_module("pallas_cache.sizing.sweep")  # the module of replay()
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMALL = ["replay", "--synthetic", "mixtral-like", "--tokens", "4", "--cache-size", "64",
          "--policy", "full"]
 

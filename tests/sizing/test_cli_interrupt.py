@@ -17,9 +17,9 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import PROFILE
+from tests.harness import PROFILE
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RUNS = 3 if PROFILE == "deep" else 1
 
 #: The console script with the reading phase's line shown from the first block (it waits

@@ -147,7 +147,7 @@ def test_readme_column_legend_is_the_schema():
     ``--help`` (both come from COLUMN_LEGEND)."""
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[1] / "docs" / "replay.md").read_text(encoding="utf-8")
+    readme = (Path(__file__).resolve().parents[2] / "docs" / "replay.md").read_text(encoding="utf-8")
     rows = [line for line in readme.splitlines() if line.startswith("| `")]
     legend = {line.split("`")[1]: line.split(" | ", 1)[1].rstrip(" |").replace("\\|", "|")
               for line in rows}

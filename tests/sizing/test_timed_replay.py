@@ -20,7 +20,7 @@ import os
 import numpy as np
 import pytest
 
-from conftest import one_line_error
+from tests.harness import one_line_error
 from pallas_cache.reference import ReferenceCache, ReferencePolicy
 from pallas_cache.sizing import cli
 from pallas_cache.sizing.sweep.cost import CostModel, call_seconds, overlap_times
@@ -30,7 +30,7 @@ from pallas_cache.sizing.sweep import config_grid, replay
 from pallas_cache.sizing.synthetic import synthetic_trace
 from pallas_cache.sizing.traces import Trace
 
-DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")
 MIXTRAL_W = 3 * 4096 * 14336 * 2  # mixtral-8x7b bf16, 336 MiB
 
 

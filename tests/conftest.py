@@ -1,0 +1,6 @@
+"""pytest's view of the shared test helpers (:mod:`tests.harness`): the Hypothesis profile, the
+markers and adapter parametrisation hooks, and the fixtures. Test files import helpers from
+``tests.harness``, never from here."""
+
+from tests.harness import (_release_compiled_programs, adapter, pytest_configure,  # noqa: F401
+                           pytest_generate_tests)
