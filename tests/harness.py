@@ -51,7 +51,7 @@ PROFILE = os.environ.get("PALLAS_CACHE_PROFILE", "ci")
 
 # The console script keeps compiled programs in the user's cache directory; no test may (this
 # keeps the subprocesses running ``python -m pallas_cache.sizing.cli`` off it too;
-# tests/test_cli_progress.py clears it where it tests that cache, in a temporary home).
+# tests/sizing/test_cli_progress.py clears it where it tests that cache, in a temporary home).
 os.environ["PALLAS_CACHE_NO_COMPILE_CACHE"] = "1"
 settings.load_profile(PROFILE)
 
@@ -107,7 +107,7 @@ EXTRA_EVICTIONS: dict = {}
 def add_eviction_under_test(library_record, reference_record):
     """Put a policy under every eviction-parametrised test: the library's ``EvictionPolicy`` and
     its reference twin, one name. Call before collection, from a plugin's ``pytest_configure``
-    that imports ``conftest`` there (tests/test_harness.py)."""
+    that imports ``conftest`` there (tests/lockstep/test_harness.py)."""
     assert library_record.name == reference_record.name
     EXTRA_EVICTIONS[library_record.name] = (library_record, reference_record)
     reference.evictions.POLICIES[reference_record.name] = reference_record

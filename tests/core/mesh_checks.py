@@ -1,8 +1,8 @@
-"""The several-devices checks (docs/semantics.md §5.17), run by tests/test_mesh.py in ONE
+"""The several-devices checks (docs/semantics.md §5.17), run by tests/core/test_mesh.py in ONE
 subprocess with four CPU devices (``--xla_force_host_platform_device_count=4``: the device count
 is fixed once per process, and the rest of the suite runs on one device).
 
-``python tests/mesh_checks.py RESULTS.json [NAME ...]`` runs the checks (all, or those named) and
+``python tests/core/mesh_checks.py RESULTS.json [NAME ...]`` runs the checks (all, or those named) and
 writes ``{name: {"ok": bool, "detail": str, "seconds": float}}``. Each check is a function that
 raises ``AssertionError`` on a failure. The lockstep checks compare, after every layer-call,
 each device's cache with the NumPy reference; the ``naive_*`` checks run the same comparison on a
@@ -39,7 +39,7 @@ EVICTIONS = ("lru", "pair_lfu", "route_knn", "route_lfu")
 STATE_FIELDS = ("slot_for_id", "id_of_slot", "usage", "step", "recency", "stats")
 PLAN_FIELDS = ("slots", "cpu", "active", "missing", "fetched", "error")
 COPY_FIELDS = ("dst_slots", "src_rows", "count")
-TOLERANCE = 1e-5  # tests/test_apply.py's, cached against dense
+TOLERANCE = 1e-5  # tests/core/test_apply.py's, cached against dense
 
 # The geometry of the lockstep runs: E = 10 over D = 4 devices is not divisible (shares 3, 3, 2,
 # 2), the usable sizes differ per device under one capacity (mismatched cards), and the ring
@@ -465,7 +465,7 @@ CHECKS = {
     # The fused kernel inside a shard_map, in the Pallas interpreter: one call per device step.
     # Expert-parallel caches vary over the axis, which the interpreter refuses to mix with the
     # kernel's constants under check_vma (there "interpret" runs the XLA step, checked below):
-    # the kernel's decisions per device are checked with check_vma off; tests/test_mesh.py
+    # the kernel's decisions per device are checked with check_vma off; tests/core/test_mesh.py
     # lowers both layouts for CUDA with check_vma on.
     **{f"expert_lockstep_kernel[{ev}]": (lambda ev=ev: run_expert_lockstep(
         ev, backend="interpret", check_vma=False, kernel_calls=1)) for ev in EVICTIONS},

@@ -1,5 +1,5 @@
 """Capacity and the usable size (docs/semantics.md §5.15): the rules, each on the adapters.
-The lockstep properties (capacity above the usable size, resize) are in tests/test_lockstep.py."""
+The lockstep properties (capacity above the usable size, resize) are in tests/lockstep/test_lockstep.py."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Several devices (docs/semantics.md §5.17): the hybrid layer inside ``jax.shard_map`` with its
 default ``check_vma=True`` on this process's devices, and, in one subprocess with four CPU
-devices, the expert-parallel and tensor-parallel layouts of tests/mesh_checks.py (the device
+devices, the expert-parallel and tensor-parallel layouts of tests/core/mesh_checks.py (the device
 count is fixed once per process, and the rest of the suite runs on one)."""
 
 from __future__ import annotations
@@ -231,7 +231,7 @@ def test_split_weights_slices_each_leaf_and_refuses_a_count_that_does_not_divide
 
 @pytest.fixture(scope="module")
 def mesh_results(tmp_path_factory):
-    """Every check of tests/mesh_checks.py, run once in a subprocess with four CPU devices."""
+    """Every check of tests/core/mesh_checks.py, run once in a subprocess with four CPU devices."""
     out = tmp_path_factory.mktemp("mesh") / "results.json"
     root = pathlib.Path(__file__).resolve().parents[2]
     flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
@@ -246,7 +246,7 @@ def mesh_results(tmp_path_factory):
 
 @pytest.mark.parametrize("name", list(mesh_checks.CHECKS))
 def test_on_four_devices(mesh_results, name):
-    """One check of tests/mesh_checks.py (its docstring says what FAILS it); the lockstep checks
+    """One check of tests/core/mesh_checks.py (its docstring says what FAILS it); the lockstep checks
     compare every device's cache with the NumPy reference after every layer-call, the naive_*
     checks pass only when that comparison catches the naive variant."""
     if name not in mesh_results and name in mesh_checks.DEEP_ONLY:

@@ -192,4 +192,4 @@ def test_the_stated_run_time_is_the_measured_one(executed):
     seconds = executed["_seconds"]
     print(f"notebook executed in {seconds:.1f} s")
     intro = "".join(executed["intro"]["source"])
-    assert "measured by\n`tests/test_notebook.py`" in intro and "under a minute" in intro
+    assert "measured by\n`tests/docs/test_notebook.py`" in intro and "under a minute" in intro
