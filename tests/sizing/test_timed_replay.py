@@ -272,7 +272,7 @@ SMALL = ["replay", "--synthetic", "mixtral-like", "--tokens", "6", "--cache-size
 def test_the_table_shows_the_columns_and_the_prefetch_line(capsys):
     """FAILS if the table lacks the new columns, the line under it, or the line's numbers are
     not the fastest row's bound at each size."""
-    from test_cli import table_keys
+    from tests.sizing.test_cli import table_keys
 
     assert cli.main(SMALL + ["--policy", "full", "--gpu-layer-ms", "0.07", "-q"]) == 0
     out = capsys.readouterr().out
