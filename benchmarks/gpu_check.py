@@ -259,7 +259,7 @@ def main(argv=None) -> int:
         f"against 'xla'; phases {', '.join(args.phases)}")
     if args.candidate == "pallas" and jax.default_backend() != "gpu":
         print("No GPU here: backend 'pallas' needs one. Use --smoke (interpret) on a CPU; "
-              "tests/test_kernels.py checks the CUDA lowering without a GPU.", file=sys.stderr)
+              "tests/kernels/test_kernels.py checks the CUDA lowering without a GPU.", file=sys.stderr)
         return EXIT_NO_GPU
     ctx = Context(args)
 

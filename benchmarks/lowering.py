@@ -1,5 +1,5 @@
 """What a call lowers to, without a GPU: the one StableHLO op counter of the benchmarks (the
-counting rule of tests/test_kernels.py, docs/semantics.md §7) and :func:`abstract_gpu`, the
+counting rule of tests/kernels/test_kernels.py, docs/semantics.md §7) and :func:`abstract_gpu`, the
 abstract H200 that lets a CPU host lower the fused kernel for CUDA.
 
 Since jax 0.11 lowering a Pallas Triton kernel for ``"cuda"`` needs a GPU device or an abstract

@@ -1,7 +1,7 @@
 """What one cache call lowers to for CUDA, counted on the CPU: per eviction, geometry and call
 (``ensure``, ``ensure_hybrid`` recency/promote_one), the Pallas (Triton) custom calls and the
 other non-free StableHLO ops of ``backend="pallas"``, by the counting rule of
-tests/test_kernels.py (docs/semantics.md §7): plain, under ``vmap`` over 4 states, and per
+tests/kernels/test_kernels.py (docs/semantics.md §7): plain, under ``vmap`` over 4 states, and per
 layer-call of a ``lax.scan`` (the loop's own bookkeeping included).
 
     python benchmarks/step_ops.py            # a Markdown table

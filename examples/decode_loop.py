@@ -18,7 +18,7 @@ one ``jax.jit``: a ``lax.scan`` over tokens, and inside it a ``lax.scan`` over l
 The same scan also runs the dense MoE (every expert read straight from the host bank) on the same
 token stream, so every step of the cached path can be compared with the oracle. The two agree to
 float rounding whenever the plans are right: a wrong slot, a dropped copy or a CPU route that was
-also given a slot makes them differ, which is what ``tests/test_apply.py`` checks.
+also given a slot makes them differ, which is what ``tests/core/test_apply.py`` checks.
 
 The token stream is fixed in advance (random ids, a few rows padded to ``-1`` to stand for empty
 batch rows), as when scoring a given sequence one token per step. A greedy model with random

@@ -1,6 +1,6 @@
 """A toy eviction policy outside the registry, for the tests that show a policy needs only its
-record and its NumPy twin (tests/test_eviction.py) and that every eviction-parametrised test
-picks it up (tests/test_harness.py's plugin imports this module before collection)."""
+record and its NumPy twin (tests/core/test_eviction.py) and that every eviction-parametrised test
+picks it up (tests/lockstep/test_harness.py's plugin imports this module before collection)."""
 
 from __future__ import annotations
 

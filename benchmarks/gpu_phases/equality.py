@@ -17,7 +17,7 @@ import numpy as np
 from jax import lax
 
 import pallas_cache as pc
-from pallas_cache.reference import lockstep
+from pallas_cache.testing import lockstep
 
 from .common import (EVICTIONS, TOP_K, filled_state, fresh, full_state, log, named_leaves,
                      tree_difference)

@@ -20,7 +20,6 @@ import numpy as np
 import pallas_cache as pc
 from pallas_cache import reference, validate
 from pallas_cache.kernels.dispatch import resolve_backend
-from pallas_cache.reference import lockstep as driver
 from pallas_cache.state import CacheState
 from pallas_cache.testing.assertions import leaf_difference
 from pallas_cache.testing.operations import (BeginPrefill, Ensure, EnsureHybrid, Forget, Geometry,
@@ -220,5 +219,30 @@ def assert_lockstep(sequence: Sequence[Operation], *, geometry: Geometry,
                            capacity=geometry.capacity, eviction=geometry.eviction,
                            history=geometry.history)
     name = f"{backend}{' under jit' if jit else ''}"
-    return driver.run(ops, _steps(_reference_step, truth, sequence),
+    return run(ops, _steps(_reference_step, truth, sequence),
                       {name: _steps(library, geometry.init(), sequence)}, _compare)
+
+
+def describe(kind, args) -> str:
+    """``kind(name=value, ...)`` with arrays as lists, for failure messages."""
+    shown = ", ".join(f"{k}={v.tolist() if isinstance(v, np.ndarray) else v}"
+                      for k, v in args.items())
+    return f"{kind}({shown})"
+
+
+def run(ops, truth, candidates, compare):
+    """Step ``truth`` and every candidate (``{name: per-step results}``, each an iterable with one
+    item per op) through ``ops`` together (an op is ``(kind, args)``); after every op,
+    ``compare(context, op, expected, got)`` checks each candidate's result against the truth's
+    and raises ``AssertionError`` naming ``context`` (the step, the op, the candidate) on the
+    first difference. Returns the number of steps run. The project's lockstep tests feed it the
+    adapters' caches, ``benchmarks/gpu_check.py`` the steps of its compiled scans."""
+    truth = iter(truth)
+    runs = {name: iter(results) for name, results in candidates.items()}
+    index = -1
+    for index, (kind, args) in enumerate(ops):
+        expected = next(truth)
+        for name, results in runs.items():
+            compare(f"op {index} {describe(kind, args)} on {name}", (kind, args), expected,
+                    next(results))
+    return index + 1

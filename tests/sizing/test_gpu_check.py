@@ -1,0 +1,149 @@
+"""``benchmarks/gpu_check.py`` without a GPU: the dry run fits its budget with every phase in
+it, a row cut by the budget is reported as skipped and the run exits non-zero (never "all
+matched"), a smoke run runs its first equality check whatever the budget, a bad ``--phases`` is
+one line and exit 2, and the device time is read from a trace's GPU stream lines, one sum per
+profiled dispatch."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+import sys
+
+import pytest
+
+BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                          "benchmarks")
+
+
+@pytest.fixture(scope="module")
+def gpu_check():
+    sys.path.insert(0, BENCHMARKS)
+    try:
+        yield importlib.import_module("gpu_check")
+    finally:
+        sys.path.remove(BENCHMARKS)
+
+
+def test_the_dry_run_fits_the_budget_with_every_phase(gpu_check, capsys):
+    """FAILS if the estimate exceeds the 420 s budget (659 s before the split) or a phase has no
+    row in it."""
+    assert gpu_check.main(["--dry-run"]) == 0
+    out = capsys.readouterr().out
+    total = float(re.search(r"^estimated (\d+) s \(", out, re.M).group(1))
+    assert total <= 420, out
+    for name in ("equality", "mesh", "geometries", "sweep", "copy"):
+        rows = int(re.search(rf"^phase {name}: (\d+) rows", out, re.M).group(1))
+        assert rows >= 1, out
+    # equality runs first, and its small pools before the 8192-slot ones
+    assert out.index("phase equality") < out.index("phase mesh")
+    assert out.index("LRU, vmap") < out.index("8192 slots")
+
+
+def test_rows_cut_by_the_budget_are_skipped_not_matched(gpu_check, capsys, tmp_path):
+    """FAILS if a row the budget cut counts as matched: before, every check "skipped (budget)"
+    still printed "all matched" and exited 0. Here the budget cuts every row (no JAX work)."""
+    out_file = tmp_path / "report.md"
+    status = gpu_check.main(["--candidate", "interpret", "--budget-seconds", "0.001",
+                             "--out", str(out_file)])
+    captured = capsys.readouterr()
+    report = out_file.read_text()
+    assert status == gpu_check.EXIT_INCOMPLETE == 4
+    assert "all matched" not in report and "INCOMPLETE" in report
+    for phase in ("equality", "mesh", "geometries", "sweep", "copy"):
+        assert re.search(rf"phase {phase}: 0 of [1-9]\d* rows ran", report), phase
+    assert report.count("skipped (budget)") >= 5
+    assert "FAILED (exit 4)" in captured.err
+
+
+def test_a_smoke_run_runs_the_first_check_of_a_phase_and_cuts_the_rest(gpu_check, capsys):
+    """FAILS if --smoke lets the budget cut its first check, or calls a cut run a pass: the
+    first equality case runs (interpret against xla, on the CPU) and matches, every later one
+    is reported as skipped, and the run exits 4."""
+    status = gpu_check.main(["--smoke", "--phases", "equality", "--budget-seconds", "0.001",
+                             "--case-steps", "4"])
+    out = capsys.readouterr().out
+    assert status == 4
+    assert "- LRU: match" in out
+    assert "- LRU, rebase threshold 80: skipped (budget)" in out
+    assert "8192 slots (two blocks): skipped (budget)" in out
+    assert "INCOMPLETE" in out and "all matched" not in out
+
+
+@pytest.mark.parametrize("argv", [["--phases", "equality,nope"], ["--phases", "copy,copy"],
+                                  ["--budget-seconds", "0"], ["--mesh-evictions", "fifo"]])
+def test_a_bad_argument_is_one_line_and_exit_2(gpu_check, capsys, argv):
+    with pytest.raises(SystemExit) as stop:
+        gpu_check.main(["--dry-run", *argv])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2
+    assert len(err.strip().splitlines()) == 1 and err.startswith("gpu_check.py: error:"), err
+
+
+def test_device_time_sums_the_gpu_stream_lines_one_cluster_per_dispatch(gpu_check):
+    """FAILS if the host's events, or the derived module/op lines that repeat the kernels, are
+    counted, or two dispatches run apart are summed as one."""
+    from gpu_phases.common import cluster_sums, gpu_events
+
+    def meta(pid, tid, what, name):
+        return {"ph": "M", "pid": pid, "tid": tid, "name": what, "args": {"name": name}}
+
+    events = [meta(1, 0, "process_name", "/host:CPU"), meta(2, 0, "process_name",
+                                                             "/device:GPU:0"),
+              meta(2, 7, "thread_name", "Stream #7(Compute)"),
+              meta(2, 9, "thread_name", "XLA Ops"), meta(1, 3, "thread_name", "python")]
+    x = [(2, 7, 1000.0, 5.0), (2, 7, 1010.0, 3.0), (2, 9, 1000.0, 13.0),  # dispatch 1
+         (2, 7, 60000.0, 4.0), (2, 9, 60000.0, 4.0),                      # dispatch 2
+         (1, 3, 1000.0, 900.0)]                                           # the host
+    events += [{"ph": "X", "pid": p, "tid": t, "ts": ts, "dur": d, "name": "k"}
+               for p, t, ts, d in x]
+    spans, lines = gpu_events(events)
+    assert lines == ["Stream #7(Compute)"]
+    assert sorted(spans) == [(1000.0, 5.0), (1010.0, 3.0), (60000.0, 4.0)]
+    assert cluster_sums(spans, 2) == [8.0, 4.0]
+    assert cluster_sums(spans, 3) is None  # not split into the runs: no figure, not a wrong one
+
+
+def test_a_smoke_run_of_the_cost_phases_completes_and_matches(gpu_check, capsys):
+    """FAILS if a cost row's path breaks on the CPU: the sweep's row (schedule, warm-up, both
+    backends, the floor program, the profiler trace read back, the lowered op count) and the
+    copy row run, compare, and the complete run exits 0."""
+    status = gpu_check.main(["--smoke", "--phases", "sweep,copy"])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert "all matched**: 2 rows, none skipped" in out
+    assert "| 4, 32, 64, 8 | 0 |" in out and "0 of 40 | n/a (no device time) | match |" in out
+    assert "Device trace: no GPU events: not a GPU" in out
+
+
+def test_the_tables_print_a_gpu_runs_device_times_and_the_upstream_verdict(gpu_check):
+    """FAILS if a table breaks on the figures only a GPU run has (device us, GB/s): each
+    phase's markdown with them, and the sweep's verdict against upstream (device us at or below
+    upstream's base + slope * m, one Pallas call per iteration)."""
+    from gpu_phases import PHASES
+
+    args = gpu_check.parse_args(["--candidate", "pallas"])
+    cost = {"status": "match", "us": {"pallas": 9.5, "xla": 40.25},
+            "device_us": {"pallas": 2.0, "xla": 30.0}, "kernels": {"pallas": (3, 1),
+                                                                   "xla": (60, 0)},
+            "compile_s": {"pallas": 1.0, "xla": 2.0}, "device_note": "lines Stream #7"}
+    extra = {"sweep": {"off_m": {"xla": 0, "pallas": 0}, "calls": 2048,
+                       "ops": {"xla": (0, 300), "pallas": (1, 2)}},
+             "geometries": {"misses": 1.5}, "mesh": {"devices": 1, "one_device": "match"},
+             "copy": {"kind": "pinned_host", "wall_gbs": 20.0, "device_gbs": 25.0,
+                      "device_us": 1342.2}}
+    tables = {}
+    for name, module in PHASES.items():
+        if name == "equality":
+            continue
+        row = module.plan(args)[1 if name == "sweep" else 0][0]
+        result = {**cost, **extra[name]} if name != "copy" else {"status": "match",
+                                                                 **extra["copy"]}
+        tables[name] = "\n".join(module.markdown(args, [(row, result)]))
+    # S=512, m=1: upstream 1.6 + 0.56 = 2.16 us; the kernel's 2.00 device us meets it
+    assert "| 48, 64, 512, 8 | 1 | 2.16 | 2.00 | 30.00 | 9.50 | 40.25 | 3 (1); 60 (0) | " \
+           "2 + 1 Pallas; 300 | 0 of 4096 | met | match |" in tables["sweep"]
+    assert "| 32, 8, 64, 2 | lru | 1.50 | 2.00 | 30.00 | 9.50 | 40.25 |" in tables["geometries"]
+    assert "| expert-parallel | lru | 32, 8, 64, 2 | 1 | 2.00 | 30.00 |" in tables["mesh"]
+    assert "| 4 | 1 | pinned_host | 20.00 | 25.00 | 1342.2 | match |" in tables["copy"]
