@@ -183,8 +183,9 @@ def step_kernel(
     promote_one: bool, reuse: bool, ranking: evictions.KernelRanking, block: int,
     stamp_block: int, interpret: bool,
 ):
-    """The step's phases in the XLA step's order (pallas_cache/step.py), plus the kernel's own:
-    the rebase, and the writes of the state and the plan at the end. Every read of a state leaf
+    """The step's phases in the XLA step's order (pallas_cache/step.py), plus the kernel's own
+    writes of the state and the plan at the end; the count's reads of the layer's rows come
+    right after the victim search, ahead of admit (docs/design.md, "The step in phases"). Every read of a state leaf
     comes before any write to it (the outputs alias the inputs), but for the stamps, which are
     read back after the rebase and the hit refresh wrote them."""
     L, E = num_layers, num_experts
