@@ -384,3 +384,17 @@ def cpu_partial_oracle(x, expert_ids, gates, plan, host_bank, expert_fn: Callabl
     y = jax.vmap(expert_fn)(weights, routes).reshape(ids.shape + (-1,))
     gated = jnp.where(on_cpu[..., None], gate[..., None].astype(y.dtype) * y, 0)
     return gated.sum(axis=1).reshape(x.shape[:-1] + y.shape[-1:])
+
+
+def scan_against_xla(state, layers, routes, policy=None):
+    """``pc.ensure_hybrid`` of every ``(layers[i], routes[i])`` in one jitted ``lax.scan``, once
+    with the fused kernel in the interpreter and once with the XLA step: ``(ours, theirs)``, each
+    ``(final state, stacked plans)``. ``policy`` defaults to ``FetchPolicy.full()``."""
+    policy = pc.FetchPolicy.full() if policy is None else policy
+
+    def run(backend):
+        def body(s, x):
+            return pc.ensure_hybrid(s, x[0], x[1], policy, backend=backend)
+        return jax.jit(lambda s: jax.lax.scan(body, s, (jnp.asarray(layers), routes)))(state)
+
+    return run("interpret"), run("xla")

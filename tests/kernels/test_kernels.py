@@ -19,7 +19,7 @@ from jax import lax
 import pallas_cache as pc
 from benchmarks.lowering import count_ops
 from benchmarks.lowering import lower_cuda as lower_cuda_module
-from tests.harness import PROFILE, evictions_under_test
+from tests.harness import PROFILE, evictions_under_test, scan_against_xla
 from pallas_cache import selection
 from pallas_cache.kernels import dispatch
 from pallas_cache.kernels import step as fused
@@ -241,14 +241,7 @@ def test_the_ring_kernel_reads_every_mask_word(eviction):
     layers[9] = 0  # a token cut short
     routes = jnp.asarray(np.stack([rng.choice(E, 3, replace=False) for _ in layers]), jnp.int32)
     state = pc.init(L, E, S, capacity=C, eviction=eviction, history=W)
-    policy = pc.FetchPolicy.full()
-
-    def run(backend):
-        def body(s, x):
-            return pc.ensure_hybrid(s, x[0], x[1], policy, backend=backend)
-        return jax.jit(lambda s: lax.scan(body, s, (jnp.asarray(layers), routes)))(state)
-
-    ours, theirs = run("interpret"), run("xla")
+    ours, theirs = scan_against_xla(state, layers, routes)
     assert_trees_equal(ours, theirs, eviction)
     assert int(np.sum(np.asarray(theirs[1].copy.count))) > S  # the pool turned over
 

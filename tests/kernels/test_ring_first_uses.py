@@ -12,6 +12,7 @@ from jax import lax
 
 import pallas_cache as pc
 from pallas_cache.kernels import ring as token_ring
+from tests.harness import scan_against_xla
 
 
 class _CountingLax:
@@ -50,14 +51,7 @@ def test_the_first_use_loop_runs_at_most_min_h_w_rounds_and_equals_the_xla_step(
     layers[L + 1] = 0  # a token cut short
     routes = jnp.asarray(np.stack([rng.choice(E, k, replace=False) for _ in layers]), jnp.int32)
     state = pc.init(L, E, S, eviction=eviction, history=W)
-    policy = pc.FetchPolicy.full()
-
-    def run(backend):
-        def body(s, x):
-            return pc.ensure_hybrid(s, x[0], x[1], policy, backend=backend)
-        return jax.jit(lambda s: lax.scan(body, s, (jnp.asarray(layers), routes)))(state)
-
-    ours, theirs = run("interpret"), run("xla")
+    ours, theirs = scan_against_xla(state, layers, routes)
     for i, (x, y) in enumerate(zip(jax.tree.leaves(ours), jax.tree.leaves(theirs))):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=f"leaf {i}")
     horizon = -(-S // L)
