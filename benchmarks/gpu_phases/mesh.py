@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 import pallas_cache as pc
 from pallas_cache import mesh as pm
+from pallas_cache.state import Clock
 
 from .common import cell, cost_scan, log, tree_difference
 
@@ -57,7 +58,7 @@ def _programs(mesh, layout, sharding, state, windows):
                     like = jax.eval_shape(
                         lambda s, la, r: pc.ensure_hybrid(s, la, r, policy, backend="xla")[1],
                         s, layer, r)
-                    return s.replace(step=s.step + 1), jax.tree.map(
+                    return s.replace(clock=Clock(step=s.step + 1)), jax.tree.map(
                         lambda a: jnp.broadcast_to((layer + r[0]).astype(a.dtype), a.shape),
                         like)
                 return pc.ensure_hybrid(s, layer, r, policy, backend=name)
