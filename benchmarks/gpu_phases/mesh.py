@@ -138,8 +138,8 @@ def markdown(args, done) -> list[str]:
              f"one axis): `ensure_hybrid` (full policy) in a `lax.scan` of {args.calls} calls "
              "per dispatch inside the `shard_map`, uniform random top-k routes from a cold pool. "
              "*one device*: device 0's final cache against one cache fed the same (local) "
-             "routes. Inside a `shard_map` the step is the XLA step on every backend until the "
-             "kernel type-checks there (docs/design.md, \"Several devices\").", "",
+             "routes. With `backend='pallas'` the step inside the `shard_map` is the fused "
+             "kernel, one Pallas call per iteration (docs/design.md, \"Several devices\").", "",
              f"| layout | eviction | L, E, S, k | devices | {cand} device us | xla device us | "
              f"{cand} wall us | xla wall us | kernels/iter ({cand}; xla) | one device | status |",
              "|---|---|---|---:|---:|---:|---:|---:|---|---|---|"]
