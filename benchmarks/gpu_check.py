@@ -1,5 +1,5 @@
 """GPU check: the Pallas backend against the XLA one on a GPU (docs/semantics.md §7), sized to
-fit one 15-minute lease of GPU time with the machine's start: the run is estimated at <= 420 s
+fit one 15-minute lease of GPU time with the machine's start: the run is estimated at <= 480 s
 (``--budget-seconds``) with every phase in it.
 
 Phases (``--phases``, run in the order given; default all, in this order; one module each in
@@ -14,9 +14,10 @@ benchmarks/gpu_phases/):
 - ``geometries``: per-call cost of each eviction at (32,8,64,2), (32,8,256,2), (58,256,2048,8),
   (61,256,16384,8) (last: the most rows, so overrun estimates cut these first).
 
-Every cost row gives wall and device time (the sum of the GPU events of one profiled dispatch,
-the trivial-body floor's subtracted) for both backends, and compares their final states and
-plans. A row that would end past the budget is **skipped, not matched**: the report says
+Every cost row gives wall time (the programs as XLA compiles them, in CUDA graphs on a GPU) and
+device time (the sum of the GPU events of one profiled dispatch of copies compiled without XLA
+command buffers, the trivial-body floor's subtracted; ``--profile-graphs`` profiles the graph
+programs themselves) for both backends, and compares their final states and plans. A row that would end past the budget is **skipped, not matched**: the report says
 INCOMPLETE and the run exits 4. The report is rewritten after every row. Run from the
 repository root, e.g. ``PYTHONUNBUFFERED=1 timeout 540 python benchmarks/gpu_check.py --out
 $OUT/gpu_check.md``; ``--smoke`` runs on a CPU (backend ``interpret``): every equality check and
@@ -117,7 +118,7 @@ def parse_args(argv=None):
                    help="backend compared against 'xla' (default: pallas; interpret with --smoke)")
     p.add_argument("--budget-seconds", type=_positive(float), default=None,
                    help="skip the rows that would end after this many seconds, which makes the "
-                        "run incomplete (default 420; smoke: no limit)")
+                        "run incomplete (default 480; smoke: no limit)")
     p.add_argument("--steps", type=_positive(int), default=None,
                    help="ops per random sequence (default 192, smoke 24)")
     p.add_argument("--case-steps", type=_positive(int), default=None,
@@ -133,6 +134,10 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=_positive(int), default=None,
                    help="trials, median taken (default 3, smoke 2)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile-graphs", action="store_true",
+                   help="profile the programs as compiled by default, in CUDA graphs (XLA command "
+                        "buffers); default: the profiled dispatches run copies compiled without "
+                        "them, since tracing a graph launch faulted (docs/design.md, 'GPU check')")
     p.add_argument("--dry-run", action="store_true",
                    help="print the phases, their rows and the time estimate; run nothing")
     p.add_argument("--out", type=Path, default=None,
@@ -140,7 +145,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     smoke = args.smoke
     args.candidate = args.candidate or ("interpret" if smoke else "pallas")
-    args.budget_seconds = args.budget_seconds or (float("inf") if smoke else 420.0)
+    args.budget_seconds = args.budget_seconds or (float("inf") if smoke else 480.0)
     args.steps = args.steps or (24 if smoke else 192)
     args.case_steps = args.case_steps or (24 if smoke else 96)
     args.calls = args.calls or (4 if smoke else 128)
@@ -206,6 +211,11 @@ def markdown(args, ctx, done, elapsed) -> str:
         f"- jax {jax.__version__}, jaxlib {jaxlib.__version__}, "
         f"Python {platform.python_version()}, {device_description()}",
         f"- verdict: {verdict}",
+        "- timing: wall us from the programs as XLA compiles them by default (CUDA graphs on a "
+        "GPU); device us from one profiled dispatch of "
+        + ("the same programs (`--profile-graphs`)" if args.profile_graphs else
+           "copies compiled without XLA command buffers (no CUDA graph: tracing a graph launch "
+           "faulted; docs/design.md, 'GPU check')"),
     ]
     for name, rows in done.items():
         ran = [r for _, r in rows if r["status"] != SKIPPED]

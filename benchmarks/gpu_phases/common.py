@@ -201,6 +201,25 @@ def ops_per_call(call, backend, state, layer, routes) -> tuple[int, int]:
 _DERIVED_LINES = ("xla modules", "xla ops", "steps", "framework", "launch", "source", "tf ops")
 #: Seconds between two profiled dispatches; their GPU events form one cluster each.
 GAP_S = 0.05
+#: Compile options of the programs a profiled dispatch runs: no XLA command buffer (no CUDA
+#: graph). Tracing a CUDA-graph launch with the profiler faulted on an H200 (jax 0.11.2, driver
+#: 580) in a program without the Pallas kernel as in one with it (docs/design.md, "GPU check");
+#: ``--profile-graphs`` profiles the graph programs themselves.
+PROFILED = {"xla_gpu_enable_command_buffer": ""}
+
+
+#: Seconds a cost row adds to compile its profiled copies (the XLA step's and the candidate's).
+PROFILED_COMPILE_S = 3.0
+
+
+def profile_options(args) -> dict | None:
+    """The compile options of the programs this run profiles (None: the defaults)."""
+    return None if getattr(args, "profile_graphs", False) else PROFILED
+
+
+def profiled_compile_s(args) -> float:
+    """What compiling a cost row's profiled copies adds to its estimate."""
+    return 0.0 if profile_options(args) is None else PROFILED_COMPILE_S
 
 
 def gpu_events(events) -> tuple[list[tuple[float, float]], list[str]]:
@@ -279,9 +298,10 @@ def per_call_us(samples, calls) -> float:
     return statistics.median(samples) / calls * 1e6
 
 
-def floor_program(call, state, layers, routes):
+def floor_program(call, state, layers, routes, options=None):
     """A scan with ``call``'s carry, inputs and per-iteration outputs (a plan's shapes) and a
-    trivial body: what one iteration costs with no cache call in it."""
+    trivial body: what one iteration costs with no cache call in it (compiled with
+    ``options``)."""
     like = jax.eval_shape(lambda s, la, r: call(s, la, r, "xla")[1], state, layers[0], routes[0])
 
     def run(state, layers, routes):
@@ -291,16 +311,17 @@ def floor_program(call, state, layers, routes):
                 like)
             return state.replace(clock=Clock(step=state.step + 1)), fake
         return lax.scan(body, state, (layers, routes))
-    return jax.jit(run).lower(state, layers, routes).compile()
+    return jax.jit(run).lower(state, layers, routes).compile(compiler_options=options)
 
 
-def scan_program(call, backend, state, layers, routes):
-    """``call(state, layer, routes, backend) -> (state, plan)`` scanned over the calls, compiled:
-    ``(compiled, compile seconds)``."""
+def scan_program(call, backend, state, layers, routes, options=None):
+    """``call(state, layer, routes, backend) -> (state, plan)`` scanned over the calls, compiled
+    with ``options``: ``(compiled, compile seconds)``."""
     def run(state, layers, routes):
         return lax.scan(lambda s, x: call(s, x[0], x[1], backend), state, (layers, routes))
     start = time.perf_counter()
-    return jax.jit(run).lower(state, layers, routes).compile(), time.perf_counter() - start
+    compiled = jax.jit(run).lower(state, layers, routes).compile(compiler_options=options)
+    return compiled, time.perf_counter() - start
 
 
 _PROGRAMS: dict = {}
@@ -309,26 +330,28 @@ _PROGRAMS: dict = {}
 def cost_scan(ctx, label, call, state, windows, *, programs=None, key=None) -> dict:
     """One cost row: ``call`` in a ``lax.scan`` over each window of calls, on both backends from
     the same ``state``: us per call (median of ``--repeats`` trials of ``--replays``
-    dispatches, wall time), device us per call (one profiled dispatch each, the trivial-body
-    floor's subtracted), kernels per iteration, and the final states and every plan compared (a
-    difference is a failure). ``programs(name)`` may give ``(compiled, compile seconds)`` for
-    each backend and for ``"floor"`` instead (the mesh). Rows of one ``key`` (a hashable: the
-    call and its shapes) share their compiled programs."""
+    dispatches, wall time, the programs as compiled by default), device us per call (one
+    profiled dispatch each of the programs compiled with :func:`profile_options`, the
+    trivial-body floor's subtracted), kernels per iteration, and the final states and every plan
+    compared (a difference is a failure). ``programs(name, options)`` may give ``(compiled,
+    compile seconds)`` for each backend and for ``"floor"`` instead (the mesh). Rows of one
+    ``key`` (a hashable: the call and its shapes) share their compiled programs."""
     args = ctx.args
     calls = int(windows[0][0].shape[0])
     if programs is None:
-        def programs(name):
+        def programs(name, options=None):
             if name == "floor":
-                return floor_program(call, state, *windows[0]), 0.0
-            return scan_program(call, name, state, *windows[0])
+                return floor_program(call, state, *windows[0], options), 0.0
+            return scan_program(call, name, state, *windows[0], options)
     if key is not None:
         make = programs
 
-        def programs(name):
-            if (key, name) in _PROGRAMS:
-                return _PROGRAMS[(key, name)][0], 0.0
-            _PROGRAMS[(key, name)] = make(name)
-            return _PROGRAMS[(key, name)]
+        def programs(name, options=None):
+            at = (key, name, tuple(sorted((options or {}).items())))
+            if at in _PROGRAMS:
+                return _PROGRAMS[at][0], 0.0
+            _PROGRAMS[at] = make(name, options)
+            return _PROGRAMS[at]
     row = {"us": {}, "device_us": {}, "kernels": {}, "compile_s": {}, "plans": {}}
     progs, finals = {}, []
     for backend in ctx.backends:
@@ -348,10 +371,12 @@ def cost_scan(ctx, label, call, state, windows, *, programs=None, key=None) -> d
         host = jax.device_get(outs)
         row["plans"][backend] = host
         finals.append((jax.device_get(s), concat(host)))
-    progs["floor"] = programs("floor")[0]
+    options = profile_options(args)
     names = [*ctx.backends, "floor"]
+    profiled = {n: progs[n] if options is None and n in progs else programs(n, options)[0]
+                for n in names}
     sums, row["device_note"] = device_times(
-        [lambda n=n: progs[n](fresh(state), *windows[0]) for n in names])
+        [lambda n=n: profiled[n](fresh(state), *windows[0]) for n in names])
     if sums is not None:
         for i, backend in enumerate(ctx.backends):
             row["device_us"][backend] = (sums[i] - sums[-1]) / calls

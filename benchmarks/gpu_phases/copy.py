@@ -17,7 +17,7 @@ import numpy as np
 import pallas_cache as pc
 from pallas_cache.moe import host_memory_kind
 
-from .common import cell, device_times, log
+from .common import cell, device_times, log, profile_options
 
 NAME = "copy"
 ROWS = ((4, 1), (4, 8), (64, 1), (64, 8))  # (MiB per expert row, experts copied)
@@ -61,9 +61,12 @@ def run(ctx, row) -> dict:
         pool = jax.block_until_ready(_COPY(pool, bank, plan))
         samples.append(time.perf_counter() - t0)
     state = {"pool": pool}
+    options = profile_options(args)
+    profiled = _COPY if options is None else _COPY.lower(pool, bank, plan).compile(
+        compiler_options=options)
 
     def once():
-        state["pool"] = _COPY(state["pool"], bank, plan)
+        state["pool"] = profiled(state["pool"], bank, plan)
         return state["pool"]
     sums, note = device_times([once])
     got = np.asarray(jax.device_get(state["pool"]))

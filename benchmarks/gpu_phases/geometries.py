@@ -13,7 +13,7 @@ import numpy as np
 
 import pallas_cache as pc
 
-from .common import EVICTIONS, cell, cost_scan, filled_state, log
+from .common import EVICTIONS, cell, cost_scan, filled_state, log, profiled_compile_s
 
 NAME = "geometries"
 GEOMETRIES = ((32, 8, 64, 2), (32, 8, 256, 2), (58, 256, 2048, 8), (61, 256, 16384, 8))
@@ -25,7 +25,7 @@ ESTIMATE_S = {"lru": 8.0, "pair_lfu": 8.0, "route_knn": 10.0, "route_lfu": 10.0}
 
 def plan(args):
     return [({"L": L, "E": E, "S": S, "k": k, "eviction": e,
-              "label": f"{e} L={L},E={E},S={S},k={k}"}, ESTIMATE_S[e])
+              "label": f"{e} L={L},E={E},S={S},k={k}"}, ESTIMATE_S[e] + profiled_compile_s(args))
             for L, E, S, k in (SMOKE_GEOMETRIES if args.smoke else GEOMETRIES)
             for e in EVICTIONS]
 

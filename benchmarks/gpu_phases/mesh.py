@@ -21,7 +21,7 @@ import pallas_cache as pc
 from pallas_cache import mesh as pm
 from pallas_cache.state import Clock
 
-from .common import cell, cost_scan, log, tree_difference
+from .common import cell, cost_scan, log, profiled_compile_s, tree_difference
 
 NAME = "mesh"
 AXIS = "d"
@@ -34,17 +34,18 @@ ESTIMATE_S = {"row": 12.0}  # four programs (xla, candidate, floor, one-device r
 def plan(args):
     L, E, S, k = SMOKE_GEOMETRY if args.smoke else GEOMETRY
     return [({"layout": layout, "eviction": e, "L": L, "E": E, "S": S, "k": k,
-              "label": f"{layout} {e} L={L},E={E},S={S},k={k}"}, ESTIMATE_S["row"])
+              "label": f"{layout} {e} L={L},E={E},S={S},k={k}"}, ESTIMATE_S["row"] + profiled_compile_s(args))
             for layout in LAYOUTS for e in args.mesh_evictions]
 
 
 def _programs(mesh, layout, sharding, state, windows):
-    """``name -> (compiled, seconds)`` of the shard_mapped scan for a backend or ``"floor"``."""
+    """``(name, options) -> (compiled, seconds)`` of the shard_mapped scan for a backend or
+    ``"floor"``, compiled with ``options``."""
     policy = pc.FetchPolicy.full()
     expert = layout == "expert-parallel"
     spec = P(AXIS) if expert else P()
 
-    def make(name):
+    def make(name, options=None):
         def body(state, layers, routes):
             if expert:
                 state = pm.device_view(state)
@@ -69,7 +70,7 @@ def _programs(mesh, layout, sharding, state, windows):
         fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, P(), P()),
                                    out_specs=spec, check_vma=True))
         t0 = time.perf_counter()
-        compiled = fn.lower(state, *windows[0]).compile()
+        compiled = fn.lower(state, *windows[0]).compile(compiler_options=options)
         return compiled, time.perf_counter() - t0
     return make
 
