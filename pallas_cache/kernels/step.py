@@ -224,9 +224,10 @@ def step_kernel(
     victims, vusage, occupants = _rank_victims(
         call, state, state_out, scratch, hits, need, o_idx, step=step, base=base, limit=limit,
         layer_c=layer_c, ranking=ranking, block=block, sz=sz, barrier=barrier)
-    # The layer's rows and the collect flag after the victim search, not in the first waves:
-    # held across it they made ptxas spill (benchmarks/RESULTS.md, "Spills").
-    rows = _count(state, stats_idx, row, e_ok, observed, ranking)
+    # The layer's rows, the collect flag and the route counts after the victim search, not in
+    # the first waves: held across it they made ptxas spill (benchmarks/RESULTS.md, "Spills").
+    rows = _count(state, stats_idx, row, e_ok, _route_counts(call.routes, e_idx, observed, sz),
+                  ranking)
     collect = call.collect[0]
     num_fetch = _admit(fraction16, experts, recs, victims, vusage, occupants, num_fetch,
                        promote_one=promote_one, reuse=reuse, num_out=num_out)
@@ -485,20 +486,35 @@ def _route_slots(call, state, plan, lanes: _Lanes | None, installed, *, base, ac
     lax.fori_loop(0, sz.num_chunks, plan_chunk, 0)
 
 
+def _route_counts(routes_ref, e_idx, observed, sz: _Sizes):
+    """The layer's routes per expert (over ``e_idx``) for the histogram and the tables, formed
+    again after the victim search: up to ``_SCALAR_ROUTES`` routes, ``K`` lane-wise compares
+    with the routes read again as scalars (each thread counts its own experts: no reduction,
+    no layout change); ``observed`` itself, held across the search, for more routes."""
+    if sz.K > _SCALAR_ROUTES:
+        return observed
+    counts = jnp.zeros(e_idx.shape, jnp.int32)
+    for i in range(sz.K):
+        counts = counts + jnp.where(e_idx == routes_ref[i], 1, 0)
+    return counts
+
+
 def _count(state, stats_idx, row, e_ok, observed, ranking):
     """Phase count: the rows this call adds to (the layer's stats, histogram and eviction
     tables), read after the victim search (no write of the call comes before the barrier ahead
-    of the writes): ``(stats row, histogram row + observed, the tables' rows after the call)``;
+    of the writes), ``observed`` the route counts (:func:`_route_counts`): ``(stats row,
+    histogram row + observed, the tables' rows after the call, the routed experts)``;
     :func:`_write_state` adds the counters to the stats and writes them (the histogram where
-    routed and collected)."""
+    routed and collected, the hybrid recency stamps where routed)."""
     stats_row = plgpu.load(state.stats.at[stats_idx])
     hist_row = plgpu.load(state.routing.freq.at[row], mask=e_ok, other=0)
     table_rows = tuple(plgpu.load(ref.at[row], mask=e_ok, other=_zero(ref))
                        for ref in state.tables)
     # What the writes store, formed here: one vector per row held to the end, not the row and
-    # the counts (fewer live registers across the search).
+    # the counts; the routed mask from these counts, not classify's (held across the search).
     routed = e_ok & (observed > 0)
-    return stats_row, hist_row + observed, tuple(ranking.observe_row(table_rows, routed))
+    return (stats_row, hist_row + observed, tuple(ranking.observe_row(table_rows, routed)),
+            routed)
 
 
 def _write_state(state_out, rows, hits: _Hits, installed, *, step, base, row, e_ok,
@@ -506,7 +522,7 @@ def _write_state(state_out, rows, hits: _Hits, installed, *, step, base, row, e_
     """Write state: only the touched entries, only when accepted: the installs, the hybrid
     recency stamps, the counters, the histogram, the eviction's tables, the clock."""
     installs, victims, experts, occupants, num_fetch = installed
-    stats_row, hist_row, table_rows = rows
+    stats_row, hist_row, table_rows, routed = rows
     common.scatter(state_out.residency.usage, victims, jnp.full((sz.o_width,), step), installs)
     common.scatter(state_out.residency.id_of_slot, victims, base + experts, installs)
     common.scatter(state_out.residency.slot_for_id, occupants, jnp.full((sz.o_width,), -1, jnp.int32),
@@ -514,13 +530,13 @@ def _write_state(state_out, rows, hits: _Hits, installed, *, step, base, row, e_
     common.scatter(state_out.residency.slot_for_id, base + experts, victims, installs)
     if hybrid:
         plgpu.store(state_out.routing.recency.at[row], jnp.full((sz.e_width,), step),
-                    mask=hits.routed & accepted)
+                    mask=routed & accepted)
     counters = jnp.where(lax.iota(jnp.int32, 4) == 0, 1, jnp.where(
         lax.iota(jnp.int32, 4) == 1, hits.num_active,
         jnp.where(lax.iota(jnp.int32, 4) == 2, hits.num_missing, num_fetch)))
     plgpu.store(state_out.stats.at[stats_idx], stats_row + counters,
                 mask=jnp.full((4,), accepted))
-    plgpu.store(state_out.routing.freq.at[row], hist_row, mask=hits.routed & observe_on)
+    plgpu.store(state_out.routing.freq.at[row], hist_row, mask=routed & observe_on)
     for out_ref, value in zip(state_out.tables, table_rows):
         plgpu.store(out_ref.at[row], value, mask=e_ok & accepted)
     _store_scalar(state_out.clock.step, step, accepted)

@@ -24,19 +24,10 @@ ALL_VARIANTS = os.environ.get("PALLAS_CACHE_COMPILE_ALL") == "1"
 CASES = [(geometry, eviction, variant) for geometry in kernel_compile.TEST_GEOMETRIES
          for eviction in kernel_compile.EVICTIONS
          for variant in kernel_compile.variants(eviction, ci=not ALL_VARIANTS)]
-# Known spills, each a strict xfail: the case fails the run once it stops spilling (drop it here).
-_LEFT = ("ptxas, given only the threads per block (Pallas passes no register limit), settles on "
-         "64-128 registers and spills outside loops (benchmarks/RESULTS.md, \"Spills of the "
-         "combined kernel\")")
-KNOWN_SPILLS = dict.fromkeys([
-    ((64, 512, 16384, 8), "route_knn", "ensure"),
-    ((64, 512, 16384, 8), "route_knn", "ensure_hybrid/recency/promote_one"),
-    ((64, 512, 16384, 8), "route_lfu", "ensure_hybrid/recency/promote_one"),
-    ((58, 256, 2048, 8), "lru", "ensure_hybrid/recency/reuse"),
-    ((61, 256, 16384, 8), "pair_lfu", "ensure_hybrid/recency/promote_one"),
-    ((61, 256, 16384, 8), "route_knn", "ensure"),
-    ((61, 256, 16384, 8), "route_knn", "ensure_hybrid/recency/promote_one"),
-], _LEFT)
+# Known spills, each a strict xfail: (geometry, eviction, variant) -> the reason; the case fails
+# the run once it stops spilling (drop it here). None left (benchmarks/RESULTS.md, "Spills of the
+# combined kernel").
+KNOWN_SPILLS: dict[tuple, str] = {}
 
 
 def _case(geometry, eviction, variant):
