@@ -6,7 +6,8 @@ The reference (:mod:`pallas_cache.reference`) has the library's field names and 
 where the library has int32, and the token ring as bools where the library keeps bitmask words;
 :func:`record_difference` compares values across those (a dtype is not a difference) and names
 the first differing field and index in :func:`~pallas_cache.testing.assert_states_equal`'s
-style. Host-side, no hypothesis.
+style. Host-side, no hypothesis; NumPy only at import (the functions that run or read the
+library import JAX), as the reference.
 """
 
 from __future__ import annotations
@@ -14,25 +15,22 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Iterator, Sequence
 
-import jax
 import numpy as np
 
-import pallas_cache as pc
-from pallas_cache import reference, validate
-from pallas_cache.kernels.dispatch import resolve_backend
-from pallas_cache.state import CacheState
-from pallas_cache.testing.assertions import leaf_difference
+import pallas_cache as pc  # its names load on first use: nothing here reads one at import
+from pallas_cache import reference
 from pallas_cache.testing.operations import Geometry, Operation, run_operation
 
 __all__ = ["assert_lockstep", "record_difference"]
 
-_EVICTIONS = (pc.Eviction, pc.evictions.EvictionPolicy, reference.EvictionPolicy)
+def _evictions() -> tuple[type, ...]:
+    return pc.Eviction, pc.evictions.EvictionPolicy, reference.EvictionPolicy
 
 
 def _fields(record: Any) -> dict[str, Any]:
     if isinstance(record, reference.ReferenceCache):
         # The library state's fields, read off the reference: a part missing there differs.
-        return {f.name: getattr(record, f.name, None) for f in dataclasses.fields(CacheState)}
+        return {f.name: getattr(record, f.name, None) for f in dataclasses.fields(pc.CacheState)}
     # No reference twin: a copy plan's static geometry, the ring's incremental ``match``.
     return {f.name: getattr(record, f.name) for f in dataclasses.fields(record)
             if f.name not in ("num_slots", "num_experts", "match")}
@@ -45,7 +43,8 @@ def record_difference(a: Any, b: Any, path: str = "") -> str | None:
     Values compare exactly, not dtypes (the reference is int64). The library's ring is bitmask
     words (``masks``), the reference's bools (``ring``): compared as bools. An eviction compares
     by name."""
-    if isinstance(a, _EVICTIONS) or isinstance(b, _EVICTIONS):
+    evictions = _evictions()
+    if isinstance(a, evictions) or isinstance(b, evictions):
         names = [x.policy.name if isinstance(x, pc.Eviction) else getattr(x, "name", x)
                  for x in (a, b)]
         return None if names[0] == names[1] else f"{path}: {names[0]!r} != {names[1]!r}"
@@ -65,6 +64,10 @@ def record_difference(a: Any, b: Any, path: str = "") -> str | None:
         return None
     if a is None or b is None:
         return None if a is None and b is None else f"{path}: on one side only"
+    import jax
+
+    from pallas_cache.testing.assertions import leaf_difference
+
     x, y = np.asarray(jax.device_get(a)), np.asarray(jax.device_get(b))
     if x.dtype != y.dtype and x.dtype.kind in "biu" and y.dtype.kind in "biu":
         x, y = x.astype(np.int64), y.astype(np.int64)
@@ -96,6 +99,10 @@ class _Jitted:
     float or bool raises TypeError), so an eager and a jitted run of one record agree."""
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
+        import jax
+
+        from pallas_cache import validate
+
         if name == "rebuild":
             return pc.rebuild
         function = pc.evictions.start_token if name == "start_token" else getattr(pc, name)
@@ -117,8 +124,10 @@ class _Jitted:
 _JIT = _Jitted()
 
 
-def _jit_step(state: CacheState, op: Operation, backend: str) -> tuple[CacheState, Any]:
+def _jit_step(state: Any, op: Operation, backend: str) -> tuple[Any, Any]:
     """``run_operation`` under ``jax.jit`` (:class:`_Jitted`)."""
+    from pallas_cache import validate
+
     return op.apply(_JIT, state, routes=validate.as_routes, backend=backend)
 
 
@@ -198,6 +207,8 @@ def assert_lockstep(sequence: Sequence[Operation], *, geometry: Geometry,
       TypeError: an entry of ``sequence`` is not an operation record. ValueError: an unknown
         ``backend``.
     """
+    from pallas_cache.kernels.dispatch import resolve_backend
+
     resolve_backend(backend)  # an unknown backend is the caller's mistake, not a refusal
     for index, op in enumerate(sequence):
         if not isinstance(op, Operation):

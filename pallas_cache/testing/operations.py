@@ -4,7 +4,7 @@ A test draws a list of these records (:func:`pallas_cache.testing.strategies.ope
 prints it when it fails (each is a frozen dataclass of Python ints, strings and tuples), and runs
 it with :func:`run_operation`; another implementation (the NumPy reference) can run the same
 records: each record applies itself (:meth:`Operation.apply`) through the functions of the side
-it is given. No hypothesis here: the records and the driver need only the library.
+it is given. No hypothesis here, and no JAX at import: the library loads when a record runs.
 """
 
 from __future__ import annotations
@@ -12,11 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, ClassVar
 
-import numpy as np
-
-import pallas_cache as pc
-from pallas_cache import validate
-from pallas_cache.state import CacheState
+import pallas_cache as pc  # its names load on first use: nothing here reads one at import
 
 __all__ = [
     "BeginPrefill",
@@ -62,6 +58,8 @@ class Geometry:
         """The static checks :func:`pallas_cache.init` makes, when the record is made (so a
         strategy or a lockstep run over it never starts): TypeError/ValueError naming the
         field."""
+        from pallas_cache import validate
+
         L, E, S, C = (validate.positive_int(name, getattr(self, name)) for name in (
             "num_layers", "num_experts", "cache_size", "capacity"))
         if S < E:
@@ -71,7 +69,7 @@ class Geometry:
         validate.positive_int("history", self.history)
         pc.evictions.coerce(self.eviction)
 
-    def init(self) -> CacheState:
+    def init(self) -> pc.CacheState:
         """A cold :class:`~pallas_cache.CacheState` of this geometry."""
         return pc.init(self.num_layers, self.num_experts, self.cache_size,
                        capacity=self.capacity, eviction=self.eviction, history=self.history)
@@ -295,8 +293,8 @@ class ReleasePrefill(Operation):
         return api.release_prefill_layer(state, self.layer)
 
 
-def run_operation(state: CacheState, op: Operation, *, backend: str | None = None
-                  ) -> tuple[CacheState, Any]:
+def run_operation(state: pc.CacheState, op: Operation, *, backend: str | None = None
+                  ) -> tuple[pc.CacheState, Any]:
     """Run one operation record on the library: ``(new_state, plan)``, ``plan`` None for the
     operations that return only a state (reset, begin/release prefill). ``backend`` goes to the
     ensure calls."""
@@ -314,8 +312,8 @@ def apply_operation(api: Any, state: Any, op: Operation, *,
     return op.apply(api, state, routes=routes, policy=policy, **ensure_options)
 
 
-def run_operations(state: CacheState, ops: list[Operation] | tuple[Operation, ...], *,
-                   backend: str | None = None) -> list[tuple[CacheState, Any]]:
+def run_operations(state: pc.CacheState, ops: list[Operation] | tuple[Operation, ...], *,
+                   backend: str | None = None) -> list[tuple[pc.CacheState, Any]]:
     """Run a sequence; returns ``(state, plan)`` after every operation, in order."""
     results = []
     for op in ops:

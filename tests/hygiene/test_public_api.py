@@ -141,6 +141,23 @@ def test_only_the_strategies_module_imports_hypothesis():
     assert run.stdout.strip() == "blocked"
 
 
+def test_the_lockstep_module_imports_no_jax():
+    """FAILS if importing ``pallas_cache.testing.lockstep`` imports JAX (NumPy only at import:
+    the functions that run the library import it): a fresh interpreter imports it, and the kit's
+    package, with JAX still unloaded. ``import pallas_cache`` loads its names on first use, so a
+    module-level read of one (``pc.Eviction``) imports JAX too."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "import pallas_cache.testing.lockstep\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib'))[:3])\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "[]"
+
+
 def test_reprs_are_short_and_name_shapes_and_counters():
     """FAILS if a state's repr dumps its arrays (the dataclass default: 17 fields of numbers),
     or a plan's hides its counters, or either breaks under jit or on a batch."""
