@@ -21,9 +21,11 @@ state; ``stats``, ``layer_stats``, ``per_layer_stats``, ``routing_histogram``, `
 JAX plans come back with NumPy leaves; short 1-D routes are padded to :data:`ROUTE_WIDTH` (one
 compile per geometry) and the plan cut back (``adapter.unpadded()`` does not pad). A
 :class:`Cache` holds a state for a sequence: ``c.ensure(layer, routes)`` is ``c.state, plan =
-adapter.ensure(c.state, layer, routes)``, returning the plan. :func:`assert_same` compares two
-records (states, plans) field by field. Every list of evictions in a test comes from
-:func:`evictions_under_test`: the ``Eviction`` registry plus :func:`add_eviction_under_test`'s.
+adapter.ensure(c.state, layer, routes)``, returning the plan; ``c.apply(op)`` runs an operation
+record of :mod:`pallas_cache.testing.operations` the same way (:func:`steps`: a sequence).
+:func:`assert_same` compares two records (states, plans) field by field. Every list of evictions
+in a test comes from :func:`evictions_under_test`: the ``Eviction`` registry plus
+:func:`add_eviction_under_test`'s. The sizing tests' own helpers are in tests/sizing/conftest.py.
 """
 
 from __future__ import annotations
@@ -137,19 +139,6 @@ def pytest_generate_tests(metafunc):
 @pytest.fixture
 def adapter(request):
     return ADAPTER[request.param]
-
-
-# ---- the CLI's refusals ------------------------------------------------------------------------
-
-def one_line_error(capsys, code):
-    """The one line a refused ``pallas-cache`` call wrote to stderr, after checking its exit 2,
-    its prefix and that no traceback came with it."""
-    err = capsys.readouterr().err
-    assert code == 2, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("pallas-cache: "), err
-    assert "Traceback" not in err
-    return lines[0]
 
 
 # ---- the one comparison, and readers of records ----------------------------------------------
