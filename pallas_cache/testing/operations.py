@@ -115,6 +115,9 @@ class Operation:
     (``pallas_cache.reference``), which name and take the operations alike (any object with
     those functions will do: the project's tests pass their adapters)."""
 
+    #: The function of ``api`` the record calls with the state and its fields, in order (the
+    #: records whose call is not that name their own ``_call``).
+    _function: ClassVar[str] = ""
     #: Whether the operation returns ``(state, plan)``; else it returns the state alone.
     _returns_plan: ClassVar[bool] = True
 
@@ -131,7 +134,10 @@ class Operation:
 
     def _call(self, api: Any, state: Any, routes: Callable[[Any], Any],
               policy: Callable[[PolicySpec], Any], ensure_options: dict[str, Any]) -> Any:
-        raise TypeError(f"not a cache operation record: {self!r}")
+        if not self._function:
+            raise TypeError(f"not a cache operation record: {self!r}")
+        fields = (getattr(self, field.name) for field in dataclasses.fields(self))
+        return getattr(api, self._function)(state, *fields)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,8 +172,7 @@ class Materialize(Operation):
 
     layer: int
 
-    def _call(self, api, state, routes, policy, ensure_options):
-        return api.materialize_layer(state, self.layer)
+    _function: ClassVar[str] = "materialize_layer"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,8 +181,7 @@ class Forget(Operation):
 
     slot: int
 
-    def _call(self, api, state, routes, policy, ensure_options):
-        return api.forget_slot(state, self.slot)
+    _function: ClassVar[str] = "forget_slot"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,8 +190,7 @@ class Resize(Operation):
 
     cache_size: int
 
-    def _call(self, api, state, routes, policy, ensure_options):
-        return api.resize(state, self.cache_size)
+    _function: ClassVar[str] = "resize"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,6 +201,7 @@ class Rebuild(Operation):
 
     cache_size: int
     capacity: int | None = None
+
     _returns_plan: ClassVar[bool] = False
 
     def _call(self, api, state, routes, policy, ensure_options):
@@ -209,30 +213,24 @@ class Rebuild(Operation):
 class Reset(Operation):
     """``pc.reset(state)`` (no plan)."""
 
+    _function: ClassVar[str] = "reset"
     _returns_plan: ClassVar[bool] = False
-
-    def _call(self, api, state, routes, policy, ensure_options):
-        return api.reset(state)
 
 
 @dataclasses.dataclass(frozen=True)
 class ResetStats(Operation):
     """``pc.reset_stats(state)`` (no plan)."""
 
+    _function: ClassVar[str] = "reset_stats"
     _returns_plan: ClassVar[bool] = False
-
-    def _call(self, api, state, routes, policy, ensure_options):
-        return api.reset_stats(state)
 
 
 @dataclasses.dataclass(frozen=True)
 class ResetRouting(Operation):
     """``pc.reset_routing(state)`` (no plan)."""
 
+    _function: ClassVar[str] = "reset_routing"
     _returns_plan: ClassVar[bool] = False
-
-    def _call(self, api, state, routes, policy, ensure_options):
-        return api.reset_routing(state)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,10 +239,8 @@ class SetCollectRouting(Operation):
 
     on: bool
 
+    _function: ClassVar[str] = "set_collect_routing"
     _returns_plan: ClassVar[bool] = False
-
-    def _call(self, api, state, routes, policy, ensure_options):
-        return api.set_collect_routing(state, self.on)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,10 +260,8 @@ class StartToken(Operation):
 class BeginPrefill(Operation):
     """``pc.begin_prefill(state)`` (no plan)."""
 
+    _function: ClassVar[str] = "begin_prefill"
     _returns_plan: ClassVar[bool] = False
-
-    def _call(self, api, state, routes, policy, ensure_options):
-        return api.begin_prefill(state)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,8 +271,7 @@ class PrefetchPrefill(Operation):
     layer: int
     bank_feat_bytes: tuple[int, ...] = (4096,)
 
-    def _call(self, api, state, routes, policy, ensure_options):
-        return api.prefetch_prefill_layer(state, self.layer, self.bank_feat_bytes)
+    _function: ClassVar[str] = "prefetch_prefill_layer"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -287,10 +280,8 @@ class ReleasePrefill(Operation):
 
     layer: int
 
+    _function: ClassVar[str] = "release_prefill_layer"
     _returns_plan: ClassVar[bool] = False
-
-    def _call(self, api, state, routes, policy, ensure_options):
-        return api.release_prefill_layer(state, self.layer)
 
 
 def run_operation(state: pc.CacheState, op: Operation, *, backend: str | None = None
