@@ -1,6 +1,8 @@
-"""What a call lowers to, without a GPU: the one StableHLO op counter of the benchmarks (the
-counting rule of tests/kernels/test_kernels.py, docs/semantics.md §7) and :func:`abstract_gpu`, the
-abstract H200 that lets a CPU host lower the fused kernel for CUDA.
+"""What a call lowers to, without a GPU: the one StableHLO op counter of the benchmarks and the
+tests (docs/semantics.md §7's counting rule; tests/kernels/test_kernels.py checks the rule, the
+program-size tests of tests/kernels/test_loop_free.py and tests/sizing/test_replay.py count with
+it) and :func:`abstract_gpu`, the abstract H200 that lets a CPU host lower the fused kernel for
+CUDA.
 
 Since jax 0.11 lowering a Pallas Triton kernel for ``"cuda"`` needs a GPU device or an abstract
 one; the CUDA-lowering tests, benchmarks/kernel_compile.py, benchmarks/step_ops.py and

@@ -21,9 +21,11 @@ state; ``stats``, ``layer_stats``, ``per_layer_stats``, ``routing_histogram``, `
 JAX plans come back with NumPy leaves; short 1-D routes are padded to :data:`ROUTE_WIDTH` (one
 compile per geometry) and the plan cut back (``adapter.unpadded()`` does not pad). A
 :class:`Cache` holds a state for a sequence: ``c.ensure(layer, routes)`` is ``c.state, plan =
-adapter.ensure(c.state, layer, routes)``, returning the plan. :func:`assert_same` compares two
-records (states, plans) field by field. Every list of evictions in a test comes from
-:func:`evictions_under_test`: the ``Eviction`` registry plus :func:`add_eviction_under_test`'s.
+adapter.ensure(c.state, layer, routes)``, returning the plan; ``c.apply(op)`` runs an operation
+record of :mod:`pallas_cache.testing.operations` the same way (:func:`steps`: a sequence).
+:func:`assert_same` compares two records (states, plans) field by field. Every list of evictions
+in a test comes from :func:`evictions_under_test`: the ``Eviction`` registry plus
+:func:`add_eviction_under_test`'s. The sizing tests' own helpers are in tests/sizing/conftest.py.
 """
 
 from __future__ import annotations
@@ -42,7 +44,6 @@ import pallas_cache as pc
 from pallas_cache import hybrid, reference
 from pallas_cache.reference.checks import assert_invariants, assert_plan_well_formed  # noqa: F401
 from pallas_cache.testing import record_difference
-from pallas_cache.testing.lockstep import describe, run  # noqa: F401
 
 _SLOW_OK = [HealthCheck.too_slow, HealthCheck.data_too_large]
 settings.register_profile("ci", max_examples=25, deadline=None, derandomize=True,
@@ -140,19 +141,6 @@ def adapter(request):
     return ADAPTER[request.param]
 
 
-# ---- the CLI's refusals ------------------------------------------------------------------------
-
-def one_line_error(capsys, code):
-    """The one line a refused ``pallas-cache`` call wrote to stderr, after checking its exit 2,
-    its prefix and that no traceback came with it."""
-    err = capsys.readouterr().err
-    assert code == 2, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("pallas-cache: "), err
-    assert "Traceback" not in err
-    return lines[0]
-
-
 # ---- the one comparison, and readers of records ----------------------------------------------
 
 
@@ -248,6 +236,10 @@ class Adapter:
 
         return operation
 
+    def policy(self, spec):
+        """This adapter's fetch policy for a :class:`pallas_cache.testing.PolicySpec`."""
+        return spec.build(self.Policy)
+
     def index(self, i):
         """A layer, slot or flag as this adapter passes it: traced under jit, as is eagerly."""
         if self.ops is JITTED and isinstance(i, (int, bool, np.integer, np.bool_)):
@@ -303,6 +295,19 @@ class Cache:
     def __init__(self, adapter: Adapter, state):
         self.adapter, self.state = adapter, state
 
+    def apply(self, op):
+        """Run one operation record (:mod:`pallas_cache.testing.operations`) on this cache;
+        returns its plan, None, or the static error it raised as a string
+        (``PrefillDoesNotFit``, ``RebuildRejected(requested=.., minimum=..)``)."""
+        errors = self.adapter.errors
+        try:
+            self.state, plan = op.apply(self.adapter, self.state, policy=self.adapter.policy)
+        except errors.PrefillDoesNotFit:
+            return "PrefillDoesNotFit"
+        except errors.RebuildRejected as error:
+            return f"RebuildRejected(requested={error.requested}, minimum={error.minimum})"
+        return plan
+
     def clone(self) -> "Cache":
         return Cache(self.adapter, self.state)  # states are values: an operation makes a new one
 
@@ -319,51 +324,14 @@ def _is_state(x):
     return isinstance(x, (pc.CacheState, reference.ReferenceCache))
 
 
-# ---- the lockstep tests' operations: (kind, args) on a Cache of any adapter ---------------
-
-
-def build_policy(cache, spec):
-    """The adapter's policy for ``spec = (kind, argument)``: fraction, fixed_cap or full."""
-    kind, argument = spec
-    make = getattr(cache.adapter.Policy, kind)
-    return make() if argument is None else make(argument)
-
-
-def do(cache, kind, args):
-    """Run one operation on a cache handle; returns its plan, None, or the static error it
-    raised as a string (``PrefillDoesNotFit``, ``RebuildRejected(requested=.., minimum=..)``)."""
-    errors = cache.adapter.errors
-    try:
-        if kind == "ensure":
-            return cache.ensure(args["layer"], args["routes"])
-        if kind == "ensure_hybrid":
-            return cache.ensure_hybrid(args["layer"], args["routes"],
-                                       build_policy(cache, args["policy"]), order=args["order"],
-                                       admission=args["admission"])
-        if kind in ("materialize_layer", "release_prefill_layer"):
-            return getattr(cache, kind)(args["layer"])
-        if kind == "prefetch_prefill_layer":
-            return cache.prefetch_prefill_layer(args["layer"], args["banks"])
-        if kind == "forget_slot":
-            return cache.forget_slot(args["slot"])
-        if kind == "set_collect_routing":
-            return cache.set_collect_routing(args["on"])
-        if kind == "resize":
-            return cache.resize(args["size"])
-        if kind == "rebuild":
-            return cache.rebuild(args["size"], **({"capacity": args["capacity"]}
-                                                  if "capacity" in args else {}))
-        return getattr(cache, kind)()
-    except errors.PrefillDoesNotFit:
-        return "PrefillDoesNotFit"
-    except errors.RebuildRejected as error:
-        return f"RebuildRejected(requested={error.requested}, minimum={error.minimum})"
+# ---- the lockstep tests' operations: the kit's records on a Cache of any adapter -------------
 
 
 def steps(cache, ops):
-    """Run ``ops`` on ``cache`` one at a time, yielding ``(outcome, cache)`` after each."""
-    for kind, args in ops:
-        yield do(cache, kind, args), cache
+    """Run ``ops`` (operation records) on ``cache`` one at a time, yielding ``(outcome, cache)``
+    after each (:meth:`Cache.apply`)."""
+    for op in ops:
+        yield cache.apply(op), cache
 
 
 def cpu_partial_oracle(x, expert_ids, gates, plan, host_bank, expert_fn: Callable, *,

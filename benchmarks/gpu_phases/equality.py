@@ -308,9 +308,10 @@ def compare_leaves(context, op, expected, got):
 
 
 def sequence_ops(xs):
-    """The ops of a :func:`random_sequence` as the lockstep driver names them."""
-    return [(OP_NAMES[op], {"layer": int(layer), "routes": routes, "fraction16": int(f16),
-                            "cap": int(cap)})
+    """The ops of a :func:`random_sequence` as labels for the lockstep driver's messages (the
+    scan runs them from arrays, not as operation records)."""
+    return [f"{OP_NAMES[op]}(layer={int(layer)}, routes={np.asarray(routes).tolist()}, "
+            f"fraction16={int(f16)}, cap={int(cap)})"
             for op, layer, routes, f16, cap in zip(xs["op"], xs["layer"], xs["routes"],
                                                    xs["f16"], xs["cap"])]
 

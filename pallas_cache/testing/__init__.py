@@ -14,28 +14,13 @@ invariants every plan holds, and cache operations as plain data.
   :func:`run_operation`.
 - Hypothesis strategies in :mod:`pallas_cache.testing.strategies` (the ``testing`` extra; the
   only module that imports hypothesis). docs/testing.md has a whole property test.
+
+The names load on first use (PEP 562), each from its module: ``import
+pallas_cache.testing.lockstep`` imports no JAX (NumPy only, as the reference), and the first
+read of a name imports what that name needs.
 """
 
-from pallas_cache.testing.assertions import assert_plans_equal, assert_states_equal
-from pallas_cache.testing.dense import moe_combine, moe_dense
-from pallas_cache.testing.invariants import check_plan, check_state
-from pallas_cache.testing.lockstep import assert_lockstep, record_difference
-from pallas_cache.testing.operations import (
-    BeginPrefill,
-    Ensure,
-    EnsureHybrid,
-    Forget,
-    Geometry,
-    Materialize,
-    Operation,
-    PolicySpec,
-    PrefetchPrefill,
-    ReleasePrefill,
-    Reset,
-    Resize,
-    run_operation,
-    run_operations,
-)
+import importlib as _importlib
 
 __all__ = [
     "BeginPrefill",
@@ -48,8 +33,13 @@ __all__ = [
     "PolicySpec",
     "PrefetchPrefill",
     "ReleasePrefill",
+    "Rebuild",
     "Reset",
+    "ResetRouting",
+    "ResetStats",
     "Resize",
+    "SetCollectRouting",
+    "StartToken",
     "assert_lockstep",
     "assert_plans_equal",
     "assert_states_equal",
@@ -61,3 +51,27 @@ __all__ = [
     "run_operation",
     "run_operations",
 ]
+
+#: Where each public name is defined (a module of this package).
+_WHERE = {
+    **dict.fromkeys(("assert_plans_equal", "assert_states_equal"), "assertions"),
+    **dict.fromkeys(("moe_combine", "moe_dense"), "dense"),
+    **dict.fromkeys(("check_plan", "check_state"), "invariants"),
+    **dict.fromkeys(("assert_lockstep", "record_difference"), "lockstep"),
+    **dict.fromkeys(("BeginPrefill", "Ensure", "EnsureHybrid", "Forget", "Geometry", "Materialize",
+                     "Operation", "PolicySpec", "PrefetchPrefill", "Rebuild", "ReleasePrefill",
+                     "Reset", "ResetRouting", "ResetStats", "Resize", "SetCollectRouting",
+                     "StartToken", "run_operation", "run_operations"), "operations"),
+}
+
+
+def __getattr__(name: str):  # PEP 562
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(_importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

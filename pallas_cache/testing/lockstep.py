@@ -6,7 +6,8 @@ The reference (:mod:`pallas_cache.reference`) has the library's field names and 
 where the library has int32, and the token ring as bools where the library keeps bitmask words;
 :func:`record_difference` compares values across those (a dtype is not a difference) and names
 the first differing field and index in :func:`~pallas_cache.testing.assert_states_equal`'s
-style. Host-side, no hypothesis.
+style. Host-side, no hypothesis; NumPy only at import (the functions that run or read the
+library import JAX), as the reference.
 """
 
 from __future__ import annotations
@@ -14,31 +15,22 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Iterator, Sequence
 
-import jax
 import numpy as np
 
-import pallas_cache as pc
-from pallas_cache import reference, validate
-from pallas_cache.kernels.dispatch import resolve_backend
-from pallas_cache.state import CacheState
-from pallas_cache.testing.assertions import leaf_difference
-from pallas_cache.testing.operations import (BeginPrefill, Ensure, EnsureHybrid, Forget, Geometry,
-                                             Materialize, Operation, PolicySpec,
-                                             PrefetchPrefill, ReleasePrefill, Reset, Resize,
-                                             apply_operation, run_operation)
+import pallas_cache as pc  # its names load on first use: nothing here reads one at import
+from pallas_cache import reference
+from pallas_cache.testing.operations import Geometry, Operation, run_operation
 
 __all__ = ["assert_lockstep", "record_difference"]
 
-_RECORDS = (BeginPrefill, Ensure, EnsureHybrid, Forget, Materialize, PrefetchPrefill,
-            ReleasePrefill, Reset, Resize)
-
-_EVICTIONS = (pc.Eviction, pc.evictions.EvictionPolicy, reference.EvictionPolicy)
+def _evictions() -> tuple[type, ...]:
+    return pc.Eviction, pc.evictions.EvictionPolicy, reference.EvictionPolicy
 
 
 def _fields(record: Any) -> dict[str, Any]:
     if isinstance(record, reference.ReferenceCache):
         # The library state's fields, read off the reference: a part missing there differs.
-        return {f.name: getattr(record, f.name, None) for f in dataclasses.fields(CacheState)}
+        return {f.name: getattr(record, f.name, None) for f in dataclasses.fields(pc.CacheState)}
     # No reference twin: a copy plan's static geometry, the ring's incremental ``match``.
     return {f.name: getattr(record, f.name) for f in dataclasses.fields(record)
             if f.name not in ("num_slots", "num_experts", "match")}
@@ -51,7 +43,8 @@ def record_difference(a: Any, b: Any, path: str = "") -> str | None:
     Values compare exactly, not dtypes (the reference is int64). The library's ring is bitmask
     words (``masks``), the reference's bools (``ring``): compared as bools. An eviction compares
     by name."""
-    if isinstance(a, _EVICTIONS) or isinstance(b, _EVICTIONS):
+    evictions = _evictions()
+    if isinstance(a, evictions) or isinstance(b, evictions):
         names = [x.policy.name if isinstance(x, pc.Eviction) else getattr(x, "name", x)
                  for x in (a, b)]
         return None if names[0] == names[1] else f"{path}: {names[0]!r} != {names[1]!r}"
@@ -71,6 +64,10 @@ def record_difference(a: Any, b: Any, path: str = "") -> str | None:
         return None
     if a is None or b is None:
         return None if a is None and b is None else f"{path}: on one side only"
+    import jax
+
+    from pallas_cache.testing.assertions import leaf_difference
+
     x, y = np.asarray(jax.device_get(a)), np.asarray(jax.device_get(b))
     if x.dtype != y.dtype and x.dtype.kind in "biu" and y.dtype.kind in "biu":
         x, y = x.astype(np.int64), y.astype(np.int64)
@@ -79,55 +76,59 @@ def record_difference(a: Any, b: Any, path: str = "") -> str | None:
 
 # ---- the two implementations, one step each ----------------------------------------------------
 
-def _reference_policy(spec: PolicySpec) -> Any:
-    return (reference.ReferencePolicy.full() if spec.kind == "full"
-            else getattr(reference.ReferencePolicy, spec.kind)(spec.value))
-
-
 def _reference_step(state: Any, op: Operation) -> tuple[Any, Any]:
     # The routes as written: the reference reads a nested tuple exactly (no int64 cast to
     # overflow or wrap), as the library does.
-    return apply_operation(reference, state, op, routes=lambda r: r, policy=_reference_policy)
+    return op.apply(reference, state, policy=lambda spec: spec.build(reference.ReferencePolicy))
 
 
 _JITTED: dict[str, Callable[..., Any]] = {}
+#: The library's functions jitted with static arguments, and the argument each traces.
+_STATIC = {"ensure": ("backend",), "ensure_hybrid": ("order", "admission", "backend"),
+           "prefetch_prefill_layer": ("bank_feat_bytes",)}
+_TRACED = {"ensure": "layer", "ensure_hybrid": "layer", "materialize_layer": "layer",
+           "prefetch_prefill_layer": "layer", "release_prefill_layer": "layer",
+           "forget_slot": "slot", "resize": "cache_size", "set_collect_routing": None}
 
 
-def _jitted(name: str) -> Callable[..., Any]:
-    static = {"ensure": ("backend",), "ensure_hybrid": ("order", "admission", "backend"),
-              "prefetch_prefill_layer": ("bank_feat_bytes",)}.get(name, ())
-    if name not in _JITTED:
-        _JITTED[name] = jax.jit(getattr(pc, name), static_argnames=static)
-    return _JITTED[name]
+class _Jitted:
+    """The library as an ``api`` of :meth:`Operation.apply` with every operation under
+    ``jax.jit``: layers, slots and sizes traced, one compile per operation kind and shape
+    (``rebuild``, which changes shapes, runs as is). Every value is converted as the eager call
+    converts it (an index outside int32 becomes ``INT32_MIN``, refused with the op's error bit; a
+    float or bool raises TypeError), so an eager and a jitted run of one record agree."""
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        import jax
+
+        from pallas_cache import validate
+
+        if name == "rebuild":
+            return pc.rebuild
+        function = pc.evictions.start_token if name == "start_token" else getattr(pc, name)
+        if name not in _JITTED:
+            _JITTED[name] = jax.jit(function, static_argnames=_STATIC.get(name, ()))
+        traced = _TRACED.get(name)
+
+        def call(state: Any, *args: Any, **kwargs: Any) -> Any:
+            if traced is not None:
+                args = (validate.as_index(traced, args[0]),) + args[1:]
+            if name == "prefetch_prefill_layer":
+                kwargs["bank_feat_bytes"] = tuple(args[1])
+                args = args[:1]
+            return _JITTED[name](state, *args, **kwargs)
+
+        return call
 
 
-def _jit_step(state: CacheState, op: Operation, backend: str) -> tuple[CacheState, Any]:
-    """``run_operation`` under ``jax.jit``: layers, slots and sizes traced, one compile per
-    operation kind and shape. Every value is converted as the eager call converts it (an index or
-    id outside int32 becomes ``INT32_MIN``, refused with the op's error bit; a float or bool
-    raises TypeError), so an eager and a jitted run of one record agree."""
-    def i32(name: str, value: Any) -> jax.Array:
-        return validate.as_index(name, value)
+_JIT = _Jitted()
 
-    if isinstance(op, Ensure):
-        return _jitted("ensure")(state, i32("layer", op.layer), validate.as_routes(op.routes),
-                                 backend=backend)
-    if isinstance(op, EnsureHybrid):
-        return _jitted("ensure_hybrid")(state, i32("layer", op.layer),
-                                        validate.as_routes(op.routes),
-                                        op.policy.build(), order=op.order,
-                                        admission=op.admission, backend=backend)
-    if isinstance(op, PrefetchPrefill):
-        return _jitted("prefetch_prefill_layer")(state, i32("layer", op.layer),
-                                                 bank_feat_bytes=tuple(op.bank_feat_bytes))
-    names = {Materialize: ("materialize_layer", "layer"), Forget: ("forget_slot", "slot"),
-             Resize: ("resize", "cache_size"), Reset: ("reset", None),
-             BeginPrefill: ("begin_prefill", None), ReleasePrefill: ("release_prefill_layer", "layer")}
-    if type(op) not in names:
-        raise TypeError(f"not a cache operation record: {op!r}")
-    name, arg = names[type(op)]
-    out = _jitted(name)(state, *([i32(arg, getattr(op, arg))] if arg else []))
-    return out if isinstance(out, tuple) else (out, None)
+
+def _jit_step(state: Any, op: Operation, backend: str) -> tuple[Any, Any]:
+    """``run_operation`` under ``jax.jit`` (:class:`_Jitted`)."""
+    from pallas_cache import validate
+
+    return op.apply(_JIT, state, routes=validate.as_routes, backend=backend)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,7 +165,8 @@ def _compare(context: str, op: Any, expected: tuple[Any, Any], got: tuple[Any, A
             refused, ran = ("reference", "library") if mine else ("library", "reference")
             raise AssertionError(f"{context}: the {refused} refused it "
                                  f"({expected[1] if mine else got[1]}) but the {ran} ran it")
-        if type(expected[1].error) is not type(got[1].error):
+        # By name: the reference raises its own twins of the library's errors (RebuildRejected).
+        if type(expected[1].error).__name__ != type(got[1].error).__name__:
             raise AssertionError(f"{context}: refused differently: reference {expected[1]}, "
                                  f"library {got[1]}")
     for what, mine, theirs in (("plans", expected[1], got[1]), ("states", expected[0], got[0])):
@@ -205,12 +207,12 @@ def assert_lockstep(sequence: Sequence[Operation], *, geometry: Geometry,
       TypeError: an entry of ``sequence`` is not an operation record. ValueError: an unknown
         ``backend``.
     """
+    from pallas_cache.kernels.dispatch import resolve_backend
+
     resolve_backend(backend)  # an unknown backend is the caller's mistake, not a refusal
     for index, op in enumerate(sequence):
-        if not isinstance(op, _RECORDS):
+        if not isinstance(op, Operation):
             raise TypeError(f"sequence[{index}] is not an operation record: {op!r}")
-    ops = [(type(op).__name__, {f.name: getattr(op, f.name) for f in dataclasses.fields(op)})
-           for op in sequence]
     if jit:
         library = lambda state, op: _jit_step(state, op, backend)  # noqa: E731
     else:
@@ -219,30 +221,37 @@ def assert_lockstep(sequence: Sequence[Operation], *, geometry: Geometry,
                            capacity=geometry.capacity, eviction=geometry.eviction,
                            history=geometry.history)
     name = f"{backend}{' under jit' if jit else ''}"
-    return run(ops, _steps(_reference_step, truth, sequence),
-                      {name: _steps(library, geometry.init(), sequence)}, _compare)
+    return run(sequence, _steps(_reference_step, truth, sequence),
+               {name: _steps(library, geometry.init(), sequence)}, _compare)
 
 
-def describe(kind, args) -> str:
-    """``kind(name=value, ...)`` with arrays as lists, for failure messages."""
-    shown = ", ".join(f"{k}={v.tolist() if isinstance(v, np.ndarray) else v}"
-                      for k, v in args.items())
-    return f"{kind}({shown})"
+def describe(op: Any) -> str:
+    """An operation record as ``Name(field=value, ...)`` with arrays as lists, for failure
+    messages; anything else as ``str(op)``."""
+    if not dataclasses.is_dataclass(op):
+        return str(op)
+    shown = ", ".join(f"{f.name}={_shown(getattr(op, f.name))}" for f in dataclasses.fields(op))
+    return f"{type(op).__name__}({shown})"
 
 
-def run(ops, truth, candidates, compare):
+def _shown(value: Any) -> Any:
+    return value.tolist() if isinstance(value, np.ndarray) else value
+
+
+def run(ops: Sequence[Any], truth: Any, candidates: dict[str, Any],
+        compare: Callable[[str, Any, Any, Any], None]) -> int:
     """Step ``truth`` and every candidate (``{name: per-step results}``, each an iterable with one
-    item per op) through ``ops`` together (an op is ``(kind, args)``); after every op,
-    ``compare(context, op, expected, got)`` checks each candidate's result against the truth's
-    and raises ``AssertionError`` naming ``context`` (the step, the op, the candidate) on the
-    first difference. Returns the number of steps run. The project's lockstep tests feed it the
-    adapters' caches, ``benchmarks/gpu_check.py`` the steps of its compiled scans."""
+    item per op) through ``ops`` together (operation records, or labels :func:`describe` shows
+    as they are); after every op, ``compare(context, op, expected, got)`` checks each candidate's
+    result against the truth's and raises ``AssertionError`` naming ``context`` (the step, the
+    op, the candidate) on the first difference. Returns the number of steps run. The project's
+    lockstep tests feed it the adapters' caches, ``benchmarks/gpu_check.py`` the steps of its
+    compiled scans."""
     truth = iter(truth)
     runs = {name: iter(results) for name, results in candidates.items()}
     index = -1
-    for index, (kind, args) in enumerate(ops):
+    for index, op in enumerate(ops):
         expected = next(truth)
         for name, results in runs.items():
-            compare(f"op {index} {describe(kind, args)} on {name}", (kind, args), expected,
-                    next(results))
+            compare(f"op {index} {describe(op)} on {name}", op, expected, next(results))
     return index + 1

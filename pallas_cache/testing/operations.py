@@ -3,19 +3,16 @@
 A test draws a list of these records (:func:`pallas_cache.testing.strategies.operations`),
 prints it when it fails (each is a frozen dataclass of Python ints, strings and tuples), and runs
 it with :func:`run_operation`; another implementation (the NumPy reference) can run the same
-records. No hypothesis here: the records and the driver need only the library.
+records: each record applies itself (:meth:`Operation.apply`) through the functions of the side
+it is given. No hypothesis here, and no JAX at import: the library loads when a record runs.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Union
+from typing import Any, Callable, ClassVar
 
-import numpy as np
-
-import pallas_cache as pc
-from pallas_cache import validate
-from pallas_cache.state import CacheState
+import pallas_cache as pc  # its names load on first use: nothing here reads one at import
 
 __all__ = [
     "BeginPrefill",
@@ -28,8 +25,13 @@ __all__ = [
     "PolicySpec",
     "PrefetchPrefill",
     "ReleasePrefill",
+    "Rebuild",
     "Reset",
+    "ResetRouting",
+    "ResetStats",
     "Resize",
+    "SetCollectRouting",
+    "StartToken",
     "run_operation",
     "run_operations",
 ]
@@ -56,6 +58,8 @@ class Geometry:
         """The static checks :func:`pallas_cache.init` makes, when the record is made (so a
         strategy or a lockstep run over it never starts): TypeError/ValueError naming the
         field."""
+        from pallas_cache import validate
+
         L, E, S, C = (validate.positive_int(name, getattr(self, name)) for name in (
             "num_layers", "num_experts", "cache_size", "capacity"))
         if S < E:
@@ -65,7 +69,7 @@ class Geometry:
         validate.positive_int("history", self.history)
         pc.evictions.coerce(self.eviction)
 
-    def init(self) -> CacheState:
+    def init(self) -> pc.CacheState:
         """A cold :class:`~pallas_cache.CacheState` of this geometry."""
         return pc.init(self.num_layers, self.num_experts, self.cache_size,
                        capacity=self.capacity, eviction=self.eviction, history=self.history)
@@ -89,27 +93,66 @@ class PolicySpec:
             raise ValueError(f"unknown policy kind {self.kind!r}; expected one of "
                              f"{', '.join(POLICY_KINDS)}")
 
-    def build(self) -> pc.FetchPolicy:
-        """The :class:`~pallas_cache.FetchPolicy` this spec names."""
-        if self.kind == "fraction":
-            return pc.FetchPolicy.fraction(self.value)
-        if self.kind == "fixed_cap":
-            return pc.FetchPolicy.fixed_cap(self.value)
-        if self.kind == "full":
-            return pc.FetchPolicy.full()
-        raise ValueError(f"unknown policy kind {self.kind!r}; expected fraction, fixed_cap, full")
+    def build(self, policy: Any = None) -> Any:
+        """The :class:`~pallas_cache.FetchPolicy` this spec names, or ``policy``'s: a class with
+        the same constructors (``fraction``, ``fixed_cap``, ``full``), e.g. the reference's
+        ``ReferencePolicy``."""
+        make = pc.FetchPolicy if policy is None else policy
+        return make.full() if self.kind == "full" else getattr(make, self.kind)(self.value)
+
+
+def _as_written(routes: Any) -> Any:
+    """The record's routes as the library takes them: the nested tuple itself, read exactly by
+    ``pc.ensure`` (a float or bool refused, an id outside int32 refused with ERR_EXPERT_ID), as
+    the reference reads it; a cast here would wrap ``2**31`` or truncate ``1.7``."""
+    return routes
 
 
 @dataclasses.dataclass(frozen=True)
-class Ensure:
+class Operation:
+    """A cache operation as plain data, the base of the records below: ``op.apply(api, state)``
+    runs it through ``api``, the library (``pallas_cache``) or its twin
+    (``pallas_cache.reference``), which name and take the operations alike (any object with
+    those functions will do: the project's tests pass their adapters)."""
+
+    #: The function of ``api`` the record calls with the state and its fields, in order (the
+    #: records whose call is not that name their own ``_call``).
+    _function: ClassVar[str] = ""
+    #: Whether the operation returns ``(state, plan)``; else it returns the state alone.
+    _returns_plan: ClassVar[bool] = True
+
+    def apply(self, api: Any, state: Any, *, routes: Callable[[Any], Any] | None = None,
+              policy: Callable[[PolicySpec], Any] | None = None, **ensure_options: Any
+              ) -> tuple[Any, Any]:
+        """``(new_state, plan)``, ``plan`` None for the operations that return only a state.
+        ``routes`` and ``policy`` build ``api``'s routes array and fetch policy from the
+        record's (default: the routes as written, :meth:`PolicySpec.build`);
+        ``ensure_options`` (``backend=``) go to the ensure calls only."""
+        out = self._call(api, state, routes or _as_written, policy or PolicySpec.build,
+                         ensure_options)
+        return out if self._returns_plan else (out, None)
+
+    def _call(self, api: Any, state: Any, routes: Callable[[Any], Any],
+              policy: Callable[[PolicySpec], Any], ensure_options: dict[str, Any]) -> Any:
+        if not self._function:
+            raise TypeError(f"not a cache operation record: {self!r}")
+        fields = (getattr(self, field.name) for field in dataclasses.fields(self))
+        return getattr(api, self._function)(state, *fields)
+
+
+@dataclasses.dataclass(frozen=True)
+class Ensure(Operation):
     """``pc.ensure(state, layer, routes)``; ``routes`` a nested tuple of ints (-1 = padding)."""
 
     layer: int
     routes: tuple
 
+    def _call(self, api, state, routes, policy, ensure_options):
+        return api.ensure(state, self.layer, routes(self.routes), **ensure_options)
+
 
 @dataclasses.dataclass(frozen=True)
-class EnsureHybrid:
+class EnsureHybrid(Operation):
     """``pc.ensure_hybrid(state, layer, routes, policy.build(), order=..., admission=...)``."""
 
     layer: int
@@ -118,104 +161,150 @@ class EnsureHybrid:
     order: str = "recency"
     admission: str = "promote_one"
 
+    def _call(self, api, state, routes, policy, ensure_options):
+        return api.ensure_hybrid(state, self.layer, routes(self.routes), policy(self.policy),
+                                 order=self.order, admission=self.admission, **ensure_options)
+
 
 @dataclasses.dataclass(frozen=True)
-class Materialize:
+class Materialize(Operation):
     """``pc.materialize_layer(state, layer)``."""
 
     layer: int
 
+    _function: ClassVar[str] = "materialize_layer"
+
 
 @dataclasses.dataclass(frozen=True)
-class Forget:
+class Forget(Operation):
     """``pc.forget_slot(state, slot)``."""
 
     slot: int
 
+    _function: ClassVar[str] = "forget_slot"
+
 
 @dataclasses.dataclass(frozen=True)
-class Resize:
+class Resize(Operation):
     """``pc.resize(state, cache_size)``."""
 
     cache_size: int
 
+    _function: ClassVar[str] = "resize"
+
 
 @dataclasses.dataclass(frozen=True)
-class Reset:
+class Rebuild(Operation):
+    """``pc.rebuild(state, cache_size, capacity=capacity)`` (no plan; host-side: the shapes
+    change). ``capacity`` None: the call's default (the new ``cache_size``). A size below one
+    layer raises ``RebuildRejected``."""
+
+    cache_size: int
+    capacity: int | None = None
+
+    _returns_plan: ClassVar[bool] = False
+
+    def _call(self, api, state, routes, policy, ensure_options):
+        options = {} if self.capacity is None else {"capacity": self.capacity}
+        return api.rebuild(state, self.cache_size, **options)
+
+
+@dataclasses.dataclass(frozen=True)
+class Reset(Operation):
     """``pc.reset(state)`` (no plan)."""
 
+    _function: ClassVar[str] = "reset"
+    _returns_plan: ClassVar[bool] = False
+
 
 @dataclasses.dataclass(frozen=True)
-class BeginPrefill:
+class ResetStats(Operation):
+    """``pc.reset_stats(state)`` (no plan)."""
+
+    _function: ClassVar[str] = "reset_stats"
+    _returns_plan: ClassVar[bool] = False
+
+
+@dataclasses.dataclass(frozen=True)
+class ResetRouting(Operation):
+    """``pc.reset_routing(state)`` (no plan)."""
+
+    _function: ClassVar[str] = "reset_routing"
+    _returns_plan: ClassVar[bool] = False
+
+
+@dataclasses.dataclass(frozen=True)
+class SetCollectRouting(Operation):
+    """``pc.set_collect_routing(state, on)`` (no plan)."""
+
+    on: bool
+
+    _function: ClassVar[str] = "set_collect_routing"
+    _returns_plan: ClassVar[bool] = False
+
+
+@dataclasses.dataclass(frozen=True)
+class StartToken(Operation):
+    """``pc.evictions.start_token(state)`` (no plan): the next accepted call starts a token
+    (the ROUTE_* evictions; the others leave the state as it is). ``api.start_token`` where
+    ``api`` has one (the reference), else ``api.evictions.start_token`` (the library)."""
+
+    _returns_plan: ClassVar[bool] = False
+
+    def _call(self, api, state, routes, policy, ensure_options):
+        start = api.start_token if hasattr(api, "start_token") else api.evictions.start_token
+        return start(state)
+
+
+@dataclasses.dataclass(frozen=True)
+class BeginPrefill(Operation):
     """``pc.begin_prefill(state)`` (no plan)."""
 
+    _function: ClassVar[str] = "begin_prefill"
+    _returns_plan: ClassVar[bool] = False
+
 
 @dataclasses.dataclass(frozen=True)
-class PrefetchPrefill:
+class PrefetchPrefill(Operation):
     """``pc.prefetch_prefill_layer(state, layer, bank_feat_bytes)``."""
 
     layer: int
     bank_feat_bytes: tuple[int, ...] = (4096,)
 
+    _function: ClassVar[str] = "prefetch_prefill_layer"
+
 
 @dataclasses.dataclass(frozen=True)
-class ReleasePrefill:
+class ReleasePrefill(Operation):
     """``pc.release_prefill_layer(state, layer)`` (no plan)."""
 
     layer: int
 
-
-Operation = Union[Ensure, EnsureHybrid, Materialize, Forget, Resize, Reset, BeginPrefill,
-                  PrefetchPrefill, ReleasePrefill]
-
-
-def _routes(routes: tuple) -> tuple:
-    """The record's routes as the library takes them: the nested tuple itself, read exactly by
-    ``pc.ensure`` (a float or bool refused, an id outside int32 refused with ERR_EXPERT_ID), as
-    the reference reads it; a cast here would wrap ``2**31`` or truncate ``1.7``."""
-    return routes
+    _function: ClassVar[str] = "release_prefill_layer"
+    _returns_plan: ClassVar[bool] = False
 
 
-def run_operation(state: CacheState, op: Operation, *, backend: str | None = None
-                  ) -> tuple[CacheState, Any]:
+def run_operation(state: pc.CacheState, op: Operation, *, backend: str | None = None
+                  ) -> tuple[pc.CacheState, Any]:
     """Run one operation record on the library: ``(new_state, plan)``, ``plan`` None for the
     operations that return only a state (reset, begin/release prefill). ``backend`` goes to the
     ensure calls."""
-    return apply_operation(pc, state, op, routes=_routes, policy=PolicySpec.build,
-                           backend=backend)
+    return apply_operation(pc, state, op, backend=backend)
 
 
-def apply_operation(api: Any, state: Any, op: Operation, *, routes: Callable[[tuple], Any],
-                    policy: Callable[[PolicySpec], Any], **ensure_options: Any
+def apply_operation(api: Any, state: Any, op: Operation, *,
+                    routes: Callable[[Any], Any] | None = None,
+                    policy: Callable[[PolicySpec], Any] | None = None, **ensure_options: Any
                     ) -> tuple[Any, Any]:
-    """One operation record through ``api``: the library (``pallas_cache``) or its twin
-    (``pallas_cache.reference``), which name and take the operations alike. ``routes`` and
-    ``policy`` build that side's routes array and fetch policy; ``ensure_options`` go to the
-    ensure calls only."""
-    if isinstance(op, Ensure):
-        return api.ensure(state, op.layer, routes(op.routes), **ensure_options)
-    if isinstance(op, EnsureHybrid):
-        return api.ensure_hybrid(state, op.layer, routes(op.routes), policy(op.policy),
-                                 order=op.order, admission=op.admission, **ensure_options)
-    if isinstance(op, Materialize):
-        return api.materialize_layer(state, op.layer)
-    if isinstance(op, Forget):
-        return api.forget_slot(state, op.slot)
-    if isinstance(op, Resize):
-        return api.resize(state, op.cache_size)
-    if isinstance(op, Reset):
-        return api.reset(state), None
-    if isinstance(op, BeginPrefill):
-        return api.begin_prefill(state), None
-    if isinstance(op, PrefetchPrefill):
-        return api.prefetch_prefill_layer(state, op.layer, op.bank_feat_bytes)
-    if isinstance(op, ReleasePrefill):
-        return api.release_prefill_layer(state, op.layer), None
-    raise TypeError(f"not a cache operation record: {op!r}")
+    """``op.apply(api, state, ...)`` (:meth:`Operation.apply`), after checking that ``op`` is
+    an operation record (TypeError otherwise)."""
+    if not isinstance(op, Operation):
+        raise TypeError(f"not a cache operation record: {op!r}")
+    return op.apply(api, state, routes=routes, policy=policy, **ensure_options)
 
 
-def run_operations(state: CacheState, ops: list[Operation] | tuple[Operation, ...], *,
-                   backend: str | None = None) -> list[tuple[CacheState, Any]]:
+def run_operations(state: pc.CacheState, ops: list[Operation] | tuple[Operation, ...], *,
+                   backend: str | None = None) -> list[tuple[pc.CacheState, Any]]:
     """Run a sequence; returns ``(state, plan)`` after every operation, in order."""
     results = []
     for op in ops:

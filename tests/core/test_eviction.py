@@ -18,7 +18,8 @@ from tests.harness import (ADAPTER, assert_same, deep_only, evictions_under_test
                       valid)
 from pallas_cache import evictions, reference
 from pallas_cache.reference import ReferenceCache, ReferencePolicy
-from tests.lockstep.test_lockstep import assert_same_caches, build_policy, run_lockstep
+from pallas_cache.testing.operations import EnsureHybrid, PolicySpec
+from tests.lockstep.test_lockstep import assert_same_caches, run_lockstep
 from tests.kernels.test_loop_free import primitives, trace
 from tests.toy_policies import MRU, REFERENCE_MRU
 
@@ -71,12 +72,11 @@ def test_pair_lfu_long_run_across_the_clock_rebase_matches_the_reference():
     for step in range(240):
         layer = int(rng.integers(L))
         routes = rng.integers(-1, E, size=5).astype(np.int32)
-        spec = (("fraction", 0.4), ("fixed_cap", 1), ("full", None))[step % 3]
+        spec = (PolicySpec("fraction", 0.4), PolicySpec("fixed_cap", 1), PolicySpec("full"))[
+            step % 3]
+        op = EnsureHybrid(layer, routes, spec, "recency", "promote_one" if step % 2 else "none")
         before = int(ref.state.step)
-        plan = cache.ensure_hybrid(layer, routes, build_policy(cache, spec), order="recency",
-                                   admission="promote_one" if step % 2 else "none")
-        expected = ref.ensure_hybrid(layer, routes, build_policy(ref, spec), order="recency",
-                                     admission="promote_one" if step % 2 else "none")
+        plan, expected = cache.apply(op), ref.apply(op)
         rebased += int(ref.state.step) <= before
         assert_same(plan, expected, f"step {step}")
         if step % 13 == 0:

@@ -14,10 +14,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tests import harness as lockstep  # the lockstep operations (steps, do) and driver (run)
 from tests.harness import (ADAPTER, PROFILE, assert_invariants, assert_same, entries, resident_slots,
-                      slot_of, valid)
+                      slot_of, steps, valid)
 from pallas_cache import reference
+from pallas_cache.testing import lockstep
+from pallas_cache.testing.operations import (BeginPrefill, Ensure, EnsureHybrid, Forget,
+                                             Materialize, PolicySpec, PrefetchPrefill,
+                                             ReleasePrefill)
 from pallas_cache.sizing import scenarios
 from pallas_cache.state import Clock
 
@@ -643,8 +646,12 @@ SMALL_BANK = 4 * 1024
 # ---- the int32 clock (docs/semantics.md §5.12) ------------------------------------------------
 
 
-def random_ops(seed, num_layers, num_experts, steps):
-    """A reproducible list of mixed decode operations (those that advance the clock)."""
+POLICIES = {"fraction": PolicySpec("fraction", 0.4), "fixed_cap": PolicySpec("fixed_cap", 1),
+            "full": PolicySpec("full")}
+
+
+def random_ops(seed, num_layers, num_experts, cache_size, steps):
+    """A reproducible list of mixed decode operation records (those that advance the clock)."""
     rng = random.Random(seed)
     ops = []
     for _ in range(steps):
@@ -652,28 +659,17 @@ def random_ops(seed, num_layers, num_experts, steps):
         routes = [rng.randrange(-1, num_experts) for _ in range(rng.randint(1, 6))]
         kind = rng.random()
         if kind < 0.3:
-            ops.append(("ensure", layer, routes))
+            ops.append(Ensure(layer, routes))
         elif kind < 0.9:
-            ops.append(("hybrid", layer, routes, rng.choice(["fraction", "fixed_cap", "full"]),
-                        rng.choice(["recency", "lowest_id"]),
-                        rng.choice(["promote_one", "none", "reuse"])))
+            ops.append(EnsureHybrid(layer, routes,
+                                    POLICIES[rng.choice(["fraction", "fixed_cap", "full"])],
+                                    rng.choice(["recency", "lowest_id"]),
+                                    rng.choice(["promote_one", "none", "reuse"])))
         elif kind < 0.95:
-            ops.append(("materialize", layer))
+            ops.append(Materialize(layer))
         else:
-            ops.append(("forget", rng.randrange(num_layers * num_experts)))
+            ops.append(Forget(rng.randrange(num_layers * num_experts) % cache_size))
     return ops
-
-
-def apply(adapter, c, op):
-    if op[0] == "ensure":
-        return c.ensure(op[1], op[2])
-    if op[0] == "hybrid":
-        P = adapter.Policy
-        policy = {"fraction": P.fraction(0.4), "fixed_cap": P.fixed_cap(1), "full": P.full()}[op[3]]
-        return c.ensure_hybrid(op[1], op[2], policy, order=op[4], admission=op[5])
-    if op[0] == "materialize":
-        return c.materialize_layer(op[1])
-    return c.forget_slot(op[1] % c.state.cache_size)
 
 
 def same_order(a, b):
@@ -691,12 +687,13 @@ def test_a_rebased_run_makes_exactly_the_decisions_of_an_unrebased_one(adapter, 
     REUSE flip) or maps live stamps onto the sentinels 0 / -1."""
     if adapter.is_jax and seed and PROFILE != "deep":
         pytest.skip("ci profile: one sequence per JAX adapter (the lockstep suite crosses rebases too)")
-    ops = random_ops(seed, num_layers=3, num_experts=5, steps=400 if not adapter.is_jax else 150)
+    ops = random_ops(seed, num_layers=3, num_experts=5, cache_size=8,
+                     steps=400 if not adapter.is_jax else 150)
     plain = adapter.cache(3, 5, 8)
     rebased = adapter.cache(3, 5, 8, rebase_threshold=40)
     bound = max(40, 8 + 3 * 5 + 1) + 1
     for i, op in enumerate(ops):
-        assert_same(apply(adapter, plain, op), apply(adapter, rebased, op), f"op {i} {op}")
+        assert_same(plain.apply(op), rebased.apply(op), f"op {i} {op}")
         a, b = plain.state, rebased.state
         np.testing.assert_array_equal(a.residency.slot_for_id, b.residency.slot_for_id)
         np.testing.assert_array_equal(a.residency.id_of_slot, b.residency.id_of_slot)
@@ -729,16 +726,17 @@ def test_a_cache_just_below_the_default_threshold_runs_across_it(adapter):
     """FAILS if the clock wraps or if the renumbering changes any decision: the same run from a
     clock shifted to just below 2**30 crosses the threshold and decides exactly as the unshifted
     run, with forgotten slots and never-routed experts alive at the time."""
-    ops = random_ops(7, num_layers=3, num_experts=5, steps=60)  # the geometry above: no new compiles
+    # The geometry above: no new compiles.
+    ops = random_ops(7, num_layers=3, num_experts=5, cache_size=8, steps=60)
     plain, shifted = adapter.cache(3, 5, 8), adapter.cache(3, 5, 8)
     for op in ops[:20]:
-        apply(adapter, plain, op)
-        apply(adapter, shifted, op)
+        plain.apply(op)
+        shifted.apply(op)
     plain.forget_slot(1)
     shifted.forget_slot(1)
     shift_clock(shifted, 2**30 - 3 - int(shifted.state.step))
     for i, op in enumerate(ops[20:]):
-        assert_same(apply(adapter, plain, op), apply(adapter, shifted, op), f"op {i}")
+        assert_same(plain.apply(op), shifted.apply(op), f"op {i}")
         assert shifted.state.step < 2**31 - 1
         assert same_order(stamps(plain.state), stamps(shifted.state)), f"order changed at op {i}"
     assert shifted.state.step < 100, "the clock was renumbered"
@@ -1085,22 +1083,19 @@ def test_interleaved_decode_and_prefill_gather_only_resident_rows(calls):
     does not hold the expert, or if the JAX functions and the reference disagree on a plan or
     a state field."""
     L, E, S = 4, 4, 10
-    ops = [("begin_prefill", {})]
-    for kind, layer, ids in calls:
-        args = {} if kind == "begin_prefill" else {"layer": layer}
-        if kind == "ensure":
-            args["routes"] = np.asarray(ids, np.int32)
-        if kind == "prefetch_prefill_layer":
-            args["banks"] = STALE_BANKS
-        ops.append((kind, args))
+    records = {"ensure": lambda layer, ids: Ensure(layer, np.asarray(ids, np.int32)),
+               "prefetch_prefill_layer": lambda layer, _: PrefetchPrefill(layer, STALE_BANKS),
+               "release_prefill_layer": lambda layer, _: ReleasePrefill(layer),
+               "begin_prefill": lambda *_: BeginPrefill()}
+    ops = [BeginPrefill()] + [records[kind](layer, ids) for kind, layer, ids in calls]
     ref, cache = ADAPTER["reference"].cache(L, E, S), ADAPTER["jax-eager"].cache(L, E, S)
     resident = [ref.state.residency.id_of_slot]
 
     def compare(context, op, expected, got):
-        (kind, args), (theirs, truth), (mine, jax_cache) = op, expected, got
-        if kind == "prefetch_prefill_layer":
+        (theirs, truth), (mine, jax_cache) = expected, got
+        if isinstance(op, PrefetchPrefill):
             for dst, src in gathers(theirs):
-                assert resident[0][src] == args["layer"] * E + dst % E, \
+                assert resident[0][src] == op.layer * E + dst % E, \
                     f"{context}: a gather reads slot {src}, which holds {resident[0][src]}"
         if mine is None:
             assert theirs is None, context
@@ -1109,5 +1104,4 @@ def test_interleaved_decode_and_prefill_gather_only_resident_rows(calls):
         assert_same(jax_cache.state, truth.state, context)
         resident[0] = truth.state.residency.id_of_slot
 
-    lockstep.run(ops, lockstep.steps(ref, ops), {"jax-eager": lockstep.steps(cache, ops)},
-                 compare)
+    lockstep.run(ops, steps(ref, ops), {"jax-eager": steps(cache, ops)}, compare)

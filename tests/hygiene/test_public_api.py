@@ -124,21 +124,38 @@ def test_the_testing_extra_is_in_the_test_extra():
     assert set(extras["testing"]) <= set(extras["test"])
 
 
-def test_only_the_strategies_module_imports_hypothesis():
-    """FAILS if importing pallas_cache or pallas_cache.testing needs hypothesis (the core
-    install has none): a fresh interpreter imports both with hypothesis blocked."""
+def _fresh_python(code: str) -> str:
+    """What ``code`` prints in a fresh interpreter (which must exit 0)."""
     import subprocess
     import sys
 
-    code = ("import sys; sys.modules['hypothesis'] = None\n"
-            "import pallas_cache, pallas_cache.testing\n"
-            "from pallas_cache.testing import moe_dense, check_plan, assert_states_equal\n"
-            "try:\n    import pallas_cache.testing.strategies\nexcept ImportError:\n"
-            "    print('blocked')\n")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, cwd=ROOT)
     assert run.returncode == 0, run.stderr
-    assert run.stdout.strip() == "blocked"
+    return run.stdout.strip()
+
+
+def test_only_the_strategies_module_imports_hypothesis():
+    """FAILS if importing pallas_cache or pallas_cache.testing needs hypothesis (the core
+    install has none): a fresh interpreter imports both with hypothesis blocked."""
+    assert _fresh_python(
+        "import sys; sys.modules['hypothesis'] = None\n"
+        "import pallas_cache, pallas_cache.testing\n"
+        "from pallas_cache.testing import moe_dense, check_plan, assert_states_equal\n"
+        "try:\n    import pallas_cache.testing.strategies\nexcept ImportError:\n"
+        "    print('blocked')\n") == "blocked"
+
+
+def test_the_lockstep_module_imports_no_jax():
+    """FAILS if importing ``pallas_cache.testing.lockstep`` imports JAX (NumPy only at import:
+    the functions that run the library import it): a fresh interpreter imports it, and the kit's
+    package, with JAX still unloaded. ``import pallas_cache`` loads its names on first use, so a
+    module-level read of one (``pc.Eviction``) imports JAX too."""
+    assert _fresh_python(
+        "import sys\n"
+        "import pallas_cache.testing.lockstep\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib'))[:3])\n"
+    ) == "[]"
 
 
 def test_reprs_are_short_and_name_shapes_and_counters():

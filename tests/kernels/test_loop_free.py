@@ -12,6 +12,7 @@ from jax.extend import core as jex_core
 import pytest
 
 import pallas_cache as pc
+from benchmarks.lowering import count_ops
 from pallas_cache.ops import Rules, ensure_with_rules
 
 L, E, S, K = 4, 16, 32, 8
@@ -157,9 +158,10 @@ def test_static_rules_compile_away():
 def test_lowered_programs_shrink_with_the_rules():
     """FAILS if the lowered (StableHLO) program of plain ``ensure`` or of ``Admission.NONE`` is as
     large as the one with PROMOTE_ONE / REUSE, i.e. if the unused paths still reach the compiled
-    program (as they did when the core took the rules as traced flags)."""
+    program (as they did when the core took the rules as traced flags). Counted by the one op
+    counter, ``benchmarks.lowering.count_ops`` (docs/semantics.md §7's rule)."""
     def size(fn):
-        return jax.jit(fn).lower(STATE, LAYER, ROUTES).as_text().count("stablehlo.")
+        return count_ops(jax.jit(fn).lower(STATE, LAYER, ROUTES).as_text())[1]
 
     hybrid = lambda admission: size(lambda s, l, r: pc.ensure_hybrid(
         s, l, r, POLICY, admission=admission, backend="xla"))

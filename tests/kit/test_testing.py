@@ -415,7 +415,10 @@ def test_each_operation_record_runs_its_own_operation_on_both_sides():
     from pallas_cache import reference
     from pallas_cache.testing import operations as ops
 
-    lib, ref = pc.init(2, 4, 6), reference.init(2, 4, 6)
+    # A ring eviction collecting routing, so that every record below changes the state.
+    options = {"eviction": "route_knn", "history": 2}
+    lib = pc.set_collect_routing(pc.init(2, 4, 6, **options), True)
+    ref = reference.set_collect_routing(reference.init(2, 4, 6, **options), True)
     lib, _ = pc.ensure(lib, 0, np.array([1, 2], np.int32))
     ref, _ = reference.ensure(ref, 0, np.array([1, 2], np.int64))
     slot = int(np.asarray(lib.residency.slot_for_id)[0, 1])
@@ -425,7 +428,18 @@ def test_each_operation_record_runs_its_own_operation_on_both_sides():
               lambda s: reference.resize(s, 4)),
              (ops.Materialize(layer=1), lambda s: pc.materialize_layer(s, 1),
               lambda s: reference.materialize_layer(s, 1)),
-             (ops.Reset(), lambda s: (pc.reset(s), None), lambda s: (reference.reset(s), None))]
+             (ops.Reset(), lambda s: (pc.reset(s), None), lambda s: (reference.reset(s), None)),
+             (ops.ResetStats(), lambda s: (pc.reset_stats(s), None),
+              lambda s: (reference.reset_stats(s), None)),
+             (ops.ResetRouting(), lambda s: (pc.reset_routing(s), None),
+              lambda s: (reference.reset_routing(s), None)),
+             (ops.SetCollectRouting(on=False), lambda s: (pc.set_collect_routing(s, False), None),
+              lambda s: (reference.set_collect_routing(s, False), None)),
+             (ops.StartToken(), lambda s: (pc.evictions.start_token(s), None),
+              lambda s: (reference.start_token(s), None)),
+             (ops.Rebuild(cache_size=5, capacity=7),
+              lambda s: (pc.rebuild(s, 5, capacity=7), None),
+              lambda s: (reference.rebuild(s, 5, capacity=7), None))]
     for record, on_lib, on_ref in cases:
         got, want = pct.run_operation(lib, record), on_lib(lib)
         pct.assert_states_equal(got[0], want[0])
@@ -483,6 +497,20 @@ def test_assert_lockstep_sees_a_float_id_the_library_refuses_eager_or_jitted(mon
     with pytest.raises(AssertionError, match=r"^op 0 Ensure\(layer=0, routes=\(1.7, 1\)\) on "
                        r"xla.*: the library refused it \(TypeError: .*\) but the reference ran"):
         pct.assert_lockstep([pct.Ensure(0, (1.7, 1))], geometry=GEOMETRY, jit=jit)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_assert_lockstep_runs_the_bookkeeping_records_and_a_rejected_rebuild(jit):
+    """FAILS if the stats, routing, token and rebuild records do not run on both sides (eager or
+    jitted), or if a rebuild below one layer, which each side refuses with its own
+    ``RebuildRejected`` (the reference's is a twin, not the library's class), counts as refused
+    differently."""
+    sequence = [pct.Ensure(0, (1, 2)), pct.SetCollectRouting(True), pct.Ensure(1, (0, 3)),
+                pct.StartToken(), pct.Ensure(1, (2,)), pct.ResetStats(), pct.ResetRouting(),
+                pct.Rebuild(3), pct.Ensure(0, (1,)), pct.Rebuild(5, capacity=6),
+                pct.Ensure(1, (3, 0))]
+    geometry = pct.Geometry(2, 4, 6, 6, eviction="route_knn", history=2)
+    assert pct.assert_lockstep(sequence, geometry=geometry, jit=jit) == len(sequence)
 
 
 def test_assert_lockstep_names_a_refusal_on_one_side_only(monkeypatch):

@@ -1,5 +1,6 @@
 """Lockstep property tests: the JAX cache against the NumPy reference, whole states and plans
-after every step (tests/lockstep.py drives them): plain pools, a capacity above the usable size
+after every step (operation records of pallas_cache.testing, run by tests/harness.py's
+``steps`` and pallas_cache.testing.lockstep's ``run``): plain pools, a capacity above the usable size
 against a pool of that size, and ``resize`` interleaved with every other operation."""
 
 from __future__ import annotations
@@ -11,9 +12,13 @@ import pytest
 from hypothesis import event, given
 from hypothesis import strategies as st
 
-from tests import harness as lockstep  # the lockstep operations (steps, do) and driver (run)
 import pallas_cache as pc
 from pallas_cache import reference
+from pallas_cache.testing import lockstep
+from pallas_cache.testing.operations import (BeginPrefill, Ensure, EnsureHybrid, Forget,
+                                             Materialize, PolicySpec, PrefetchPrefill, Rebuild,
+                                             ReleasePrefill, Reset, ResetRouting, ResetStats,
+                                             Resize, SetCollectRouting, StartToken)
 from tests.harness import (
     ADAPTER,
     assert_invariants,
@@ -22,8 +27,8 @@ from tests.harness import (
     entries,
     evictions_under_test,
     examples,
+    steps,
 )
-from tests.harness import build_policy
 
 BIG_BANK = 512 * 1024
 SMALL_BANK = 4 * 1024
@@ -69,7 +74,7 @@ def assert_same_caches(cache, ref, context):
 
 
 def assert_same_outcome(mine, theirs, context):
-    """Two outcomes of :func:`lockstep.do`: equal plans, or the same static error (or None)."""
+    """Two outcomes of ``Cache.apply``: equal plans, or the same static error (or None)."""
     if mine is None or isinstance(mine, str) or theirs is None or isinstance(theirs, str):
         assert mine == theirs, context
     else:
@@ -78,12 +83,13 @@ def assert_same_outcome(mine, theirs, context):
 
 def compare_caches(context, op, expected, got):
     """The plain lockstep: the same outcome, the same whole state, the invariants."""
-    (kind, args), (theirs, ref), (mine, cache) = op, expected, got
+    (theirs, ref), (mine, cache) = expected, got
     assert_same_outcome(mine, theirs, context)
-    if kind in ("ensure", "ensure_hybrid") and not isinstance(mine, str):
-        assert_plan_well_formed(mine, args["routes"], cache.state.num_experts)
-    if kind == "prefetch_prefill_layer" and not isinstance(mine, str):
-        assert entries(mine, args["banks"]) == entries(theirs, args["banks"]), context
+    if isinstance(op, (Ensure, EnsureHybrid)) and not isinstance(mine, str):
+        assert_plan_well_formed(mine, op.routes, cache.state.num_experts)
+    if isinstance(op, PrefetchPrefill) and not isinstance(mine, str):
+        banks = op.bank_feat_bytes
+        assert entries(mine, banks) == entries(theirs, banks), context
     assert_same_caches(cache, ref, context)
     assert cache.prefill_overlap_fits() == ref.prefill_overlap_fits(), context
 
@@ -144,19 +150,21 @@ def whole_layer(E, shape):
 
 
 def draw_policy(data, E):
-    """A policy spec ``(kind, argument)``; each side builds its own from it."""
+    """A :class:`PolicySpec`; each side builds its own policy from it."""
     kind = data.draw(st.sampled_from(["fraction", "fraction", "fixed_cap", "full"]), label="policy")
     if kind == "fraction":
-        return kind, data.draw(st.one_of(st.sampled_from(QUICK_FRACTIONS), st.floats(0.0, 1.0)), label="q")
+        return PolicySpec(kind, data.draw(st.one_of(st.sampled_from(QUICK_FRACTIONS),
+                                                    st.floats(0.0, 1.0)), label="q"))
     if kind == "fixed_cap":
-        return kind, data.draw(st.integers(0, E + 1), label="cap")
-    return kind, None
+        return PolicySpec(kind, data.draw(st.integers(0, E + 1), label="cap"))
+    return PolicySpec(kind)
 
 
+#: The record kinds a sequence draws, weighted by repetition.
 BASE_OPS = (
-    ["ensure"] * 4 + ["ensure_hybrid"] * 8 + ["begin_prefill"] * 2 + ["prefetch_prefill_layer"] * 3
-    + ["release_prefill_layer"] * 2 + ["materialize_layer", "forget_slot", "reset", "reset_stats",
-                                       "set_collect_routing", "reset_routing"]
+    [Ensure] * 4 + [EnsureHybrid] * 8 + [BeginPrefill] * 2 + [PrefetchPrefill] * 3
+    + [ReleasePrefill] * 2 + [Materialize, Forget, Reset, ResetStats, SetCollectRouting,
+                              ResetRouting]
 )
 ORDERS = ("recency", "lowest_id")
 ADMISSIONS = ("promote_one", "none", "reuse")
@@ -174,36 +182,37 @@ def eviction_options(data, eviction):
     options, extra = {"eviction": eviction}, []
     if eviction in RING_EVICTIONS:
         options["history"] = data.draw(st.sampled_from((1, 3, 6)), label="history")
-        extra = ["start_token"] * 2
+        extra = [StartToken] * 2
     allows_reuse = pc.evictions.coerce(eviction).allows_reuse
     return options, ADMISSIONS if allows_reuse else ("promote_one", "none"), extra
 
 
-def draw_op(data, kinds, L, E, C, route_shape, admissions, rebuild_sizes):
-    """One operation ``(kind, args)`` on a pool of ``C`` slots; bad layers, ids, slots, sizes
-    and rebuild targets included."""
+def draw_op(data, kinds, L, E, C, route_shape, admissions, rebuild_sizes, capacity=None):
+    """One operation record of a kind in ``kinds`` (record classes) on a pool of ``C`` slots;
+    bad layers, ids, slots, sizes and rebuild targets included. ``capacity``: a rebuild's."""
     kind = data.draw(st.sampled_from(kinds), label="op")
-    args = {}
-    if kind in ("ensure", "ensure_hybrid", "materialize_layer", "release_prefill_layer",
-                "prefetch_prefill_layer"):
-        args["layer"] = draw_layer(data, L)
-    if kind in ("ensure", "ensure_hybrid"):
-        args["routes"] = draw_routes(data, E, route_shape)
-    if kind == "ensure_hybrid":
-        args["policy"] = draw_policy(data, E)
-        args["order"] = data.draw(st.sampled_from(ORDERS), label="order")
-        args["admission"] = data.draw(st.sampled_from(admissions), label="admission")
-    if kind == "prefetch_prefill_layer":
-        args["banks"] = data.draw(st.sampled_from(BANK_CHOICES), label="banks")
-    if kind == "forget_slot":  # unusable slots (>= the usable size) included: ERR_SLOT
-        args["slot"] = data.draw(st.sampled_from(list(range(C)) * 2 + [-1, C]), label="slot")
-    if kind == "set_collect_routing":
-        args["on"] = data.draw(st.booleans(), label="collect")
-    if kind == "resize":  # refused targets too: below E, above C, negative
-        args["size"] = data.draw(st.sampled_from(list(range(E - 1, C + 2)) + [-1]), label="size")
-    if kind == "rebuild":
-        args["size"] = data.draw(st.sampled_from(rebuild_sizes), label="rebuild to")
-    return kind, args
+    if kind in (Ensure, EnsureHybrid, Materialize, ReleasePrefill, PrefetchPrefill):
+        layer = draw_layer(data, L)
+    if kind is Ensure:
+        return Ensure(layer, draw_routes(data, E, route_shape))
+    if kind is EnsureHybrid:
+        routes, policy = draw_routes(data, E, route_shape), draw_policy(data, E)
+        order = data.draw(st.sampled_from(ORDERS), label="order")
+        return EnsureHybrid(layer, routes, policy, order,
+                            data.draw(st.sampled_from(admissions), label="admission"))
+    if kind is PrefetchPrefill:
+        return PrefetchPrefill(layer, data.draw(st.sampled_from(BANK_CHOICES), label="banks"))
+    if kind in (Materialize, ReleasePrefill):
+        return kind(layer)
+    if kind is Forget:  # unusable slots (>= the usable size) included: ERR_SLOT
+        return Forget(data.draw(st.sampled_from(list(range(C)) * 2 + [-1, C]), label="slot"))
+    if kind is SetCollectRouting:
+        return SetCollectRouting(data.draw(st.booleans(), label="collect"))
+    if kind is Resize:  # refused targets too: below E, above C, negative
+        return Resize(data.draw(st.sampled_from(list(range(E - 1, C + 2)) + [-1]), label="size"))
+    if kind is Rebuild:
+        return Rebuild(data.draw(st.sampled_from(rebuild_sizes), label="rebuild to"), capacity)
+    return kind()
 
 
 def draw_ops(data, kinds, L, E, C, route_shape, admissions, rebuild_sizes, *, capacity=None,
@@ -214,16 +223,14 @@ def draw_ops(data, kinds, L, E, C, route_shape, admissions, rebuild_sizes, *, ca
     without it a rebuild changes the pool's slot count ``C`` to its target."""
     ops = []
     if data.draw(st.booleans(), label="warm the pool and open a chunk?"):
-        ops = list(warm) + [("ensure", {"layer": layer, "routes": whole_layer(E, route_shape)})
+        ops = list(warm) + [Ensure(layer, whole_layer(E, route_shape))
                             for layer in data.draw(st.permutations(range(L)), label="warm order")]
-        ops.append(("begin_prefill", {}))
+        ops.append(BeginPrefill())
     for _ in range(data.draw(st.integers(1, 40), label="number of ops")):
-        kind, args = draw_op(data, kinds, L, E, C, route_shape, admissions, rebuild_sizes)
-        if kind == "rebuild" and capacity is not None:
-            args["capacity"] = capacity
-        elif kind == "rebuild" and args["size"] >= E:
-            C = args["size"]
-        ops.append((kind, args))
+        op = draw_op(data, kinds, L, E, C, route_shape, admissions, rebuild_sizes, capacity)
+        if isinstance(op, Rebuild) and capacity is None and op.cache_size >= E:
+            C = op.cache_size
+        ops.append(op)
     return ops
 
 
@@ -254,7 +261,7 @@ def run_lockstep(data, adapter_name, eviction=None):
     (docs/semantics.md §5.12)."""
     (L, E, C, route_shape, rebuild_targets), options, admissions, extra_ops = draw_start(
         data, adapter_name, eviction)
-    ops = draw_ops(data, BASE_OPS + ["rebuild"] + extra_ops, L, E, C, route_shape, admissions,
+    ops = draw_ops(data, BASE_OPS + [Rebuild] + extra_ops, L, E, C, route_shape, admissions,
                    list(rebuild_targets) + [E - 1])
     cache = jax_cache(adapter_name, L, E, C, **options)
     ref = ADAPTER["reference"].cache(L, E, C, **options)
@@ -265,31 +272,30 @@ def run_lockstep(data, adapter_name, eviction=None):
     def compare(context, op, expected, got):
         compare_caches(context, op, expected, got)
         step = int(expected[1].state.step)
-        note_events(op[0], got[0], clock[0], step)
+        note_events(op, got[0], clock[0], step)
         clock[0] = step
 
-    lockstep.run(ops, lockstep.steps(ref, ops), {adapter_name: lockstep.steps(cache, ops)},
-                 compare)
+    lockstep.run(ops, steps(ref, ops), {adapter_name: steps(cache, ops)}, compare)
     assert_same_reports(cache, ref, "the sequence")
 
 
-def note_events(kind, plan, previous_step, step):
+def note_events(op, plan, previous_step, step):
     """Hypothesis statistics (``--hypothesis-show-statistics``): which rules the run exercised."""
-    if kind not in ("ensure", "ensure_hybrid", "materialize_layer", "prefetch_prefill_layer") \
+    if not isinstance(op, (Ensure, EnsureHybrid, Materialize, PrefetchPrefill)) \
             or isinstance(plan, str):
         return
     if plan.error:
-        event(f"{kind} refused")
+        event(f"{type(op).__name__} refused")
         return
-    if kind in ("ensure", "ensure_hybrid", "materialize_layer") and step <= previous_step:
+    if isinstance(op, (Ensure, EnsureHybrid, Materialize)) and step <= previous_step:
         event("clock rebased")
-    if kind == "ensure_hybrid" and plan.cpu.sum():
+    if isinstance(op, EnsureHybrid) and plan.cpu.sum():
         event("hybrid step with CPU routes")
-    if kind == "ensure_hybrid" and plan.missing > plan.fetched > 0:
+    if isinstance(op, EnsureHybrid) and plan.missing > plan.fetched > 0:
         event("hybrid step with capped fetches")
-    if kind == "prefetch_prefill_layer" and plan.gather.count:
+    if isinstance(op, PrefetchPrefill) and plan.gather.count:
         event("prefill gather")
-    if kind == "prefetch_prefill_layer" and plan.already_loaded:
+    if isinstance(op, PrefetchPrefill) and plan.already_loaded:
         event("prefill already loaded")
 
 
@@ -332,16 +338,15 @@ def test_a_long_run_across_the_clock_rebase_matches_the_reference():
     time."""
     L, E, C, route_shape, _ = GEOMETRIES["jax-jit"][2]
     rng = np.random.default_rng(7)
-    specs = [("fraction", 0.4), ("fixed_cap", 1)]
+    specs = [PolicySpec("fraction", 0.4), PolicySpec("fixed_cap", 1)]
     ops = []
     for step in range(200):
-        ops.append(("ensure_hybrid", {
-            "layer": int(rng.integers(L)),
-            "routes": rng.integers(-1, E, size=route_shape).astype(np.int32),
-            "policy": specs[step % 2], "order": "recency",
-            "admission": "reuse" if step % 3 else "promote_one"}))
+        ops.append(EnsureHybrid(int(rng.integers(L)),
+                                rng.integers(-1, E, size=route_shape).astype(np.int32),
+                                specs[step % 2], "recency",
+                                "reuse" if step % 3 else "promote_one"))
         if step % 17 == 0:
-            ops.append(("forget_slot", {"slot": step % C}))
+            ops.append(Forget(step % C))
     cache = jax_cache("jax-jit", L, E, C, rebase_threshold=20)
     ref = ADAPTER["reference"].cache(L, E, C, rebase_threshold=20)
 
@@ -349,7 +354,7 @@ def test_a_long_run_across_the_clock_rebase_matches_the_reference():
         compare_caches(context, op, expected, got)
         assert int(got[1].state.step) <= 20 + 1, context
 
-    lockstep.run(ops, lockstep.steps(ref, ops), {"jax-jit": lockstep.steps(cache, ops)}, compare)
+    lockstep.run(ops, steps(ref, ops), {"jax-jit": steps(cache, ops)}, compare)
 
 
 def test_large_call_paths_match_the_reference():
@@ -368,15 +373,13 @@ def test_large_call_paths_match_the_reference():
         routes = rng.integers(-1, hot, K).astype(np.int32)  # duplicates and padding included
         rule = rules[t % len(rules)]
         if rule is None:
-            ops.append(("ensure", {"layer": layer, "routes": routes}))
+            ops.append(Ensure(layer, routes))
         else:
-            ops.append(("ensure_hybrid", {"layer": layer, "routes": routes,
-                                          "policy": ("fraction", (0.0, 0.4, 1.0)[t % 3]),
-                                          "order": rule[0], "admission": rule[1]}))
+            ops.append(EnsureHybrid(layer, routes, PolicySpec("fraction", (0.0, 0.4, 1.0)[t % 3]),
+                                    rule[0], rule[1]))
     cache = ADAPTER["jax-jit"].cache(L, E, C)
     ref = ADAPTER["reference"].cache(L, E, C)
-    lockstep.run(ops, lockstep.steps(ref, ops), {"jax-jit": lockstep.steps(cache, ops)},
-                 compare_caches)
+    lockstep.run(ops, steps(ref, ops), {"jax-jit": steps(cache, ops)}, compare_caches)
 
 
 # ---- capacity C above the usable size S == a pool of S (docs/semantics.md §5.15) ------------
@@ -402,20 +405,20 @@ def assert_usable_part_equal(big, truth, context):
 
 def compare_usable(context, op, expected, got):
     """A pool of capacity C and usable size S against a pool of S slots."""
-    (kind, args), (theirs, truth), (mine, big) = op, expected, got
+    (theirs, truth), (mine, big) = expected, got
     C, E = big.state.capacity, big.state.num_experts
     if theirs == "PrefillDoesNotFit" and C >= 2 * E:
         # The pool of S < 2E raises (a shape); within capacity C >= 2E the usable size is a
         # value: begin_prefill changes nothing, prefetch reports ERR_CACHE_SIZE.
-        if kind == "prefetch_prefill_layer":
+        if isinstance(op, PrefetchPrefill):
             assert mine.error & ERR_CACHE_SIZE, context
             assert mine.transfers.count == mine.gather.count == mine.runs.count == 0, context
         else:
             assert mine is None, context
     else:
         assert_same_outcome(mine, theirs, context)
-        if kind in ("ensure", "ensure_hybrid"):
-            assert_plan_well_formed(mine, args["routes"], E)
+        if isinstance(op, (Ensure, EnsureHybrid)):
+            assert_plan_well_formed(mine, op.routes, E)
     assert_usable_part_equal(big.state, truth.state, f"after {context}")
     assert_invariants(big.state)
     assert bool(big.prefill_overlap_fits()) == bool(truth.prefill_overlap_fits()), context
@@ -433,8 +436,8 @@ def run_equivalence(data, adapter_name, eviction=None):
     truth = ADAPTER["reference"].cache(L, E, S, **options)
     bigs = {"reference": ADAPTER["reference"].cache(L, E, S, capacity=C, **options),
             adapter_name: jax_cache(adapter_name, L, E, S, capacity=C, **options)}
-    lockstep.run(ops, lockstep.steps(truth, ops),
-                 {name: lockstep.steps(big, ops) for name, big in bigs.items()}, compare_usable)
+    lockstep.run(ops, steps(truth, ops), {name: steps(big, ops) for name, big in bigs.items()},
+                 compare_usable)
     for name, big in bigs.items():
         assert_same_reports(big, truth, f"the sequence on {name}")
 
@@ -478,15 +481,13 @@ def test_a_long_run_with_capacity_equals_a_pool_of_the_usable_size_under_each_ev
     rng = np.random.default_rng(7)
     ops = []
     for call in range(240):
-        ops.append(("ensure_hybrid", {
-            "layer": call % L if call % 7 else int(rng.integers(L)),  # mostly tokens of L layers
-            "routes": rng.choice(E, 2, replace=False).astype(np.int32),
-            "policy": ("fraction", 0.5) if call % 3 == 0 else ("full", None),
-            "order": "recency", "admission": "promote_one"}))
+        ops.append(EnsureHybrid(
+            call % L if call % 7 else int(rng.integers(L)),  # mostly tokens of L layers
+            rng.choice(E, 2, replace=False).astype(np.int32),
+            PolicySpec("fraction", 0.5) if call % 3 == 0 else PolicySpec("full")))
     truth = ADAPTER["reference"].cache(L, E, S, **options)
     big = ADAPTER[adapter_name].cache(L, E, S, capacity=C, **options)
-    lockstep.run(ops, lockstep.steps(truth, ops), {adapter_name: lockstep.steps(big, ops)},
-                 compare_usable)
+    lockstep.run(ops, steps(truth, ops), {adapter_name: steps(big, ops)}, compare_usable)
 
 
 # ---- resize interleaved with every op (docs/semantics.md §5.15) ------------------------------
@@ -499,22 +500,21 @@ def run_resize_lockstep(data, adapter_name, eviction=None):
     (L, E, C, route_shape, _), options, admissions, extra_ops = draw_start(
         data, adapter_name, eviction, eviction and EVICTION_GEOMETRIES)
     size = data.draw(st.integers(E, C), label="initial usable size")
-    ops = draw_ops(data, BASE_OPS + ["resize"] * 6 + ["rebuild"] + extra_ops, L, E, C,
+    ops = draw_ops(data, BASE_OPS + [Resize] * 6 + [Rebuild] + extra_ops, L, E, C,
                    route_shape, admissions, list(range(E - 1, C + 1)), capacity=C,
-                   warm=[("resize", {"size": C})])
+                   warm=[Resize(C)])
     ref = ADAPTER["reference"].cache(L, E, size, capacity=C, **options)
     cache = jax_cache(adapter_name, L, E, size, capacity=C, **options)
     sizes = [size]
 
     def compare(context, op, expected, got):
         compare_caches(context, op, expected, got)
-        (kind, args), plan = op, got[0]
-        if kind == "resize" and plan.error == 0:
-            assert plan.count == max(0, sizes[0] - args["size"]), context
+        plan = got[0]
+        if isinstance(op, Resize) and plan.error == 0:
+            assert plan.count == max(0, sizes[0] - op.cache_size), context
         sizes[0] = int(expected[1].state.cache_size)
 
-    lockstep.run(ops, lockstep.steps(ref, ops), {adapter_name: lockstep.steps(cache, ops)},
-                 compare)
+    lockstep.run(ops, steps(ref, ops), {adapter_name: steps(cache, ops)}, compare)
     assert_same_reports(cache, ref, "the sequence")
 
 

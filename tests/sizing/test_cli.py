@@ -16,7 +16,7 @@ import sys
 import numpy as np
 import pytest
 
-from tests.harness import one_line_error
+from tests.sizing.conftest import one_line_error
 from pallas_cache.sizing import cli
 from pallas_cache.sizing.cli.checks import check_state_memory
 from pallas_cache.sizing.cli.parser import memory_size
@@ -27,15 +27,6 @@ replay_mod = importlib.import_module("pallas_cache.sizing.sweep")  # the module 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMALL = ["replay", "--synthetic", "mixtral-like", "--tokens", "4", "--cache-size", "64",
          "--policy", "full"]
-
-
-@pytest.fixture
-def no_replay(monkeypatch):
-    """Make any replay fail the test: the error must come before the work."""
-    def replay(*args, **kwargs):
-        raise AssertionError("the replay ran before the argument error was reported")
-
-    monkeypatch.setattr(replay_mod, "replay", replay)
 
 
 @pytest.mark.parametrize("make_path,message", [

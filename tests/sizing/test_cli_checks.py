@@ -300,17 +300,6 @@ def _replay_without_cache(shared_tmp, cache):
 
 # ---- case 6: --max-memory counts the labels and the step's tables ------------------------------
 
-@pytest.fixture
-def no_replay(monkeypatch):
-    """The replay itself must not start (it would allocate what the limit forbids)."""
-    from pallas_cache.sizing import sweep
-
-    def refuse(*args, **kwargs):
-        pytest.fail("the replay started: the memory estimate let it through")
-
-    monkeypatch.setattr(sweep, "replay", refuse)
-
-
 def test_a_wide_call_is_refused_by_the_memory_limit_before_the_replay(capsys, tmp_path,
                                                                       no_replay):
     """FAILS if --max-memory leaves out the replay step's tables: one call routing 20000

@@ -94,13 +94,9 @@ def test_expert_parallel_rows_are_replays_of_each_devices_routes_then_the_busies
     (["--devices", "2147483648", "--parallel", "tensor"], "--devices 2147483648 is above"),
 ])
 def test_a_wrong_device_flag_fails_with_one_line_before_the_trace_is_read(
-        capsys, monkeypatch, tmp_path, argv, message):
+        capsys, monkeypatch, tmp_path, no_replay, argv, message):
     """FAILS if a device flag is checked only after reading the trace (the trace here does not
     exist) or fails with more than one line."""
-    def no_replay(*args, **kwargs):
-        raise AssertionError("the replay ran before the argument error was reported")
-
-    monkeypatch.setattr(replay_mod, "replay", no_replay)
     monkeypatch.chdir(tmp_path)
     code = cli.main(["replay", "--trace", str(tmp_path / "missing.jsonl"), *argv])
     err = capsys.readouterr().err

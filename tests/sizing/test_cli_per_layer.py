@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from tests.harness import one_line_error
+from tests.sizing.conftest import one_line_error
 from pallas_cache.sizing import cli
 from pallas_cache.sizing.sweep import config_grid, replay
 from pallas_cache.sizing.synthetic import synthetic_trace

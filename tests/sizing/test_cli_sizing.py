@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 
-from tests.harness import one_line_error
+from tests.sizing.conftest import one_line_error
 from pallas_cache.sizing import cli
 from pallas_cache.sizing.cli import output as cli_output
 

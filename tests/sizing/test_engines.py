@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from pallas_cache.sizing import Trace, routes_from_router_logits
+from tests.sizing.conftest import one_line_error
 
 
 def test_router_logits_pick_what_jax_lax_top_k_picks_ties_included():
@@ -172,27 +173,19 @@ def test_vllm_directory_and_npz_become_one_sequence_per_request(tmp_path, capsys
      r"cmpl-c\.npy\[token=1, layer=0, k=1\]: expert -2 is outside .*only padding value"),
 ], ids=["float", "2-D", "layers-differ", "negative-id"])
 def test_vllm_bad_requests_fail_before_the_replay_naming_file_and_shapes(
-        tmp_path, capsys, monkeypatch, name, array, message):
+        tmp_path, capsys, no_replay, name, array, message):
     """FAILS if a float or 2-D request, requests of different layer counts, or an id below -1
     reach the replay, or the one-line message does not name the file and the shapes."""
-    import importlib
     import re
 
     from pallas_cache.sizing import cli
 
-    def replay(*args, **kwargs):
-        raise AssertionError("the replay ran before the error was reported")
-
-    monkeypatch.setattr(importlib.import_module("pallas_cache.sizing.sweep"), "replay", replay)
     requests = _vllm_requests()
     requests[name] = array
     folder = _vllm_dir(tmp_path / "routes", requests)
-    assert cli.main(["replay", "--trace", str(folder), "--cache-size", "8"]) == 2
-    err = capsys.readouterr().err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("pallas-cache: ") and "Traceback" not in err
-    assert re.search(message, lines[0]), lines[0]
-    assert str(folder) in lines[0]
+    line = one_line_error(capsys, cli.main(["replay", "--trace", str(folder), "--cache-size", "8"]))
+    assert re.search(message, line), line
+    assert str(folder) in line
 
 
 def test_vllm_empty_inputs_are_trace_errors(tmp_path):

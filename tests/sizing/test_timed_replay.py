@@ -20,7 +20,7 @@ import os
 import numpy as np
 import pytest
 
-from tests.harness import one_line_error
+from tests.sizing.conftest import one_line_error
 from pallas_cache.reference import ReferenceCache, ReferencePolicy
 from pallas_cache.sizing import cli
 from pallas_cache.sizing.sweep.cost import CostModel, call_seconds, overlap_times
@@ -327,16 +327,11 @@ def test_batched_rows_time_the_merged_calls(capsys):
     (["--gpu-layer-ms", "0.07", "--policy", "full", "--devices", "2", "--parallel", "tensor"],
      r"--gpu-layer-ms times one device's decode; it does not combine with --devices 2"),
 ], ids=["not-a-number", "negative", "nan", "inf", "hybrid-without-b-cpu", "devices"])
-def test_bad_gpu_flags_are_one_line_before_the_replay(capsys, monkeypatch, extra, message):
+def test_bad_gpu_flags_are_one_line_before_the_replay(capsys, no_replay, extra, message):
     """FAILS if a bad GPU time, a hybrid policy without the CPU's bandwidth, or several devices
     reach the replay instead of one line and exit 2."""
-    import importlib
     import re
 
-    def no_replay(*args, **kwargs):
-        raise AssertionError("the replay ran before the argument error was reported")
-
-    monkeypatch.setattr(importlib.import_module("pallas_cache.sizing.sweep"), "replay", no_replay)
     line = one_line_error(capsys, cli.main(SMALL + extra))
     assert re.search(message, line), line
 
