@@ -18,7 +18,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_cache.validate import INT32_MAX, INT32_MIN  # noqa: F401  (re-exported to the kernels)
 
 __all__ = ["INT32_MAX", "INT32_MIN", "after", "any_true", "check_block", "compiler_params",
-           "default_block", "lane", "lex_max", "lex_min", "next_pow2", "scatter"]
+           "default_block", "lane", "lex_max", "lex_min", "next_pow2", "scatter", "stamp_block"]
 
 
 # Widest block a kernel reduces at once (elements). 4096 x i32 spread over 8 warps is 16
@@ -42,6 +42,14 @@ def default_block(size: int, interpret: bool) -> int:
     ``MAX_BLOCK``."""
     size_pad = next_pow2(size)
     return size_pad if interpret else min(size_pad, MAX_BLOCK)
+
+
+def stamp_block(size: int, block: int, interpret: bool) -> int:
+    """The rebase's width over the ``size`` recency stamps: :func:`default_block`, at most the
+    pool scan's 16 elements per thread (512 per warp of ``compiler_params(block)``): wider, the
+    rebase's loop sets the registers of the whole kernel (docs/design.md, "Registers"). The
+    same rule interpreted, so the interpreter scans the stamps in the same blocks."""
+    return min(default_block(size, interpret), 512 * compiler_params(block).num_warps)
 
 
 def check_block(block: int, size: int) -> int:

@@ -797,7 +797,7 @@ def fused_step(state, layer, routes, policy, rules, *, interpret: bool, debug: b
         step_kernel, num_layers=L, num_experts=E, num_out=num_out, hybrid=rules.hybrid,
         by_recency=rules.by_recency, promote_one=rules.promote_one, reuse=rules.reuse,
         ranking=ranking, block=block,
-        stamp_block=common.default_block(L * E, interpret), interpret=interpret)
+        stamp_block=common.stamp_block(L * E, block, interpret), interpret=interpret)
     # Per-call buffers the kernel writes and reads back (the token ring's counters).
     scratch = ((out(*token_ring.scratch_shape(state.eviction_state, C)),)
                if ranking.per_call else ())

@@ -18,8 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import kernel_compile  # noqa: E402
 
 # Every variant (``ensure`` and each ``ensure_hybrid`` order and admission) when
-# PALLAS_CACHE_COMPILE_ALL=1 (154 kernels: about 20 minutes on 2 cores); by default ``ensure`` and
-# the ``ensure_hybrid`` with the most live values per eviction (56 kernels).
+# PALLAS_CACHE_COMPILE_ALL=1 (198 kernels: about 25 minutes on 2 cores); by default ``ensure`` and
+# the ``ensure_hybrid`` with the most live values per eviction (72 kernels).
 ALL_VARIANTS = os.environ.get("PALLAS_CACHE_COMPILE_ALL") == "1"
 CASES = [(geometry, eviction, variant) for geometry in kernel_compile.TEST_GEOMETRIES
          for eviction in kernel_compile.EVICTIONS

@@ -191,6 +191,40 @@ def test_a_low_rebase_threshold_steps_in_lockstep(order, admission, eviction):
     assert int(a.step) < 20, "the clock was renumbered (28 or so accepted calls ran)"
 
 
+@pytest.mark.parametrize("eviction", ["lru", "pair_lfu"])
+def test_the_rebase_scans_the_stamps_in_blocks_of_the_pool_scans_width(eviction):
+    """FAILS if the rebase scans more stamps at once than the pool scan has threads x 16 (at
+    2048 slots a 4096-wide stamp scan made ptxas spill a value held across the rebase), or
+    combines its stamp blocks wrongly: 8 x 80 stamps in two blocks of 512, nearly every call
+    renumbering, state and plan equal to the XLA step's."""
+    from pallas_cache.kernels import common
+
+    assert common.stamp_block(48 * 128, 2048, interpret=False) == 2048  # 4 warps x 512
+    assert common.stamp_block(61 * 256, 4096, interpret=False) == 4096
+    assert common.stamp_block(32 * 8, 64, interpret=False) == 256
+    L, E, S, C = 8, 80, 80, 96
+    assert common.stamp_block(L * E, common.default_block(C, True), interpret=True) == 512
+    state = pc.init(L, E, S, capacity=C, rebase_threshold=4, eviction=eviction)
+    state = pc.set_collect_routing(state, True)
+    ours, theirs = hybrid("interpret", "recency", "promote_one"), hybrid("xla", "recency",
+                                                                         "promote_one")
+    policy = pc.FetchPolicy.fraction(0.5)
+    a = b = state
+    # Layers 0 and 7 (stamps in both blocks), six experts each: stamps die, the ranks fall.
+    rng = np.random.default_rng(5)
+    layers = jnp.asarray(rng.choice([0, 7], 30).astype(np.int32))
+    routes = jnp.asarray(rng.integers(30, 36, (30, 4)).astype(np.int32))
+    renumbered = 0
+    for call in range(30):
+        before = int(a.step)
+        (a, plan_a), (b, plan_b) = (ours(a, layers[call], routes[call], policy),
+                                    theirs(b, layers[call], routes[call], policy))
+        assert_trees_equal((a, plan_a), (b, plan_b), f"call {call}")
+        renumbered += int(a.step) < before
+    assert renumbered >= 5, renumbered
+    assert int(jnp.sum(a.routing.recency.reshape(-1)[512:] >= 0)) > 0, "none in block 2"
+
+
 def test_vmap_over_distinct_caches_and_policies():
     """FAILS if the batching of the kernel mixes programs (one cache's state or policy read by
     another's program) or the aliased state leaves are not per cache."""
