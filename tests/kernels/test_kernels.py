@@ -191,7 +191,7 @@ def test_a_low_rebase_threshold_steps_in_lockstep(order, admission, eviction):
     assert int(a.step) < 20, "the clock was renumbered (28 or so accepted calls ran)"
 
 
-@pytest.mark.parametrize("eviction", ["lru", "pair_lfu"])
+@pytest.mark.parametrize("eviction", evictions_under_test(kernel=True, ring=False))
 def test_the_rebase_scans_the_stamps_in_blocks_of_the_pool_scans_width(eviction):
     """FAILS if the rebase scans more stamps at once than the pool scan has threads x 16 (at
     2048 slots a 4096-wide stamp scan made ptxas spill a value held across the rebase), or
