@@ -210,6 +210,10 @@ def test_the_profiler_fault_probe_runs_each_mode_in_its_own_process(tmp_path):
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
     assert "nope" not in bad.stdout and "Traceback" not in bad.stderr
+    for argv in (["--timeout", "0"], ["--timeout", "soon"]):
+        bad = subprocess.run([sys.executable, script, *argv], env=env, capture_output=True,
+                             text=True, timeout=60)
+        assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
     out = tmp_path / "probe.md"
     done = subprocess.run([sys.executable, script, "--modes", "xla-traced,pallas", "--out",
                            str(out)], env=env, capture_output=True, text=True, timeout=300)
