@@ -79,8 +79,9 @@ def _eval_eqn(eqn, vals, marks, run):
         nc, nb = params["cond_nconsts"], params["body_nconsts"]
         cond, body = params["cond_jaxpr"], params["body_jaxpr"]
         carry, carry_marks = vals[nc + nb:], marks[nc + nb:]
-        while bool(_eval(cond.jaxpr, cond.consts, vals[:nc] + carry, marks[:nc] + carry_marks,
-                         run)[0]):
+        # a batched predicate (vmap of the loop) runs while any member's is true, as lowered
+        while np.any(np.asarray(_eval(cond.jaxpr, cond.consts, vals[:nc] + carry,
+                                      marks[:nc] + carry_marks, run)[0])):
             carry = _eval(body.jaxpr, body.consts, vals[nc:nc + nb] + carry,
                           marks[nc:nc + nb] + carry_marks, run)
         return carry
