@@ -123,8 +123,12 @@ def _block(value, spec, axis, size, device):
 
 
 def _eval_scan(params, vals, marks, run):
-    body, nc, ncarry, length = (params["jaxpr"], params["num_consts"], params["num_carry"],
-                                params["length"])
+    body, length = params["jaxpr"], params["length"]
+    if "num_consts" in params:
+        nc, ncarry = params["num_consts"], params["num_carry"]
+    else:  # jax >= 0.11: a flat tree of the operands' groups (consts, carry, xs)
+        consts, carry, _ = params["ft_in"].update(list(range(len(vals)))).unpack()
+        nc, ncarry = len(list(consts)), len(list(carry))
     consts, carry, xs = vals[:nc], vals[nc:nc + ncarry], vals[nc + ncarry:]
     assert not any(marks[nc + ncarry:]), "the bank as a scanned-over operand"
     in_marks = marks[:nc + ncarry] + [False] * len(xs)
