@@ -10,7 +10,8 @@ benchmarks/gpu_phases/):
   the random operation sequences; then 8192 slots (the streamed two-block search);
 - ``mesh``: both several-devices layouts inside ``jax.shard_map(check_vma=True)``;
 - ``sweep``: the LRU miss sweep at S = 512 and 16384, m = 0, 1, 8, against upstream's table;
-- ``copy``: ``apply_copy_plan`` GB/s from a ``pinned_host`` bank;
+- ``copy``: ``apply_copy_plan`` from a ``pinned_host`` bank, 0, 1, 2 and 8 of 8 rows asked:
+  device time (it must scale with the rows asked) and GB/s (bytes actually moved / time);
 - ``geometries``: per-call cost of each eviction at (32,8,64,2), (32,8,256,2), (58,256,2048,8),
   (61,256,16384,8) (last: the most rows, so overrun estimates cut these first).
 

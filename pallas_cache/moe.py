@@ -1,8 +1,9 @@
 """Applying a plan to real weights: the masked copy of its fetches (docs/semantics.md §5.13).
 
 :func:`apply_copy_plan` writes ``pool[dst_slots[i]] = host_bank[src_rows[i]]`` for ``i < count``
-(padding writes nothing); :func:`put_host_bank` places a bank in ``pinned_host`` memory where the
-backend has it, and :func:`gather_rows` reads only the fetched rows from it.
+(padding writes nothing), reading from the bank exactly those rows (:func:`copy_counted_rows`);
+:func:`put_host_bank` places a bank in ``pinned_host`` memory where the backend has it, and
+:func:`gather_rows` reads the rows it is given from it.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ __all__ = [
     "check_bank_layer",
     "check_plan_geometry",
     "check_routes",
+    "copy_counted_rows",
     "copy_host_rows",
     "gather_rows",
     "host_memory_kind",
@@ -122,8 +124,9 @@ def copy_host_rows(bank_leaf, rows, layer, out_space):
     assignment with "Bitcast cannot have different memory spaces" (measured on an H200, jax
     0.11.2; ``benchmarks/RESULTS.md``, ``gpu_moe``). What every backend moves between memories is
     a slice: a ``dynamic_slice`` of the host array followed by a transfer. So each row is sliced
-    where it lives and copied on its own, in a loop with a fixed trip count, which also keeps the
-    rows that cross the link to exactly the ones asked for.
+    where it lives and copied on its own, in a loop with a fixed trip count: every entry of
+    ``rows`` crosses the link, masked ones included (callers clamp those onto a row). A plan's
+    copies, which must move only their counted rows, go through :func:`copy_counted_rows`.
 
     Under ``vmap`` (a batch of plans, layers or banks) the batch becomes more rows of the same
     loop (a ``custom_vmap`` rule), not the gather that batching a ``dynamic_slice`` makes, which
@@ -153,21 +156,111 @@ def _slice_rows(bank_leaf, indices, out_space):
     """``bank_leaf[indices[0][j], indices[1][j], ...]`` for every ``j``, in ``out_space``: one
     ``dynamic_slice`` and one transfer per row, in a ``fori_loop`` (see :func:`copy_host_rows`).
     ``indices``: int arrays of one shape, one per leading axis of the bank."""
-    lead = len(indices)
-    row_shape = bank_leaf.shape[lead:]
+    row_shape = bank_leaf.shape[len(indices):]
     flat = [index.reshape(-1).astype(jnp.int32) for index in indices]
-    zeros = (jnp.int32(0),) * len(row_shape)
     out = to_space(jnp.zeros((flat[0].shape[0],) + row_shape, bank_leaf.dtype), out_space)
     out = varying_like(out, bank_leaf, flat)  # the loop's carry has the rows' type
 
     def copy_row(i, out):
-        start = tuple(index[i] for index in flat) + zeros
-        piece = lax.dynamic_slice(bank_leaf, start, (1,) * lead + row_shape)
-        piece = to_space(piece, out_space).reshape((1,) + row_shape)
-        return lax.dynamic_update_slice(out, piece, (i,) + zeros)
+        return _move_row(out, (i,), bank_leaf, tuple(index[i] for index in flat))
 
     out = lax.fori_loop(0, flat[0].shape[0], copy_row, out)
     return out.reshape(indices[0].shape + row_shape)
+
+
+def _move_row(out, out_at, bank_leaf, bank_at):
+    """``out`` with its row at the leading indices ``out_at`` set to ``bank_leaf``'s row at
+    ``bank_at``: one ``dynamic_slice`` where the bank lives, one row-sized transfer into
+    ``out``'s memory space, one ``dynamic_update_slice`` (in place in a loop's carry)."""
+    row_shape = bank_leaf.shape[len(bank_at):]
+    zeros = (jnp.int32(0),) * len(row_shape)
+    piece = lax.dynamic_slice(bank_leaf, tuple(bank_at) + zeros,
+                              (1,) * len(bank_at) + row_shape)
+    piece = to_space(piece, memory_space(out)).astype(out.dtype)
+    piece = piece.reshape((1,) * len(out_at) + row_shape)
+    return lax.dynamic_update_slice(out, piece, tuple(out_at) + zeros)
+
+
+def copy_counted_rows(outs, banks, valid, out_index, bank_index):
+    """Copy the valid entries' rows: ``outs[k][out_index[:, j]] = banks[k][bank_index[:, j]]``
+    for every ``j`` with ``valid[j]``, in order of ``j``, and nothing else.
+
+    Exactly the valid rows are read and moved: the valid entries are packed to the front and a
+    ``fori_loop`` whose trip count is their (traced) number copies one row of every leaf per
+    trip (:func:`_move_row`), so an entry that is not valid is never sliced, let alone
+    transferred. A bank in host memory is read by row slices only, never by a gather (see
+    :func:`copy_host_rows`).
+
+    Under ``vmap`` (a ``custom_vmap`` rule; nested vmaps too) a batch becomes more entries of
+    the same loop, each addressed with its batch index, so a batch moves the sum of its
+    members' valid rows. (JAX's own batching of the loop would run the longest member's trips
+    for every member, and would turn each row slice into a gather, which it refuses for an
+    operand in host memory.)
+
+    Args:
+      outs: a list of arrays ``[S, ...]``; donated, they are written in place.
+      banks: a list of arrays ``[*lead, ...]``, one per out, whose rows after the ``lead`` axes
+        have the shape of the out's rows.
+      valid: bool ``[N]``, the entries to copy.
+      out_index: a tuple of int32 ``[N]`` arrays, one per leading axis of the outs, in range
+        where valid.
+      bank_index: a tuple of int32 ``[N]`` arrays, one per leading axis of the banks, in range
+        where valid.
+
+    Returns:
+      The list of new outs (same shapes, dtypes and memory spaces).
+    """
+    return _counted_copy(((),) * len(banks))(list(outs), list(banks), valid, (),
+                                             tuple(out_index), tuple(bank_index))
+
+
+def _counted_copy(uses):
+    """The ``custom_vmap`` function of :func:`copy_counted_rows`, for banks batched by the vmap
+    levels that ``uses[k]`` flags (one flag per enclosing level, outermost first: whether bank
+    ``k`` has that level's axis)."""
+
+    @custom_vmap
+    def copy(outs, banks, valid, batch, out_index, bank_index):
+        return _counted_loop(outs, banks, valid, batch, out_index, bank_index, uses)
+
+    @copy.def_vmap
+    def _copy_vmap(axis_size, in_batched, outs, banks, valid, batch, out_index, bank_index):
+        outs_b, banks_b, valid_b, batch_b, out_index_b, bank_index_b = in_batched
+        shape = (axis_size, valid.shape[-1])
+
+        def flat(index, batched):  # [B, N], or an unbatched [N] broadcast to it -> [B * N]
+            return (index if batched else jnp.broadcast_to(index, shape)).reshape(-1)
+
+        level = lax.broadcasted_iota(jnp.int32, shape, 0).reshape(-1)
+        outs = [out if batched else jnp.broadcast_to(out, (axis_size,) + out.shape)
+                for out, batched in zip(outs, outs_b)]
+        new_uses = tuple((batched,) + use for batched, use in zip(banks_b, uses))
+        new = _counted_copy(new_uses)(
+            outs, banks, flat(valid, valid_b), (level,) + tuple(map(flat, batch, batch_b)),
+            tuple(map(flat, out_index, out_index_b)), tuple(map(flat, bank_index, bank_index_b)))
+        return new, [True] * len(new)
+
+    return copy
+
+
+def _counted_loop(outs, banks, valid, batch, out_index, bank_index, uses):
+    """:func:`copy_counted_rows` unbatched. ``batch`` holds every entry's batch index, one array
+    per vmap level (outermost first); it addresses every out, and the banks that ``uses`` says
+    have that level's axis."""
+    valid = valid.astype(bool)
+    order = jnp.argsort(~valid, stable=True).astype(jnp.int32)  # the valid entries first
+    trips = jnp.sum(valid, dtype=jnp.int32)
+    outs = varying_like(list(outs), banks, valid, batch, out_index, bank_index)
+
+    def copy_entry(i, outs):
+        j = order[i]
+        out_at = tuple(index[j] for index in batch + out_index)
+        return [_move_row(out, out_at, bank,
+                          tuple(b[j] for b, has in zip(batch, use) if has)
+                          + tuple(index[j] for index in bank_index))
+                for out, bank, use in zip(outs, banks, uses)]
+
+    return lax.fori_loop(0, trips, copy_entry, outs)
 
 
 def check_routes(x, expert_ids, gates):
@@ -258,6 +351,11 @@ def apply_copy_plan(pool: PyTree, host_bank: PyTree, plan: Any, *,
     (``-1``, or at or past ``count``) write nothing. Pure: returns the new pool. Jit it with the
     pool donated to update in place: ``jax.jit(apply_copy_plan, donate_argnums=0)``.
 
+    Exactly the rows it writes are read from the bank and moved, one row slice per entry and
+    bank leaf in a loop whose trip count is the (traced) number of such entries
+    (:func:`copy_counted_rows`): a plan with ``count = 0`` reads nothing, and under ``vmap`` a
+    batch reads the sum of its members' counts.
+
     Args:
       pool: the device slot pool, an array or pytree whose leaves are ``[S, ...]``.
       host_bank: the host weights, same pytree structure, leaves ``[E, ...]`` (one layer, the
@@ -307,18 +405,16 @@ def apply_copy_plan(pool: PyTree, host_bank: PyTree, plan: Any, *,
         layer_ok = (layer >= 0) & (layer < num_layers)
         valid = valid & layer_ok
         layer = jnp.where(layer_ok, layer, 0)
-    # Out-of-range index + mode="drop" writes nothing; -1 would wrap to the last slot.
-    scatter_to = jnp.where(valid, dst_slots, num_slots)
-    gather_from = jnp.where(valid, src_rows, 0)  # any in-range row; its copy is dropped
-
-    def copy_leaf(pool_leaf, bank_leaf):
+    bank_index = (jnp.where(valid, src_rows, 0),)  # in range; not read where not valid
+    if layer is not None:
+        bank_index = (jnp.broadcast_to(layer, src_rows.shape),) + bank_index
+    for pool_leaf, bank_leaf in zip(pool_leaves, bank_leaves):
         bank_row_shape = bank_leaf.shape[1:] if layer is None else bank_leaf.shape[2:]
         if bank_row_shape != pool_leaf.shape[1:]:
             raise ValueError(
                 f"pool rows {pool_leaf.shape[1:]} and host bank rows {bank_row_shape} differ")
-        pool_space = memory_space(pool_leaf)
-        rows = gather_rows(bank_leaf, gather_from, layer, pool_space)
-        return pool_leaf.at[to_space(scatter_to, pool_space)].set(
-            rows.astype(pool_leaf.dtype), mode="drop")
-
-    return jax.tree.unflatten(pool_tree, [copy_leaf(p, b) for p, b in zip(pool_leaves, bank_leaves)])
+    bank_leaves = [leaf if isinstance(leaf, jax.Array) else jnp.asarray(leaf)
+                   for leaf in bank_leaves]
+    new_leaves = copy_counted_rows(pool_leaves, bank_leaves, valid,
+                                   (jnp.where(valid, dst_slots, 0),), bank_index)
+    return jax.tree.unflatten(pool_tree, new_leaves)

@@ -383,6 +383,41 @@ def check_example_tensor_parallel():
     return f"max |cached - dense| = {error:.2e}"
 
 
+def check_copy_path_reads_each_devices_count():
+    """Each device of a ``shard_map`` copies its own plan's count of rows (0, 1, 2 and 3 on the
+    four devices, each at its own traced layer): FAILS if a device reads another's count, the
+    longest count, or the plan's width (tests/core/bank_reads.py counts the rows that device's
+    program reads), or if a pool differs from the reference's."""
+    from pallas_cache.reference import moe as reference_moe
+    from tests.core.bank_reads import rows_read
+    layers, experts, slots, row = 3, 5, 6, 4
+    counts = [0, 1, 2, 3]
+    bank = jnp.arange(layers * experts * row, dtype=jnp.float32).reshape(layers, experts, row)
+    rng = np.random.default_rng(7)
+    plans = pc.CopyPlan(
+        dst_slots=jnp.asarray([rng.permutation(slots)[:4] for _ in counts], jnp.int32),
+        src_rows=jnp.asarray([rng.permutation(experts)[:4] for _ in counts], jnp.int32),
+        count=jnp.asarray(counts, jnp.int32))
+
+    def body(pool, bank, plan):
+        layer = lax.axis_index(AXIS) % layers
+        plan = jax.tree.map(lambda a: a[0], plan)
+        return pc.apply_copy_plan(pool[0], bank, plan, layer=layer)[None]
+
+    step = jax.jit(jax.shard_map(body, mesh=_mesh(), in_specs=(P(AXIS), P(), P(AXIS)),
+                                 out_specs=P(AXIS)))
+    pools = jnp.full((NUM_DEVICES, slots, row), -1.0, jnp.float32)
+    got = np.asarray(step(pools, bank, plans))
+    for d, count in enumerate(counts):
+        read = rows_read(step, pools, bank, plans, bank=1, row_size=row, device=d)
+        assert read == count, f"device {d} read {read} rows for a count of {count}"
+        plan = jax.tree.map(lambda a: np.asarray(a)[d], plans)
+        want = reference_moe.apply_copy_plan(np.asarray(pools[d]), np.asarray(bank), plan,
+                                             layer=d % layers)
+        np.testing.assert_array_equal(got[d], want, err_msg=f"device {d}")
+    return f"rows read per device {counts}"
+
+
 def _first_device_plan(plan):
     """Naive: device 0's plan is applied to every device's pool (and read by its layer)."""
     first = lax.axis_index(AXIS) == 0
@@ -490,6 +525,7 @@ CHECKS = {
     "example_tensor_parallel": check_example_tensor_parallel,
     "naive_one_plan_for_every_pool": check_naive_one_plan_for_every_pool,
     "replay_of_each_device_trace": check_replay_of_each_device_trace_gives_that_devices_counters,
+    "copy_path_reads_each_devices_count": check_copy_path_reads_each_devices_count,
 }
 
 

@@ -221,3 +221,24 @@ def test_the_profiler_fault_probe_runs_each_mode_in_its_own_process(tmp_path):
     table = out.read_text()
     assert "| xla-traced | ok | 2 traces of 3 dispatches |" in table, table
     assert "| pallas | ok | interpret: " in table and "equal to xla" in table, table
+
+
+def test_the_copy_table_has_a_row_per_count_and_says_what_each_moved(gpu_check):
+    """FAILS if the copy phase loses its rows for 0, 1, 2 and 8 of 8 entries at 64 MiB rows, or
+    its table divides by bytes the plan did not move (a GB/s for 0 of 8) or misses the device
+    time over 8 of 8 that says whether the copies scale with the rows asked."""
+    from gpu_phases import copy
+
+    args = gpu_check.parse_args([])
+    rows = [row for row, _ in copy.plan(args)]
+    assert [row["m"] for row in rows if row["mib"] == 64] == [0, 1, 2, 8]
+    results = {0: 50.0, 1: 1400.0, 2: 2800.0, 8: 11200.0}
+    done = [(row, {"status": "match", "kind": "pinned_host", "device_us": results[row["m"]],
+                   "moved_mib": 64.0 * row["m"], "wall_gbs": None if row["m"] == 0 else 40.0,
+                   "device_gbs": None if row["m"] == 0 else 48.0, "wall_us": 60.0,
+                   "floor_us": 20.0})
+            for row in rows if row["mib"] == 64]
+    table = "\n".join(copy.markdown(args, done))
+    assert "| 64 | 0 | pinned_host | n/a | n/a | 50.0 | match | 0 | 0.004 | 60.0 | 20.0 |" in table
+    assert "| 64 | 1 | pinned_host | 40.00 | 48.00 | 1400.0 | match | 64 | 0.125 |" in table
+    assert "bytes actually moved" in table
