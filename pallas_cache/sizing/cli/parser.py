@@ -214,6 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="expert matrix columns (default: 7168, half of Mixtral-8x7B's 14336: "
                             "112MiB per expert, past any CPU cache; fewer where memory is short)")
     bench.add_argument("--repeats", type=int, default=5, help="timed runs, median (default: 5)")
+    from pallas_cache.sizing.cli.decode import add_parser as add_bench_decode
+
+    add_bench_decode(commands, common)
     return _use_ascii_ints(parser)
 
 
