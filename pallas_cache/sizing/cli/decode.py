@@ -13,7 +13,7 @@ from pallas_cache.sizing.cli import names as cli_names
 from pallas_cache.sizing.cli.parser import DEFAULT_PRESET, UsageError, memory_size
 from pallas_cache.sizing.models import MODELS
 
-__all__ = ["DEFAULT_MODEL", "SMALL", "add_parser", "run_bench_decode"]
+__all__ = ["DEFAULT_MODEL", "SMALL", "add_parser", "format_run", "plan_and_run", "run_bench_decode"]
 
 DEFAULT_MODEL = "mixtral-8x7b"
 #: ``--small``: a Mixtral-shaped expert a 16th of the size, float32 (XLA:CPU's bf16 matmuls ran
@@ -294,8 +294,9 @@ def _device_facts():
     return device.platform, free
 
 
-def run_bench_decode(args) -> int:
-    """Plan (every refusal first), decode, print."""
+def plan_and_run(args):
+    """``(plan, run)``: every refusal first (a :class:`UsageError`), then the decode, progress
+    on stderr unless ``args.quiet``."""
     _checked_args(args)  # the checks that need no JAX, before it loads
 
     def progress(line: str) -> None:
@@ -308,10 +309,15 @@ def run_bench_decode(args) -> int:
         progress(line)
     from pallas_cache.sizing.decode import bench_decode
 
-    run = bench_decode(plan.geometry, plan.trace, plan.cache_sizes, plan.configurations,
-                       repeats=args.repeats, rounds=args.rounds, time_limit=args.time_limit,
-                       seed=args.seed, resident=plan.floor, no_cache=args.no_cache,
-                       progress=progress)
+    return plan, bench_decode(plan.geometry, plan.trace, plan.cache_sizes, plan.configurations,
+                              repeats=args.repeats, rounds=args.rounds,
+                              time_limit=args.time_limit, seed=args.seed, resident=plan.floor,
+                              no_cache=args.no_cache, progress=progress)
+
+
+def run_bench_decode(args) -> int:
+    """``pallas-cache bench-decode``: plan, decode, print the rows (a table or JSON)."""
+    plan, run = plan_and_run(args)
     if args.format == "json":
         print(json.dumps([row.as_dict() for row in run.rows], indent=1))
     else:
@@ -319,8 +325,8 @@ def run_bench_decode(args) -> int:
     return 0
 
 
-def format_run(run, header_lines=()) -> str:
-    """The table and its notes, as text."""
+def format_run(run, header_lines=(), *, markdown: bool = False) -> str:
+    """The table and its notes, as text (``markdown``: a Markdown table, the notes as a list)."""
     from pallas_cache.sizing.units import format_bandwidth
 
     p = run.parameters
@@ -341,10 +347,15 @@ def format_run(run, header_lines=()) -> str:
               f"{r.fetched_per_token:.3f}", f"{r.cpu_experts_per_token:.3f}",
               f"{r.compile_seconds:.1f}", f"{r.modeled_ms_per_token:.3f}",
               f"{r.measured_over_modeled:.2f}"] for r in run.rows]
-    widths = [max(len(str(c)) for c in column) for column in zip(header, *cells)]
-    for row in [header] + cells:
-        lines.append("  ".join(str(c).rjust(w) if i else str(c).ljust(w)
-                               for i, (c, w) in enumerate(zip(row, widths))))
+    if markdown:
+        lines = [f"- {line.strip()}" for line in lines if line]
+        lines += ["", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        lines += ["| " + " | ".join(row) + " |" for row in cells]
+    else:
+        widths = [max(len(str(c)) for c in column) for column in zip(header, *cells)]
+        for row in [header] + cells:
+            lines.append("  ".join(str(c).rjust(w) if i else str(c).ljust(w)
+                                   for i, (c, w) in enumerate(zip(row, widths))))
     lines += ["", "counts: every row's per-call (hits, fetched, cpu_experts) equal the replay's "
               "on the same routes (floor and no-cache: the trace's distinct experts per call)",
               f"model: {run.notes[1]}"]
