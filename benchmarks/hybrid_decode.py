@@ -6,6 +6,12 @@ replay's.
   python benchmarks/hybrid_decode.py --small            # this CPU host (minutes)
   python benchmarks/hybrid_decode.py --at-size          # Mixtral-8x7B bf16, 16 layers, a GPU
 
+On a lent GPU (the tree copied there; the file comes back under $OUT, then here
+``python -c "from benchmarks.results_file import write_section; ..."`` or paste it):
+
+  PYTHONUNBUFFERED=1 timeout 420 python benchmarks/hybrid_decode.py --at-size --no-write \
+      --out $OUT/hybrid_decode_at_size.md
+
 Every other flag is bench-decode's (``pallas-cache bench-decode --help``).
 """
 
@@ -37,6 +43,8 @@ def main(argv=None):
     parser.add_argument("--at-size", action="store_true",
                         help="the prepared Mixtral-8x7B bf16 run (" + " ".join(AT_SIZE) + ")")
     parser.add_argument("--no-write", action="store_true", help="print, do not edit RESULTS.md")
+    parser.add_argument("--out", metavar="FILE.md", default=None,
+                        help="also write the section's text to this file (a device run's $OUT)")
     args, rest = parser.parse_known_args(argv)
     flags = (AT_SIZE if args.at_size else []) + rest
     wall = time.perf_counter()
@@ -55,6 +63,8 @@ def main(argv=None):
         run_header(command.strip(), note=f", {elapsed:.0f} s"), "",
         format_run(run, plan.lines, markdown=True)])
     publish(name, text, not args.no_write)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
 
 
 if __name__ == "__main__":

@@ -597,12 +597,22 @@ def bench_decode(geometry: Geometry, trace: Trace, cache_sizes: Sequence[int],
     zeros = np.zeros_like(distinct)
     expected = {"resident": call_histogram(distinct, zeros, zeros),
                 "no-cache": call_histogram(zeros, distinct, zeros)}
-    rows = []
+    rows, skipped = [], []
     for spec, result in [(s, None) for s in specs] + [
             (RowSpec("cache", c.cache_size, c.policy, c.eviction), r)
             for c, r in zip(configs, modeled)]:
         progress(f"decode {spec.label}: {tokens} tokens, a warm-up and {repeats} repeats")
-        seconds, compile_seconds, (hits, fetched, cpu) = decoder.run(spec, spec.policy, repeats)
+        try:
+            seconds, compile_seconds, (hits, fetched, cpu) = decoder.run(spec, spec.policy,
+                                                                         repeats)
+        except jax.errors.JaxRuntimeError as error:
+            if not _out_of_memory(error):
+                raise
+            skipped.append(f"{spec.label} did not fit the device's memory: "
+                           f"{str(error).splitlines()[0][:160]}")
+            progress(skipped[-1])
+            decoder.programs.clear()  # what the failed program held goes with it
+            continue
         got = call_histogram(hits, fetched, cpu)
         want = expected[spec.kind] if result is None else tuple(
             tuple(c) for c in sorted(result.call_counts))
@@ -625,4 +635,11 @@ def bench_decode(geometry: Geometry, trace: Trace, cache_sizes: Sequence[int],
              "the no-cache row is modeled as every call copying each of its distinct routed "
              "experts (no hits, no CPU experts); the floor as every call's experts resident "
              "(hits only); the others by the replay's timed model (overlap_ms_per_token)")
-    return DecodeRun(g, trace.source, tokens, placement, tuple(rows), params, notes, gaps)
+    return DecodeRun(g, trace.source, tokens, placement, tuple(rows), params,
+                     notes + tuple(skipped), gaps)
+
+
+def _out_of_memory(error: Exception) -> bool:
+    """Whether an XLA runtime error is an allocation that failed (the row is left out)."""
+    text = str(error)
+    return "RESOURCE_EXHAUSTED" in text or "Out of memory" in text

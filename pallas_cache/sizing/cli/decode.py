@@ -1,105 +1,19 @@
 """``pallas-cache bench-decode``: an offloaded decode at a model's expert geometry, measured
-beside the replay's model (:func:`pallas_cache.sizing.decode.bench_decode`). The parser part
-imports no JAX; every refusal is one :class:`UsageError` raised before the bank is made."""
+beside the replay's model (:func:`pallas_cache.sizing.decode.bench_decode`); its arguments are
+:mod:`~pallas_cache.sizing.cli.decode_args`'. Every refusal is one :class:`UsageError` raised
+before the bank is made."""
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import sys
 
-from pallas_cache.sizing.cli import names as cli_names
-from pallas_cache.sizing.cli.parser import DEFAULT_PRESET, UsageError, memory_size
-from pallas_cache.sizing.models import MODELS
+from pallas_cache.sizing.cli.decode_args import (DEFAULT_MODEL, DEFAULT_TOKENS, HOST_SHARE,
+                                                  SMALL)
+from pallas_cache.sizing.cli.parser import DEFAULT_PRESET, UsageError
 
-__all__ = ["DEFAULT_MODEL", "SMALL", "add_parser", "format_run", "plan_and_run", "run_bench_decode"]
-
-DEFAULT_MODEL = "mixtral-8x7b"
-#: ``--small``: a Mixtral-shaped expert a 16th of the size, float32 (XLA:CPU's bf16 matmuls ran
-#: 9x slower than float32 ones), 4 layers, 32 tokens: minutes on a small CPU-only machine.
-SMALL = dict(d_model=512, d_expert=1792, dtype="fp32", layers=4, tokens=32)
-DEFAULT_TOKENS = 32
-#: The default host budget: this share of the memory available now.
-HOST_SHARE = 0.5
-
-HELP = """
-Decode a routing trace one token at a time with random expert weights at a model's expert
-geometry, the bank in host memory, and time it for each row a user compares: every expert
-resident (the floor, where it fits), no cache (each layer-call copies its routed experts), and
-cache configurations (default: full copies with lru and route_knn, and the split replay's cost
-model recommends for the measured bandwidths, with lru). Each row's per-call counts are checked
-equal to the replay's on the same routes, and each row is printed beside the replay's timed
-model (overlap_ms_per_token) with its parameters measured in the same run: the copy path's
-bytes per second, the CPU partial's at the bank's dtype, a layer-call's time outside its
-experts (A) and per device expert (C).
-
-Left out: attention, dense layers and the LM head (each layer is its MoE block alone); the
-router is the trace's.
-
-  pallas-cache bench-decode --small                    # minutes on a CPU-only machine
-  pallas-cache bench-decode --model mixtral-8x7b --layers 16 --cache-size 32 48
-  pallas-cache bench-decode --model qwen3-30b-a3b --trace routes.jsonl --tokens 64 --format json
-"""
-
-
-def add_parser(commands, common) -> argparse.ArgumentParser:
-    """Add ``bench-decode`` to the ``pallas-cache`` subcommands."""
-    parser = commands.add_parser(
-        "bench-decode", help="decode at a model's expert size and compare with the replay's model",
-        description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter, parents=[common])
-    parser.add_argument("--model", metavar="NAME[:DTYPE]", default=None,
-                        help=f"the expert geometry and dtype: {', '.join(MODELS)} (default: "
-                             f"{DEFAULT_MODEL}; --small: float32); expert functions exist for "
-                             f"fp32, bf16 and fp16")
-    parser.add_argument("--small", action="store_true",
-                        help=f"a small geometry: d_model {SMALL['d_model']}, d_expert "
-                             f"{SMALL['d_expert']}, {SMALL['dtype']}, {SMALL['layers']} layers, "
-                             f"{SMALL['tokens']} tokens (the model's E and top-k)")
-    parser.add_argument("--d-model", type=int, default=None, help="override the model's d_model")
-    parser.add_argument("--d-expert", type=int, default=None,
-                        help="override the model's d_expert")
-    parser.add_argument("--layers", type=int, default=None,
-                        help="MoE layers to decode (default: as many as --host-memory fits, up "
-                             "to the model's and the trace's)")
-    parser.add_argument("--host-memory", type=memory_size, default=None, metavar="BYTES",
-                        help=f"host memory for the bank (and, on a CPU, the pools), e.g. 64GiB "
-                             f"(default: {HOST_SHARE:g} of the memory available now)")
-    parser.add_argument("--cache-size", nargs="+", metavar="SIZE", default=None,
-                        help="pool sizes, slots or bytes such as 12GiB (default: L*k and "
-                             "1.5*L*k slots)")
-    source = parser.add_mutually_exclusive_group()
-    source.add_argument("--trace", metavar="PATH", help="a routing trace: its first layers")
-    source.add_argument("--synthetic", metavar="PRESET", choices=cli_names.PRESETS,
-                        help=f"a generated trace at the model's E and top-k: "
-                             f"{', '.join(cli_names.PRESETS)} (default: {DEFAULT_PRESET})")
-    parser.add_argument("--tokens", type=int, default=None,
-                        help=f"tokens to decode (default: {DEFAULT_TOKENS})")
-    parser.add_argument("--seed", type=int, default=0, help="weights, gates, synthetic trace")
-    parser.add_argument("--policy", nargs="+", default=None, metavar="P",
-                        help="full | fraction:Q | fraction:auto | cap:N; with --eviction, every "
-                             "pair (default: full with lru and route_knn, fraction:auto with lru)")
-    parser.add_argument("--eviction", nargs="+", default=None, choices=cli_names.EVICTIONS)
-    parser.add_argument("--no-floor", dest="floor", action="store_false",
-                        help="leave out the every-expert-resident row")
-    parser.add_argument("--no-cache-row", dest="no_cache", action="store_false",
-                        help="leave out the no-cache row")
-    parser.add_argument("--bank-memory", choices=("auto", "pinned_host"), default="auto",
-                        help="pinned_host: require the bank in a GPU's pinned host memory "
-                             "(refused without a GPU); auto: pinned host memory where the "
-                             "backend has it")
-    parser.add_argument("--repeats", type=int, default=3,
-                        help="timed decodes per row after a warm-up, median (default: 3)")
-    parser.add_argument("--rounds", type=int, default=5,
-                        help="timed calls per parameter measurement, median (default: 5)")
-    parser.add_argument("--time-limit", type=float, default=120.0,
-                        help="seconds a parameter's slope may take more batches on a loaded "
-                             "machine (default: 120)")
-    parser.add_argument("--format", choices=("table", "json"), default="table",
-                        help="table (default) or json: a list of rows")
-    parser.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
-    return parser
-
+__all__ = ["Plan", "format_run", "plan_and_run", "plan_run", "run_bench_decode"]
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
@@ -138,12 +52,6 @@ def _checked_args(args):
     return model, dtype
 
 
-def _available_memory() -> int | None:
-    from pallas_cache.sizing.cli.bench import _available_memory as available
-
-    return available()
-
-
 def plan_run(args, platform: str, device_memory: int | None) -> Plan:
     """Check everything and decide the layers, routes and rows before any bank is made."""
     model, dtype = _checked_args(args)
@@ -160,7 +68,9 @@ def plan_run(args, platform: str, device_memory: int | None) -> Plan:
     # On a CPU the pools share the host's memory: the floor's L*E slots beside the bank; and one
     # leaf is made before it moves (a third of the bank); on a GPU both are device memory.
     per_layer = layer_bytes * (2 + 1 / 3) if platform == "cpu" else layer_bytes
-    available = _available_memory()
+    from pallas_cache.sizing.cli.bench import available_memory
+
+    available = available_memory()
     if args.host_memory:
         budget = args.host_memory
     elif available:
@@ -241,8 +151,7 @@ def _routes(args, model, asked: int | None, most: int, tokens: int):
 
 def _cache_sizes(texts, geometry) -> tuple:
     """The pools' slots: each in ``[E, L*E]`` (``replay --cache-size``'s spellings, no auto)."""
-    from pallas_cache.sizing.cli.checks import _cache_size
-    from pallas_cache.sizing.sweep.cost import CostModel
+    from pallas_cache.sizing.units import parse_bytes
 
     g = geometry
     if texts is None:
@@ -251,13 +160,14 @@ def _cache_sizes(texts, geometry) -> tuple:
                              for s in (base, round(1.5 * base))}))
     sizes = []
     for text in texts:
-        try:
-            slots, nbytes = _cache_size(text, CostModel(expert_bytes=g.expert_bytes))
-        except ValueError as error:
-            _fail(str(error))
-        if slots is None and nbytes is None:
-            _fail("--cache-size auto is replay's; give slots or bytes")
-        slots = slots if slots is not None else nbytes // g.expert_bytes
+        if text.isascii() and text.isdigit():
+            slots = int(text)
+        else:
+            try:
+                slots = parse_bytes(text) // g.expert_bytes
+            except ValueError:
+                _fail(f"cache size {text!r} is not a slot count (ASCII digits) or bytes such "
+                      f"as 12GiB")
         if not g.num_experts <= slots <= g.resident_slots:
             _fail(f"cache size {text} is {slots} slots, outside [{g.num_experts}, "
                   f"{g.resident_slots}] (one layer's experts to every expert of L={g.num_layers})")
@@ -358,6 +268,6 @@ def format_run(run, header_lines=(), *, markdown: bool = False) -> str:
                                    for i, (c, w) in enumerate(zip(row, widths))))
     lines += ["", "counts: every row's per-call (hits, fetched, cpu_experts) equal the replay's "
               "on the same routes (floor and no-cache: the trace's distinct experts per call)",
-              f"model: {run.notes[1]}"]
+              f"model: {run.notes[1]}"] + [f"left out: {note}" for note in run.notes[2:]]
     lines += [f"gap: {line}" for line in run.gaps] or ["gap: every row within 15% of its model"]
     return "\n".join(lines)
