@@ -299,24 +299,26 @@ def _median_seconds(run, rounds, setup=None, warmup=1):
     return statistics.median(times)
 
 
-def _decode_program(expert_fn, cold: bool):
+def _decode_program(expert_fn):
     """The jitted decode of ``routes [T, L, k]``, one token at a time; returns per-call int32
     ``[T, L]`` hits, fetched and CPU-expert counts, the last hidden state, and the donated pool.
-    ``cold``: each call plans from the state passed in, unchanged (no cache: the call's experts
-    are all copied)."""
+    ``cold`` (bool ``[]``, traced: the no-cache row shares its cache's program): each call plans
+    from the state passed in, unchanged, so it copies every expert it routes to."""
 
-    def decode(state, pool, bank, routes, gates, x0, policy):
+    def decode(state, pool, bank, routes, gates, x0, policy, cold):
         num_layers = routes.shape[1]
         cold_state = state
+
+        def pick(when_cold, otherwise):
+            return jax.tree.map(lambda a, b: jnp.where(cold, a, b), when_cold, otherwise)
 
         def token(carry, inputs):
             def layer_step(carry, inputs):
                 state, pool, h = carry
                 layer, ids, g = inputs
                 ids, g = ids[None], g[None]
-                new_state, plan = pc.ensure_hybrid(cold_state if cold else state, layer, ids,
-                                                   policy)
-                state = state if cold else new_state
+                new_state, plan = pc.ensure_hybrid(pick(cold_state, state), layer, ids, policy)
+                state = pick(state, new_state)
                 pool = apply_copy_plan(pool, bank, plan, layer=layer)
                 h = h + pc.moe_hybrid(h, ids, g, plan, pool, bank, expert_fn, layer=layer)
                 h = h / jnp.sqrt(jnp.mean(h * h) + 1e-6)  # keep the residual stream O(1)
@@ -337,8 +339,8 @@ def _decode_program(expert_fn, cold: bool):
 
 
 class _Decoder:
-    """The bank, the routes and the compiled decodes of one run (one program per eviction, pool
-    size and kind; the policy is traced)."""
+    """The bank, the routes and the compiled decodes of one run (one program per eviction and
+    pool size; the policy and the no-cache flag are traced)."""
 
     def __init__(self, geometry: Geometry, routes: np.ndarray, seed: int, progress):
         g = geometry
@@ -382,14 +384,14 @@ class _Decoder:
 
     def compiled(self, spec: RowSpec, policy, routes=None):
         """``(executable, compile seconds)`` of the row's decode (compiled once per program)."""
-        key = (spec.kind == "no-cache", spec.eviction, spec.cache_size)
+        key = (spec.eviction, spec.cache_size)
         if key not in self.programs:
             state, pool = jax.eval_shape(lambda: self.start(dataclasses.replace(spec,
                                                                                 kind="cache")))
             began = time.perf_counter()
-            executable = _decode_program(self.expert_fn, key[0]).lower(
+            executable = _decode_program(self.expert_fn).lower(
                 state, pool, self.bank, self.routes if routes is None else routes, self.gates,
-                self.x0, policy).compile()
+                self.x0, policy, jnp.bool_(False)).compile()
             self.programs[key] = (executable, time.perf_counter() - began)
         return self.programs[key]
 
@@ -399,11 +401,12 @@ class _Decoder:
         policy = parse_policy(policy)
         routes = self.routes if routes is None else routes
         executable, compile_seconds = self.compiled(spec, policy, routes)
+        cold = jnp.bool_(spec.kind == "no-cache")
         out = []
 
         def run(start):
             out[:] = [jax.block_until_ready(executable(*start, self.bank, routes, self.gates,
-                                                       self.x0, policy))]
+                                                       self.x0, policy, cold))]
 
         seconds = _median_seconds(run, repeats, setup=lambda: jax.block_until_ready(
             self.start(spec)))
