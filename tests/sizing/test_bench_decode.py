@@ -136,3 +136,52 @@ def test_a_trace_with_fewer_layers_than_asked_is_refused(capsys, monkeypatch, tm
     err = _refusal(capsys, monkeypatch, ["bench-decode", "--small", "--trace", str(path),
                                          "--layers", "3"])
     assert "2 layers, fewer than --layers 3" in err
+
+
+def _plan(argv, platform="cpu", device_memory=None):
+    from pallas_cache.sizing.cli.decode import plan_run
+    from pallas_cache.sizing.cli.parser import build_parser
+
+    return plan_run(build_parser().parse_args(["bench-decode", *argv]), platform, device_memory)
+
+
+def test_the_layer_count_is_what_the_host_budget_fits():
+    """FAILS if the layer count is not the most the --host-memory budget fits (on a CPU the
+    floor's pool beside the bank, and one leaf while it moves: 7/3 of a layer's experts each),
+    or the count is not printed."""
+    layer = 8 * 3 * 64 * 128 * 4  # E experts of fp32 w1, w3, w2 [64 x 128]
+    argv = ["--model", "mixtral-8x7b:fp32", "--d-model", "64", "--d-expert", "128",
+            "--tokens", "4", "--host-memory", str(int(5.5 * layer * 7 / 3))]
+    plan = _plan(argv)
+    assert plan.geometry.num_layers == 5
+    assert "L=5 of 32 MoE layers" in plan.lines[0] and "fits 5" in plan.lines[0]
+    on_gpu = _plan(argv, platform="gpu", device_memory=10 * 2**30)  # the bank alone counts
+    assert on_gpu.geometry.num_layers == 12 and on_gpu.floor
+
+
+def test_the_floor_is_left_out_where_the_device_cannot_hold_it():
+    """FAILS if the every-expert-resident row is planned on a GPU whose free memory its L*E
+    slots do not fit (it would fail mid-run), or left out silently."""
+    argv = ["--small", "--d-model", "64", "--d-expert", "128"]
+    floor = 32 * 3 * 64 * 128 * 4
+    assert _plan(argv, "gpu", floor).floor
+    plan = _plan(argv, "gpu", floor - 1)
+    assert not plan.floor and any("floor row is left out" in line for line in plan.lines)
+
+
+def test_the_bank_is_random_per_expert_and_lives_in_host_memory():
+    """FAILS if the bank is not in the host memory kind the backend offers (pinned_host), if
+    two experts or two layers hold the same weights, or their scale is not 1/sqrt(rows)."""
+    from pallas_cache.moe import host_memory_kind
+    from pallas_cache.sizing.decode import Geometry, _expert_fn_and_bank
+
+    _, bank = _expert_fn_and_bank(Geometry(2, 4, 2, 64, 32, "bf16"))
+    assert {n: v.shape for n, v in bank.items()} == {"w1": (2, 4, 64, 32), "w3": (2, 4, 64, 32),
+                                                      "w2": (2, 4, 32, 64)}
+    for leaf in bank.values():
+        assert leaf.sharding.memory_kind == host_memory_kind() and leaf.dtype == "bfloat16"
+    w1 = np.asarray(bank["w1"], np.float32)
+    flat = w1.reshape(8, -1)
+    assert len({row.tobytes() for row in flat}) == 8
+    assert np.std(w1) == pytest.approx(1 / np.sqrt(64), rel=0.05)
+    assert not np.array_equal(w1, np.asarray(bank["w3"], np.float32))
