@@ -90,11 +90,16 @@ class Geometry:
 
 def swiglu(weights, x):
     """One expert on one token ``[H]``: ``(silu(x @ w1) * (x @ w3)) @ w2``, the matmuls in the
-    weights' dtype accumulated in float32, float32 out."""
+    weights' dtype accumulated in float32, float32 out. No literal: inside the CPU partial's
+    host region jax 0.12 places one in device memory and refuses to add it to a host array
+    (``jax.nn.silu`` and ``lax.logistic`` lower with a ``1``), so the ``1`` of the sigmoid is
+    made from the data, ``exp(g - g)``, where the data lives (finite weights: random ones)."""
     def mm(a, w):
         return jnp.matmul(a.astype(w.dtype), w, preferred_element_type=jnp.float32)
 
-    return mm(jax.nn.silu(mm(x, weights["w1"])) * mm(x, weights["w3"]), weights["w2"])
+    gate = mm(x, weights["w1"])
+    one = jnp.exp(gate - gate)
+    return mm(gate * (one / (one + jnp.exp(-gate))) * mm(x, weights["w3"]), weights["w2"])
 
 
 def _expert_fn_and_bank(geometry: Geometry, *, seed: int = 0, device=None,
@@ -113,12 +118,19 @@ def _expert_fn_and_bank(geometry: Geometry, *, seed: int = 0, device=None,
         progress(f"bank leaf {name} {[g.num_layers, g.num_experts, *shape]} {g.dtype}")
         fill = jax.jit(functools.partial(_random_leaf, shape=(g.num_layers, g.num_experts) + shape,
                                          dtype=EXPERT_DTYPES[g.dtype], seed=3 * seed + index),
-                       out_shardings=jax.sharding.SingleDeviceSharding(device))
+                       out_shardings=_device_sharding(device))
         leaf = fill()
         bank[name] = put_host_bank(leaf, device)
         if bank[name] is not leaf:
             leaf.delete()
     return swiglu, bank
+
+
+def _device_sharding(device):
+    """A one-device sharding in the device's default memory (jax 0.12 renamed the class's
+    constructor)."""
+    make = getattr(jax.sharding, "make_single_device_sharding", None)
+    return make(device) if make is not None else jax.sharding.SingleDeviceSharding(device)
 
 
 def _random_leaf(shape, dtype, seed):

@@ -185,3 +185,18 @@ def test_the_bank_is_random_per_expert_and_lives_in_host_memory():
     assert len({row.tobytes() for row in flat}) == 8
     assert np.std(w1) == pytest.approx(1 / np.sqrt(64), rel=0.05)
     assert not np.array_equal(w1, np.asarray(bank["w3"], np.float32))
+
+
+def test_the_expert_is_a_swiglu():
+    """FAILS if the expert function is not ``(silu(x @ w1) * (x @ w3)) @ w2`` (its sigmoid is
+    written without literals, for the host region of jax 0.12)."""
+    from pallas_cache.sizing.decode import swiglu
+
+    rng = np.random.default_rng(0)
+    w = {"w1": rng.standard_normal((8, 16)), "w3": rng.standard_normal((8, 16)),
+         "w2": rng.standard_normal((16, 8))}
+    x = rng.standard_normal(8)
+    gate = x @ w["w1"]
+    want = (gate / (1 + np.exp(-gate)) * (x @ w["w3"])) @ w["w2"]
+    got = swiglu({k: v.astype(np.float32) for k, v in w.items()}, x.astype(np.float32))
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
