@@ -268,8 +268,9 @@ def slope_rate(what, expert_bytes, seconds, rounds, time_limit=SLOPE_TIME_LIMIT,
     have passed.
 
     Returns:
-      ``(rate or None, line, medians)``'s first two: the rate from the medians over the batches
-      and a line with the batch count and the per-batch rates' range, or ``None`` and why.
+      ``(rate, line)``: the rate from the medians over the batches and a line with the batch
+      count and the per-batch rates' range; or ``None`` and why, when no positive slope came
+      within the time limit (the caller then uses another figure).
     """
     rate, line, _ = _slope(what, expert_bytes, seconds, rounds, time_limit, counts)
     return rate, line
@@ -544,7 +545,7 @@ def gap_line(row: Row, params: Parameters, call_counts, expert_bytes: int, token
         value = getattr(params, name)
         if not value:
             continue
-        scale = _closing_scale(lambda s: params_with(params, name, value * s).ms_per_token(
+        scale = _closing_scale(lambda s: _with(params, name, value * s).ms_per_token(
             call_counts, expert_bytes, tokens), target)
         if scale is not None and (best is None or abs(math.log(scale)) < abs(math.log(best[1]))):
             best = (name, scale)
@@ -559,7 +560,8 @@ def gap_line(row: Row, params: Parameters, call_counts, expert_bytes: int, token
             f"matches with {shown(value * scale)} instead of {shown(value)} (x{scale:.3g})")
 
 
-def params_with(params: Parameters, name: str, value: float) -> Parameters:
+def _with(params: Parameters, name: str, value: float) -> Parameters:
+    """``params`` with one field changed."""
     return dataclasses.replace(params, **{name: value})
 
 
@@ -611,7 +613,7 @@ def bench_decode(geometry: Geometry, trace: Trace, cache_sizes: Sequence[int],
                for size in cache_sizes for policy, eviction in configurations]
     progress(f"replay of {len(configs)} configurations with the measured parameters")
     modeled = replay(trace, configs, bounds=False, cost=cost, progress=lambda line: None,
-                     hit_counts=True)
+                     hit_counts=True) if configs else []
     distinct = distinct_per_call(routes)
     zeros = np.zeros_like(distinct)
     expected = {"resident": call_histogram(distinct, zeros, zeros),
