@@ -9,8 +9,8 @@ import sys
 from pallas_cache.sizing.cli.parser import UsageError
 from pallas_cache.sizing.units import format_bandwidth
 
-__all__ = ["BENCH_D_EXPERT", "BENCH_MARGIN_BYTES", "MOST_CPU_EXPERTS", "bench_bank_columns",
-           "run_bench"]
+__all__ = ["BENCH_D_EXPERT", "BENCH_MARGIN_BYTES", "MOST_CPU_EXPERTS", "available_memory",
+           "bench_bank_columns", "run_bench"]
 
 
 def run_bench(args) -> int:
@@ -26,7 +26,7 @@ def run_bench(args) -> int:
     from pallas_cache.sizing.units import format_bytes, format_duration
 
     if default_bank:
-        d_expert, shrunk = bench_bank_columns(args.d_model, d_expert, _available_memory())
+        d_expert, shrunk = bench_bank_columns(args.d_model, d_expert, available_memory())
         if shrunk:
             progress(f"the default bank shrinks to --d-expert {d_expert} to fit this machine's "
                      f"available memory")
@@ -96,7 +96,7 @@ def bench_bank_columns(d_model: int, d_expert: int, available: int | None) -> tu
     return d_expert, shrunk
 
 
-def _available_memory() -> int | None:
+def available_memory() -> int | None:
     """Bytes of memory available now (``MemAvailable``), or ``None`` where unknown."""
     try:
         with open("/proc/meminfo") as meminfo:

@@ -47,6 +47,12 @@ def _bench_bandwidth(args) -> int:
     return run_bench(args)
 
 
+def _bench_decode(args) -> int:
+    from pallas_cache.sizing.cli.decode import run_bench_decode
+
+    return run_bench_decode(args)
+
+
 def _scenarios(_args) -> int:
     from pallas_cache.sizing.scenarios import promotion_table
 
@@ -59,7 +65,8 @@ def _scenarios(_args) -> int:
     return 0
 
 
-_COMMANDS = {"replay": _replay, "bench-bandwidth": _bench_bandwidth, "scenarios": _scenarios}
+_COMMANDS = {"replay": _replay, "bench-bandwidth": _bench_bandwidth,
+             "bench-decode": _bench_decode, "scenarios": _scenarios}
 
 
 def main(argv=None) -> int:

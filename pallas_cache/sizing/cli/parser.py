@@ -10,6 +10,7 @@ import re
 
 from pallas_cache import __version__
 from pallas_cache.sizing.cli import names as cli_names
+from pallas_cache.sizing.cli.decode_args import add_parser as add_bench_decode
 from pallas_cache.sizing.cli.process import NO_COMPILE_CACHE_ENV
 from pallas_cache.sizing.models import MODELS
 from pallas_cache.sizing.report import FORMATS, legend_text
@@ -214,6 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="expert matrix columns (default: 7168, half of Mixtral-8x7B's 14336: "
                             "112MiB per expert, past any CPU cache; fewer where memory is short)")
     bench.add_argument("--repeats", type=int, default=5, help="timed runs, median (default: 5)")
+    add_bench_decode(commands, common, memory_size, DEFAULT_PRESET)
     return _use_ascii_ints(parser)
 
 

@@ -1,0 +1,202 @@
+"""``pallas-cache bench-decode``: a decode at a tiny geometry whose counts equal the replay's on
+the same routes, its JSON columns, the model beside it, and its refusals (one line, exit 2,
+before any bank is made)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from pallas_cache.sizing import cli
+
+TINY = ["bench-decode", "--small", "--d-model", "64", "--d-expert", "128", "--layers", "2",
+        "--tokens", "8", "--cache-size", "8", "--repeats", "1", "--rounds", "1",
+        "--time-limit", "1", "--format", "json", "-q"]
+COLUMNS = {"measured_ms_per_token", "modeled_ms_per_token", "fetched_per_token",
+           "cpu_experts_per_token", "tokens_per_second", "compile_seconds",
+           "measured_over_modeled", "row", "cache_size", "policy", "eviction"}
+
+
+@pytest.fixture(scope="module")
+def tiny_rows():
+    """The JSON rows of one tiny run (2 layers, 8 tokens, d_model 64, one cache size)."""
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        status = cli.main(TINY)
+    assert status == 0
+    return json.loads(out.getvalue())
+
+
+def _tiny_trace():
+    from pallas_cache.sizing import PRESETS, Trace, synthetic_trace
+
+    params = dataclasses.replace(PRESETS["mixtral-realistic"], num_layers=2, num_experts=8,
+                                 top_k=2, num_tokens=8)
+    return Trace.from_dense(synthetic_trace(params, seed=0).to_dense(), num_experts=8)
+
+
+def test_rows_have_the_columns_and_the_default_configurations(tiny_rows):
+    """FAILS if a row lacks a column the JSON promises, or the default rows are not the floor,
+    no cache, full with lru and route_knn, and the recommended split with lru."""
+    for row in tiny_rows:
+        assert COLUMNS <= set(row), COLUMNS - set(row)
+        assert row["measured_ms_per_token"] > 0 and row["modeled_ms_per_token"] > 0
+        assert row["tokens_per_second"] == pytest.approx(1e3 / row["measured_ms_per_token"])
+        assert row["measured_over_modeled"] == pytest.approx(
+            row["measured_ms_per_token"] / row["modeled_ms_per_token"])
+    kinds = [(r["kind"], r["policy"].split(":")[0], r["eviction"]) for r in tiny_rows]
+    assert kinds == [("resident", "full", "lru"), ("no-cache", "full", "lru"),
+                     ("cache", "full", "lru"), ("cache", "full", "route_knn"),
+                     ("cache", "fraction", "lru")]
+
+
+def test_counts_equal_the_replays_on_the_same_routes(tiny_rows):
+    """FAILS if the decode's fetched or CPU experts per token differ from a replay of the same
+    routes and configuration (e.g. a decode that ignores the eviction, or the split), or the
+    no-cache row does not copy every distinct routed expert of every call, or the floor fetches
+    anything."""
+    from pallas_cache.sizing import ReplayConfig, replay
+
+    trace = _tiny_trace()
+    cached = [r for r in tiny_rows if r["kind"] == "cache"]
+    results = replay(trace, [ReplayConfig(r["cache_size"], r["policy"], eviction=r["eviction"])
+                             for r in cached], bounds=False, progress=lambda line: None)
+    for row, result in zip(cached, results):
+        assert row["fetched_per_token"] == pytest.approx(result.fetched_per_token), row["row"]
+        assert row["cpu_experts_per_token"] == pytest.approx(result.cpu_experts_per_token)
+    assert any(r["cpu_experts_per_token"] > 0 for r in cached)  # the split row has CPU experts
+    dense = trace.to_dense()
+    distinct = sum(len(set(call[call >= 0].tolist())) for call in dense.reshape(-1, 2))
+    by_kind = {r["kind"]: r for r in tiny_rows}
+    assert by_kind["no-cache"]["fetched_per_token"] == distinct / dense.shape[0]
+    assert by_kind["resident"]["fetched_per_token"] == 0
+    assert by_kind["resident"]["cpu_experts_per_token"] == 0
+
+
+def test_gap_line_names_the_parameter_that_closes_the_gap():
+    """FAILS if a row twice as slow as a copy-bound model is not put on B_link (the parameter
+    that closes it with the smallest change), or a row within 15% gets a line."""
+    from pallas_cache.sizing.decode import Parameters, Row, gap_line
+
+    params = Parameters(copy_bandwidth=1e9, cpu_bandwidth=1e9, cpu_fixed_seconds=0.0,
+                        gpu_layer_seconds=1e-6, gpu_expert_seconds=1e-6)
+    counts = ((0, 2, 0, 10),)  # 10 calls copying 2 experts of 1 MB: 20 ms, all copies
+    model = params.ms_per_token(counts, 10**6, 1)
+
+    def row(measured):
+        return Row("r", "cache", 8, "full", "lru", measured, 1e3 / measured, 20, 0, 0.0, model,
+                   measured / model, "the replay's", counts)
+
+    line = gap_line(row(2 * model), params, counts, 10**6, 1)
+    assert line is not None and "B_link" in line and "x0.5" in line
+    assert gap_line(row(1.1 * model), params, counts, 10**6, 1) is None
+
+
+def _refusal(capsys, monkeypatch, argv):
+    from pallas_cache.sizing import decode
+
+    def no_bank(*args, **kwargs):
+        raise AssertionError("a bank was made before the refusal")
+
+    monkeypatch.setattr(decode, "_expert_fn_and_bank", no_bank)
+    status = cli.main(argv)
+    err = capsys.readouterr().err
+    assert status == 2, err
+    assert len(err.strip().splitlines()) == 1, err
+    return err
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--model", "deepseek-v3"], "no expert function yet for fp8-b128"),
+    (["--model", "gpt-oss-120b"], "no expert function yet for mxfp4"),
+    (["--model", "mixtral-8x7b:int8"], "no expert function yet for int8"),
+    (["--small", "--host-memory", "1MiB"], "fits no layer"),
+    (["--small", "--bank-memory", "pinned_host"], "needs a GPU"),
+    (["--small", "--cache-size", "4"], "outside [8, 32]"),
+    (["--small", "--layers", "33"], "32 MoE layers"),
+])
+def test_refusals_are_one_line_before_any_bank(capsys, monkeypatch, argv, words):
+    """FAILS if a refused command line makes a bank first, prints more than one line, or exits
+    with another status than 2."""
+    assert words in _refusal(capsys, monkeypatch, ["bench-decode", *argv])
+
+
+def test_a_trace_with_fewer_layers_than_asked_is_refused(capsys, monkeypatch, tmp_path):
+    """FAILS if --layers past the trace's layers decodes (or pads) instead of refusing."""
+    path = tmp_path / "routes.npy"
+    routes = np.random.default_rng(0).integers(0, 8, size=(8, 2, 2))
+    routes[0, 0] = [6, 7]
+    np.save(path, routes)
+    err = _refusal(capsys, monkeypatch, ["bench-decode", "--small", "--trace", str(path),
+                                         "--layers", "3"])
+    assert "2 layers, fewer than --layers 3" in err
+
+
+def _plan(argv, platform="cpu", device_memory=None):
+    from pallas_cache.sizing.cli.decode import plan_run
+    from pallas_cache.sizing.cli.parser import build_parser
+
+    return plan_run(build_parser().parse_args(["bench-decode", *argv]), platform, device_memory)
+
+
+def test_the_layer_count_is_what_the_host_budget_fits():
+    """FAILS if the layer count is not the most the --host-memory budget fits (on a CPU the
+    floor's pool beside the bank, and one leaf while it moves: 7/3 of a layer's experts each),
+    or the count is not printed."""
+    layer = 8 * 3 * 64 * 128 * 4  # E experts of fp32 w1, w3, w2 [64 x 128]
+    argv = ["--model", "mixtral-8x7b:fp32", "--d-model", "64", "--d-expert", "128",
+            "--tokens", "4", "--host-memory", str(int(5.5 * layer * 7 / 3))]
+    plan = _plan(argv)
+    assert plan.geometry.num_layers == 5
+    assert "L=5 of 32 MoE layers" in plan.lines[0] and "fits 5" in plan.lines[0]
+    on_gpu = _plan(argv, platform="gpu", device_memory=10 * 2**30)  # the bank alone counts
+    assert on_gpu.geometry.num_layers == 12 and on_gpu.floor
+
+
+def test_the_floor_is_left_out_where_the_device_cannot_hold_it():
+    """FAILS if the every-expert-resident row is planned on a GPU whose free memory its L*E
+    slots do not fit (it would fail mid-run), or left out silently."""
+    argv = ["--small", "--d-model", "64", "--d-expert", "128"]
+    floor = 32 * 3 * 64 * 128 * 4
+    assert _plan(argv, "gpu", floor).floor
+    plan = _plan(argv, "gpu", floor - 1)
+    assert not plan.floor and any("floor row is left out" in line for line in plan.lines)
+
+
+def test_the_bank_is_random_per_expert_and_lives_in_host_memory():
+    """FAILS if the bank is not in the host memory kind the backend offers (pinned_host), if
+    two experts or two layers hold the same weights, or their scale is not 1/sqrt(rows)."""
+    from pallas_cache.moe import host_memory_kind
+    from pallas_cache.sizing.decode import Geometry, _expert_fn_and_bank
+
+    _, bank = _expert_fn_and_bank(Geometry(2, 4, 2, 64, 32, "bf16"))
+    assert {n: v.shape for n, v in bank.items()} == {"w1": (2, 4, 64, 32), "w3": (2, 4, 64, 32),
+                                                      "w2": (2, 4, 32, 64)}
+    for leaf in bank.values():
+        assert leaf.sharding.memory_kind == host_memory_kind() and leaf.dtype == "bfloat16"
+    w1 = np.asarray(bank["w1"], np.float32)
+    flat = w1.reshape(8, -1)
+    assert len({row.tobytes() for row in flat}) == 8
+    assert np.std(w1) == pytest.approx(1 / np.sqrt(64), rel=0.05)
+    assert not np.array_equal(w1, np.asarray(bank["w3"], np.float32))
+
+
+def test_the_expert_is_a_swiglu():
+    """FAILS if the expert function is not ``(silu(x @ w1) * (x @ w3)) @ w2`` (its sigmoid is
+    written without literals, for the host region of jax 0.12)."""
+    from pallas_cache.sizing.decode import swiglu
+
+    rng = np.random.default_rng(0)
+    w = {"w1": rng.standard_normal((8, 16)), "w3": rng.standard_normal((8, 16)),
+         "w2": rng.standard_normal((16, 8))}
+    x = rng.standard_normal(8)
+    gate = x @ w["w1"]
+    want = (gate / (1 + np.exp(-gate)) * (x @ w["w3"])) @ w["w2"]
+    got = swiglu({k: v.astype(np.float32) for k, v in w.items()}, x.astype(np.float32))
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
