@@ -32,8 +32,8 @@ COLUMN_LEGEND: dict[str, str] = {
     "layers": "L, MoE layers of the trace's model",
     "experts": "E, routed experts per layer",
     "top_k": "k, route columns per layer-call (-1 padded)",
-    "tokens": "decode tokens: distinct (sequence, token) pairs, each with its every layer-call "
-              "(the CLI drops a sequence's trailing partial token)",
+    "tokens": "complete decode tokens: distinct (sequence, token) pairs (the CLI drops a "
+              "sequence's trailing partial token)",
     "calls": "layer-calls replayed (one per token and layer)",
     "sequences": "sequences (requests) in the trace",
     # configuration

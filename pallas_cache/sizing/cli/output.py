@@ -50,8 +50,7 @@ def print_rows(request, trace, results, rows, size_lines, auto_k, knn) -> None:
     picks = budget_pick_lines(rows, request.cost, per_device)
     print(format_records(rows, "table", header + device_header(request) + picks,
                          under_table=() if picks else frontier_lines(rows, per_device)))
-    print("\n".join(legend(results, trace, request.cost, knn, rows,
-                            request.parallel == "tensor", about_trace) + per_layer))
+    print("\n".join(legend(results, trace, request.cost, knn, rows, about_trace) + per_layer))
 
 
 def _header_lines(request, auto_k) -> list[str]:
@@ -129,11 +128,11 @@ def knn_line(results, companions, knn_results, lru_table: bool) -> str | None:
 
 
 def legend(results, trace, cost, knn_line: str | None = None, rows=None,
-            per_device: bool = False, about_trace=()) -> list[str]:
-    """What a newcomer needs to read the table: the bounds, the model, the verdict, and (an LRU
-    sweep) what route_knn changes (wrapped as the rest). ``rows``: the table's records (their
-    ``batch``, and the configurations the table shows once); ``per_device``: the budget is
-    each device's; ``about_trace``: what the trace can tell (first)."""
+           about_trace=()) -> list[str]:
+    """What a newcomer needs to read the table: the bounds, the model, how its verdicts rank,
+    and (an LRU sweep) what route_knn changes (wrapped as the rest; the verdicts themselves are
+    above or right under the table). ``rows``: the table's records (the configurations marked
+    best); ``about_trace``: what the trace can tell (first)."""
     k = min(trace.top_k, trace.num_experts)
     cliffs = cliff_lines(results, trace)
     paragraphs = [
