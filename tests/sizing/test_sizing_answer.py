@@ -133,6 +133,17 @@ def test_the_eviction_line_is_per_size_and_absent_where_belady_is_reached(timed)
     assert not any(r["best"] for r in rows if r["policy"] == "full" and r["cache_size"] < 256)
 
 
+def test_the_eviction_line_stays_beside_hybrid_rows_alone():
+    """FAILS if a sweep of hybrid rows only drops the eviction line without a word: Belady's
+    optimum bounds only full rows, and the line says how to see them."""
+    argv = TIMED[:TIMED.index("--cache-size")] + ["--cache-size", "64", "128", "--policy",
+                                                    "fraction:0.4", "-q"]
+    status, table, _ = _run(argv)
+    assert status == 0
+    assert ("Eviction: Belady's optimum bounds only the full rows, and this sweep has none: add "
+            "--policy full") in " ".join(table.split())
+
+
 def test_prefetch_bound_is_not_given_on_rows_whose_cpu_computes_experts(timed):
     """FAILS if a hybrid row carries a prefetch_bound (there 1 - busiest/overlap measures how
     unevenly the link and the CPU share the work, not what prefetch could save), or the legend

@@ -319,7 +319,8 @@ def eviction_line(results, cost) -> list[str]:
     size, from that size's ``full`` row with the fewest misses (Belady's optimum bounds the
     ``full`` rows, whichever row is fastest): the most any eviction with demand copies could
     save there (:func:`_eviction_bound`), and the sizes where the row already misses no more
-    than Belady, which no eviction can improve; none without timed ``full`` rows."""
+    than Belady, which no eviction can improve; without timed ``full`` rows, a line saying how
+    to get them."""
     full = {}
     for r in results:
         if (r.policy in ("full", "fraction:1") and r.belady_hit_rate is not None
@@ -328,7 +329,9 @@ def eviction_line(results, cost) -> list[str]:
             if kept is None or r.missing < kept.missing:
                 full[r.cache_size] = r
     if not full:
-        return []
+        return (["Eviction: Belady's optimum bounds only the full rows, and this sweep has none: "
+                 "add --policy full to see what better eviction could save."]
+                if any(r.overlap_ms_per_token for r in results) else [])
     bounds, reached = [], []
     for size in sorted(full):
         r = full[size]
