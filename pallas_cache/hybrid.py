@@ -13,8 +13,8 @@ from jax.experimental import compute_on as _compute_on
 
 from pallas_cache.hints import IndexLike, PyTree
 from pallas_cache.plans import EnsurePlan
-from pallas_cache.moe import (check_bank_layer, check_routes, copy_host_rows, gather_rows,
-                              memory_space, to_space)
+from pallas_cache.moe import (bank_rank_message, check_bank_layer, check_bank_rank, check_routes,
+                              copy_host_rows, gather_rows, memory_space, to_space)
 from pallas_cache.tree import varying_like
 
 __all__ = [
@@ -200,6 +200,7 @@ def cpu_partial(x: jax.Array, expert_ids: jax.Array, gates: jax.Array, plan: Ens
       TypeError: non-integer ``expert_ids``; an ``expert_fn`` that returns a pytree.
       ValueError: an ``expert_fn`` whose output is not one row ``[H']`` per token row.
     """
+    _check_bank_rank(host_bank, layer, expert_fn, x, getattr(plan.copy, "num_experts", None))
     layer = check_bank_layer(host_bank, layer)
     tokens, ids, _ = _token_routes(x, expert_ids, gates)
     axis = 0 if layer is None else 1
@@ -260,6 +261,35 @@ def _layer_in_bank(host_bank, layer):
     return (layer >= 0) & (layer < num_layers)
 
 
+def _check_bank_rank(host_bank, layer, expert_fn, x, num_experts):
+    """Name a whole-model bank without ``layer=`` (or a one-layer bank with it): the plan's
+    ``num_experts`` (when known) is the leaf's axis at the other rank and not at the one given,
+    or ``expert_fn`` maps a token row ``[H]`` to a row ``[H']`` with the bank's rows read at the
+    other rank and not at the one given (only shapes are evaluated)."""
+    given = 1 if layer is None else 2
+    for leaf in jax.tree.leaves(host_bank):
+        if (num_experts is not None and leaf.ndim >= 2 and leaf.shape[given - 1] != num_experts
+                and leaf.shape[2 - given] == num_experts):
+            raise ValueError(bank_rank_message(
+                leaf.shape, layer is not None, f"the plan's {num_experts} experts are its axis "
+                                               f"{2 - given}"))
+    token = jax.ShapeDtypeStruct(x.shape[-1:], x.dtype)
+
+    def maps(skip):
+        rows = jax.tree.map(lambda b: jax.ShapeDtypeStruct(b.shape[skip:], b.dtype), host_bank)
+        try:
+            out = jax.eval_shape(expert_fn, rows, token)
+        except Exception:  # noqa: BLE001 - a shape the function cannot take
+            return False
+        return isinstance(out, jax.ShapeDtypeStruct) and out.ndim == 1
+
+    if not maps(given) and maps(3 - given):
+        shape = jax.tree.leaves(host_bank)[0].shape
+        raise ValueError(bank_rank_message(
+            shape, layer is not None, f"expert_fn maps its rows {list(shape[3 - given:])} to one "
+                                      f"row, not {list(shape[given:])}"))
+
+
 def _check_bank(plan, host_bank, layer):
     """The bank's expert axis against the plan's ``num_experts`` (pool not involved here)."""
     num_experts = getattr(plan.copy, "num_experts", None)
@@ -307,7 +337,9 @@ def moe_hybrid(x: jax.Array, expert_ids: jax.Array, gates: jax.Array, plan: Ensu
     """The hybrid MoE output of a plan: :func:`device_partial` + :func:`cpu_partial`.
 
     Call it after :func:`~pallas_cache.moe.apply_copy_plan` has applied ``plan`` to ``pool``;
-    for a correct plan it equals ``moe_dense`` up to float rounding.
+    for a correct plan it equals ``moe_dense`` up to float rounding. A whole-model bank without
+    ``layer=`` (or one layer's bank with it) raises ``ValueError`` saying so.
     """
+    check_bank_rank(host_bank, layer, pool)
     return (device_partial(x, expert_ids, gates, plan, pool, expert_fn)
             + cpu_partial(x, expert_ids, gates, plan, host_bank, expert_fn, layer=layer))

@@ -22,6 +22,7 @@ from pallas_cache.tree import varying_like
 __all__ = [
     "apply_copy_plan",
     "check_bank_layer",
+    "check_bank_rank",
     "check_plan_geometry",
     "check_routes",
     "copy_counted_rows",
@@ -304,6 +305,32 @@ def check_bank_layer(host_bank, layer):
     return layer.astype(jnp.int32)
 
 
+def bank_rank_message(shape, has_layer: bool, why: str) -> str:
+    """The error for a bank of the other rank than ``layer=`` says: a whole-model bank
+    ``[L, E, ...]`` without ``layer=``, or one layer's bank ``[E, ...]`` with it."""
+    shape = tuple(shape)
+    if has_layer:
+        return (f"layer= was given, but the host bank leaf {shape} is one layer's bank [E, ...] "
+                f"({why}): drop layer=, or pass the bank of every layer [L, E, ...]")
+    return (f"the host bank leaf {shape} is a whole-model bank [L, E, ...] ({why}): pass layer= "
+            f"to read that layer's experts")
+
+
+def check_bank_rank(host_bank, layer, pool) -> None:
+    """Refuse, naming it, a whole-model bank ``[L, E, ...]`` without ``layer=`` or a one-layer
+    bank ``[E, ...]`` with it: an expert's row (a pool leaf ``[S, *row]`` past its slot axis) is
+    what the bank leaf holds past its expert axis at the other rank, and not at the one given."""
+    bank_leaves, pool_leaves = jax.tree.leaves(host_bank), jax.tree.leaves(pool)
+    if len(bank_leaves) != len(pool_leaves):
+        return  # apply_copy_plan names the structures
+    axis = 0 if layer is None else 1
+    for bank, slots in zip(bank_leaves, pool_leaves):
+        row = tuple(slots.shape[1:])
+        if tuple(bank.shape[axis + 1:]) != row and tuple(bank.shape[2 - axis:]) == row:
+            raise ValueError(bank_rank_message(bank.shape, layer is not None,
+                                               f"the pool's expert rows are {list(row)}"))
+
+
 def check_plan_geometry(copy, pool, host_bank, layer) -> None:
     """Refuse, at trace time, a pool or host bank of another geometry than the plan's.
 
@@ -381,6 +408,7 @@ def apply_copy_plan(pool: PyTree, host_bank: PyTree, plan: Any, *,
     dst_slots = jnp.asarray(copy.dst_slots, jnp.int32)
     src_rows = jnp.asarray(copy.src_rows, jnp.int32)
     count = jnp.asarray(copy.count, jnp.int32)
+    check_bank_rank(host_bank, layer, pool)
     layer = check_bank_layer(host_bank, layer)
     check_plan_geometry(copy, pool, host_bank, layer)
 

@@ -32,7 +32,8 @@ COLUMN_LEGEND: dict[str, str] = {
     "layers": "L, MoE layers of the trace's model",
     "experts": "E, routed experts per layer",
     "top_k": "k, route columns per layer-call (-1 padded)",
-    "tokens": "decode tokens: distinct (sequence, token) pairs",
+    "tokens": "complete decode tokens: distinct (sequence, token) pairs (the CLI drops a "
+              "sequence's trailing partial token)",
     "calls": "layer-calls replayed (one per token and layer)",
     "sequences": "sequences (requests) in the trace",
     # configuration
@@ -44,6 +45,8 @@ COLUMN_LEGEND: dict[str, str] = {
     "expert_bytes": "W, bytes of one routed expert (empty without --model/--expert-bytes)",
     "link_bandwidth": "B_link in bytes/s (empty when not given)",
     "cpu_bandwidth": "B_cpu in bytes/s (empty when not given)",
+    "cpu_fixed_seconds": "T_cpu, the CPU partial's fixed cost per call with CPU experts "
+                         "(--cpu-fixed-cost), in seconds; 0: none",
     "device_budget": "--device-budget in bytes (empty when not given)",
     # counters, summed over layer-calls
     "routes": "non-padding routes (duplicates counted)",
@@ -65,8 +68,10 @@ COLUMN_LEGEND: dict[str, str] = {
     "fetched_bytes_per_token": "fetched * W / tokens",
     "cpu_bytes_per_token": "cpu_experts * W / tokens",
     "modeled_ms_per_token": "per call max(fetched*W/B_link, cpu_experts*W/B_cpu), summed per token",
-    "best": "the fastest modeled row at its cache_size",
-    "budget_best": "the fastest modeled row whose cache_bytes fits --device-budget",
+    "best": "the fastest row at its cache_size, by overlap_ms_per_token when every row has it, "
+            "else by modeled_ms_per_token",
+    "budget_best": "the fastest row (by the figure best ranks by) whose cache_bytes fits "
+                   "--device-budget",
     "note": "why the row deserves a second look (e.g. S < L*k), else empty",
     "pair_counts": "[fetched, cpu_experts, calls] for every per-call pair that occurred (exact; "
                    "enough to model any bandwidths); csv: one cell of JSON",
@@ -88,7 +93,9 @@ GPU_LEGEND: dict[str, str] = {
     "stall_ms_per_token": "overlap_ms_per_token - (A*calls + C*device-computed experts)/tokens: "
                           "the device's wait",
     "prefetch_bound": "1 - max(gpu_busy, link_busy, cpu_busy)/overlap: the most any prefetch "
-                      "moving the same bytes could save (a fraction)",
+                      "moving the same bytes could save (a fraction); empty on a row with CPU "
+                      "experts, where it would measure how unevenly the link and the CPU share "
+                      "the work",
     "call_counts": "[hits, fetched, cpu_experts, calls] for every per-call triple that occurred "
                    "(exact; enough to re-time any A, C or bandwidths); csv: one cell of JSON",
 }
@@ -105,7 +112,8 @@ NOT_RECORDED = ("layer_stats",)
 _JSON_CELL_KEYS = _LIST_KEYS + ("layer_hit_rates",)
 
 _TRACE_KEYS = ("source", "layers", "experts", "top_k", "tokens", "calls", "sequences")
-_COST_KEYS = ("expert_bytes", "link_bandwidth", "cpu_bandwidth", "device_budget")
+_COST_KEYS = ("expert_bytes", "link_bandwidth", "cpu_bandwidth", "cpu_fixed_seconds",
+              "device_budget")
 
 
 def records(results: Iterable, trace, cost=None) -> list[dict]:
@@ -164,7 +172,10 @@ def table_columns(rows: Sequence[dict]) -> list[str]:
     if timed:
         columns += ["modeled_ms_per_token", "best"]
     if any(r.get("overlap_ms_per_token") is not None for r in rows):
-        columns += ["overlap_ms_per_token", "stall_ms_per_token", "prefetch_bound"]
+        # best ranks by the overlapped time (ranking_figure): it stands beside that column
+        at = columns.index("best") if timed else len(columns)
+        columns[at:at] = ["overlap_ms_per_token"]
+        columns += ([] if timed else ["best"]) + ["stall_ms_per_token", "prefetch_bound"]
     if "batch" in rows[0]:  # a batched replay (pallas_cache.sizing.batching): per B
         columns.insert(1, "batch")
         columns.insert(2, "steps")
@@ -255,7 +266,8 @@ def config_label(config: tuple, shown: Sequence[str] = ("policy",)) -> str:
 
 #: Columns that depend on the cache size (and batch) alone: a table too wide for
 #: :data:`TABLE_WIDTH` shows them once per size, in a second table under the first.
-PER_SIZE_KEYS = ("steps", "belady_hit_rate", "bypass_optimum_hit_rate", "oracle_hit_rate")
+PER_SIZE_KEYS = ("cache_bytes", "steps", "belady_hit_rate", "bypass_optimum_hit_rate",
+                 "oracle_hit_rate")
 # The hit rate a cliff note quotes is the row's own hit_rate column: notes under the table are
 # numbered without it, so one note serves every row it applies to.
 _QUOTED_HIT_RATE = re.compile(r" \(hit rate [0-9.]+ here\)")
@@ -289,12 +301,15 @@ def _lines(head: list, body: list, gap: str, last_left: bool) -> list[str]:
     return lines
 
 
-def _table(rows: Sequence[dict], header_lines: Sequence[str]) -> str:
+def _table(rows: Sequence[dict], header_lines: Sequence[str], under_table: Sequence[str] = ()
+           ) -> str:
     """The text table: within :data:`TABLE_WIDTH` columns where it can be. A configuration whose
     rows equal an earlier one's is shown once (:func:`merged_configs`); when the rows are too
     wide, their notes go under the table (numbered), then the columns close up, then the
-    per-size columns (:data:`PER_SIZE_KEYS`) go to a second table, one row per size, then the
-    columns close up. The lines above it are wrapped at that width too."""
+    per-size columns (:data:`PER_SIZE_KEYS`, ``cache_bytes`` only if still too wide) go to a
+    second table, one row per size, the columns closing up after each move, then the columns
+    that still do not fit continue in tables under the first (:func:`_continued`). The lines above it are wrapped at that width too;
+    ``under_table``'s lines go right under the rows."""
     columns = table_columns(rows)
     merged = merged_configs(rows)
     shown_keys = [key for key in CONFIG_KEYS if key in columns]
@@ -315,26 +330,60 @@ def _table(rows: Sequence[dict], header_lines: Sequence[str]) -> str:
                   for text, n in numbers.items()]
     lines = _lines(head, body, "  ", True)
     per_size: list[str] = []
-    if max(len(line) for line in lines) > TABLE_WIDTH:
-        moved = [key for key in PER_SIZE_KEYS if key in columns]
+    shown, full_head, full_body = list(columns), head, body
+    # Per-size columns out (cache_bytes last: a buyer reads it beside the row), the gaps closed
+    # up after each move, until the rows fit.
+    for moved in ([key for key in PER_SIZE_KEYS if key in columns and key != "cache_bytes"],
+                  [key for key in PER_SIZE_KEYS if key in columns]):
+        if max(len(line) for line in lines) <= TABLE_WIDTH or not moved:
+            break
         keys = ["cache_size"] + (["batch"] if "batch" in columns else []) + moved
         kept = [i for i, key in enumerate(columns) if key not in moved]
-        head = _drop_blank_header_lines([[row[i] for i in kept] for row in head])
-        body = [[row[i] for i in kept] for row in body]
+        shown = [columns[i] for i in kept]
+        head = _drop_blank_header_lines([[row[i] for i in kept] for row in full_head])
+        body = [[row[i] for i in kept] for row in full_body]
         lines = _lines(head, body, "  ", True)
         sizes = list({tuple(r[key] for key in keys[:len(keys) - len(moved)]): r
                       for r in rows}.values())
         size_head, size_body = _grid(sizes, keys)
         per_size = (["per cache size (the same for every policy):"]
                     + _lines(size_head, size_body, "  ", False))
+        if max(len(line) for line in lines) > TABLE_WIDTH:
+            lines = _lines(head, body, " ", True)
     if max(len(line) for line in lines) > TABLE_WIDTH:
-        lines = _lines(head, body, " ", True)
+        lines = _continued(head, body, shown)
     out = [textwrap.fill(text, width=TABLE_WIDTH, subsequent_indent="  ", break_on_hyphens=False,
                          break_long_words=False) for text in (*_preamble(rows), *header_lines)]
-    out += [*lines, *per_size]
+    out += [*lines]
+    out += [textwrap.fill(text, width=TABLE_WIDTH, subsequent_indent="    ",
+                          break_on_hyphens=False, break_long_words=False) for text in under_table]
+    out += [*per_size]
     out += [textwrap.fill(text, width=TABLE_WIDTH, subsequent_indent="    ",
                           break_on_hyphens=False, break_long_words=False) for text in under]
     return "\n".join(out)
+
+
+def _continued(head: list, body: list, keys: Sequence[str]) -> list[str]:
+    """A grid still wider than :data:`TABLE_WIDTH` as tables one under the other, each
+    repeating the columns that name a row (its size, batch and configuration) and taking the
+    next columns that fit; the last column stays left-aligned where it is the note."""
+    names = [i for i, key in enumerate(keys) if key in ("cache_size", "batch", *CONFIG_KEYS)]
+    rest = [i for i in range(len(keys)) if i not in names]
+
+    def part(columns):
+        sub_head = _drop_blank_header_lines([[row[i] for i in columns] for row in head])
+        return _lines(sub_head, [[row[i] for i in columns] for row in body], " ",
+                      keys[columns[-1]] == "note")
+
+    parts: list[list[int]] = [[]]
+    for i in rest:
+        if parts[-1] and max(map(len, part(names + parts[-1] + [i]))) > TABLE_WIDTH:
+            parts.append([])
+        parts[-1].append(i)
+    lines: list[str] = []
+    for n, columns in enumerate(parts):
+        lines += (["the same rows, continued:"] if n else []) + part(names + columns)
+    return lines
 
 
 def _drop_blank_header_lines(head: list) -> list:
@@ -375,13 +424,14 @@ def _json_safe(row: dict) -> dict:
             for key, value in row.items()}
 
 
-def format_records(rows: Sequence[dict], fmt: str = "table", header_lines: Sequence[str] = ()
-                   ) -> str:
+def format_records(rows: Sequence[dict], fmt: str = "table", header_lines: Sequence[str] = (),
+                   under_table: Sequence[str] = ()) -> str:
     """``rows`` (from :func:`records`) as text in one of :data:`FORMATS`.
 
     ``json``: a list of records; ``jsonl``: one record per line; ``csv``: a header of
     :data:`RECORD_KEYS` and one line per record; ``table`` (for a terminal) and ``markdown``:
-    the :func:`table_columns` of the records under the trace line and ``header_lines``.
+    the :func:`table_columns` of the records under the trace line and ``header_lines``
+    (``table``: with ``under_table``'s lines right under its rows).
 
     Raises:
       ValueError: an unknown format, or no rows for ``table``/``markdown``.
@@ -396,7 +446,8 @@ def format_records(rows: Sequence[dict], fmt: str = "table", header_lines: Seque
         return _csv(rows)
     if not rows:
         raise ValueError(f"no results to show as a {fmt}")
-    return _table(rows, header_lines) if fmt == "table" else _markdown(rows, header_lines)
+    return (_table(rows, header_lines, under_table) if fmt == "table"
+            else _markdown(rows, header_lines))
 
 
 def legend_text(width: int = 100) -> str:

@@ -112,8 +112,13 @@ def test_huge_tokens_and_cache_sizes_are_refused_before_allocation(capsys, no_re
     raw RESOURCE_EXHAUSTED traceback after minutes)."""
     line = one_line_error(capsys, cli.main(["replay", "--tokens", "100000000"]))
     assert "num_tokens=100000000" in line and "above the memory limit" in line
-    line = one_line_error(capsys, cli.main(SMALL[:-3] + ["2000000000"]))
-    assert line.startswith("pallas-cache: --cache-size 2000000000: ") and "memory limit" in line
+
+
+def test_a_huge_cache_size_is_clamped_to_every_expert_before_allocation(capsys):
+    """FAILS if --cache-size 2000000000 allocates a state of two billion slots (or is refused):
+    past every expert (L*E slots) a pool holds nothing more, so it is replayed as L*E."""
+    assert cli.main(SMALL[:-3] + ["2000000000", "--policy", "full", "--json", "-q"]) == 0
+    assert [row["cache_size"] for row in json.loads(capsys.readouterr().out)] == [32 * 8]
 
 
 def test_max_memory_flag_sets_the_limit(tmp_path, capsys, no_replay):

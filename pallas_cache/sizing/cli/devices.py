@@ -20,7 +20,7 @@ import dataclasses
 
 from pallas_cache.sizing.cli.checks import INT32_MAX
 from pallas_cache.sizing.report import format_records
-from pallas_cache.sizing.sweep.cost import CostModel
+from pallas_cache.sizing.sweep.cost import CostModel, figure_words, ranking_figure
 from pallas_cache.sizing.units import format_bytes
 
 __all__ = ["budget_lines", "check_device_count", "device_cost", "device_header",
@@ -97,7 +97,8 @@ def tensor_records(rows: list[dict], devices: int | None, parallel: str | None) 
 def budget_lines(rows: list[dict], cost: CostModel) -> list[str]:
     """The legend's ``--device-budget`` lines for record rows (one table's): the pick
     (``budget_best``), or that nothing fits; none without a budget or modeled times."""
-    if cost.device_budget is None or not cost.timed or not rows:
+    key = ranking_figure(rows)
+    if cost.device_budget is None or key is None:
         return []
     budget = format_bytes(cost.device_budget)
     chosen = [row for row in rows if row["budget_best"]]
@@ -109,26 +110,27 @@ def budget_lines(rows: list[dict], cost: CostModel) -> list[str]:
             f"({format_bytes(row['cache_bytes'])}) policy={row['policy']} order={row['order']} "
             f"admission={row['admission']}"
             f"{'' if row['eviction'] == 'lru' else ' eviction=' + row['eviction']}: "
-            f"{row['modeled_ms_per_token']:.1f} ms/token modeled." for row in chosen]
+            f"{row[key]:.1f} {figure_words(key)}." for row in chosen]
 
 
 def _pick(rows: list[dict], cost: CostModel) -> list[dict]:
     """``best`` (the fastest row at its cache size) and ``budget_best`` (the fastest that fits
     ``--device-budget``) picked among ``rows`` themselves, as :func:`with_costs` picks them for
     one replay's rows; unchanged without modeled times."""
-    if not cost.timed:
+    key = ranking_figure(rows)
+    if key is None:
         return rows
     fastest: dict = {}
     for row in rows:
-        ms = row["modeled_ms_per_token"]
+        ms = row[key]
         fastest[row["cache_size"]] = min(fastest.get(row["cache_size"], ms), ms)
-    fits = [row["modeled_ms_per_token"] for row in rows
+    fits = [row[key] for row in rows
             if cost.device_budget is not None and row["cache_bytes"] <= cost.device_budget]
     floor = min(fits, default=None)
-    return [dict(row, best=row["modeled_ms_per_token"] == fastest[row["cache_size"]],
+    return [dict(row, best=row[key] == fastest[row["cache_size"]],
                  budget_best=(None if cost.device_budget is None else
                               row["cache_bytes"] <= cost.device_budget
-                              and row["modeled_ms_per_token"] == floor))
+                              and row[key] == floor))
             for row in rows]
 
 

@@ -5,7 +5,6 @@ rates per layer); warnings; and the plot, written whole or not at all."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import stat
 import sys
@@ -14,10 +13,12 @@ import textwrap
 
 from pallas_cache.sizing.cli.devices import device_header, tensor_records
 from pallas_cache.sizing.cli.parser import UsageError
-from pallas_cache.sizing.report import CONFIG_KEYS, format_records, merged_configs
+from pallas_cache.sizing.report import CONFIG_KEYS, config_label, format_records, merged_configs
+from pallas_cache.sizing.sweep.cost import figure_words, ranking_figure
 from pallas_cache.sizing.units import format_bandwidth, format_bytes, format_duration
 
-__all__ = ["COLD_SHARE", "KNN_POINTER", "budget_fit", "cliff_lines", "knn_line", "layer_hit_rates",
+__all__ = ["COLD_SHARE", "COMMON_BUDGETS", "KNN_POINTER", "budget_fit", "budget_pick_lines",
+           "cliff_lines", "eviction_line", "frontier_lines", "knn_line", "layer_hit_rates",
            "legend", "model_mismatch", "per_layer_lines", "prefetch_lines", "print_rows",
            "trace_lines", "with_budget_fit", "write_plot"]
 
@@ -43,9 +44,13 @@ def print_rows(request, trace, results, rows, size_lines, auto_k, knn) -> None:
             print(f"pallas-cache: {line}", file=sys.stderr)
         return
     header = _header_lines(request, auto_k) + [f"size: {line}" for line in size_lines]
-    print(format_records(rows, "table", header + device_header(request)))
-    print("\n".join(legend(results, trace, request.cost, knn, rows,
-                            request.parallel == "tensor", about_trace) + per_layer))
+    per_device = request.parallel == "tensor"
+    # The answer: with a budget its pick, above the table (the first screen); without one,
+    # the fastest size within each common budget, right under the table.
+    picks = budget_pick_lines(rows, request.cost, per_device)
+    print(format_records(rows, "table", header + device_header(request) + picks,
+                         under_table=() if picks else frontier_lines(rows, per_device)))
+    print("\n".join(legend(results, trace, request.cost, knn, rows, about_trace) + per_layer))
 
 
 def _header_lines(request, auto_k) -> list[str]:
@@ -123,11 +128,11 @@ def knn_line(results, companions, knn_results, lru_table: bool) -> str | None:
 
 
 def legend(results, trace, cost, knn_line: str | None = None, rows=None,
-            per_device: bool = False, about_trace=()) -> list[str]:
-    """What a newcomer needs to read the table: the bounds, the model, the verdict, and (an LRU
-    sweep) what route_knn changes (wrapped as the rest). ``rows``: the table's records (their
-    ``batch``, and the configurations the table shows once); ``per_device``: the budget is
-    each device's; ``about_trace``: what the trace can tell (first)."""
+           about_trace=()) -> list[str]:
+    """What a newcomer needs to read the table: the bounds, the model, how its verdicts rank,
+    and (an LRU sweep) what route_knn changes (wrapped as the rest; the verdicts themselves are
+    above or right under the table). ``rows``: the table's records (the configurations marked
+    best); ``about_trace``: what the trace can tell (first)."""
     k = min(trace.top_k, trace.num_experts)
     cliffs = cliff_lines(results, trace)
     paragraphs = [
@@ -145,21 +150,12 @@ def legend(results, trace, cost, knn_line: str | None = None, rows=None,
         paragraphs.append("For modeled ms per token add --link-bandwidth and --cpu-bandwidth.")
     else:
         fixed = " + T_cpu if cpu_experts > 0" if cost.cpu_fixed_seconds else ""
+        key = ranking_figure(results)
         paragraphs.append("modeled_ms_per_token: per layer-call max(fetched*W/B_link, "
                           f"cpu_experts*W/B_cpu{fixed}), summed per token (docs/semantics.md "
-                          "§11); best = the fastest row at its cache_size.")
-        if cost.device_budget is None:
-            paragraphs.append("No --device-budget: in this model a bigger cache is never slower, "
-                              "so only a budget picks one (e.g. --device-budget 24GiB).")
-        else:
-            budget = format_bytes(cost.device_budget)
-            if not any(r.budget_best for r in results):
-                smallest = min(r.cache_bytes for r in results)
-                paragraphs.append(f"No configuration fits the {budget} device budget (the "
-                                  f"smallest pool takes {format_bytes(smallest)}).")
-            paragraphs += _budget_picks(rows if rows is not None else
-                                        [dataclasses.asdict(r) for r in results],
-                                        budget, per_device)
+                          f"§11); best = the fastest row at its cache_size, by {key}"
+                          + (" (the GPU's time included, below)." if key and
+                             key.startswith("overlap") else "."))
     if rows is not None:
         paragraphs += _stops_copying(rows, trace)
     if cost.gpu:
@@ -167,16 +163,33 @@ def legend(results, trace, cost, knn_line: str | None = None, rows=None,
             "overlap_ms_per_token: the layer-calls one after the other, each taking A, then its "
             "copies (tau = W/B_link each, one link) while the device computes each expert (C) "
             "once it is there and the CPU partial runs beside; stall_ms_per_token = the "
-            "device's wait; prefetch_bound = 1 - busiest resource/overlap (docs/semantics.md "
-            "§11.6).")
+            "device's wait; prefetch_bound = 1 - busiest resource/overlap, on rows whose CPU "
+            "computes no expert (- where it does: there it would measure how unevenly the link "
+            "and the CPU share the work, not what prefetch saves) (docs/semantics.md §11.6).")
         paragraphs += prefetch_lines(results, trace, cost)
+        paragraphs += eviction_line(results, cost)
     return [textwrap.fill(text, width=100, break_on_hyphens=False)
             for text in [*about_trace, *cliffs, *paragraphs, *([knn_line] if knn_line else [])]]
 
 
+def budget_pick_lines(rows, cost, per_device: bool = False) -> list[str]:
+    """The ``--device-budget`` answer for a table's records: its pick (one per batch), or that
+    nothing fits; none without a budget or a figure to rank by."""
+    if cost.device_budget is None or ranking_figure(rows) is None:
+        return []
+    budget = format_bytes(cost.device_budget)
+    if not any(r["budget_best"] for r in rows):
+        smallest = min(r["cache_bytes"] for r in rows)
+        return [f"No configuration fits the {budget} device budget (the smallest pool takes "
+                f"{format_bytes(smallest)})."]
+    return _budget_picks(rows, budget, per_device)
+
+
 def _budget_picks(rows, budget: str, per_device: bool) -> list[str]:
     """One line per budget pick (one per batch), naming its batch and, for a configuration
-    whose rows another's equal, both; a budget per device says so."""
+    whose rows another's equal, both; a budget per device says so. The ms/token is the figure
+    the pick was ranked by (:func:`ranking_figure`)."""
+    key = ranking_figure(rows)
     merged = merged_configs(rows)
     lines = []
     for r in rows:
@@ -192,8 +205,52 @@ def _budget_picks(rows, budget: str, per_device: bool) -> list[str]:
             f"{where}: cache_size={r['cache_size']} ({format_bytes(r['cache_bytes'])}) "
             f"policy={r['policy']} order={r['order']} admission={r['admission']}"
             f"{'' if r['eviction'] == 'lru' else ' eviction=' + r['eviction']}: "
-            f"{r['modeled_ms_per_token']:.1f} ms/token modeled"
+            f"{r[key]:.1f} {figure_words(key)}"
             + (f" (the same rows as {', '.join(same)})." if same else "."))
+    return lines
+
+
+#: The expert-pool budgets a table without ``--device-budget`` names a size for (frontier).
+COMMON_BUDGETS = tuple(gib * 2 ** 30 for gib in (16, 24, 48, 72))
+
+
+def frontier_lines(rows, per_device: bool = False) -> list[str]:
+    """The lines right under a table without ``--device-budget``: for each common expert-pool
+    budget (:data:`COMMON_BUDGETS`; the grid's own pool sizes when fewer than two of them fall
+    in its range), the size that fits with the lowest ms/token by :func:`ranking_figure` (the
+    smallest pool of equally fast ones), with its bytes and ms/token; per batch in a batched
+    table. In this model a bigger cache is never slower, so the fastest row alone names the
+    largest size: a budget is what picks one. None without bytes or a figure."""
+    key = ranking_figure(rows)
+    if key is None or any(r["cache_bytes"] is None for r in rows):
+        return []
+    merged = merged_configs(rows)
+    shown = [r for r in rows if tuple(r[k] for k in CONFIG_KEYS) not in merged]
+    varying = [k for k in CONFIG_KEYS if k == "policy" or len({r[k] for r in shown}) > 1]
+    lines = [f"Fastest within each expert-pool budget{' per device' if per_device else ''}, by "
+             f"{key} (--device-budget B names one):"]
+    for batch in dict.fromkeys(r.get("batch") for r in shown):
+        group = [r for r in shown if r.get("batch") == batch]
+        pools = sorted({r["cache_bytes"] for r in group})
+        budgets = [b for b in COMMON_BUDGETS if b >= pools[0]]
+        past = next((i for i, b in enumerate(budgets) if b >= pools[-1]), len(budgets) - 1)
+        budgets = budgets[:past + 1]
+        if budgets and pools[-1] > budgets[-1]:  # the grid's largest pool, past every budget
+            budgets.append(pools[-1])
+        below = [b for b in COMMON_BUDGETS if b < pools[0]]
+        if len(budgets) < 2:
+            budgets, below = pools, []
+        at = "" if batch is None else f" at batch={batch}"
+        if below:
+            lines.append(f"  {format_bytes(below[-1])}{at}: nothing fits (the smallest pool "
+                         f"takes {format_bytes(pools[0])})")
+        for budget in budgets:
+            pick = min((r for r in group if r["cache_bytes"] <= budget),
+                       key=lambda r: (r[key], r["cache_bytes"]))
+            lines.append(f"  {format_bytes(budget)}{at}: cache_size={pick['cache_size']} "
+                         f"({format_bytes(pick['cache_bytes'])}) "
+                         f"{config_label(tuple(pick[k] for k in CONFIG_KEYS), varying)}: "
+                         f"{pick[key]:.1f} ms/token")
     return lines
 
 
@@ -227,22 +284,21 @@ def _stops_copying(rows, trace) -> list[str]:
 
 def prefetch_lines(results, trace, cost) -> list[str]:
     """The line under a table with the GPU's time (docs/semantics.md §11.6): at each cache size,
-    the fastest row's ``prefetch_bound`` (what any prefetch of the next layers could save) and,
-    for a ``full`` row, what better eviction could save at most (Belady's misses as demand
-    copies), then the regime: one expert's copy time beside one layer's GPU work."""
+    the fastest row's ``prefetch_bound`` among rows whose CPU computes no expert (what any
+    prefetch of the next layers could save; on a row with CPU experts it is not given), then
+    the regime: one expert's copy time beside one layer's GPU work."""
     timed = [r for r in results if r.overlap_ms_per_token is not None]
     if not timed:
         return []
     fastest = {}
     for r in timed:  # the first of equally fast rows
+        if r.prefetch_bound is None:
+            continue
         best = fastest.get(r.cache_size)
         if best is None or r.overlap_ms_per_token < best.overlap_ms_per_token:
             fastest[r.cache_size] = r
     rows = [fastest[size] for size in sorted(fastest)]
     prefetch = ", ".join(f"{100 * r.prefetch_bound:.1f}% at S = {r.cache_size}" for r in rows)
-    eviction = [(r, _eviction_bound(r, cost)) for r in rows]
-    eviction = ", ".join(f"{100 * bound:.0f}% at S = {r.cache_size}" for r, bound in eviction
-                         if bound is not None)
     A = cost.gpu_layer_seconds or 0.0
     C = cost.gpu_expert_seconds or 0.0
     k = min(trace.top_k, trace.num_experts)
@@ -250,23 +306,54 @@ def prefetch_lines(results, trace, cost) -> list[str]:
     layer = A + k * C
     ratio = f"{tau / layer:.3g}x" if layer > 0 else "unbounded"
     text = (f"prefetch_bound: any prefetch of the next layers could save at most {prefetch} "
-            f"here (the fastest row at each size, by overlap_ms_per_token)")
-    if eviction:
-        text += f"; better eviction could save up to {eviction} (Belady's misses, full rows)"
-    text += (f". One expert's copy takes tau = W/B_link = {1e3 * tau:.3g} ms, one layer's GPU "
+            f"here (the fastest row whose CPU computes no expert at each size, by "
+            f"overlap_ms_per_token). " if rows else "")
+    text += (f"One expert's copy takes tau = W/B_link = {1e3 * tau:.3g} ms, one layer's GPU "
              f"work A + k*C = {1e3 * layer:.3g} ms ({ratio}): prefetch can pay only where "
              f"they are near (docs/replay.md).")
     return [text]
 
 
-def _eviction_bound(result, cost) -> float | None:
+def eviction_line(results, cost) -> list[str]:
+    """The line under a table with the GPU's time on what better eviction could save, per cache
+    size, from that size's ``full`` row with the fewest misses (Belady's optimum bounds the
+    ``full`` rows, whichever row is fastest): the most any eviction with demand copies could
+    save there (:func:`_eviction_bound`), and the sizes where the row already misses no more
+    than Belady, which no eviction can improve; without timed ``full`` rows, a line saying how
+    to get them."""
+    full = {}
+    for r in results:
+        if (r.policy in ("full", "fraction:1") and r.belady_hit_rate is not None
+                and r.overlap_ms_per_token):
+            kept = full.get(r.cache_size)
+            if kept is None or r.missing < kept.missing:
+                full[r.cache_size] = r
+    if not full:
+        return (["Eviction: Belady's optimum bounds only the full rows, and this sweep has none: "
+                 "add --policy full to see what better eviction could save."]
+                if any(r.overlap_ms_per_token for r in results) else [])
+    bounds, reached = [], []
+    for size in sorted(full):
+        r = full[size]
+        if r.missing <= round(r.active * (1.0 - r.belady_hit_rate)):
+            reached.append(str(size))
+        else:
+            bounds.append(f"{100 * _eviction_bound(r, cost):.0f}% at S = {size}")
+    parts = []
+    if bounds:
+        parts.append(f"better eviction could save the full rows up to {', '.join(bounds)} "
+                     f"(Belady's misses as demand copies)")
+    if reached:
+        parts.append(f"at S = {', '.join(reached)} the full row already misses no more than "
+                     f"Belady's optimum: no eviction does better there")
+    return ["Eviction: " + "; ".join(parts) + "."]
+
+
+def _eviction_bound(result, cost) -> float:
     """For a ``full`` row with its Belady hit rate: ``1 - (A * calls + max(C * active,
     tau * Belady's misses)) / overlap``, the most any eviction with demand copies could save
     (each call takes at least ``A`` plus the larger of its device work and its copies, and no
-    eviction misses less than Belady); ``None`` for other rows."""
-    if (result.policy not in ("full", "fraction:1") or result.belady_hit_rate is None
-            or not result.overlap_ms_per_token):
-        return None
+    eviction misses less than Belady)."""
     A = cost.gpu_layer_seconds or 0.0
     C = cost.gpu_expert_seconds or 0.0
     tau = cost.expert_bytes / cost.link_bandwidth

@@ -107,11 +107,16 @@ def load(request: ReplayRequest, progress: Progress) -> Loaded:
     if compiling is not None:  # every check passed: a log sees the work start, at once
         progress.log(f"generating the {source.preset} trace while its programs compile...")
     trace = _trace(request, progress)
+    trace, tokens, calls = trace.without_partial_tokens()
     auto_k = request.auto_k
     if auto_k == 0:
         auto_k = min(trace.top_k, trace.num_experts)
     requested, policies = request.resolved_policies(1 if auto_k == 0 else auto_k)
     warnings = policy_warnings(requested)
+    if tokens:
+        warnings.append(f"pallas-cache: dropped the trailing partial token of {tokens} "
+                        f"sequence{'s' if tokens > 1 else ''} ({calls} layer-calls, fewer than "
+                        f"a token's layers): per-token figures count complete tokens")
     mismatch = None if request.model is None else output.model_mismatch(request.model, trace)
     if mismatch:
         warnings.append(mismatch)
@@ -167,7 +172,8 @@ def configurations(request: ReplayRequest, geometry, policies) -> Plan:
 
 def cache_sizes(request: ReplayRequest, geometry) -> tuple[list[int], list[str]]:
     """``(slot counts, lines saying how byte sizes were rounded)`` of ``--cache-size`` at
-    ``geometry``."""
+    ``geometry``; a size past every expert (``L*E`` slots) is clamped to ``L*E``, with a line
+    saying so."""
     from pallas_cache.sizing.sweep import auto_cache_sizes
 
     width = request.cost.expert_bytes
@@ -186,12 +192,21 @@ def cache_sizes(request: ReplayRequest, geometry) -> tuple[list[int], list[str]]
             sizes.append(size.slots)
         else:
             sizes += auto_cache_sizes(geometry.num_layers, geometry.num_experts, geometry.top_k)
-    sizes = sorted(set(sizes))
     too_small = [s for s in sizes if s < geometry.num_experts]
     if too_small:
-        raise ValueError(f"cache size {too_small[0]} cannot hold one layer of "
+        raise ValueError(f"cache size {min(too_small)} cannot hold one layer of "
                          f"{geometry.num_experts} experts")
-    return sizes, shown
+    # A pool past every expert (L*E slots) holds nothing more and replays as L*E: it is replayed
+    # as L*E, and a line says so (its bytes would price slots nothing fills).
+    every = geometry.num_layers * geometry.num_experts
+    above = sorted({s for s in sizes if s > every})
+    if above:
+        pool = f" ({format_bytes(every * width)})" if width else ""
+        shown.append(f"{', '.join(map(str, above))} slots {'is' if len(above) == 1 else 'are'} "
+                     f"more than every expert (L*E = {geometry.num_layers}*"
+                     f"{geometry.num_experts}): replayed as {every}{pool}, every expert "
+                     f"resident")
+    return sorted({min(s, every) for s in sizes}), shown
 
 
 def memory_checks(request: ReplayRequest, geometry, plan: Plan, lanes: int, *, held: int = 0,

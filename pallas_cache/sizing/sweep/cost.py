@@ -19,7 +19,7 @@ import math
 from typing import Iterable
 
 __all__ = ["CostModel", "OverlapTimes", "call_seconds", "modeled_seconds", "ordered_sum",
-           "overlap_times", "with_costs"]
+           "figure_words", "overlap_times", "ranking_figure", "with_costs"]
 
 
 def modeled_seconds(pair_counts: Iterable[tuple[int, int, int]], expert_bytes: int,
@@ -231,12 +231,37 @@ class CostModel:
                                self.cpu_bandwidth, self.cpu_fixed_seconds)
 
 
+def _field(row, key):
+    return row.get(key) if isinstance(row, dict) else getattr(row, key)
+
+
+def ranking_figure(rows) -> str | None:
+    """The ms-per-token figure ``best``, ``budget_best`` and the sizes named under the table
+    rank ``rows`` (records or results) by: the one the run models most completely,
+    ``overlap_ms_per_token`` (the GPU's time, the copies and the CPU partial overlapping) when
+    every row has it, else ``modeled_ms_per_token`` when every row has that; ``None`` without
+    either."""
+    rows = list(rows)
+    for key in ("overlap_ms_per_token", "modeled_ms_per_token"):
+        if rows and all(_field(r, key) is not None for r in rows):
+            return key
+    return None
+
+
+def figure_words(key: str) -> str:
+    """How a pick's ms/token names the :func:`ranking_figure` it was ranked by."""
+    return ("ms/token with the GPU's time (overlap_ms_per_token)" if key.startswith("overlap")
+            else "ms/token modeled")
+
+
 def with_costs(results: list, cost: CostModel | None) -> list:
     """The replay's results with the cost model's fields filled (docs/semantics.md §11): bytes,
     modeled ms per token, ``best`` and ``budget_best``; unchanged without an expert size. With
     the GPU's time (``cost.gpu``) and the link bandwidth, also ``overlap_ms_per_token``,
     ``stall_ms_per_token`` and ``prefetch_bound`` of every result that carries its
-    ``call_counts`` (``None`` for a row with CPU experts and no CPU bandwidth)."""
+    ``call_counts`` (``None`` for a row with CPU experts and no CPU bandwidth; ``prefetch_bound``
+    ``None`` on a row with CPU experts). ``best`` and ``budget_best`` rank by
+    :func:`ranking_figure`: the overlapped time when every row has it."""
     if cost is None or cost.expert_bytes is None:
         return results
     width = cost.expert_bytes
@@ -249,18 +274,18 @@ def with_costs(results: list, cost: CostModel | None) -> list:
             fetched_bytes_per_token=r.fetched * width / tokens,
             cpu_bytes_per_token=r.cpu_experts * width / tokens,
             modeled_ms_per_token=ms, **_overlap_fields(r, cost, tokens)))
-    if not cost.timed:
+    key = ranking_figure(out)
+    if key is None:
         return out
     fastest = {}
     for r in out:
-        fastest[r.cache_size] = min(fastest.get(r.cache_size, math.inf), r.modeled_ms_per_token)
-    out = [dataclasses.replace(r, best=r.modeled_ms_per_token == fastest[r.cache_size])
-           for r in out]
+        fastest[r.cache_size] = min(fastest.get(r.cache_size, math.inf), getattr(r, key))
+    out = [dataclasses.replace(r, best=getattr(r, key) == fastest[r.cache_size]) for r in out]
     if cost.device_budget is not None:
-        fits = [r.modeled_ms_per_token for r in out if r.cache_bytes <= cost.device_budget]
+        fits = [getattr(r, key) for r in out if r.cache_bytes <= cost.device_budget]
         floor = min(fits, default=None)
         out = [dataclasses.replace(r, budget_best=(r.cache_bytes <= cost.device_budget
-                                                   and r.modeled_ms_per_token == floor))
+                                                   and getattr(r, key) == floor))
                for r in out]
     return out
 
@@ -273,6 +298,8 @@ def _overlap_fields(result, cost: CostModel, tokens: int) -> dict:
     if result.cpu_experts and cost.cpu_bandwidth is None:
         return {}
     times = cost.overlap(result.call_counts)
+    # On a row whose CPU computes experts, 1 - busiest/overlap measures how unevenly the calls
+    # split their work between the link and the CPU, not what prefetch could save: not given.
     return dict(overlap_ms_per_token=1e3 * times.total / tokens,
                 stall_ms_per_token=1e3 * times.stall / tokens,
-                prefetch_bound=times.prefetch_bound)
+                prefetch_bound=None if result.cpu_experts else times.prefetch_bound)

@@ -120,10 +120,11 @@ class ReplayResult:
       fetched_bytes_per_token / cpu_bytes_per_token: ``fetched * W / tokens``,
         ``cpu_experts * W / tokens``.
       modeled_ms_per_token: docs/semantics.md §11.2's time (``None`` without both bandwidths).
-      best: the lowest modeled ms/token among the rows of its cache size (ties all true; ``None``
-        when untimed).
-      budget_best: the lowest modeled ms/token among all rows whose ``cache_bytes`` fits the
-        device budget (``None`` without a budget).
+      best: the lowest ms/token among the rows of its cache size (ties all true; ``None`` when
+        untimed), by ``overlap_ms_per_token`` when every row has it, else by
+        ``modeled_ms_per_token`` (:func:`~pallas_cache.sizing.sweep.cost.ranking_figure`).
+      budget_best: the lowest ms/token by the same figure among all rows whose ``cache_bytes``
+        fits the device budget (``None`` without a budget).
       note: why the row is flagged (semicolon-separated), else empty.
       call_counts: ``(hits, fetched, cpu_experts, calls)`` for every per-call triple that
         occurred, exact; only from a replay asked for them (``hit_counts``, or a cost model with
@@ -131,7 +132,8 @@ class ReplayResult:
       overlap_ms_per_token: the event rules' time per token (``None`` without the GPU's time).
       stall_ms_per_token: ``overlap_ms_per_token`` minus the device's own work per token.
       prefetch_bound: ``1 - max(gpu_busy, link_busy, cpu_busy) / overlap``: the most any
-        prefetch that moves the same bytes could save, as a fraction.
+        prefetch that moves the same bytes could save, as a fraction; ``None`` on a row with
+        CPU experts (there it measures how unevenly the link and the CPU share the calls' work).
       layer_stats: each layer's counters at the end of the trace
         (:func:`pallas_cache.per_layer_stats` of the configuration's final state), indexed by
         layer; only from a replay asked for them (``per_layer``), else empty. Not a record key:

@@ -130,7 +130,8 @@ class Trace:
 
     @property
     def num_tokens(self) -> int:
-        """Number of distinct (sequence, token) pairs that made at least one call."""
+        """Number of distinct (sequence, token) pairs that made at least one call (the CLI first
+        drops a sequence's trailing partial token: :meth:`without_partial_tokens`)."""
         pairs = np.stack([self.sequence.astype(np.int64), self.token_idx], axis=1)
         return int(np.unique(pairs, axis=0).shape[0])
 
@@ -204,6 +205,37 @@ class Trace:
         tokens = calls // layers
         return (np.array_equal(self.layers, np.tile(np.arange(layers), tokens))
                 and np.array_equal(self.token_idx, np.repeat(np.arange(tokens), layers)))
+
+    def without_partial_tokens(self) -> tuple["Trace", int, int]:
+        """The trace without its sequences' trailing partial tokens, with how many tokens and
+        calls that dropped: ``(trace, tokens, calls)``.
+
+        A token is partial when its calls cover fewer distinct layers than the trace's calls do
+        (a trace cut in the middle of a forward pass); only a sequence's last token is dropped
+        so (a partial token elsewhere is kept: its calls happened between complete tokens).
+        Per-token figures of the result divide by complete tokens. Unchanged (the same object,
+        0, 0) when no last token is partial.
+        """
+        span = int(self.token_idx.max()) - int(self.token_idx.min()) + 1
+        pair = self.sequence.astype(np.int64) * span + self.token_idx - int(self.token_idx.min())
+        layers_of = np.unique(np.stack([pair, self.layers.astype(np.int64)], axis=1), axis=0)
+        pairs, covered = np.unique(layers_of[:, 0], return_counts=True)
+        partial = covered < np.unique(self.layers).size
+        last = np.zeros(pairs.shape, bool)  # each sequence's last token (pairs are sorted)
+        sequence_of = pairs // span
+        last[:-1] = sequence_of[:-1] != sequence_of[1:]
+        last[-1] = True
+        dropped = pairs[partial & last]
+        if not dropped.size:
+            return self, 0, 0
+        keep = ~np.isin(pair, dropped)
+        if not keep.any():
+            return self, 0, 0  # nothing complete to keep: the trace as it is
+        trace = Trace(routes=self.routes[keep], layers=self.layers[keep],
+                      num_layers=self.num_layers, num_experts=self.num_experts,
+                      token_idx=self.token_idx[keep], sequence=self.sequence[keep],
+                      sequence_names=self.sequence_names, source=self.source)
+        return trace, int(dropped.size), int((~keep).sum())
 
     def to_dense(self) -> np.ndarray:
         """The trace as an int32 ``[tokens, layers, top_k]`` array (the ``.npy`` layout).
