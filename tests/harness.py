@@ -179,6 +179,10 @@ def entries(plan, banks):
                     valid(t, "whole_layer")))
 
 
+#: A prefill bank's bytes per expert row, large enough that hits are gathered and misses travel
+#: as runs (docs/semantics.md §5.11).
+BIG_BANK = 512 * 1024
+
 # ---- the adapters ---------------------------------------------------------------------------
 
 #: JAX adapters pad short 1-D routes with -1 to this width, so most tests share one compile per

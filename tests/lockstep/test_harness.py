@@ -21,8 +21,8 @@ from pallas_cache.testing.lockstep import record_difference
 
 TESTS = Path(__file__).resolve().parents[1]
 #: The test files with eviction-parametrised tests.
-EVICTION_FILES = ("tests/core/test_eviction.py", "tests/kernels/test_kernels.py",
-                  "tests/lockstep/test_lockstep.py")
+EVICTION_FILES = ("tests/core/test_eviction.py", "tests/core/test_route_knn.py",
+                  "tests/kernels/test_kernels.py", "tests/lockstep/test_lockstep.py")
 
 #: Registers a toy policy (MRU: the most recently used resident goes first; tests/toy_policies.py,
 #: not a test module, so none is imported before collection) and its reference twin, and

@@ -1,4 +1,4 @@
-"""Bad command lines (issue #39): every flag is checked before the trace is read, as one line and
+"""Bad command lines: every flag is checked before the trace is read, as one line and
 exit 2; numbers that would overflow, wrap or leave JSON are refused; a full disk or a closed pipe
 is one line or the pipe's exit, never a traceback; the compile cache is used only in a folder no
 one else can write."""

@@ -1,4 +1,4 @@
-"""Ctrl-C at every phase of ``pallas-cache replay`` (issue #39): a SIGINT sent just after each
+"""Ctrl-C at every phase of ``pallas-cache replay``: a SIGINT sent just after each
 phase line on stderr (reading, compiling, offline optima, the output, the plot) exits 130 with
 one line and no output file, or, once everything is written, 0; never a traceback and never
 the abort of a process whose teardown stopped a thread inside XLA (``terminate called ...``,

@@ -3,13 +3,9 @@ walk rule, and each count, on a program small enough to count by hand. Needs no 
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from benchmarks import sass_walk  # noqa: E402
+SCRIPT = "sass_walk"
 
 # cuobjdump's layout: address comment, optional guard, opcode and operands, encoding comment.
 PROGRAM = [
@@ -50,27 +46,27 @@ def listing(program=PROGRAM) -> str:
     return "\n".join(lines)
 
 
-def walked(slots):
-    return sass_walk.walk(sass_walk.parse(listing()), slots=slots)
+def walked(script, slots):
+    return script.walk(script.parse(listing()), slots=slots)
 
 
-def test_parse_reads_guards_opcodes_and_targets():
+def test_parse_reads_guards_opcodes_and_targets(script):
     """FAILS if the listing's guard, opcode or branch target is misread."""
-    code = sass_walk.parse(listing())
+    code = script.parse(listing())
     assert len(code) == len(PROGRAM)
     assert (code[4].guard, code[4].opcode, code[4].target) == ("@P0", "BRA", 0x80)
     assert code[3].destination() == {10, 11}
     assert code[14].conditional and not code[22].conditional
-    assert sass_walk.loops(code) == [(0x90, 0xb0), (0x80, 0xd0), (0xf0, 0x110),
+    assert script.loops(code) == [(0x90, 0xb0), (0x80, 0xd0), (0xf0, 0x110),
                                      (0x140, 0x150), (0xf0, 0x160), (0x170, 0x170)]
 
 
 @pytest.mark.parametrize("blocks", [1, 3])
-def test_the_walk_follows_its_rules(blocks):
+def test_the_walk_follows_its_rules(script, blocks):
     """FAILS if a rule is broken: the branch over the inner loop not taken, the other forward
     branches (BRA.DIV included) taken, the outer latch repeated other than once per further
     pool block, the plain latch taken, the walk running past EXIT."""
-    w = walked(slots=blocks * sass_walk.STREAM_BLOCK)
+    w = walked(script, slots=blocks * script.STREAM_BLOCK)
     head = [0x00, 0x10, 0x20, 0x30, 0x40, 0x50, 0x60, 0x70]
     block = [0x80, 0xc0, 0xd0]
     tail = [0xe0, 0xf0, 0x100, 0x110, 0x120, 0x130]
@@ -79,39 +75,39 @@ def test_the_walk_follows_its_rules(blocks):
     assert w.barriers == 1 + blocks
 
 
-def test_the_walk_counts_round_trips_and_reductions():
+def test_the_walk_counts_round_trips_and_reductions(script):
     """FAILS if a load issued after a wait is not a new round trip, two loads with no wait
     between them are two, a register pair's high half is not waited for, or the shared-memory
     exchange across a barrier is not one cross-warp reduction (and a plain barrier is)."""
-    w = walked(slots=2 * sass_walk.STREAM_BLOCK)
+    w = walked(script, slots=2 * script.STREAM_BLOCK)
     assert (w.round_trips, w.global_loads, w.reductions) == (3, 4, 1)
 
 
-def test_a_partial_pool_block_is_a_block():
+def test_a_partial_pool_block_is_a_block(script):
     """FAILS if the block count is not ``ceil(S / STREAM_BLOCK)``."""
-    assert walked(slots=sass_walk.STREAM_BLOCK + 1).barriers == 3
-    assert walked(slots=1).barriers == 2
+    assert walked(script, slots=script.STREAM_BLOCK + 1).barriers == 3
+    assert walked(script, slots=1).barriers == 2
 
 
-def test_the_walk_refuses_a_program_it_cannot_end():
+def test_the_walk_refuses_a_program_it_cannot_end(script):
     """FAILS if a walk that runs off the code, or past its step limit, returns a count."""
     with pytest.raises(ValueError, match="no EXIT"):
-        sass_walk.walk(sass_walk.parse(listing(["NOP", "BRA 0x0"])), slots=1)
+        script.walk(script.parse(listing(["NOP", "BRA 0x0"])), slots=1)
     with pytest.raises(RuntimeError, match="did not end"):
-        sass_walk.walk(sass_walk.parse(listing()), slots=1, max_steps=10)
+        script.walk(script.parse(listing()), slots=1, max_steps=10)
 
 
-def test_stream_block_is_the_kernels_block():
+def test_stream_block_is_the_kernels_block(script):
     """FAILS if the walk's block differs from the kernel's streamed-search block."""
     from pallas_cache.kernels import common
 
-    assert sass_walk.STREAM_BLOCK == common.default_block(10**6, interpret=False)
+    assert script.STREAM_BLOCK == common.default_block(10**6, interpret=False)
 
 
-def test_a_pair_operand_and_a_barrier_without_an_exchange():
+def test_a_pair_operand_and_a_barrier_without_an_exchange(script):
     """FAILS if an address pair's high half is not waited for, or a barrier with no shared store
     before it counts as a reduction (and the last exchange, no barrier after it, does not)."""
-    w = sass_walk.walk(sass_walk.parse(listing([
+    w = script.walk(script.parse(listing([
         "LDG.E R21, desc[UR4][R4.64]",
         "LDG.E R30, desc[UR4][R20.64]",  # R20:R21, the high half still loading
         "LDS R1, [R2]",
@@ -126,10 +122,10 @@ def test_a_pair_operand_and_a_barrier_without_an_exchange():
     assert (w.round_trips, w.barriers, w.reductions) == (2, 3, 1)
 
 
-def test_an_address_pair_is_two_registers_and_wide_data_four():
+def test_an_address_pair_is_two_registers_and_wide_data_four(script):
     """FAILS if a wide access's address pair is read as wide as its data (a false wait), or
     a wide store's data registers past the first are not waited for."""
-    w = sass_walk.walk(sass_walk.parse(listing([
+    w = script.walk(script.parse(listing([
         "LDG.E R12, desc[UR4][R2.64]",  # round trip 1, into R12
         "LDG.E.128 R20, desc[UR4][R10.64]",  # reads R10, R11 only: still round trip 1
         "LDG.E R14, desc[UR4][R4.64]",  # round trip 1, into R14
