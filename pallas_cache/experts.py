@@ -268,19 +268,23 @@ class Expert:
         """The parts of the output ``[T, H]`` a block of hidden units contributes."""
         names = _names(self.kind)
 
-        def hidden(name):  # [T, r]: the block's hidden units of one input matrix
+        def hidden(name):  # [r, T]: the block's hidden units of one input matrix
             blocks = _blocks(fmt, rows_of(name), scale_of(name), False)
             out = None
             for weights, part in blocks:
                 x = tokens if part is None else tokens[:, part]
-                term = jnp.dot(x, weights.T, preferred_element_type=jnp.float32)
+                # rows [r, H] against tokens [T, H] on their minor axes: XLA:CPU's matrix-vector
+                # kernel (tokens @ rows.T runs several times slower for one token).
+                term = lax.dot_general(weights, x, (((1,), (1,)), ((), ())),
+                                       preferred_element_type=jnp.float32)
                 out = term if out is None else out + term
             return out
 
         h = self.activation(hidden("w1"))
         if self.kind == "swiglu":
             h = h * hidden("w3")
-        return tuple(jnp.dot(h, weights, preferred_element_type=jnp.float32)
+        return tuple(lax.dot_general(h, weights, (((0,), (0,)), ((), ())),
+                                     preferred_element_type=jnp.float32)  # [T, H]
                      for weights, _ in _blocks(fmt, rows_of(names[-1]), scale_of(names[-1]),
                                                True))
 
