@@ -41,10 +41,10 @@ import numpy as np
 from jax import lax
 
 from pallas_cache.formats import (FORMATS, INT4_GROUP, MATRICES, bytes_per_expert,
-                                  canonical_format)
+                                  canonical_format, int4_groups)
 
 __all__ = ["FORMATS", "INT4_GROUP", "Expert", "bank_format", "bytes_per_expert", "dequantize",
-           "make_bank", "mlp", "pool_like", "random_bank", "swiglu"]
+           "filler_bank", "make_bank", "mlp", "pool_like", "random_bank", "swiglu"]
 
 #: Rows of each matrix one step of :meth:`Expert.on_tokens` reads (measured on XLA:CPU:
 #: benchmarks/cpu_experts.py).
@@ -402,6 +402,30 @@ def random_bank(seed: int, num_experts: int, d_model: int, d_expert: int, dtype:
         pieces.append(make_bank(expert, dtype, kind=kind, group=group))
     return {name: np.stack([p[name] for p in pieces]).reshape(lead + pieces[0][name].shape)
             for name in pieces[0]}
+
+
+def filler_bank(num_experts: int, d_model: int, d_expert: int, dtype: str = "bf16", *,
+                kind: str = "swiglu") -> dict:
+    """A bank of ``num_experts`` experts of format ``dtype`` whose weights are one constant
+    (about ``1 / d_model``, no denormal), made by JAX with no NumPy array to stage it through:
+    for measurements, where the values do not matter to the time."""
+    fmt = canonical_format(dtype)
+    names = _names(kind)
+    width = d_model // 2 if fmt == "int4" else d_model
+    value = 1.0 / d_model
+    fill = {"fp32": (value, jnp.float32),
+            "bf16": (int(np.asarray(value, jnp.bfloat16).view(np.uint16)), jnp.uint16),
+            "int8": (1, jnp.int8), "int4": (0x11, jnp.uint8)}[fmt]
+    bank = {name: jnp.full((num_experts, d_expert, width), fill[0], fill[1]) for name in names}
+    if fmt == "int8":
+        bank.update({f"{name}_scale": jnp.full(
+            (num_experts, d_model if name == names[-1] else d_expert), value, jnp.float32)
+            for name in names})
+    if fmt == "int4":
+        bank.update({f"{name}_scale": jnp.full(
+            (num_experts, d_expert, int4_groups(d_model)), value, jnp.float32)
+            for name in names})
+    return bank
 
 
 def pool_like(bank: dict, num_slots: int, *, layer_axis: bool = False) -> dict:

@@ -17,7 +17,7 @@ Every matrix of an expert is stored as ``d_expert`` rows of ``d_model`` weights:
 from __future__ import annotations
 
 __all__ = ["ALIASES", "FORMATS", "INT4_GROUP", "SCALE_BYTES", "bytes_per_expert",
-           "canonical_format"]
+           "canonical_format", "int4_groups"]
 
 #: The formats the library reads, in the spellings of the sizing model's presets.
 FORMATS = ("fp32", "bf16", "int8", "int4")
@@ -49,7 +49,7 @@ def bytes_per_expert(d_model: int, d_expert: int, dtype: str, *, kind: str = "sw
 
     ``int8``: ``m * d_model * d_expert`` weight bytes, plus a 4-byte scale per output channel
     (``(m - 1) * d_expert + d_model``). ``int4``: half a byte per weight plus a 4-byte scale per
-    ``group`` weights of each of the ``m * d_expert`` rows (``d_model`` a multiple of ``group``).
+    ``group`` weights of each of the ``m * d_expert`` rows (:func:`int4_groups`).
     """
     if kind not in MATRICES:
         raise ValueError(f"unknown expert kind {kind!r}: expected one of {', '.join(MATRICES)}")
@@ -63,4 +63,10 @@ def bytes_per_expert(d_model: int, d_expert: int, dtype: str, *, kind: str = "sw
         return 2 * weights
     if dtype == "int8":
         return weights + SCALE_BYTES * ((matrices - 1) * d_expert + d_model)
-    return weights // 2 + SCALE_BYTES * matrices * d_expert * -(-d_model // group)
+    return weights // 2 + SCALE_BYTES * matrices * d_expert * int4_groups(d_model, group)
+
+
+def int4_groups(d_model: int, group: int = INT4_GROUP) -> int:
+    """int4 scales per row of ``d_model`` weights: one per ``group``, or one for the whole row
+    where ``group`` does not divide it."""
+    return d_model // group if d_model % group == 0 else 1

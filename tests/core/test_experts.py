@@ -224,7 +224,7 @@ def test_vmap_over_caches_gives_each_cache_its_own_partials(fmt):
 def test_under_vmap_each_element_evaluates_only_its_own_experts():
     """FAILS if vmapping cpu_partial turns its switch on the CPU-expert count into a select that
     runs every branch: one cache with 1 CPU expert and one with none would then evaluate the
-    experts of every count (1 + 2 + 3 + 4 of them), not the 1 the batch needs."""
+    experts of every count (1 + 2 of them), not the 1 the batch needs."""
     calls = []
 
     def counted(weights, x):
