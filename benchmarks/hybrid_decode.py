@@ -22,7 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import pallas_cache as pc  # noqa: E402
-from hybrid_mechanism import mech_compute_on, swiglu  # noqa: E402
+from hybrid_mechanism import mech_compute_on  # noqa: E402
+from pallas_cache import experts  # noqa: E402
+from pallas_cache.experts import swiglu  # noqa: E402
 from pallas_cache.moe import apply_copy_plan, put_host_bank  # noqa: E402
 from pallas_cache.sizing import (  # noqa: E402
     PRESETS, ReplayConfig, Trace, load_trace, parse_policy, replay, synthetic_trace)
@@ -35,22 +37,10 @@ POLICIES = ("full", "fraction:auto", "cap:1")
 TIE = 0.05
 
 
-def make_bank(layers, experts, hidden, ffn, seed=0, dtype="bf16"):
-    """Random expert weights ``{w1, w3: [L, E, H, F], w2: [L, E, F, H]}`` in ``dtype`` (NumPy,
-    one matrix at a time, so the float32 draw never holds more than one matrix)."""
-    import ml_dtypes
-
-    rng = np.random.default_rng(seed)
-    shapes = {"w1": (hidden, ffn), "w3": (hidden, ffn), "w2": (ffn, hidden)}
-    bank = {}
-    for name, shape in shapes.items():
-        leaf = np.empty((layers, experts) + shape,
-                        ml_dtypes.bfloat16 if dtype == "bf16" else np.float32)
-        for layer in range(layers):
-            for expert in range(experts):
-                leaf[layer, expert] = rng.standard_normal(shape, np.float32) / np.sqrt(shape[0])
-        bank[name] = leaf
-    return bank
+def make_bank(layers, num_experts, hidden, ffn, seed=0, dtype="bf16"):
+    """Random SwiGLU experts ``[L, E]`` in the library's bank format ``dtype``
+    (:func:`pallas_cache.experts.random_bank`: one expert's float32 at a time)."""
+    return experts.random_bank(seed, num_experts, hidden, ffn, dtype, layers=layers)
 
 
 def the_trace(args) -> Trace:
@@ -127,12 +117,13 @@ def time_decode(make_start, host, routes, gates, x0, policy, rounds):
     return statistics.median(repeat_seconds(run, rounds, setup=setup)), out[0]
 
 
-def bench_bandwidth(hidden, ffn, mib):
-    """``pallas-cache bench-bandwidth``'s two figures (bytes per second)."""
+def bench_bandwidth(hidden, ffn, mib, dtype):
+    """``pallas-cache bench-bandwidth``'s two figures (bytes per second), B_cpu at the bank's
+    ``dtype``."""
     text = io.StringIO()
     with contextlib.redirect_stdout(text):
         status = cli.main(["bench-bandwidth", "--mib", str(mib), "--d-model", str(hidden),
-                           "--d-expert", str(ffn), "--repeats", "5"])
+                           "--d-expert", str(ffn), "--repeats", "5", "--dtype", dtype])
     if status:
         raise SystemExit(f"bench-bandwidth failed with status {status}")
     flags = [line for line in text.getvalue().splitlines() if line.startswith("flags:")][0]
@@ -220,13 +211,12 @@ def main(argv=None):
                              f"{SLOPE_TIME_LIMIT:g})")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--mib", type=int, default=256, help="bench-bandwidth's --mib")
-    parser.add_argument("--dtype", choices=("bf16", "f32"), default=None,
-                        help="expert weight type (default: bf16; f32 with --small, where "
-                             "XLA:CPU's bf16 matmuls ran 9x slower than f32 ones)")
+    parser.add_argument("--dtype", choices=experts.FORMATS, default=None,
+                        help="expert bank format (default: bf16)")
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args(argv)
     hidden, ffn = (1024, 3584) if args.small else (4096, 14336)
-    dtype = args.dtype or ("f32" if args.small else "bf16")
+    dtype = args.dtype or "bf16"
     sizes = [int(s) for s in args.sizes.split(",")]
     wall = time.perf_counter()
 
@@ -243,7 +233,7 @@ def main(argv=None):
     print(f"trace {trace.source}: L={L} E={E} top-{k} T={T}; expert {expert_bytes / 2**20:.1f} "
           f"MiB {dtype}, bank in {placement!r} memory", flush=True)
 
-    link, bench_cpu = bench_bandwidth(hidden, ffn, args.mib)
+    link, bench_cpu = bench_bandwidth(hidden, ffn, args.mib, dtype)
     one_layer = {n: v[:1] for n, v in bank.items()}
     path_cpu, cpu_line = slope_rate(
         "cpu_partial", expert_bytes,
