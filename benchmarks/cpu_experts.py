@@ -19,7 +19,6 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -30,30 +29,6 @@ from timing import interleaved, load_average, markdown_table, publish, run_heade
 H, F = 4096, 7168
 ACCEPT = {"bf16": 1.1, "int8": 1.1, "int4": 2.0}
 GOAL = {"bf16": 0.75, "int8": 0.6, "int4": 0.5}
-
-
-def bank_of(fmt: str, num: int, seed: int = 0) -> dict:
-    """A bank of ``num`` experts of format ``fmt`` with values that do not matter to the time
-    (no denormals), made leaf by leaf in place: no float32 staging beyond one matrix."""
-    rng = np.random.default_rng(seed)
-    bank = {}
-    for name in ("w1", "w3", "w2"):
-        if fmt == "fp32":
-            leaf = np.empty((num, F, H), np.float32)
-            for e in range(num):
-                rng.random((F, H), np.float32, out=leaf[e])
-        elif fmt == "bf16":  # bfloat16 bits of numbers in [2^-7, 2^-6)
-            leaf = (0x3C00 + rng.integers(0, 128, (num, F, H), np.uint16)).astype(np.uint16)
-        elif fmt == "int8":
-            leaf = rng.integers(-127, 128, (num, F, H), np.int8)
-        else:
-            leaf = rng.integers(0, 256, (num, F, H // 2), np.uint8)
-        bank[name] = leaf
-        if fmt == "int8":
-            bank[f"{name}_scale"] = np.full((num, H if name == "w2" else F), 1e-3, np.float32)
-        if fmt == "int4":
-            bank[f"{name}_scale"] = np.full((num, F, H // experts.INT4_GROUP), 1e-3, np.float32)
-    return jax.device_put(bank)
 
 
 def partial_call(bank: dict, num: int, expert_fn):
@@ -73,8 +48,9 @@ def main(argv=None) -> None:
     parser.add_argument("--write", action="store_true", help="write the RESULTS.md section")
     args = parser.parse_args(argv)
     num = args.experts
-    banks = {fmt: bank_of(fmt, num) for fmt in experts.FORMATS}
-    bare = jax.device_put(np.asarray(banks["fp32"]["w1"][0]).T.copy())  # [H, F], x @ W
+    # Constant weights (no denormal): the values do not matter to the time.
+    banks = {fmt: experts.filler_bank(num, H, F, fmt) for fmt in experts.FORMATS}
+    bare = jnp.full((H, F), 1.0 / H, jnp.float32)  # one expert matrix, x @ W
     x = jnp.full((H,), 0.01, jnp.float32)
     matmul = jax.jit(lambda x, w: x @ w)
     read = jax.jit(lambda bank: [jnp.max(leaf) for leaf in jax.tree.leaves(bank)])
