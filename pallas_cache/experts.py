@@ -46,9 +46,10 @@ from pallas_cache.formats import (FORMATS, INT4_GROUP, MATRICES, bytes_per_exper
 __all__ = ["FORMATS", "INT4_GROUP", "Expert", "bank_format", "bytes_per_expert", "dequantize",
            "filler_bank", "make_bank", "mlp", "pool_like", "random_bank", "swiglu"]
 
-#: Rows of each matrix one step of :meth:`Expert.on_tokens` reads (measured on XLA:CPU:
-#: benchmarks/cpu_experts.py).
-CHUNK_ROWS = 64
+#: Weights of each matrix one step of :meth:`Expert.on_tokens` reads: 64 rows of 4096
+#: (measured on XLA:CPU, benchmarks/cpu_experts.py; fewer weights per step pay the loop's
+#: per-op cost more often, more spill the block out of the cache).
+CHUNK_WEIGHTS = 64 * 4096
 
 _FORMAT_OF_DTYPE = {np.dtype(np.float32): "fp32", np.dtype(jnp.bfloat16): "bf16",
                     np.dtype(np.uint16): "bf16", np.dtype(np.int8): "int8",
@@ -202,12 +203,13 @@ class Expert:
       kind: ``"swiglu"`` (``w2 @ (activation(w1 @ x) * (w3 @ x))``) or ``"mlp"``
         (``w2 @ activation(w1 @ x)``).
       activation: the elementwise nonlinearity (``jax.nn.silu``, ``jax.nn.gelu``, ...).
-      chunk: rows of each matrix one step of :meth:`on_tokens` reads.
+      chunk: rows of each matrix one step of :meth:`on_tokens` reads; None: as many as hold
+        :data:`CHUNK_WEIGHTS` weights (at least one).
     """
 
     kind: str = "swiglu"
     activation: Callable[[jax.Array], jax.Array] = jax.nn.silu
-    chunk: int = CHUNK_ROWS
+    chunk: int | None = None
 
     def __call__(self, weights: dict, x: jax.Array) -> jax.Array:
         """``[H]`` float32: this expert (``weights``: one expert's leaves) on the token ``x``."""
@@ -227,7 +229,8 @@ class Expert:
         names = _names(self.kind)
         rows = bank[names[0]].shape[-2]
         tokens = jnp.asarray(tokens, jnp.float32)
-        size = max(1, min(int(self.chunk), rows))
+        chunk = self.chunk if self.chunk is not None else CHUNK_WEIGHTS // tokens.shape[-1]
+        size = max(1, min(int(chunk), rows))
         steps, tail = divmod(rows, size)
         index = tuple(jnp.asarray(i, jnp.int32) for i in index)
 

@@ -6,6 +6,7 @@ sizes equal to what the sizing model counts; bad banks refused naming the leaf."
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
@@ -18,7 +19,7 @@ from pallas_cache import experts, formats, hybrid
 from pallas_cache.moe import apply_copy_plan, put_host_bank
 
 L, E, S = 2, 4, 5
-H, F = 256, 160  # F: two row blocks of 64 and a tail of 32
+H, F = 256, 160  # F: with 64-row blocks, two of them and a tail of 32
 T, K = 3, 2
 FORMATS = experts.FORMATS
 KINDS = {"swiglu": experts.swiglu, "mlp": experts.mlp}
@@ -72,8 +73,8 @@ def _tolerance(y: np.ndarray) -> float:
 def test_each_format_matches_the_numpy_oracle(fmt, kind):
     """FAILS if an expert function misreads a format (a swapped nibble, an unsigned nibble, a
     scale on the wrong axis, bf16 bits shifted wrong), whether called on one expert's weights as
-    any ``expert_fn`` is, or reading the expert in place (``on_tokens``, a loop of row blocks
-    with a tail block: F = 160 is 2 blocks of 64 and one of 32)."""
+    any ``expert_fn`` is, or reading the expert in place (``on_tokens``: in one block, and in a
+    loop of row blocks with a tail block, F = 160 as 2 blocks of 64 and one of 32)."""
     bank = experts.random_bank(3, E, H, F, fmt, kind=kind)
     fn = KINDS[kind]
     x = _tokens(1)
@@ -81,9 +82,10 @@ def test_each_format_matches_the_numpy_oracle(fmt, kind):
         want = np_expert(bank, fmt, kind, (e,), x.astype(np.float64))
         row = {name: leaf[e] for name, leaf in bank.items()}
         got_call = jax.jit(jax.vmap(fn, in_axes=(None, 0)))(row, x)
-        got_in_place = jax.jit(lambda b, i, t: fn.on_tokens(b, (i,), t))(bank, jnp.int32(e), x)
         np.testing.assert_allclose(got_call, want, atol=_tolerance(want), rtol=0)
-        np.testing.assert_allclose(got_in_place, want, atol=_tolerance(want), rtol=0)
+        for blocks in (fn, dataclasses.replace(fn, chunk=64)):  # one block; 64 + 64 + 32 rows
+            got = jax.jit(lambda b, i, t: blocks.on_tokens(b, (i,), t))(bank, jnp.int32(e), x)
+            np.testing.assert_allclose(got, want, atol=_tolerance(want), rtol=0)
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
