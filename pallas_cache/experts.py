@@ -44,7 +44,7 @@ from pallas_cache.formats import (FORMATS, INT4_GROUP, MATRICES, bytes_per_exper
                                   canonical_format, int4_groups)
 
 __all__ = ["FORMATS", "INT4_GROUP", "Expert", "bank_format", "bytes_per_expert", "dequantize",
-           "filler_bank", "make_bank", "mlp", "pool_like", "random_bank", "swiglu"]
+           "filler_bank", "make_bank", "mlp", "pool_like", "random_bank", "silu", "swiglu"]
 
 #: Weights of each matrix one step of :meth:`Expert.on_tokens` reads: 64 rows of 4096
 #: (measured on XLA:CPU, benchmarks/cpu_experts.py; fewer weights per step pay the loop's
@@ -191,6 +191,13 @@ def dequantize(weights: dict, *, kind: str = "swiglu") -> dict:
             for name in names}
 
 
+def silu(x: jax.Array) -> jax.Array:
+    """``x * sigmoid(x)`` as ``x / (1 + exp(-x))``: ``jax.nn.silu``'s logistic is lowered on jax
+    0.12 with a device-memory constant, which a ``compute_on`` region over a host bank refuses
+    ("memory_space of all inputs passed to `add` must be the same")."""
+    return x / (1 + jnp.exp(-x))
+
+
 @dataclasses.dataclass(frozen=True)
 class Expert:
     """An expert function of the library's bank formats (module docstring).
@@ -202,13 +209,13 @@ class Expert:
     Attributes:
       kind: ``"swiglu"`` (``w2 @ (activation(w1 @ x) * (w3 @ x))``) or ``"mlp"``
         (``w2 @ activation(w1 @ x)``).
-      activation: the elementwise nonlinearity (``jax.nn.silu``, ``jax.nn.gelu``, ...).
+      activation: the elementwise nonlinearity (:func:`silu`, ``jax.nn.gelu``, ...).
       chunk: rows of each matrix one step of :meth:`on_tokens` reads; None: as many as hold
         :data:`CHUNK_WEIGHTS` weights (at least one).
     """
 
     kind: str = "swiglu"
-    activation: Callable[[jax.Array], jax.Array] = jax.nn.silu
+    activation: Callable[[jax.Array], jax.Array] = silu
     chunk: int | None = None
 
     def __call__(self, weights: dict, x: jax.Array) -> jax.Array:
@@ -303,7 +310,7 @@ def _check_width(weights, fmt, kind, x):
 
 
 #: Mixtral / Qwen-MoE / DeepSeek's expert, ``w2 @ (silu(w1 @ x) * (w3 @ x))``.
-swiglu = Expert("swiglu", jax.nn.silu)
+swiglu = Expert("swiglu", silu)
 #: The two-matrix MLP, ``w2 @ gelu(w1 @ x)``.
 mlp = Expert("mlp", jax.nn.gelu)
 
