@@ -230,33 +230,49 @@ def cpu_partial(x: jax.Array, expert_ids: jax.Array, gates: jax.Array, plan: Ens
               for v in (tokens, chosen.ids, count, chosen.gates, chosen.routed, layer_index)]
     partial = _on_host(_one_at_a_time(functools.partial(
         _switch_partial, expert_fn=expert_fn, has_layer=layer is not None, space=bank_space,
-        in_place=True)), bank_space)(host_bank, *inputs)
+        in_place=True), layer is not None), bank_space)(host_bank, *inputs)
     partial = to_space(partial, memory_space(x))
     return partial.reshape(x.shape[:-1] + partial.shape[-1:])
 
 
-def _one_at_a_time(partial: Callable) -> Callable:
-    """``partial`` whose ``vmap`` runs it once per batch element, in a ``lax.map``.
+def _one_at_a_time(partial: Callable, has_layer: bool) -> Callable:
+    """``partial(bank, tokens, chosen_ids, count, token_gates, routed, layer_index)`` (a
+    :func:`_switch_partial`) whose ``vmap`` runs it once per batch element, in a ``lax.map``.
 
     Batching its ``lax.switch`` on a batched count would turn the switch into a select that runs
     every branch for every element: each element would read every count's experts. Mapped, each
-    element runs its own branch and reads its own experts only."""
+    element runs its own branch and reads its own experts only. A batched bank (or pool) is not
+    sliced per element (a copy of the whole of it): its batch axis is merged into the next one
+    (``[B, N, ...] -> [B * N, ...]``, free) and the element's expert ids (or, with a layer axis,
+    its layer index) are offset into it."""
     @custom_vmap
-    def run(*args):
-        return partial(*args)
+    def run(bank, *small):
+        return partial(bank, *small)
 
     @run.def_vmap
-    def _run_vmap(axis_size, in_batched, *args):
-        flat, tree = jax.tree.flatten(args)
-        batched = jax.tree.leaves(in_batched)
-        mapped = [leaf for leaf, b in zip(flat, batched) if b]
+    def _run_vmap(axis_size, in_batched, bank, *small):
+        bank_leaves, bank_tree = jax.tree.flatten(bank)
+        bank_batched = any(jax.tree.leaves(in_batched[0]))
+        rows = 0
+        if bank_batched:
+            leaves = [leaf if batched else jnp.broadcast_to(leaf, (axis_size,) + leaf.shape)
+                      for leaf, batched in zip(bank_leaves, jax.tree.leaves(in_batched[0]))]
+            rows = leaves[0].shape[1]
+            bank = jax.tree.unflatten(bank_tree, [
+                leaf.reshape((axis_size * leaf.shape[1],) + leaf.shape[2:]) for leaf in leaves])
+        batched = list(in_batched[1:])
+        mapped = [value for value, b in zip(small, batched) if b]
 
-        def one(values):
+        def one(inputs):
+            element, values = inputs
             values = iter(values)
-            leaves = [next(values) if b else leaf for leaf, b in zip(flat, batched)]
-            return run(*jax.tree.unflatten(tree, leaves))
+            args = [next(values) if b else value for value, b in zip(small, batched)]
+            if bank_batched:  # ids (or the layer) into the merged axis
+                which = 5 if has_layer else 1
+                args[which] = args[which] + element * rows
+            return run(bank, *args)
 
-        return lax.map(one, mapped), True
+        return lax.map(one, (jnp.arange(axis_size, dtype=jnp.int32), mapped)), True
 
     return run
 
@@ -333,7 +349,8 @@ def device_partial(x, expert_ids, gates, plan, pool,
     # On the CPU backend the pool is host memory: the library's experts read it in place there.
     in_place = jax.default_backend() == "cpu"
     partial = _one_at_a_time(functools.partial(
-        _switch_partial, expert_fn=expert_fn, has_layer=False, space=space, in_place=in_place))(
+        _switch_partial, expert_fn=expert_fn, has_layer=False, space=space, in_place=in_place),
+        False)(
         pool, *[to_space(v, space) for v in (tokens, chosen.ids, chosen.count, chosen.gates,
                                               chosen.routed, jnp.int32(0))])
     partial = to_space(partial, memory_space(x))
