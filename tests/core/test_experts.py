@@ -289,6 +289,33 @@ def test_cpu_partial_reads_the_library_experts_in_place(fmt):
     assert _whole_matrix_ops(compiled(lambda w, t: experts.swiglu(w, t)), size)
 
 
+def test_under_vmap_a_batch_of_banks_or_pools_is_read_in_place_too():
+    """FAILS if vmapping the partials over a batch of banks (cpu_partial) or of pools
+    (device_partial) slices each element's bank or pool out of the batch (a copy of all its
+    experts per element), or turns the switch into a select whose branches gather expert rows:
+    the compiled program then computes arrays the size of an expert matrix."""
+    rows, width = 1024, 512
+    bank = experts.random_bank(0, 3, width, rows, "int8")
+    banks = jax.tree.map(lambda leaf: np.stack([leaf, leaf]), bank)
+    ids = jnp.asarray([[[0, 2]], [[1, -1]]], jnp.int32)
+    gates = jnp.full((2, 1, 2), 0.5, jnp.float32)
+    x = jnp.ones((2, 1, width), jnp.float32)
+
+    def plan(i, fraction):
+        return pc.ensure_hybrid(pc.init(1, 3, 3), 0, i, pc.FetchPolicy.fraction(fraction))[1]
+
+    def cpu(b, i, g, v):
+        return pc.cpu_partial(v, i, g, plan(i, 0.0), b, experts.swiglu)
+
+    def device(p, i, g, v):
+        return hybrid.device_partial(v, i, g, plan(i, 1.0), p, experts.swiglu)
+
+    size = bank["w1"][0].size
+    for fn in (cpu, device):
+        hlo = jax.jit(jax.vmap(fn)).lower(banks, ids, gates, x).compile().as_text()
+        assert _whole_matrix_ops(hlo, size) == [], fn.__name__
+
+
 # ---- bad banks ----------------------------------------------------------------------------------
 
 def _bad_banks():
