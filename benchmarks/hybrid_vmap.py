@@ -24,7 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import pallas_cache as pc  # noqa: E402
 from pallas_cache import experts  # noqa: E402
-from timing import interleaved, load_average, markdown_table, publish, run_header, section  # noqa: E402
+from timing import (interleaved, load_average, markdown_table, publish, run_header,  # noqa: E402
+                    section)
 
 E, H, F, TOP_K = 8, 1024, 3584, 2
 
