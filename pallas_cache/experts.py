@@ -26,7 +26,8 @@ int4      uint8 ``[F, H / 2]``         ``[F, H / group]`` (each row's groups)
 ========  ===========================  ===================================================
 
 (``F = d_expert``, ``H = d_model``; int4 weights are signed nibbles, the even weight of each
-pair in the low one.) :func:`~pallas_cache.formats.bytes_per_expert` is each format's size, the
+pair in the low one. bfloat16 leaves give the same results, but XLA:CPU converts any bfloat16
+operand whole, the bank included: store the bits, as :func:`make_bank` does.) :func:`~pallas_cache.formats.bytes_per_expert` is each format's size, the
 one the sizing model uses.
 """
 
