@@ -16,6 +16,7 @@ from jax import lax
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import pallas_cache as pc  # noqa: E402
+from pallas_cache import experts  # noqa: E402
 from pallas_cache.moe import put_host_bank  # noqa: E402
 from timing import markdown_table, median_seconds, publish, run_header  # noqa: E402
 
@@ -23,28 +24,25 @@ NUM_EXPERTS = 8
 TOP_K = 2
 
 
-def swiglu(weights, x):
-    """A Mixtral expert on one token ``[H]``: ``(silu(x @ w1) * (x @ w3)) @ w2``, the matmuls in
-    the weights' dtype accumulated in float32, float32 out."""
-    def mm(a, w):
-        return jnp.matmul(a.astype(w.dtype), w, preferred_element_type=jnp.float32)
-
-    return mm(jax.nn.silu(mm(x, weights["w1"])) * mm(x, weights["w3"]), weights["w2"])
+#: The library's SwiGLU expert (it reads every bank format of :mod:`pallas_cache.experts`).
+swiglu = experts.swiglu
 
 
-def swiglu_numpy(w1, w3, w2, x):
-    gate = x @ w1
-    gate = gate / (1.0 + np.exp(-gate))
-    return (gate * (x @ w3)) @ w2
+def swiglu_numpy(weights):
+    """The same expert in NumPy on one expert's weights, dequantized to float32 (by
+    :func:`pallas_cache.experts.dequantize`, before any callback runs): ``x [..., H] ->
+    [..., H]``."""
+    w = {name: np.asarray(leaf) for name, leaf in experts.dequantize(weights).items()}
+
+    def run(x):
+        gate = x @ w["w1"].T
+        gate = gate / (1.0 + np.exp(-gate))
+        return (gate * (x @ w["w3"].T)) @ w["w2"]
+    return run
 
 
 def make_bank(layers, hidden, ffn, seed=0, dtype="bf16"):
-    rng = np.random.default_rng(seed)
-    scale = 1 / np.sqrt(hidden)
-    shapes = {"w1": (hidden, ffn), "w3": (hidden, ffn), "w2": (ffn, hidden)}
-    return {name: (rng.standard_normal((layers, NUM_EXPERTS) + shape, np.float32) * scale
-                   ).astype(jnp.bfloat16 if dtype == "bf16" else np.float32)
-            for name, shape in shapes.items()}
+    return experts.random_bank(seed, NUM_EXPERTS, hidden, ffn, dtype, layers=layers)
 
 
 def plan_for(n, tokens=1):
@@ -69,14 +67,16 @@ def mech_compute_on(bank, x, gates, layers, n, rounds):
 
 
 def mech_callback(bank, x, gates, layers, n, rounds):
-    host = {k: np.asarray(v) for k, v in bank.items()}
+    # The experts the loop chooses (0 .. TOP_K - 1 of each layer), dequantized up front: the
+    # callback runs NumPy only.
+    host = {(layer, e): swiglu_numpy({k: v[layer, e] for k, v in bank.items()})
+            for layer in range(layers) for e in range(TOP_K)}
 
     def compute(h, layer, chosen):
         h = np.asarray(h, np.float32)
         out = np.zeros_like(h)
         for e in np.asarray(chosen)[:n]:
-            w = [host[k][int(layer), int(e)].astype(np.float32) for k in ("w1", "w3", "w2")]
-            out += 0.5 * swiglu_numpy(*w, h)
+            out += 0.5 * host[int(layer), int(e)](h)
         return out.astype(np.float32)
 
     @jax.jit
@@ -131,7 +131,7 @@ def main(argv=None):
     parser.add_argument("--ffn", type=int, default=3584)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--dtype", choices=("bf16", "f32"), default="bf16")
+    parser.add_argument("--dtype", choices=experts.FORMATS, default="bf16")
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args(argv)
 

@@ -9,6 +9,7 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.custom_batching import custom_vmap
 from jax.experimental import compute_on as _compute_on
 
 from pallas_cache.hints import IndexLike, PyTree
@@ -142,15 +143,24 @@ def _is_host(leaf) -> bool:
 
 
 def _experts_on_tokens(tokens, chosen, token_gates, routed, host_bank, expert_fn, layer, n,
-                       space):
+                       space, in_place):
     """``sum_j token_gates[:, j] * expert_fn(W[chosen[j]], tokens)`` over the first ``n`` (static)
     experts and the tokens ``routed[:, j]`` marks: each expert read once from the bank and
     applied to every token as one matrix product, whose rows for the other tokens are masked
-    out (not multiplied by 0: an overflow or a NaN there would turn the sum into NaN)."""
+    out (not multiplied by 0: an overflow or a NaN there would turn the sum into NaN).
+
+    With ``in_place`` an ``expert_fn`` that has ``on_tokens`` (the library's,
+    :class:`~pallas_cache.experts.Expert`) reads each expert where it lies in the bank; any
+    other is given the expert's rows sliced out of the bank."""
+    on_tokens = getattr(expert_fn, "on_tokens", None) if in_place else None
     out = None
     for j in range(n):
-        weights = _bank_row(host_bank, layer, chosen[j])
-        y = jax.vmap(expert_fn, in_axes=(None, 0))(weights, tokens)  # [T, H]
+        if on_tokens is not None:
+            index = (chosen[j],) if layer is None else (layer, chosen[j])
+            y = on_tokens(host_bank, index, tokens)  # [T, H]
+        else:
+            weights = _bank_row(host_bank, layer, chosen[j])
+            y = jax.vmap(expert_fn, in_axes=(None, 0))(weights, tokens)  # [T, H]
         _check_expert_output(y, tokens)
         zero = to_space(jnp.zeros((), y.dtype), space)
         term = jnp.where(routed[:, j:j + 1], token_gates[:, j:j + 1].astype(y.dtype) * y, zero)
@@ -219,18 +229,61 @@ def cpu_partial(x: jax.Array, expert_ids: jax.Array, gates: jax.Array, plan: Ens
     # in it reads one memory space; its result returns to the activations' space.
     inputs = [to_space(v, bank_space)
               for v in (tokens, chosen.ids, count, chosen.gates, chosen.routed, layer_index)]
-    partial = _on_host(functools.partial(_switch_partial, host_bank, expert_fn,
-                                        layer is not None, bank_space), bank_space)(*inputs)
+    partial = _on_host(_one_at_a_time(functools.partial(
+        _switch_partial, expert_fn=expert_fn, has_layer=layer is not None, space=bank_space,
+        in_place=True), layer is not None), bank_space)(host_bank, *inputs)
     partial = to_space(partial, memory_space(x))
     return partial.reshape(x.shape[:-1] + partial.shape[-1:])
 
 
-def _switch_partial(bank, expert_fn, has_layer, space, tokens, chosen_ids, count, token_gates,
-                    routed, layer_index):
+def _one_at_a_time(partial: Callable, has_layer: bool) -> Callable:
+    """``partial(bank, tokens, chosen_ids, count, token_gates, routed, layer_index)`` (a
+    :func:`_switch_partial`) whose ``vmap`` runs it once per batch element, in a ``lax.map``.
+
+    Batching its ``lax.switch`` on a batched count would turn the switch into a select that runs
+    every branch for every element: each element would read every count's experts. Mapped, each
+    element runs its own branch and reads its own experts only. A batched bank (or pool) is not
+    sliced per element (a copy of the whole of it): its batch axis is merged into the next one
+    (``[B, N, ...] -> [B * N, ...]``, free) and the element's expert ids (or, with a layer axis,
+    its layer index) are offset into it."""
+    @custom_vmap
+    def run(bank, *small):
+        return partial(bank, *small)
+
+    @run.def_vmap
+    def _run_vmap(axis_size, in_batched, bank, *small):
+        bank_leaves, bank_tree = jax.tree.flatten(bank)
+        bank_batched = any(jax.tree.leaves(in_batched[0]))
+        rows = 0
+        if bank_batched:
+            leaves = [leaf if batched else jnp.broadcast_to(leaf, (axis_size,) + leaf.shape)
+                      for leaf, batched in zip(bank_leaves, jax.tree.leaves(in_batched[0]))]
+            rows = leaves[0].shape[1]
+            bank = jax.tree.unflatten(bank_tree, [
+                leaf.reshape((axis_size * leaf.shape[1],) + leaf.shape[2:]) for leaf in leaves])
+        batched = list(in_batched[1:])
+        mapped = [value for value, b in zip(small, batched) if b]
+
+        def one(inputs):
+            element, values = inputs
+            values = iter(values)
+            args = [next(values) if b else value for value, b in zip(small, batched)]
+            if bank_batched:  # ids (or the layer) into the merged axis
+                which = 5 if has_layer else 1
+                args[which] = args[which] + element * rows
+            return run(bank, *args)
+
+        return lax.map(one, (jnp.arange(axis_size, dtype=jnp.int32), mapped)), True
+
+    return run
+
+
+def _switch_partial(bank, tokens, chosen_ids, count, token_gates, routed, layer_index, *,
+                    expert_fn, has_layer, space, in_place):
     """``[T, H]`` in memory ``space``: a ``lax.switch`` on ``count`` whose branch ``n`` reads the
     rows of ``chosen_ids[:n]`` from ``bank`` (``[L, E, ...]`` leaves when ``has_layer``, else
-    ``[N, ...]``) and applies each to the tokens ``routed`` marks (:func:`_experts_on_tokens`);
-    branch 0 is zeros."""
+    ``[N, ...]``) and applies each to the tokens ``routed`` marks (:func:`_experts_on_tokens`,
+    ``in_place`` there); branch 0 is zeros."""
     axis = 1 if has_layer else 0
     out = jax.eval_shape(
         lambda w, t: jax.vmap(expert_fn, in_axes=(None, 0))(w, t),
@@ -248,7 +301,7 @@ def _switch_partial(bank, expert_fn, has_layer, space, tokens, chosen_ids, count
                 return varying_like(zeros, bank, tokens, chosen_ids, token_gates, routed,
                                      layer_index if has_layer else None)
             return _experts_on_tokens(tokens, chosen_ids, token_gates, routed, bank, expert_fn,
-                                      layer_index if has_layer else None, n, space)
+                                      layer_index if has_layer else None, n, space, in_place)
         return run
 
     return lax.switch(count, [branch(n) for n in range(chosen_ids.shape[0] + 1)], tokens,
@@ -323,10 +376,13 @@ def device_partial(x, expert_ids, gates, plan, pool,
     # A layer-call's distinct slots never exceed its distinct experts, min(K, E).
     chosen = _distinct(slots, slots >= 0, gate, pool_slots, min(ids.size, num_experts, pool_slots))
     space = memory_space(jax.tree.leaves(pool)[0])
-    partial = _switch_partial(pool, expert_fn, False, space,
-                              *[to_space(v, space) for v in (tokens, chosen.ids, chosen.count,
-                                                              chosen.gates, chosen.routed,
-                                                              jnp.int32(0))])
+    # On the CPU backend the pool is host memory: the library's experts read it in place there.
+    in_place = jax.default_backend() == "cpu"
+    partial = _one_at_a_time(functools.partial(
+        _switch_partial, expert_fn=expert_fn, has_layer=False, space=space, in_place=in_place),
+        False)(
+        pool, *[to_space(v, space) for v in (tokens, chosen.ids, chosen.count, chosen.gates,
+                                              chosen.routed, jnp.int32(0))])
     partial = to_space(partial, memory_space(x))
     return partial.reshape(x.shape[:-1] + partial.shape[-1:])
 

@@ -1,7 +1,8 @@
 """Rough measurements of the cost model's inputs (docs/semantics.md §11.1).
 
 ``B_link`` from a ``jax.device_put`` of host memory; ``B_cpu`` and ``T_cpu`` from the library's
-own :func:`~pallas_cache.hybrid.cpu_partial` against 1-4 CPU experts (:func:`cpu_partial_timing`:
+own :func:`~pallas_cache.hybrid.cpu_partial` with its SwiGLU experts at the bank's format
+(:mod:`pallas_cache.experts`) against 1-4 CPU experts (:func:`cpu_partial_timing`:
 ``B_cpu`` is the expert bytes over the slope of a line through its times, ``T_cpu`` the
 intercept); medians after a warm-up, printed as ``pallas-cache replay`` flags.
 
@@ -58,11 +59,14 @@ def cpu_bandwidth(d_model: int = 4096, d_expert: int = 14336, repeats: int = 5) 
     return weights.nbytes / median_seconds(lambda: x @ weights, repeats)
 
 
-def bank_bytes(d_model: int, d_expert: int) -> int:
-    """Bytes of the measurement's host bank: :data:`MOST` float32 experts of ``d_model x
-    d_expert``. The measurement's peak adds about as much again (the path copies each CPU
-    expert's rows out of the bank) and the runtime's few hundred MiB."""
-    return MOST * int(d_model) * int(d_expert) * 4
+def bank_bytes(d_model: int, d_expert: int, dtype: str = "fp32") -> int:
+    """Bytes of the measurement's host bank: :data:`MOST` SwiGLU experts of ``d_model x
+    d_expert`` in format ``dtype`` (:func:`pallas_cache.formats.bytes_per_expert`, scales
+    included). The measurement's peak adds about as much again (the bank is made in device
+    memory and moved) and the runtime's few hundred MiB."""
+    from pallas_cache.formats import bytes_per_expert
+
+    return MOST * bytes_per_expert(d_model, d_expert, dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,13 +78,15 @@ class CpuPartialTiming:
       fixed: ``T_cpu``, the intercept of the least-squares line through ``seconds`` (clamped
         at 0): what a call pays for having a CPU partial at all.
       per_expert: its slope, seconds per CPU expert.
-      expert_bytes: bytes of one expert matrix (``d_model * d_expert * 4``).
+      expert_bytes: bytes of one expert in the bank's format, scales included.
+      dtype: the bank's format (``fp32``, ``bf16``, ``int8``, ``int4``).
     """
 
     seconds: tuple[float, ...]
     fixed: float
     per_expert: float
     expert_bytes: int
+    dtype: str = "fp32"
 
     @property
     def bandwidth(self) -> float:
@@ -94,17 +100,19 @@ class CpuPartialTiming:
 
 def partial_loop(calls: int):
     """The jitted loop the CPU measurement times: ``calls`` chained layer-calls of
-    :func:`~pallas_cache.hybrid.cpu_partial` (one token, ``x @ W`` experts), taking
-    ``(x, ids, gates, plan, bank)`` as arguments, so one program serves every expert count
-    and the bank is never a constant of it."""
+    :func:`~pallas_cache.hybrid.cpu_partial` (one token, the library's SwiGLU experts,
+    :data:`pallas_cache.experts.swiglu`, at the bank's format), taking ``(x, ids, gates, plan,
+    bank)`` as arguments, so one program serves every expert count and the bank is never a
+    constant of it."""
     import jax
 
+    from pallas_cache.experts import swiglu
     from pallas_cache.hybrid import cpu_partial
 
     @jax.jit
     def loop(x, ids, gates, plan, bank):
         def body(h, _):
-            y = cpu_partial(h, ids, gates, plan, bank, lambda w, t: t @ w)
+            y = cpu_partial(h, ids, gates, plan, bank, swiglu)
             return h + 1e-6 * y.sum(), None  # a chain: no call is left out
         return jax.lax.scan(body, x, None, length=calls)[0]
 
@@ -112,16 +120,18 @@ def partial_loop(calls: int):
 
 
 def cpu_partial_timing(d_model: int = 4096, d_expert: int = 14336, repeats: int = 5,
-                       calls: int = 8, progress: Callable[[str], None] | None = None
-                       ) -> CpuPartialTiming:
-    """Time one layer-call's :func:`~pallas_cache.hybrid.cpu_partial` (one token, float32
-    ``x @ W`` experts of ``d_model x d_expert`` in a host bank) with 1, 2, 3 and 4 distinct CPU
-    experts: each point is ``calls`` layer-calls in one compiled scan, median of ``repeats``
-    runs after a warm-up, divided by ``calls``. The bank (:func:`bank_bytes`) is made where it
-    lives, in one buffer; ``progress`` gets a line per expert count."""
+                       calls: int = 8, progress: Callable[[str], None] | None = None,
+                       dtype: str = "fp32") -> CpuPartialTiming:
+    """Time one layer-call's :func:`~pallas_cache.hybrid.cpu_partial` (one token, the library's
+    SwiGLU experts of ``d_model x d_expert`` in format ``dtype`` in a host bank) with 1, 2, 3 and
+    4 distinct CPU experts: each point is ``calls`` layer-calls in one compiled scan, median of
+    ``repeats`` runs after a warm-up, divided by ``calls``. The bank (:func:`bank_bytes`) is made
+    where it lives, one buffer per leaf; ``progress`` gets a line per expert count."""
     import jax
     import jax.numpy as jnp
 
+    from pallas_cache.experts import filler_bank
+    from pallas_cache.formats import bytes_per_expert, canonical_format
     from pallas_cache.moe import host_memory_kind
     from pallas_cache.ops import ensure_hybrid
     from pallas_cache.policy import FetchPolicy
@@ -130,11 +140,10 @@ def cpu_partial_timing(d_model: int = 4096, d_expert: int = 14336, repeats: int 
     d_model, d_expert = int(d_model), int(d_expert)
     device = jax.devices()[0]
     sharding = jax.sharding.SingleDeviceSharding(device, memory_kind=host_memory_kind(device))
-    # The values do not matter to the time; a constant (not a denormal) fills one buffer made
-    # by JAX, with no NumPy array to stage it through (on an accelerator it is made in device
+    # The values do not matter to the time; constants (not denormals) fill buffers made by
+    # JAX, with no NumPy array to stage them through (on an accelerator they are made in device
     # memory and moved to host memory; on the CPU backend the move is a no-op).
-    bank = jax.device_put(jnp.full((MOST, d_model, d_expert), 1.0 / d_model, jnp.float32),
-                          sharding)
+    bank = jax.device_put(filler_bank(MOST, d_model, d_expert, dtype), sharding)
     x = jnp.ones((d_model,), jnp.float32)
     gates = jnp.full((MOST,), 1.0 / MOST, jnp.float32)
     loop = partial_loop(calls)
@@ -150,7 +159,7 @@ def cpu_partial_timing(d_model: int = 4096, d_expert: int = 14336, repeats: int 
     del bank
     slope, intercept = np.polyfit(np.arange(1, MOST + 1, dtype=float), np.asarray(seconds), 1)
     return CpuPartialTiming(tuple(seconds), max(float(intercept), 0.0), float(slope),
-                            d_model * d_expert * 4)
+                            bytes_per_expert(d_model, d_expert, dtype), canonical_format(dtype))
 
 
 def cpu_fixed_cost(d_model: int = 4096, d_expert: int = 14336, repeats: int = 5,

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from pallas_cache.formats import FORMATS, INT4_GROUP, bytes_per_expert
+
 __all__ = ["MoEModel", "MODELS", "DTYPE_BITS", "BLOCK_FORMATS", "DEFAULT_DTYPE",
            "resolve_model"]
 
@@ -53,9 +55,13 @@ class MoEModel:
     def expert_bytes(self, dtype: str | None = None) -> int:
         """One routed expert's weights in ``dtype`` (default: the released format): ``3 *
         d_model * d_expert * bits / 8``, plus each of the 3 matrices' block scales for a block
-        format (:data:`BLOCK_FORMATS`)."""
+        format (:data:`BLOCK_FORMATS`); for a format the library's expert functions read
+        (``fp32``, ``bf16``, ``int8``, ``int4``) what its bank stores, scales included
+        (:func:`pallas_cache.formats.bytes_per_expert`)."""
         dtype = self.default_dtype if dtype is None else dtype
         weights = self.d_model * self.d_expert
+        if dtype in FORMATS:  # what the library's bank stores, scales included
+            return bytes_per_expert(self.d_model, self.d_expert, dtype)
         if dtype in DTYPE_BITS:
             return 3 * weights * DTYPE_BITS[dtype] // 8
         if dtype in BLOCK_FORMATS:
@@ -73,6 +79,12 @@ class MoEModel:
         dtype = self.default_dtype if dtype is None else dtype
         width = format_bytes(self.expert_bytes(dtype))
         shape = f"3 x {self.d_model} x {self.d_expert}"
+        if dtype == "int8":
+            return (f"{self.name} {dtype}: W = {shape} x 8 bits + a 32-bit scale per output "
+                    f"channel = {width}")
+        if dtype == "int4":
+            return (f"{self.name} {dtype}: W = {shape} x 4 bits + a 32-bit scale per "
+                    f"{INT4_GROUP} weights of a row = {width}")
         if dtype in DTYPE_BITS:
             return f"{self.name} {dtype}: W = {shape} x {DTYPE_BITS[dtype]} bits = {width}"
         bits, rows, cols, scale = BLOCK_FORMATS[dtype]

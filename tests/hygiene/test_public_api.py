@@ -19,9 +19,10 @@ import pytest
 import pallas_cache as pc
 import pallas_cache.testing as pct
 import pallas_cache.testing.strategies as pcst
+from pallas_cache import experts as pce
 
 ROOT = Path(__file__).resolve().parents[2]
-PUBLIC = [pc, pct, pcst]
+PUBLIC = [pc, pct, pcst, pce]
 
 
 def _functions(module) -> list[tuple[str, typing.Any]]:

@@ -82,3 +82,64 @@ def test_the_default_bank_shrinks_to_the_machine():
     assert shrunk and columns < 7168
     assert 2 * bandwidth.bank_bytes(4096, columns) + bench.BENCH_MARGIN_BYTES <= 3 * 2**30 // 2
     assert bench.bench_bank_columns(4096, 7168, 1) == (224, True)  # never below 256 columns' half
+
+
+@pytest.mark.parametrize("argv, dtype, d_model", [
+    ([], "bf16", 64),
+    (["--dtype", "int8"], "int8", 64),
+    (["--model", "mixtral-8x7b:int4"], "int4", 64),
+    (["--model", "qwen3-30b-a3b", "--dtype", "fp32"], "fp32", 64),
+])
+def test_b_cpu_is_measured_at_the_dtype_asked_and_the_flags_line_says_which(
+        monkeypatch, capsys, argv, dtype, d_model):
+    """FAILS if bench-bandwidth measures another dtype than --dtype (or --model's, or bf16, the
+    presets' released format) or its flags line does not say which dtype B_cpu is for."""
+    asked = []
+    timing = bandwidth.CpuPartialTiming((0.003, 0.005, 0.007, 0.009), 0.001, 0.002, 1000)
+
+    def record(d_model, d_expert, repeats, progress=None, dtype="fp32"):
+        asked.append((dtype, d_model))
+        return timing
+
+    monkeypatch.setattr(bandwidth, "cpu_partial_timing", record)
+    assert cli.main(TINY + argv) == 0
+    assert asked == [(dtype, d_model)]
+    flags = next(line for line in capsys.readouterr().out.splitlines()
+                 if line.startswith("flags:"))
+    assert f"# B_cpu of {dtype} experts" in flags
+
+
+@pytest.mark.parametrize("argv, dtype", [
+    (["--dtype", "fp8"], "fp8"), (["--dtype", "fp16"], "fp16"),
+    (["--model", "deepseek-v3"], "fp8-b128"), (["--model", "gpt-oss-120b"], "mxfp4"),
+    (["--model", "mixtral-8x7b:mxfp4"], "mxfp4")])
+def test_a_dtype_with_no_expert_function_is_refused_in_one_line(capsys, argv, dtype):
+    """FAILS if a dtype the library's experts do not read (fp8, fp16, block formats) is measured
+    as something else, or refused with more than one line or another exit status than 2."""
+    assert cli.main(TINY + argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"pallas-cache: bench-bandwidth: no expert function reads dtype {dtype!r} "
+                   f"(the library's read fp32, bf16, int8, int4), so B_cpu cannot be measured "
+                   f"for it"]
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "int8", "int4"])
+def test_the_default_expert_is_past_the_last_level_cache_at_every_dtype(dtype):
+    """FAILS if the default bench expert shrinks with the dtype's bytes below 96 MiB (an int4
+    expert of the fp32 bench's columns would fit a large last-level cache and measure it, not
+    memory), or is needlessly larger than the next multiple of 128 columns."""
+    from pallas_cache.formats import bytes_per_expert
+
+    d_expert = bench.bench_d_expert(4096, dtype)
+    assert d_expert % 128 == 0
+    assert bytes_per_expert(4096, d_expert, dtype) >= bench.BENCH_EXPERT_BYTES
+    assert bytes_per_expert(4096, d_expert - 128, dtype) < bench.BENCH_EXPERT_BYTES
+
+
+def test_the_measurement_runs_at_each_dtype():
+    """FAILS if the library's CPU path cannot run the bench's bank at a dtype (a filler bank the
+    expert function refuses, an int4 row not split into groups)."""
+    for dtype in ("bf16", "int8", "int4"):
+        timing = bandwidth.cpu_partial_timing(64, 256, repeats=1, calls=1, dtype=dtype)
+        assert timing.dtype == dtype and timing.bandwidth > 0
+        assert timing.expert_bytes == bandwidth.bank_bytes(64, 256, dtype) // bandwidth.MOST

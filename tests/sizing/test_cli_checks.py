@@ -507,7 +507,7 @@ def test_a_batch_too_wide_for_the_memory_limit_is_one_line_before_it_is_built(
     (["--mib", "1000000"], r"--mib 1000000: the copied buffer and its device copy would need "
                            r"about 1\.9TiB, above this machine's"),
     (["--d-model", "100000", "--d-expert", "100000"],
-     r"--d-model 100000 x --d-expert 100000: four float32 expert matrices"),
+     r"--d-model 100000 x --d-expert 100000: four bf16 SwiGLU experts"),
 ])
 def test_bench_bandwidth_sizes_beyond_the_machine_are_one_line(capsys, monkeypatch, flags,
                                                                message):

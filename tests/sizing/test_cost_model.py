@@ -148,7 +148,9 @@ def test_expert_bytes_of_the_model_table():
 
     Mixtral-8x7B bf16: 3 * 4096 * 14336 * 2 = 352,321,536 B = 336 MiB exactly.
     DeepSeek-V2-Lite bf16: 3 * 2048 * 1408 * 2 = 17,301,504 B (16.5 MiB).
-    Qwen3-30B-A3B bf16: 3 * 2048 * 768 * 2 = 9,437,184 B (9 MiB); fp8 half, int4 a quarter.
+    Qwen3-30B-A3B bf16: 3 * 2048 * 768 * 2 = 9,437,184 B (9 MiB); fp8 half, int4 a quarter plus
+    the library's int4 bank's scales: a float32 per 128 weights of each of 3 * 768 rows of 2048,
+    3 * 768 * 16 * 4 = 147,456 B.
     """
     model, dtype = resolve_model("mixtral-8x7b")
     assert dtype == "bf16" and model.expert_bytes(dtype) == 336 * 2**20
@@ -156,7 +158,7 @@ def test_expert_bytes_of_the_model_table():
     assert MODELS["deepseek-v2-lite"].moe_layers == 26 and MODELS["deepseek-v2-lite"].top_k == 6
     qwen, fp8 = resolve_model("qwen3-30b-a3b:fp8")
     assert qwen.expert_bytes(fp8) == 9 * 2**20 // 2
-    assert qwen.expert_bytes("int4") == 9 * 2**20 // 4
+    assert qwen.expert_bytes("int4") == 9 * 2**20 // 4 + 147_456
     with pytest.raises(ValueError, match="unknown model"):
         resolve_model("gpt-5")
     with pytest.raises(ValueError, match="unknown dtype"):

@@ -1,6 +1,6 @@
 """``pallas-cache bench-bandwidth``: measure B_link, B_cpu and T_cpu roughly (the library's own
-CPU path, :func:`~pallas_cache.sizing.bandwidth.cpu_partial_timing`) and print them as replay
-flags, a line on stderr per phase."""
+CPU path with its experts at the bank's format, :func:`~pallas_cache.sizing.bandwidth.
+cpu_partial_timing`) and print them as replay flags, a line on stderr per phase."""
 
 from __future__ import annotations
 
@@ -9,24 +9,53 @@ import sys
 from pallas_cache.sizing.cli.parser import UsageError
 from pallas_cache.sizing.units import format_bandwidth
 
-__all__ = ["BENCH_D_EXPERT", "BENCH_MARGIN_BYTES", "MOST_CPU_EXPERTS", "available_memory",
-           "bench_bank_columns", "run_bench"]
+__all__ = ["BENCH_EXPERT_BYTES", "BENCH_MARGIN_BYTES", "MOST_CPU_EXPERTS", "available_memory",
+           "bench_bank_columns", "bench_d_expert", "bench_dtype", "run_bench"]
+
+
+def bench_dtype(args) -> tuple[str, int]:
+    """``(format, d_model)`` of the bank to measure: ``--dtype``, else ``--model``'s (its
+    spelling, else its released format), else bf16; ``--d-model``, else the model's, else 4096.
+    A format no expert function reads is a :class:`UsageError`."""
+    from pallas_cache.formats import FORMATS, canonical_format
+    from pallas_cache.sizing.models import DEFAULT_DTYPE, resolve_model
+
+    model = dtype = None
+    if args.model is not None:
+        try:
+            model, dtype = resolve_model(args.model)
+        except ValueError as error:
+            raise UsageError(f"pallas-cache: --model: {error}") from None
+    dtype = args.dtype or dtype or DEFAULT_DTYPE
+    try:
+        dtype = canonical_format(dtype)
+    except ValueError:
+        raise UsageError(f"pallas-cache: bench-bandwidth: no expert function reads dtype "
+                         f"{dtype!r} (the library's read {', '.join(FORMATS)}), so B_cpu cannot "
+                         f"be measured for it") from None
+    d_model = args.d_model or (model.d_model if model is not None else 4096)
+    return dtype, d_model
 
 
 def run_bench(args) -> int:
     """Measure and print; a refused flag is a :class:`UsageError` (one line, exit 2)."""
+    dtype, d_model = bench_dtype(args)
     default_bank = args.d_expert is None
-    d_expert = BENCH_D_EXPERT if default_bank else args.d_expert
-    if min(args.mib, args.d_model, d_expert, args.repeats) < 1:
+    d_expert = bench_d_expert(d_model, dtype) if default_bank else args.d_expert
+    if min(args.mib, d_model, d_expert, args.repeats) < 1:
         raise UsageError("pallas-cache: --mib, --d-model, --d-expert and --repeats must be >= 1")
+    if dtype == "int4" and d_model % 2:
+        raise UsageError(f"pallas-cache: --d-model {d_model}: int4 packs two weights per byte, "
+                         f"so the rows need an even width")
 
     def progress(line: str) -> None:
         print(f"pallas-cache: bench-bandwidth: {line}", file=sys.stderr, flush=True)
 
+    from pallas_cache.formats import bytes_per_expert
     from pallas_cache.sizing.units import format_bytes, format_duration
 
     if default_bank:
-        d_expert, shrunk = bench_bank_columns(args.d_model, d_expert, available_memory())
+        d_expert, shrunk = bench_bank_columns(d_model, d_expert, available_memory(), dtype)
         if shrunk:
             progress(f"the default bank shrinks to --d-expert {d_expert} to fit this machine's "
                      f"available memory")
@@ -34,8 +63,8 @@ def run_bench(args) -> int:
     from pallas_cache.sizing.traces.memory import DEFAULT_MEMORY_FRACTION, default_memory_limit
 
     try:
-        check_bench_memory(args.mib, args.d_model, d_expert,
-                           int(default_memory_limit() / DEFAULT_MEMORY_FRACTION))
+        check_bench_memory(args.mib, d_model, d_expert,
+                           int(default_memory_limit() / DEFAULT_MEMORY_FRACTION), dtype)
     except ValueError as error:
         raise UsageError(f"pallas-cache: {error}") from None
     progress("starting JAX")
@@ -47,10 +76,12 @@ def run_bench(args) -> int:
     progress(f"B_link: {args.repeats + 1} copies of {args.mib}MiB to {device.platform}:"
              f"{device.id}")
     link = link_bandwidth(args.mib * 2**20, args.repeats, device)
-    progress(f"B_cpu, T_cpu: a host bank of {MOST_CPU_EXPERTS} experts of {args.d_model} x "
-             f"{d_expert} float32 ({format_bytes(bank_bytes(args.d_model, d_expert))}), "
-             f"{args.repeats + 1} runs of 8 layer-calls per count")
-    timing = cpu_partial_timing(args.d_model, d_expert, args.repeats, progress=progress)
+    expert = format_bytes(bytes_per_expert(d_model, d_expert, dtype))
+    progress(f"B_cpu, T_cpu: a host bank of {MOST_CPU_EXPERTS} {dtype} SwiGLU experts of 3 x "
+             f"{d_model} x {d_expert} ({expert} each, "
+             f"{format_bytes(bank_bytes(d_model, d_expert, dtype))}), {args.repeats + 1} runs "
+             f"of 8 layer-calls per count")
+    timing = cpu_partial_timing(d_model, d_expert, args.repeats, progress=progress, dtype=dtype)
     cpu, fixed = timing.bandwidth, timing.fixed
     print(f"device: {device.platform}:{device.id} ({device.device_kind})")
     where = "host -> device" if device.platform != "cpu" else "host -> host (no accelerator)"
@@ -61,13 +92,14 @@ def run_bench(args) -> int:
              if timing.per_expert > 0 else
              f"no positive slope through its time (noise?): {MOST_CPU_EXPERTS} experts' bytes "
              f"over their whole {format_duration(timing.seconds[-1])}, a lower bound")
-    print(f"B_cpu  ~ {format_bandwidth(cpu)}  (the library's cpu_partial, one token, float32 "
-          f"x @ W experts of {args.d_model} x {d_expert}: {slope} with 1-{MOST_CPU_EXPERTS} CPU "
-          f"experts; median of {args.repeats})")
+    print(f"B_cpu  ~ {format_bandwidth(cpu)}  (the library's cpu_partial, one token, {dtype} "
+          f"SwiGLU experts (pallas_cache.experts.swiglu) of 3 x {d_model} x {d_expert}: {slope} "
+          f"with 1-{MOST_CPU_EXPERTS} CPU experts; median of {args.repeats})")
     print(f"T_cpu  ~ {format_duration(fixed)}  (fixed cost per layer-call of cpu_partial: the "
           f"intercept of that line; median of {args.repeats})")
     print(f"flags: --link-bandwidth {format_bandwidth(link)} --cpu-bandwidth {format_bandwidth(cpu)}"
-          f" --cpu-fixed-cost {format_duration(fixed)}")
+          f" --cpu-fixed-cost {format_duration(fixed)}  # B_cpu of {dtype} experts: replay "
+          f"them with --model NAME:{dtype}")
     return 0
 
 
@@ -76,9 +108,9 @@ def run_bench(args) -> int:
 MOST_CPU_EXPERTS = 4
 
 
-#: bench-bandwidth's default expert matrix: half a Mixtral-8x7B expert matrix (4096 x 14336),
-#: 112 MiB, far past any CPU cache, so it streams from memory as the whole one does.
-BENCH_D_EXPERT = 7168
+#: bench-bandwidth's default expert: at least this many bytes at the measured format (three
+#: times a 32 MiB last-level cache), so it streams from memory as a real one does.
+BENCH_EXPERT_BYTES = 96 * 2**20
 
 
 #: What bench-bandwidth's peak adds to twice its bank (the bank, and the rows the CPU path copies
@@ -86,12 +118,26 @@ BENCH_D_EXPERT = 7168
 BENCH_MARGIN_BYTES = 768 * 2**20
 
 
-def bench_bank_columns(d_model: int, d_expert: int, available: int | None) -> tuple[int, bool]:
+def bench_d_expert(d_model: int, dtype: str) -> int:
+    """The default bank's ``d_expert``: a multiple of 128, the fewest whose SwiGLU expert of
+    ``d_model`` rows in format ``dtype`` holds :data:`BENCH_EXPERT_BYTES`."""
+    from pallas_cache.formats import bytes_per_expert
+
+    per_128 = bytes_per_expert(d_model, 128, dtype)
+    return 128 * -(-BENCH_EXPERT_BYTES // per_128)
+
+
+def bench_bank_columns(d_model: int, d_expert: int, available: int | None,
+                       dtype: str = "fp32") -> tuple[int, bool]:
     """``(d_expert, shrunk)``: the default bank's columns, halved while above 256 until twice the
-    bank plus :data:`BENCH_MARGIN_BYTES` fits half of ``available`` bytes (unknown: as is)."""
+    bank (:data:`MOST_CPU_EXPERTS` SwiGLU experts in format ``dtype``) plus
+    :data:`BENCH_MARGIN_BYTES` fits half of ``available`` bytes (unknown: as is)."""
+    from pallas_cache.formats import bytes_per_expert
+
     shrunk = False
     while (available is not None and d_expert > 256
-           and 2 * MOST_CPU_EXPERTS * d_model * d_expert * 4 + BENCH_MARGIN_BYTES > available // 2):
+           and 2 * MOST_CPU_EXPERTS * bytes_per_expert(d_model, d_expert, dtype)
+           + BENCH_MARGIN_BYTES > available // 2):
         d_expert, shrunk = d_expert // 2, True
     return d_expert, shrunk
 

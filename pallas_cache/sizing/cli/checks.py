@@ -422,23 +422,25 @@ def check_batch_memory(batches, sizes, configs_per_size: int, trace, limit: int,
 
 
 #: Copies of ``bench-bandwidth``'s arrays alive at once: the host buffer and its device copy
-#: (B_link); the CPU partial's bank of four experts as drawn, scaled and cast, with its device
-#: copy (T_cpu; one expert matrix for B_cpu is less).
+#: (B_link); the CPU partial's bank of four experts, made in device memory, and its host copy
+#: (T_cpu).
 BENCH_LINK_COPIES = 2
 BENCH_BANK_COPIES = 2 * 4
 
 
-def check_bench_memory(mib: int, d_model: int, d_expert: int, limit: int) -> None:
+def check_bench_memory(mib: int, d_model: int, d_expert: int, limit: int,
+                       dtype: str = "fp32") -> None:
     """Refuse ``bench-bandwidth`` flags whose arrays cannot fit ``limit`` (the machine's memory),
     before any is allocated: ``--mib`` sizes the copied buffer, ``--d-model x --d-expert`` the
-    float32 expert matrices. ValueError, the one line the CLI prints."""
+    SwiGLU experts in format ``dtype``. ValueError, the one line the CLI prints."""
+    from pallas_cache.formats import bytes_per_expert
     from pallas_cache.sizing.units import format_bytes
 
     link = BENCH_LINK_COPIES * mib * 2**20
-    bank = BENCH_BANK_COPIES * d_model * d_expert * 4
+    bank = BENCH_BANK_COPIES * bytes_per_expert(d_model, d_expert, dtype)
     for nbytes, what in ((link, f"--mib {mib}: the copied buffer and its device copy"),
-                         (bank, f"--d-model {d_model} x --d-expert {d_expert}: four float32 "
-                                f"expert matrices and their copies")):
+                         (bank, f"--d-model {d_model} x --d-expert {d_expert}: four {dtype} "
+                                f"SwiGLU experts and their copies")):
         if nbytes > limit:
             raise ValueError(f"{what} would need about {format_bytes(nbytes)}, above this "
                              f"machine's {format_bytes(limit)} of memory")

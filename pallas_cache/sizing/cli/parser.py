@@ -198,22 +198,31 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser(
         "bench-bandwidth", help="measure B_link, B_cpu and T_cpu roughly, for replay's cost model",
         description="Measure the host-to-device copy bandwidth (B_link: jax.device_put of pageable "
-                    "host memory), and the library's CPU path, cpu_partial, with 1-4 CPU experts "
+                    "host memory), and the library's CPU path, cpu_partial with its SwiGLU "
+                    "experts (pallas_cache.experts) at the bank's dtype, with 1-4 CPU experts "
                     "of one token (B_cpu: expert bytes per second, from the slope of a line "
                     "through its times; T_cpu: the line's intercept, a fixed cost per "
                     "layer-call), and print them as replay flags. A line on stderr per phase; "
                     "seconds, not minutes. Peak memory: about twice the CPU bank (4 experts of "
-                    "d-model x d-expert float32: 448MiB by default) plus 0.75GiB; the default "
+                    "at least 96MiB each at the dtype by default) plus 0.75GiB; the default "
                     "bank halves its columns until that fits half the available memory. Rough: "
                     "a serving engine's pinned buffers and CPU kernels differ.",
         parents=[common])
     bench.add_argument("--mib", type=int, default=256,
                        help="MiB copied per B_link measurement (default: 256)")
-    bench.add_argument("--d-model", type=int, default=4096,
-                       help="expert matrix rows (default: 4096, Mixtral-8x7B's)")
+    bench.add_argument("--model", metavar="NAME[:DTYPE]",
+                       help=f"measure the experts of a model: {', '.join(MODELS)} (its d_model, "
+                            f"and its dtype unless --dtype; default: the released format)")
+    bench.add_argument("--dtype", metavar="DTYPE",
+                       help="the bank's dtype B_cpu is measured at: fp32, bf16, int8 or int4 "
+                            "(the model presets' spellings; fp8 and mxfp4 have no expert "
+                            "function; default: --model's, else bf16)")
+    bench.add_argument("--d-model", type=int, default=None,
+                       help="expert rows' width (default: --model's, else 4096, Mixtral-8x7B's)")
     bench.add_argument("--d-expert", type=int, default=None,
-                       help="expert matrix columns (default: 7168, half of Mixtral-8x7B's 14336: "
-                            "112MiB per expert, past any CPU cache; fewer where memory is short)")
+                       help="expert hidden units (default: the fewest multiple of 128 whose "
+                            "SwiGLU expert holds 96MiB at the dtype, past any CPU cache; fewer "
+                            "where memory is short)")
     bench.add_argument("--repeats", type=int, default=5, help="timed runs, median (default: 5)")
     add_bench_decode(commands, common, memory_size, DEFAULT_PRESET)
     return _use_ascii_ints(parser)
