@@ -18,7 +18,8 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_cache.validate import INT32_MAX, INT32_MIN  # noqa: F401  (re-exported to the kernels)
 
 __all__ = ["INT32_MAX", "INT32_MIN", "after", "any_true", "check_block", "compiler_params",
-           "default_block", "lane", "lex_max", "lex_min", "next_pow2", "scatter", "stamp_block"]
+           "default_block", "flat_at", "flat_index", "lane", "lex_max", "lex_min", "next_pow2",
+           "row_blocks", "scatter", "stamp_block"]
 
 
 # Widest block a kernel reduces at once (elements). 4096 x i32 spread over 8 warps is 16
@@ -99,6 +100,54 @@ def lex_min(key, index, live):
 
 
 def scatter(ref, index, value, mask):
-    """A masked vector store at ``index``; masked lanes point past the ref (the interpreter's
-    scatter drops them, where a duplicate in-range index could rewrite a stored entry)."""
-    plgpu.store(ref.at[jnp.where(mask, index, ref.shape[0])], value, mask=mask)
+    """A masked vector store at ``index`` (one index per dimension of ``ref`` as a tuple, or one
+    for a 1-D ref); masked lanes point past the ref's first dimension (the interpreter's scatter
+    drops them, where a duplicate in-range index could rewrite a stored entry)."""
+    first, *rest = index if isinstance(index, tuple) else (index,)
+    plgpu.store(ref.at[(jnp.where(mask, first, ref.shape[0]), *rest)], value, mask=mask)
+
+
+def flat_index(ref, index) -> tuple:
+    """The index of ``ref`` at the row-major positions ``index`` (one vector; a 2-D ref's
+    ``[rows, cols]`` read as ``rows * cols`` entries), one vector per dimension (the refs keep
+    their leaves' shapes: docs/design.md, "The kernel's operands"). Positions past the end fall
+    past the last row."""
+    if len(ref.shape) == 1:
+        return (index,)
+    cols = ref.shape[1]
+    return lax.div(index, cols), lax.rem(index, cols)
+
+
+def flat_at(ref, index):
+    """``ref.at`` the row-major positions ``index`` (:func:`flat_index`)."""
+    return ref.at[flat_index(ref, index)]
+
+
+def row_blocks(rows: int, cols: int, width: int):
+    """A ``[rows, cols]`` array in blocks of ``width`` lanes (a power of two), each row padded to
+    ``next_pow2(cols)`` so that a lane's row and column are a shift and a mask of its position
+    (no division): ``(num_blocks, at)``, ``at(b) -> (row, col, ok)`` the lanes of block ``b``
+    (``ok``: an entry of the array). Several rows per block when a padded row fits in
+    ``width``, else several blocks per row. Every entry is in exactly one lane."""
+    c_width = next_pow2(cols)
+    lane = lax.iota(jnp.int32, width)
+    if c_width <= width:
+        per, shift = width // c_width, c_width.bit_length() - 1
+
+        def at(b):
+            # From the block's padded position, not the lane's: nothing to hoist out of the
+            # caller's loop onto the path that skips it.
+            position = pl.multiple_of(b * width, width) + lane
+            row = lax.shift_right_logical(position, jnp.int32(shift))
+            col = position & (c_width - 1)
+            return row, col, (row < rows) & (col < cols)
+
+        return -(-rows // per), at
+    per = c_width // width
+
+    def at(b):
+        row = jnp.full((width,), b // per, jnp.int32)
+        col = (b % per) * width + lane
+        return row, col, (row < rows) & (col < cols)
+
+    return rows * per, at
