@@ -19,7 +19,7 @@ from pallas_cache.validate import INT32_MAX, INT32_MIN  # noqa: F401  (re-export
 
 __all__ = ["INT32_MAX", "INT32_MIN", "after", "any_true", "check_block", "compiler_params",
            "default_block", "flat_at", "flat_index", "lane", "lex_max", "lex_min", "next_pow2",
-           "row_blocks", "scatter", "stamp_block"]
+           "scatter", "stamp_block"]
 
 
 # Widest block a kernel reduces at once (elements). 4096 x i32 spread over 8 warps is 16
@@ -121,33 +121,3 @@ def flat_index(ref, index) -> tuple:
 def flat_at(ref, index):
     """``ref.at`` the row-major positions ``index`` (:func:`flat_index`)."""
     return ref.at[flat_index(ref, index)]
-
-
-def row_blocks(rows: int, cols: int, width: int):
-    """A ``[rows, cols]`` array in blocks of ``width`` lanes (a power of two), each row padded to
-    ``next_pow2(cols)`` so that a lane's row and column are a shift and a mask of its position
-    (no division): ``(num_blocks, at)``, ``at(b) -> (row, col, ok)`` the lanes of block ``b``
-    (``ok``: an entry of the array). Several rows per block when a padded row fits in
-    ``width``, else several blocks per row. Every entry is in exactly one lane."""
-    c_width = next_pow2(cols)
-    lane = lax.iota(jnp.int32, width)
-    if c_width <= width:
-        per, shift = width // c_width, c_width.bit_length() - 1
-
-        def at(b):
-            # From the block's padded position, not the lane's: nothing to hoist out of the
-            # caller's loop onto the path that skips it.
-            position = pl.multiple_of(b * width, width) + lane
-            row = lax.shift_right_logical(position, jnp.int32(shift))
-            col = position & (c_width - 1)
-            return row, col, (row < rows) & (col < cols)
-
-        return -(-rows // per), at
-    per = c_width // width
-
-    def at(b):
-        row = jnp.full((width,), b // per, jnp.int32)
-        col = (b % per) * width + lane
-        return row, col, (row < rows) & (col < cols)
-
-    return rows * per, at

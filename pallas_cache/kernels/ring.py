@@ -205,20 +205,22 @@ def _lfu_counts(ring: RingRefs, out: RingRefs, *, head, start, layer_c, routed, 
     old = plgpu.load(ring.masks.at[head, layer_c, e_idx // 32], mask=e_ok, other=0)
     row_counts = (plgpu.load(counts.at[row], mask=e_ok, other=0)
                   + routed.astype(jnp.int32) - _bit(old, e_idx % 32))
-    width = min(common.next_pow2(L) * common.next_pow2(E), common.MAX_BLOCK)
-    num_blocks, rows_at = common.row_blocks(L, E, width)
+    width = min(common.next_pow2(L * E), common.MAX_BLOCK)
 
     def leave(b, carry):
-        m, e, ok = rows_at(b)
-        ok = ok & (m != layer_c)
+        index = pl.multiple_of(b * width, width) + lax.iota(jnp.int32, width)
+        m, e = index // E, index % E
+        ok = (index < L * E) & (m != layer_c)
         word = plgpu.load(ring.masks.at[head, m, e // 32], mask=ok, other=0)
-        value = plgpu.load(counts.at[m, e], mask=ok, other=0) - _bit(word, e % 32)
-        plgpu.store(counts_out.at[m, e], value, mask=ok)
+        # counts by the flat position (row and column: a division, as flat_index forms it)
+        value = (plgpu.load(common.flat_at(counts, index), mask=ok, other=0)
+                 - _bit(word, e % 32))
+        plgpu.store(common.flat_at(counts_out, index), value, mask=ok)
         return carry
 
     # Each lane writes only the entry it read (the layer's own row is stored after the
     # barrier), so this pass needs none.
-    blocks = jnp.where(start, jnp.int32(num_blocks), jnp.int32(0))
+    blocks = jnp.where(start, jnp.int32(-(-(L * E) // width)), jnp.int32(0))
     lax.fori_loop(0, blocks, leave, jnp.int32(0))
     return row, row_counts, e_ok
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -723,29 +724,20 @@ def _rebase(usage_ref, rec_ref, usage_out, rec_out, step0, *, block, stamp_block
         m, r, _, rank_step = carry
 
         def scan(src, dst, low, width):
-            if len(src.shape) == 1:  # usage: flat blocks
-                num_blocks = -(-src.shape[0] // width)
-
-                def block_at(b):
-                    index = pl.multiple_of(b * width, width) + lax.iota(jnp.int32, width)
-                    return (index,), index < src.shape[0]
-            else:  # the [L, E] recency stamps: whole padded rows (or parts of one) per block
-                num_blocks, rows_at = common.row_blocks(*src.shape, width)
-
-                def block_at(b):
-                    row, col, ok = rows_at(b)
-                    return (row, col), ok
-
+            size = math.prod(src.shape)
             def body(b, best):
-                at, valid = block_at(b)
-                v = plgpu.load(src.at[at], mask=valid, other=low - 1)
+                start = pl.multiple_of(b * width, width)
+                index = start + lax.iota(jnp.int32, width)  # row-major over [L, E] stamps
+                valid = index < size
+                v = plgpu.load(common.flat_at(src, index), mask=valid, other=low - 1)
                 live = valid & (v >= low)
-                plgpu.store(dst.at[at], jnp.full((width,), r), mask=live & (v == m) & (r >= 1))
+                plgpu.store(common.flat_at(dst, index), jnp.full((width,), r),
+                            mask=live & (v == m) & (r >= 1))
                 above = live & (v > m)
                 return (jnp.minimum(best[0], jnp.min(jnp.where(above, v, INT32_MAX))),
                         best[1] | common.any_true(above))
 
-            return lax.fori_loop(0, num_blocks, body,
+            return lax.fori_loop(0, -(-size // width), body,
                                  (jnp.int32(INT32_MAX), jnp.bool_(False)))
 
         nxt, found = jnp.where(step0 > m, step0, INT32_MAX), step0 > m
