@@ -223,7 +223,7 @@ def profiled_compile_s(args) -> float:
 
 
 def gpu_events(events) -> tuple[list[tuple[float, float]], list[str]]:
-    """``([(start us, duration us)], line names)`` of the GPU's own events in a Chrome-format
+    """``([(start us, duration us, name)], line names)`` of the GPU's own events in a Chrome-format
     trace: the complete events (``ph == "X"``) of processes named for a GPU, on the lines named
     ``Stream ...`` where there are any, else on every line but the derived ones (modules, ops,
     steps), which would count a kernel twice."""
@@ -239,33 +239,71 @@ def gpu_events(events) -> tuple[list[tuple[float, float]], list[str]]:
     streams = {key for key, name in names.items() if name.lower().startswith("stream")}
     keep = streams or {key for key, name in names.items()
                        if not any(d in name.lower() for d in _DERIVED_LINES)}
-    out = [(float(e.get("ts", 0.0)), float(e.get("dur", 0.0))) for e in events
-           if e.get("ph") == "X" and e.get("pid") in gpus
+    out = [(float(e.get("ts", 0.0)), float(e.get("dur", 0.0)), str(e.get("name", "")))
+           for e in events if e.get("ph") == "X" and e.get("pid") in gpus
            and ((e.get("pid"), e.get("tid")) in keep or not names)]
     return out, sorted({names[k] for k in keep})
 
 
-def cluster_sums(spans, count: int, gap_us: float = 1e6 * GAP_S / 2) -> list[float] | None:
-    """The summed durations of ``count`` dispatches' events, split where the GPU was idle for
-    more than ``gap_us`` (the dispatches ran ``GAP_S`` apart); None unless exactly ``count``
-    clusters are found."""
+def clusters(spans, count: int, gap_us: float = 1e6 * GAP_S / 2) -> list[list] | None:
+    """``count`` dispatches' events ``(start, duration, name)``, split where the GPU was idle
+    for more than ``gap_us`` (the dispatches ran ``GAP_S`` apart); None unless exactly
+    ``count`` clusters are found."""
     if not spans:
         return None
     spans = sorted(spans)
-    sums, end = [0.0], spans[0][0]
-    for start, dur in spans:
+    out, end = [[]], spans[0][0]
+    for span in spans:
+        start, dur = span[0], span[1]
         if start - end > gap_us:
-            sums.append(0.0)
-        sums[-1] += dur
+            out.append([])
+        out[-1].append(span)
         end = max(end, start + dur)
-    return sums if len(sums) == count else None
+    return out if len(out) == count else None
+
+
+def cluster_sums(spans, count: int, gap_us: float = 1e6 * GAP_S / 2) -> list[float] | None:
+    """The summed durations of each of ``count`` dispatches' events (:func:`clusters`)."""
+    split = clusters(spans, count, gap_us)
+    return None if split is None else [sum(s[1] for s in c) for c in split]
+
+
+def events_by_name(cluster, iterations: int) -> dict[str, tuple[float, float]]:
+    """One dispatch's GPU events by name: ``{name: (count per scan iteration, mean us)}``."""
+    by = {}
+    for _, dur, name in cluster:
+        by.setdefault(name, []).append(dur)
+    return {name: (len(d) / iterations, sum(d) / len(d)) for name, d in sorted(by.items())}
+
+
+#: The Pallas kernel's name (``pallas_call(name=...)``), as its GPU events carry it.
+KERNEL_NAME = "pallas_cache_step"
+
+
+def kernel_mean_us(events: dict) -> float | None:
+    """The mean duration of the Pallas kernel's own GPU events (:func:`events_by_name`), or
+    None where no event carries its name."""
+    own = [(n, mean) for name, (n, mean) in events.items() if KERNEL_NAME in name]
+    total = sum(n for n, _ in own)
+    return sum(n * mean for n, mean in own) / total if total else None
+
+
+def format_events(events: dict) -> str:
+    """``name xcount mean us`` per event, ``; `` between them."""
+    return "; ".join(f"`{name[:60]}` x{n:g} {mean:.2f} us" for name, (n, mean) in events.items())
 
 
 def device_times(runs) -> tuple[list[float] | None, str]:
+    """:func:`device_profile` without the events."""
+    sums, note, _ = device_profile(runs)
+    return sums, note
+
+
+def device_profile(runs) -> tuple[list[float] | None, str, list[list] | None]:
     """Each callable of ``runs`` (one blocking dispatch each) once, ``GAP_S`` apart, under one
     ``jax.profiler`` trace: ``(device us of each run, note)``; ``(None, why)`` when the trace
     has no GPU events (off a GPU the trace is taken and read all the same) or cannot be split
-    into the runs. The note names the trace lines summed and whether a dispatch launched a CUDA
+    into the runs; third, each run's events (:func:`clusters`, None likewise). The note names the trace lines summed and whether a dispatch launched a CUDA
     graph (an XLA command buffer)."""
     with tempfile.TemporaryDirectory() as tmp:
         with jax.profiler.trace(tmp, create_perfetto_trace=True):
@@ -275,7 +313,7 @@ def device_times(runs) -> tuple[list[float] | None, str]:
             time.sleep(GAP_S)
         files = glob.glob(os.path.join(tmp, "**", "perfetto_trace.json.gz"), recursive=True)
         if not files:
-            return None, "no trace written"
+            return None, "no trace written", None
         with gzip.open(files[0], "rt") as f:
             events = json.load(f).get("traceEvents", [])
     spans, line_names = gpu_events(events)
@@ -285,9 +323,11 @@ def device_times(runs) -> tuple[list[float] | None, str]:
     note = f"lines {', '.join(line_names) or '?'}; CUDA graph {'yes' if graph else 'no'}"
     if not spans:  # off a GPU: the trace is still taken and read, so a smoke run tries it
         return None, ("no GPU events: not a GPU" if jax.default_backend() != "gpu"
-                      else f"no GPU events in the trace ({note})")
-    sums = cluster_sums(spans, len(runs))
-    return sums, note if sums is not None else f"trace not split into {len(runs)} runs ({note})"
+                      else f"no GPU events in the trace ({note})"), None
+    split = clusters(spans, len(runs))
+    if split is None:
+        return None, f"trace not split into {len(runs)} runs ({note})", None
+    return [sum(s[1] for s in c) for c in split], note, split
 
 
 # --------------------------------------------------------------------------------------------
@@ -352,7 +392,8 @@ def cost_scan(ctx, label, call, state, windows, *, programs=None, key=None) -> d
                 return _PROGRAMS[at][0], 0.0
             _PROGRAMS[at] = make(name, options)
             return _PROGRAMS[at]
-    row = {"us": {}, "device_us": {}, "kernels": {}, "compile_s": {}, "plans": {}}
+    row = {"us": {}, "device_us": {}, "kernels": {}, "compile_s": {}, "plans": {},
+           "events": {}, "kernel_us": {}}
     progs, finals = {}, []
     for backend in ctx.backends:
         progs[backend], row["compile_s"][backend] = programs(backend)
@@ -375,11 +416,17 @@ def cost_scan(ctx, label, call, state, windows, *, programs=None, key=None) -> d
     names = [*ctx.backends, "floor"]
     profiled = {n: progs[n] if options is None and n in progs else programs(n, options)[0]
                 for n in names}
-    sums, row["device_note"] = device_times(
+    sums, row["device_note"], split = device_profile(
         [lambda n=n: profiled[n](fresh(state), *windows[0]) for n in names])
     if sums is not None:
         for i, backend in enumerate(ctx.backends):
             row["device_us"][backend] = (sums[i] - sums[-1]) / calls
+        # Every GPU event of a scan iteration by name, per program (the floor's too), and the
+        # Pallas kernel's own mean: "device us" less the copies and fusions around the call.
+        for name, cluster in zip(names, split):
+            row["events"][name] = events_by_name(cluster, calls)
+        for backend in ctx.backends:
+            row["kernel_us"][backend] = kernel_mean_us(row["events"][backend])
     row["final"] = finals[0][0]
     diff = tree_difference(finals[0], finals[1])
     row["status"] = "MISMATCH" if diff else "match"
@@ -429,3 +476,14 @@ def full_state(rng, L, E, S, empty: int = 0):
     ids = np.asarray(state.residency.id_of_slot)
     assert int((ids < 0).sum()) == empty, "warm-up fill left the wrong number of empty slots"
     return state
+
+
+def events_lines(done, label) -> list[str]:
+    """Per row, every GPU event of a scan iteration by name (count per iteration, mean us) for
+    each profiled program: the candidate, the XLA step and the trivial-body floor."""
+    out = []
+    for row, r in done:
+        for name, events in r.get("events", {}).items():
+            out.append(f"- {label(row)}, {name}: {format_events(events) or 'none'}")
+    return ["", "GPU events per scan iteration (name, count per iteration, mean us):", *out] \
+        if out else []

@@ -13,7 +13,8 @@ import numpy as np
 
 import pallas_cache as pc
 
-from .common import EVICTIONS, cell, cost_scan, filled_state, log, profiled_compile_s
+from .common import (EVICTIONS, cell, cost_scan, events_lines, filled_state, log,
+                     profiled_compile_s)
 
 NAME = "geometries"
 GEOMETRIES = ((32, 8, 64, 2), (32, 8, 256, 2), (58, 256, 2048, 8), (61, 256, 16384, 8))
@@ -60,22 +61,25 @@ def markdown(args, done) -> list[str]:
              f"of {args.calls} layer-calls per dispatch (whole tokens, uniform random top-k "
              f"routes) from a filled pool, {args.replays} dispatches per trial, median of "
              f"{args.repeats} trials. *device us*: the sum of the GPU events of one profiled "
-             "dispatch minus the trivial-body scan's, per call; *wall us*: including the scan's "
+             "dispatch minus the trivial-body scan's, per call; *kernel us*: the mean of the "
+             "Pallas kernel's own GPU events; *wall us*: including the scan's "
              "own per-iteration cost; kernels per scan iteration (in brackets the Pallas calls).",
-             "", f"| L, E, S, k | eviction | misses/call | {cand} device us | xla device us | "
+             "", f"| L, E, S, k | eviction | misses/call | {cand} kernel us | "
+             f"{cand} device us | xla device us | "
              f"{cand} wall us | xla wall us | kernels/iter ({cand}; xla) | compile s "
-             f"({cand}; xla) | status |", "|---|---|---:|---:|---:|---:|---:|---|---|---|"]
+             f"({cand}; xla) | status |", "|---|---|---:|---:|---:|---:|---:|---:|---|---|---|"]
     for row, r in done:
         geo = f"{row['L']}, {row['E']}, {row['S']}, {row['k']}"
         if "us" not in r:
-            lines.append(f"| {geo} | {row['eviction']} | | | | | | | | {r['status']} |")
+            lines.append(f"| {geo} | {row['eviction']} | | | | | | | | | {r['status']} |")
             continue
         kc, kx = r["kernels"][cand], r["kernels"]["xla"]
         lines.append(
             f"| {geo} | {row['eviction']} | {r['misses']:.2f} | "
-            f"{cell(r['device_us'].get(cand))} | {cell(r['device_us'].get('xla'))} | "
+            f"{cell(r.get('kernel_us', {}).get(cand))} | {cell(r['device_us'].get(cand))} | {cell(r['device_us'].get('xla'))} | "
             f"{r['us'][cand]:.2f} | {r['us']['xla']:.2f} | {kc[0]} ({kc[1]}); {kx[0]} ({kx[1]}) "
             f"| {r['compile_s'][cand]:.1f}; {r['compile_s']['xla']:.1f} | {r['status']} |")
     notes = {r.get("device_note") for _, r in done if r.get("device_note")}
     lines += ["", "Device trace: " + "; ".join(sorted(notes))] if notes else []
-    return lines
+    return lines + events_lines(
+        done, lambda row: f"{row['L']}, {row['E']}, {row['S']}, {row['k']}, {row['eviction']}")

@@ -14,7 +14,8 @@ from jax import lax
 
 import pallas_cache as pc
 
-from .common import cell, cost_scan, full_state, log, ops_per_call, profiled_compile_s
+from .common import (cell, cost_scan, events_lines, full_state, log, ops_per_call,
+                     profiled_compile_s)
 
 NAME = "sweep"
 GEOMETRIES = ((48, 64, 512, 8), (64, 512, 16384, 8))  # (L, E, S, k)
@@ -178,26 +179,32 @@ def markdown(args, done) -> list[str]:
              f"(checked on every timed call's plan), a `lax.scan` of {args.calls} calls per "
              f"dispatch, {args.replays} dispatches per trial, median of {args.repeats} trials. "
              "*device us*: the sum of the GPU events of one profiled dispatch minus the "
-             "trivial-body scan's, per call. Upstream: flashlib `lru_ensure`, one Triton "
+             "trivial-body scan's, per call; *kernel us*: the mean of the Pallas kernel's own "
+             "GPU events (the copies and fusions around it not counted), beside upstream's "
+             "figure. Upstream: flashlib `lru_ensure`, one Triton "
              f"program, H100, CUDA graph ({UPSTREAM_NO_MISS_US} us with no miss; base + slope * "
              "m); target: the candidate's device us at or below it, one Pallas call per call.",
-             "", f"| L, E, S, k | m | upstream us | {cand} device us | xla device us | "
+             "", f"| L, E, S, k | m | upstream us | {cand} kernel us | {cand} device us | "
+             f"xla device us | "
              f"{cand} wall us | xla wall us | kernels/iter ({cand}; xla) | lowered ops/call "
              f"({cand}; xla) | off-m calls | target | status |",
-             "|---|---:|---:|---:|---:|---:|---:|---|---|---:|---|---|"]
+             "|---|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---|---|"]
     for row, r in done:
         geo = f"{row['L']}, {row['E']}, {row['S']}, {row['k']}"
         up = upstream_us(row["S"], row["m"])
         if "us" not in r:
-            lines.append(f"| {geo} | {row['m']} | {cell(up)} | | | | | | | | | {r['status']} |")
+            lines.append(f"| {geo} | {row['m']} | {cell(up)} | | | | | | | | | | "
+                         f"{r['status']} |")
             continue
         kc, kx = r["kernels"][cand], r["kernels"]["xla"]
         lines.append(
-            f"| {geo} | {row['m']} | {cell(up)} | {cell(r['device_us'].get(cand))} | "
+            f"| {geo} | {row['m']} | {cell(up)} | {cell(r.get('kernel_us', {}).get(cand))} | "
+            f"{cell(r['device_us'].get(cand))} | "
             f"{cell(r['device_us'].get('xla'))} | {r['us'][cand]:.2f} | {r['us']['xla']:.2f} | "
             f"{kc[0]} ({kc[1]}); {kx[0]} ({kx[1]}) | {_ops(r['ops'][cand])}; "
             f"{_ops(r['ops']['xla'])} | {sum(r['off_m'].values())} of "
             f"{2 * r['calls']} | {_verdict(row, r, cand)} | {r['status']} |")
     notes = {r.get("device_note") for _, r in done if r.get("device_note")}
     lines += ["", "Device trace: " + "; ".join(sorted(notes))] if notes else []
-    return lines
+    return lines + events_lines(
+        done, lambda row: f"{row['L']}, {row['E']}, {row['S']}, {row['k']}, m={row['m']}")

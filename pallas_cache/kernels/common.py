@@ -18,7 +18,8 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_cache.validate import INT32_MAX, INT32_MIN  # noqa: F401  (re-exported to the kernels)
 
 __all__ = ["INT32_MAX", "INT32_MIN", "after", "any_true", "check_block", "compiler_params",
-           "default_block", "lane", "lex_max", "lex_min", "next_pow2", "scatter", "stamp_block"]
+           "default_block", "flat_at", "flat_index", "lane", "lex_max", "lex_min", "next_pow2",
+           "scatter", "stamp_block"]
 
 
 # Widest block a kernel reduces at once (elements). 4096 x i32 spread over 8 warps is 16
@@ -99,6 +100,24 @@ def lex_min(key, index, live):
 
 
 def scatter(ref, index, value, mask):
-    """A masked vector store at ``index``; masked lanes point past the ref (the interpreter's
-    scatter drops them, where a duplicate in-range index could rewrite a stored entry)."""
-    plgpu.store(ref.at[jnp.where(mask, index, ref.shape[0])], value, mask=mask)
+    """A masked vector store at ``index`` (one index per dimension of ``ref`` as a tuple, or one
+    for a 1-D ref); masked lanes point past the ref's first dimension (the interpreter's scatter
+    drops them, where a duplicate in-range index could rewrite a stored entry)."""
+    first, *rest = index if isinstance(index, tuple) else (index,)
+    plgpu.store(ref.at[(jnp.where(mask, first, ref.shape[0]), *rest)], value, mask=mask)
+
+
+def flat_index(ref, index) -> tuple:
+    """The index of ``ref`` at the row-major positions ``index`` (one vector; a 2-D ref's
+    ``[rows, cols]`` read as ``rows * cols`` entries), one vector per dimension (the refs keep
+    their leaves' shapes: docs/design.md, "The kernel's operands"). Positions past the end fall
+    past the last row."""
+    if len(ref.shape) == 1:
+        return (index,)
+    cols = ref.shape[1]
+    return lax.div(index, cols), lax.rem(index, cols)
+
+
+def flat_at(ref, index):
+    """``ref.at`` the row-major positions ``index`` (:func:`flat_index`)."""
+    return ref.at[flat_index(ref, index)]

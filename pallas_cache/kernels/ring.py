@@ -7,7 +7,8 @@ scratch buffer, then per slot the occupant's predicted next use, protection and 
 
 The arithmetic is the XLA step's (:mod:`~pallas_cache.evictions.ring` and the evictions that
 read it), integer for integer; only the layout differs: a
-vector per ring position or per mask word, gathers from the flat refs for the rest.
+vector per ring position or per mask word, gathers from the refs (each of its leaf's own
+shape) for the rest.
 """
 
 from __future__ import annotations
@@ -29,16 +30,16 @@ __all__ = ["RingCall", "RingPrediction", "RingRefs", "bitmask", "observe", "per_
 
 
 class RingRefs(NamedTuple):
-    """The ring's leaves as the kernel's 1-D refs (``W`` = history, ``w = ceil(E / 32)``), each
-    an input aliased to the output of the same name."""
+    """The ring's leaves as the kernel's refs, each of the leaf's own shape (``W`` = history,
+    ``w = ceil(E / 32)``), each an input aliased to the output of the same name."""
 
-    masks: Any  # u32[W * L * w]: TokenRingState.masks, flat
+    masks: Any  # u32[W, L, w]: TokenRingState.masks
     sim: Any  # i32[W]
     match: Any  # i32[W]
-    head: Any  # i32[1]
-    count: Any  # i32[1]
-    last_layer: Any  # i32[1]
-    counts: tuple  # (i32[L * E],) when the ring keeps its counts; () otherwise
+    head: Any  # i32[]
+    count: Any  # i32[]
+    last_layer: Any  # i32[]
+    counts: tuple  # (i32[L, E],) when the ring keeps its counts; () otherwise
 
 
 class RingCall(NamedTuple):
@@ -58,6 +59,7 @@ class RingPrediction(NamedTuple):
     layer: Any  # i32[]: the call's layer (clamped)
     call: RingCall
     planes: Any  # u32[P * w']: the first-use counters, plane b at [b * w', (b + 1) * w')
+    #              (w' = next_pow2(L * w), entry m * w + t: layer m's mask word t)
     refs: RingRefs  # the ring as this call left it (the outputs)
 
 
@@ -78,19 +80,17 @@ def supports(ring: TokenRingState) -> bool:
 
 
 def refs_of(ring: TokenRingState) -> RingRefs:
-    flat = lambda x: jnp.reshape(x, (-1,))  # noqa: E731
-    return RingRefs(masks=flat(ring.masks), sim=ring.sim, match=ring.match, head=flat(ring.head),
-                    count=flat(ring.count), last_layer=flat(ring.last_layer),
-                    counts=() if ring.counts is None else (flat(ring.counts),))
+    """The ring's leaves as they are (no reshape: see kernels/step.py's ``StateRefs``)."""
+    return RingRefs(masks=ring.masks, sim=ring.sim, match=ring.match, head=ring.head,
+                    count=ring.count, last_layer=ring.last_layer,
+                    counts=() if ring.counts is None else (ring.counts,))
 
 
 def ring_from(ring: TokenRingState, out: RingRefs) -> TokenRingState:
-    """``ring`` with the kernel's outputs, back in their shapes."""
+    """``ring`` with the kernel's outputs."""
     return TokenRingState(
-        masks=out.masks.reshape(ring.masks.shape), sim=out.sim, match=out.match,
-        head=out.head.reshape(()), count=out.count.reshape(()),
-        last_layer=out.last_layer.reshape(()),
-        counts=out.counts[0].reshape(ring.counts.shape) if out.counts else None)
+        masks=out.masks, sim=out.sim, match=out.match, head=out.head, count=out.count,
+        last_layer=out.last_layer, counts=out.counts[0] if out.counts else None)
 
 
 def _num_neighbours(history: int) -> int:
@@ -143,13 +143,12 @@ def observe(ring: RingRefs, out: RingRefs, *, layer, layer_c, routed, bits, e_id
     the changed row."""
     L, E = num_layers, num_experts
     history = ring.sim.shape[0]
-    words = ring.masks.shape[0] // (history * L)
-    row_words = L * words
+    words = ring.masks.shape[2]
     w_pad = common.next_pow2(history)
 
-    start = accepted & (layer <= ring.last_layer[0])
-    head = jnp.where(start, (ring.head[0] + 1) % history, ring.head[0])
-    count = jnp.where(start, jnp.minimum(ring.count[0] + 1, history), ring.count[0])
+    start = accepted & (layer <= ring.last_layer[...])
+    head = jnp.where(start, (ring.head[...] + 1) % history, ring.head[...])
+    count = jnp.where(start, jnp.minimum(ring.count[...] + 1, history), ring.count[...])
 
     # Per ring position j: at a token start sim_j takes the previous token's match_{j-1} (0 if
     # j-1 left the ring) and match restarts; then both add this layer's overlap with the call.
@@ -165,8 +164,7 @@ def observe(ring: RingRefs, out: RingRefs, *, layer, layer_c, routed, bits, e_id
     past = accepted & in_ring & (age >= 1) & (age <= count - 1)
     common_bits = jnp.zeros((w_pad,), jnp.int32)
     for t in range(words):
-        word = plgpu.load(ring.masks.at[at * row_words + layer_c * words + t], mask=past,
-                          other=0)
+        word = plgpu.load(ring.masks.at[at, layer_c, t], mask=past, other=0)
         common_bits = common_bits + _popcount(word & bits[t])
     sim = sim + 2 * common_bits
     match = match + common_bits
@@ -182,14 +180,13 @@ def observe(ring: RingRefs, out: RingRefs, *, layer, layer_c, routed, bits, e_id
     m = lax.iota(jnp.int32, l_pad)
     written = (m < L) & accepted & (start | (m == layer_c))
     for t in range(words):
-        common.scatter(out.masks, head * row_words + m * words + t,
+        common.scatter(out.masks, (head, m, t),
                        jnp.where(m == layer_c, bits[t], jnp.uint32(0)), written)
     if ring.counts:
         row, row_counts, e_ok = lfu_row
         common.scatter(out.counts[0], row, row_counts, e_ok & accepted)
     for ref, value in ((out.head, head), (out.count, count), (out.last_layer, layer)):
-        plgpu.store(ref.at[pl.ds(0, 1)], jnp.full((1,), value, jnp.int32),
-                    mask=jnp.full((1,), accepted))
+        plgpu.store(ref, value, mask=accepted)
     return RingCall(head=head, count=count, sim=sim, age=age)
 
 
@@ -199,15 +196,13 @@ def _lfu_counts(ring: RingRefs, out: RingRefs, *, head, start, layer_c, routed, 
     the other layers' entries written in place, the call's layer's row returned as
     ``(row, counts, e_ok)`` for ``observe`` to write after the barrier."""
     L, E = num_layers, num_experts
-    row_words = L * words
     # F follows the ring's one changed row R[T, ·] (the new head's): at a token start the
     # oldest token leaves (every layer's old bits subtracted), and the layer's word becomes
     # the call's bitmask.
     counts, counts_out = ring.counts[0], out.counts[0]
     e_ok = e_idx < E
-    row = layer_c * E + e_idx
-    old = plgpu.load(ring.masks.at[head * row_words + layer_c * words + e_idx // 32],
-                     mask=e_ok, other=0)
+    row = (layer_c, e_idx)
+    old = plgpu.load(ring.masks.at[head, layer_c, e_idx // 32], mask=e_ok, other=0)
     row_counts = (plgpu.load(counts.at[row], mask=e_ok, other=0)
                   + routed.astype(jnp.int32) - _bit(old, e_idx % 32))
     width = min(common.next_pow2(L * E), common.MAX_BLOCK)
@@ -216,10 +211,11 @@ def _lfu_counts(ring: RingRefs, out: RingRefs, *, head, start, layer_c, routed, 
         index = pl.multiple_of(b * width, width) + lax.iota(jnp.int32, width)
         m, e = index // E, index % E
         ok = (index < L * E) & (m != layer_c)
-        word = plgpu.load(ring.masks.at[head * row_words + m * words + e // 32], mask=ok,
-                          other=0)
-        value = plgpu.load(counts.at[index], mask=ok, other=0) - _bit(word, e % 32)
-        plgpu.store(counts_out.at[index], value, mask=ok)
+        word = plgpu.load(ring.masks.at[head, m, e // 32], mask=ok, other=0)
+        # counts by the flat position (row and column: a division, as flat_index forms it)
+        value = (plgpu.load(common.flat_at(counts, index), mask=ok, other=0)
+                 - _bit(word, e % 32))
+        plgpu.store(common.flat_at(counts_out, index), value, mask=ok)
         return carry
 
     # Each lane writes only the entry it read (the layer's own row is stored after the
@@ -238,8 +234,8 @@ def predict(call: RingCall, out: RingRefs, planes_ref, *, layer_c, size, searchi
     as :func:`observe` left it; does nothing unless ``searching``."""
     L = num_layers
     history = out.sim.shape[0]
-    row_words = out.masks.shape[0] // history
-    words = row_words // L
+    words = out.masks.shape[2]
+    row_words = L * words
     w_pad = call.sim.shape[0]
     num = _num_neighbours(history)
 
@@ -332,9 +328,10 @@ def _first_uses(masks, head, ages, horizon, *, layer_c, history: int, words: int
     each adding their prefixes through one carry-save adder; the ``H - R`` rounds that would
     add the same prefixes again are one multiply-add. A round's ring rows were loaded in the
     round before, so no round waits on a load it issued."""
-    row_words = masks.shape[0] // history
+    row_words = masks.shape[1] * words
     i = lax.iota(jnp.int32, width)
     i_ok = i < row_words
+    at_word = (i, 0) if words == 1 else (lax.div(i, words), lax.rem(i, words))
     shifted = (i // words) <= layer_c  # layer m was already called in this token
     zero = jnp.zeros((width,), jnp.uint32)
     rounds = [jnp.where(a >= 0, jnp.minimum(horizon, a), jnp.int32(0)) for a in ages]
@@ -344,7 +341,7 @@ def _first_uses(masks, head, ages, horizon, *, layer_c, history: int, words: int
 
     def row(age, ok):
         """The ring row of the token of age ``age`` (0: the current token)."""
-        return plgpu.load(masks.at[((head - age + history) % history) * row_words + i],
+        return plgpu.load(masks.at[(head - age + history) % history, at_word[0], at_word[1]],
                           mask=i_ok & ok, other=0)
 
     def first_uses(k, carry):
@@ -382,9 +379,8 @@ def per_slot(pred: RingPrediction | None, occupant, valid, names: tuple[PerCall,
         return None
     L, E = num_layers, num_experts
     history = pred.refs.sim.shape[0]
-    row_words = pred.refs.masks.shape[0] // history
-    words = row_words // L
-    width = common.next_pow2(row_words)
+    words = pred.refs.masks.shape[2]
+    width = common.next_pow2(L * words)
     occ = jnp.maximum(occupant, 0)
     m, e = occ // E, occ % E
     word_at = m * words + e // 32
@@ -401,9 +397,9 @@ def per_slot(pred: RingPrediction | None, occupant, valid, names: tuple[PerCall,
         # this one, the previous token's after it.
         mine = m <= pred.layer
         position = jnp.where(mine, pred.call.head, (pred.call.head - 1 + history) % history)
-        word = plgpu.load(pred.refs.masks.at[position * row_words + word_at],
+        word = plgpu.load(pred.refs.masks.at[position, m, e // 32],
                           mask=valid & (mine | (pred.call.count >= 2)), other=0)
         prot = _bit(word, e % 32)
     if PerCall.FREQ in names:
-        freq = plgpu.load(pred.refs.counts[0].at[occ], mask=valid, other=0)
+        freq = plgpu.load(pred.refs.counts[0].at[m, e], mask=valid, other=0)
     return PerCallInputs(num_layers=L, next_use=next_use, prot=prot, freq=freq)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -38,16 +39,16 @@ class CallRefs(NamedTuple):
 
 
 class StateRefs(NamedTuple):
-    """The state parts the kernel rewrites in place, each leaf flattened to a 1-D ref: an input
-    each, aliased to the output of the same path. A field added to one of these parts of
-    ``CacheState`` is a ref here with no list to edit (read, aliased and written back with no
-    index to shift)."""
+    """The state parts the kernel rewrites in place, each leaf a ref of the leaf's own shape
+    (docs/design.md, "The kernel's operands"): an input each, aliased to the output of the same
+    path. A field added to one of these parts of ``CacheState`` is a ref here with no list to
+    edit (read, aliased and written back with no index to shift)."""
 
-    residency: Any  # Residency: slot_for_id i32[L * E], id_of_slot i32[C], usage i32[C]
-    clock: Any  # Clock: step i32[1]
-    routing: Any  # Routing: recency i32[L * E], freq i32[L * E]
-    stats: Any  # i32[L * 4]
-    tables: tuple  # the eviction's [L * E] tables (KernelRanking.tables), flat
+    residency: Any  # Residency: slot_for_id i32[L, E], id_of_slot i32[C], usage i32[C]
+    clock: Any  # Clock: step i32[]
+    routing: Any  # Routing: recency i32[L, E], freq i32[L, E]
+    stats: Any  # i32[L, 4]
+    tables: tuple  # the eviction's [L, E] tables (KernelRanking.tables)
     ring: tuple  # (RingRefs,) for an eviction with per-call inputs (its token ring), else ()
 
 
@@ -65,29 +66,23 @@ class PlanRefs(NamedTuple):
 
 
 def _state_refs(state, ranking) -> StateRefs:
-    """The state's in-place leaves, flattened to the kernel's 1-D refs."""
-    flat = lambda x: jnp.reshape(x, (-1,))  # noqa: E731
+    """The state's in-place leaves, as they are (no reshape: an aliased operand of another shape
+    than its loop-carried buffer is a copy in and a copy out per call)."""
     return StateRefs(
-        residency=jax.tree.map(flat, state.residency), clock=jax.tree.map(flat, state.clock),
-        routing=jax.tree.map(flat, state.routing), stats=flat(state.stats),
-        tables=tuple(flat(t) for t in ranking.tables(state.eviction_state)),
+        residency=state.residency, clock=state.clock, routing=state.routing, stats=state.stats,
+        tables=tuple(ranking.tables(state.eviction_state)),
         ring=(token_ring.refs_of(state.eviction_state),) if ranking.per_call else ())
 
 
 def _with_state(state, ranking, out: StateRefs):
-    """``state`` with the kernel's in-place leaves ``out``, back in their shapes."""
-    L, E = state.num_layers, state.num_experts
+    """``state`` with the kernel's in-place leaves ``out``."""
     eviction_state = state.eviction_state
     if out.tables:
-        eviction_state = ranking.from_tables(tuple(x.reshape(L, E) for x in out.tables))
+        eviction_state = ranking.from_tables(tuple(out.tables))
     if out.ring:
         eviction_state = token_ring.ring_from(eviction_state, out.ring[0])
-    shaped = lambda new, old: new.reshape(old.shape)  # noqa: E731
-    return state.replace(
-        residency=jax.tree.map(shaped, out.residency, state.residency),
-        clock=jax.tree.map(shaped, out.clock, state.clock),
-        routing=jax.tree.map(shaped, out.routing, state.routing),
-        stats=out.stats.reshape(state.stats.shape), eviction_state=eviction_state)
+    return state.replace(residency=out.residency, clock=out.clock, routing=out.routing,
+                         stats=out.stats, eviction_state=eviction_state)
 
 
 def supports(state, rules, num_routes: int) -> bool:
@@ -195,18 +190,19 @@ def step_kernel(
     sz = _Sizes(L, E, K, C, num_out, e_width, o_width, k_width)
     barrier = functools.partial(_barrier, interpret)
     # The scalars first: every one of them is read in the first wave of loads.
-    layer, step0, limit = call.layer[0], state.clock.step[0], call.size[0]
+    layer, step0, limit = call.layer[0], state.clock.step[...], call.size[0]
     fraction16, cap = call.fraction16[0], call.cap[0]
     e_idx = lax.iota(jnp.int32, e_width)
     e_ok = e_idx < E
 
     layer_c = jnp.minimum(jnp.maximum(layer, 0), L - 1)
     base = layer_c * E
-    lanes = _route_lanes(call.routes, state.residency.slot_for_id, base, sz) if K <= _RANK_ROUTES else None
+    lanes = (_route_lanes(call.routes, state.residency.slot_for_id, layer_c, sz)
+             if K <= _RANK_ROUTES else None)
     observed, bad = _observe_routes(call.routes, e_idx, sz, lanes)
     error, accepted = _validate(layer, bad, L)
-    row = base + e_idx
-    stats_idx = layer_c * 4 + lax.iota(jnp.int32, 4)
+    row = (layer_c, e_idx)  # the layer's row of an [L, E] ref
+    stats_idx = (layer_c, lax.iota(jnp.int32, 4))
     step = _rebase_if_due(call, state, state_out, step0, accepted, block=block,
                           stamp_block=stamp_block)
     barrier()  # the rebase's usage / recency stores before the reads of them by other threads
@@ -216,7 +212,8 @@ def step_kernel(
     _refresh_hits(state_out, hits, step, accepted)
     barrier()  # the hit refresh (and the ring) before the scan's loads by other threads
     o_idx = lax.iota(jnp.int32, o_width)
-    experts, recs = _fetch_order(lanes, state_out.routing.recency, base, hits.miss, hits.num_missing,
+    experts, recs = _fetch_order(lanes, state_out.routing.recency, layer_c, hits.miss,
+                                 hits.num_missing,
                                  o_idx, num_experts=E, by_recency=by_recency,
                                  with_recs=promote_one or reuse)
     need = _victims_needed(num_fetch, hits.num_missing, accepted, promote_one=promote_one,
@@ -232,9 +229,11 @@ def step_kernel(
     num_fetch = _admit(fraction16, experts, recs, victims, vusage, occupants, num_fetch,
                        promote_one=promote_one, reuse=reuse, num_out=num_out)
     installed = _install(victims, experts, occupants, num_fetch, o_idx, accepted, num_out)
-    _route_slots(call, state, plan, lanes, installed, base=base, accepted=accepted, sz=sz)
+    _route_slots(call, state, plan, lanes, installed, layer_c=layer_c, accepted=accepted,
+                 sz=sz)
     barrier()  # every read of id_of_slot / slot_for_id / the rows (victims, plan) before the writes
-    _write_state(state_out, rows, hits, installed, step=step, base=base, row=row,
+    _write_state(state_out, rows, hits, installed, step=step, base=base, layer_c=layer_c,
+                 row=row,
                  e_ok=e_ok, stats_idx=stats_idx, accepted=accepted,
                  observe_on=accepted & collect,
                  hybrid=hybrid, ranking=ranking, sz=sz)
@@ -260,15 +259,15 @@ def _two_sums(a, b):
     return packed & 0xFFFF, packed >> 16
 
 
-def _route_lanes(routes_ref, sfi_ref, base, sz: _Sizes) -> _Lanes:
+def _route_lanes(routes_ref, sfi_ref, layer_c, sz: _Sizes) -> _Lanes:
     """Phase observe routes, up to ``_RANK_ROUTES`` routes: :class:`_Lanes`, the routes and
-    each one's pre-call slot (the layer's ``base`` clamped: a refused call reads in range)."""
+    each one's pre-call slot (the layer ``layer_c`` clamped: a refused call reads in range)."""
     width = common.next_pow2(sz.K)
     index = lax.iota(jnp.int32, width)
     lane = index < sz.K
     r = plgpu.load(routes_ref.at[index], mask=lane, other=-1)
     valid = lane & (r >= 0) & (r < sz.E)
-    slots = plgpu.load(sfi_ref.at[base + jnp.clip(r, 0, sz.E - 1)], mask=valid, other=-1)
+    slots = plgpu.load(sfi_ref.at[layer_c, jnp.clip(r, 0, sz.E - 1)], mask=valid, other=-1)
     if sz.K <= _SCALAR_ROUTES:
         repeat = jnp.zeros((width,), jnp.bool_)
         for i in range(sz.K - 1):
@@ -402,8 +401,8 @@ def _rank_victims(call, state, state_out, scratch, hits: _Hits, need, o_idx, *, 
         if not keyed:
             return ranking.key((), None, u, None, None), jnp.where(ok, index, INT32_MAX)
         (occupant,) = occupant
-        at = jnp.maximum(occupant, 0)
-        tables = tuple(plgpu.load(ref.at[at], mask=valid, other=_zero(ref))
+        at = jnp.maximum(occupant, 0)  # a global id: layer * E + expert
+        tables = tuple(plgpu.load(common.flat_at(ref, at), mask=valid, other=_zero(ref))
                        for ref in state.tables)
         own = (occupant >= base) & (occupant < base + E)
         computed = token_ring.per_slot(prediction, occupant, valid, ranking.per_call,
@@ -453,7 +452,7 @@ def _install(victims, experts, occupants, num_fetch, o_idx, accepted, num_out: i
     return installs, victims, experts, occupants, jnp.where(accepted, num_fetch, 0)
 
 
-def _route_slots(call, state, plan, lanes: _Lanes | None, installed, *, base, accepted,
+def _route_slots(call, state, plan, lanes: _Lanes | None, installed, *, layer_c, accepted,
                  sz: _Sizes):
     """Phase route slots: each route's slot, from the pre-call map and this call's installs,
     written to the plan (``slots``, ``cpu``): over the route lanes, their pre-call slots with
@@ -473,8 +472,8 @@ def _route_slots(call, state, plan, lanes: _Lanes | None, installed, *, base, ac
     def plan_chunk(c, _):
         r, index, lane = _route_chunk(call.routes, c, sz.k_width)
         is_route = lane & (r >= 0) & (r < E) & accepted
-        old = plgpu.load(state.residency.slot_for_id.at[base + jnp.clip(r, 0, E - 1)], mask=is_route,
-                         other=-1)
+        old = plgpu.load(state.residency.slot_for_id.at[layer_c, jnp.clip(r, 0, E - 1)],
+                         mask=is_route, other=-1)
         match = (r[:, None] == experts[None, :]) & installs[None, :]
         new = jnp.max(jnp.where(match, victims[None, :], -1), axis=1)
         slot = jnp.where(is_route, jnp.where(jnp.max(match.astype(jnp.int32), axis=1) > 0,
@@ -517,7 +516,7 @@ def _count(state, stats_idx, row, e_ok, observed, ranking):
             routed)
 
 
-def _write_state(state_out, rows, hits: _Hits, installed, *, step, base, row, e_ok,
+def _write_state(state_out, rows, hits: _Hits, installed, *, step, base, layer_c, row, e_ok,
                  stats_idx, accepted, observe_on, hybrid: bool, ranking, sz: _Sizes):
     """Write state: only the touched entries, only when accepted: the installs, the hybrid
     recency stamps, the counters, the histogram, the eviction's tables, the clock."""
@@ -525,9 +524,10 @@ def _write_state(state_out, rows, hits: _Hits, installed, *, step, base, row, e_
     stats_row, hist_row, table_rows, routed = rows
     common.scatter(state_out.residency.usage, victims, jnp.full((sz.o_width,), step), installs)
     common.scatter(state_out.residency.id_of_slot, victims, base + experts, installs)
-    common.scatter(state_out.residency.slot_for_id, occupants, jnp.full((sz.o_width,), -1, jnp.int32),
-                   installs & (occupants >= 0))
-    common.scatter(state_out.residency.slot_for_id, base + experts, victims, installs)
+    sfi = state_out.residency.slot_for_id
+    common.scatter(sfi, common.flat_index(sfi, occupants),
+                   jnp.full((sz.o_width,), -1, jnp.int32), installs & (occupants >= 0))
+    common.scatter(sfi, (layer_c, experts), victims, installs)
     if hybrid:
         plgpu.store(state_out.routing.recency.at[row], jnp.full((sz.e_width,), step),
                     mask=routed & accepted)
@@ -539,7 +539,7 @@ def _write_state(state_out, rows, hits: _Hits, installed, *, step, base, row, e_
     plgpu.store(state_out.routing.freq.at[row], hist_row, mask=routed & observe_on)
     for out_ref, value in zip(state_out.tables, table_rows):
         plgpu.store(out_ref.at[row], value, mask=e_ok & accepted)
-    _store_scalar(state_out.clock.step, step, accepted)
+    plgpu.store(state_out.clock.step, step, mask=accepted)
 
 
 def _write_plan(plan, hits: _Hits, installed, o_idx, error, accepted, num_out: int):
@@ -556,7 +556,7 @@ def _write_plan(plan, hits: _Hits, installed, o_idx, error, accepted, num_out: i
 
 
 
-def _fetch_order(lanes: _Lanes | None, rec_ref, base, miss, num_missing, o_idx, *,
+def _fetch_order(lanes: _Lanes | None, rec_ref, layer_c, miss, num_missing, o_idx, *,
                  num_experts, by_recency, with_recs):
     """The misses in fetch order, ``(experts, recs)`` [o_width], -1 padded: RECENCY ascends by
     ``~recency`` (the most recently routed first), ties to the lower id; LOWEST_ID by id.
@@ -568,10 +568,10 @@ def _fetch_order(lanes: _Lanes | None, rec_ref, base, miss, num_missing, o_idx, 
     layer's ``E`` experts (``miss``)."""
     if lanes is not None:
         ids, live0 = lanes.r, lanes.valid & (lanes.slots < 0)
-        at = base + jnp.clip(ids, 0, num_experts - 1)
+        at = (layer_c, jnp.clip(ids, 0, num_experts - 1))
     else:
         ids, live0 = lax.iota(jnp.int32, miss.shape[0]), miss
-        at = base + ids
+        at = (layer_c, ids)
     order_key = (~plgpu.load(rec_ref.at[at], mask=live0, other=-1) if by_recency
                  else jnp.zeros(ids.shape, jnp.int32))
 
@@ -724,19 +724,20 @@ def _rebase(usage_ref, rec_ref, usage_out, rec_out, step0, *, block, stamp_block
         m, r, _, rank_step = carry
 
         def scan(src, dst, low, width):
+            size = math.prod(src.shape)
             def body(b, best):
                 start = pl.multiple_of(b * width, width)
-                index = start + lax.iota(jnp.int32, width)
-                valid = index < src.shape[0]
-                v = plgpu.load(src.at[index], mask=valid, other=low - 1)
+                index = start + lax.iota(jnp.int32, width)  # row-major over [L, E] stamps
+                valid = index < size
+                v = plgpu.load(common.flat_at(src, index), mask=valid, other=low - 1)
                 live = valid & (v >= low)
-                plgpu.store(dst.at[index], jnp.full((width,), r),
+                plgpu.store(common.flat_at(dst, index), jnp.full((width,), r),
                             mask=live & (v == m) & (r >= 1))
                 above = live & (v > m)
                 return (jnp.minimum(best[0], jnp.min(jnp.where(above, v, INT32_MAX))),
                         best[1] | common.any_true(above))
 
-            return lax.fori_loop(0, -(-src.shape[0] // width), body,
+            return lax.fori_loop(0, -(-size // width), body,
                                  (jnp.int32(INT32_MAX), jnp.bool_(False)))
 
         nxt, found = jnp.where(step0 > m, step0, INT32_MAX), step0 > m

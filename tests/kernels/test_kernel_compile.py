@@ -25,9 +25,13 @@ CASES = [(geometry, eviction, variant) for geometry in kernel_compile.TEST_GEOME
          for eviction in kernel_compile.EVICTIONS
          for variant in kernel_compile.variants(eviction, ci=not ALL_VARIANTS)]
 # Known spills, each a strict xfail: (geometry, eviction, variant) -> the reason; the case fails
-# the run once it stops spilling (drop it here). None left (benchmarks/RESULTS.md, "Spills of the
-# combined kernel").
-KNOWN_SPILLS: dict[tuple, str] = {}
+# the run once it stops spilling (drop it here) (benchmarks/RESULTS.md, "Spills of the combined
+# kernel" and "The kernel's operands").
+KNOWN_SPILLS: dict[tuple, str] = {
+    ((64, 512, 16384, 8), "route_knn", "ensure_hybrid/recency/promote_one"):
+        "16 B stored / 8 B loaded at 128 registers since the state leaves keep their shapes "
+        "(issue #60; was 146 registers, no spill): owed",
+}
 
 
 def _case(geometry, eviction, variant):

@@ -84,7 +84,7 @@ def test_a_bad_argument_is_one_line_and_exit_2(gpu_check, capsys, argv):
 def test_device_time_sums_the_gpu_stream_lines_one_cluster_per_dispatch(gpu_check):
     """FAILS if the host's events, or the derived module/op lines that repeat the kernels, are
     counted, or two dispatches run apart are summed as one."""
-    from gpu_phases.common import cluster_sums, gpu_events
+    from gpu_phases.common import cluster_sums, clusters, events_by_name, gpu_events, kernel_mean_us
 
     def meta(pid, tid, what, name):
         return {"ph": "M", "pid": pid, "tid": tid, "name": what, "args": {"name": name}}
@@ -96,13 +96,18 @@ def test_device_time_sums_the_gpu_stream_lines_one_cluster_per_dispatch(gpu_chec
     x = [(2, 7, 1000.0, 5.0), (2, 7, 1010.0, 3.0), (2, 9, 1000.0, 13.0),  # dispatch 1
          (2, 7, 60000.0, 4.0), (2, 9, 60000.0, 4.0),                      # dispatch 2
          (1, 3, 1000.0, 900.0)]                                           # the host
-    events += [{"ph": "X", "pid": p, "tid": t, "ts": ts, "dur": d, "name": "k"}
-               for p, t, ts, d in x]
+    names = ["pallas_cache_step", "copy_fusion", "k", "pallas_cache_step", "k", "k"]
+    events += [{"ph": "X", "pid": p, "tid": t, "ts": ts, "dur": d, "name": n}
+               for (p, t, ts, d), n in zip(x, names)]
     spans, lines = gpu_events(events)
     assert lines == ["Stream #7(Compute)"]
-    assert sorted(spans) == [(1000.0, 5.0), (1010.0, 3.0), (60000.0, 4.0)]
+    assert sorted(spans) == [(1000.0, 5.0, "pallas_cache_step"), (1010.0, 3.0, "copy_fusion"),
+                             (60000.0, 4.0, "pallas_cache_step")]
     assert cluster_sums(spans, 2) == [8.0, 4.0]
     assert cluster_sums(spans, 3) is None  # not split into the runs: no figure, not a wrong one
+    first = events_by_name(clusters(spans, 2)[0], iterations=1)
+    assert first == {"copy_fusion": (1.0, 3.0), "pallas_cache_step": (1.0, 5.0)}
+    assert kernel_mean_us(first) == 5.0  # the kernel alone, not the copy beside it
 
 
 def test_a_smoke_run_of_the_cost_phases_completes_and_matches(gpu_check, capsys):
@@ -127,7 +132,10 @@ def test_the_tables_print_a_gpu_runs_device_times_and_the_upstream_verdict(gpu_c
     cost = {"status": "match", "us": {"pallas": 9.5, "xla": 40.25},
             "device_us": {"pallas": 2.0, "xla": 30.0}, "kernels": {"pallas": (3, 1),
                                                                    "xla": (60, 0)},
-            "compile_s": {"pallas": 1.0, "xla": 2.0}, "device_note": "lines Stream #7"}
+            "compile_s": {"pallas": 1.0, "xla": 2.0}, "device_note": "lines Stream #7",
+            "kernel_us": {"pallas": 1.25, "xla": None},
+            "events": {"pallas": {"copy_fusion": (2.0, 0.5), "pallas_cache_step": (1.0, 1.25)},
+                       "xla": {"fusion": (60.0, 0.5)}, "floor": {"loop_add": (1.0, 0.25)}}}
     extra = {"sweep": {"off_m": {"xla": 0, "pallas": 0}, "calls": 2048,
                        "ops": {"xla": (0, 300), "pallas": (1, 2)}},
              "geometries": {"misses": 1.5}, "mesh": {"devices": 1, "one_device": "match"},
@@ -141,10 +149,18 @@ def test_the_tables_print_a_gpu_runs_device_times_and_the_upstream_verdict(gpu_c
         result = {**cost, **extra[name]} if name != "copy" else {"status": "match",
                                                                  **extra["copy"]}
         tables[name] = "\n".join(module.markdown(args, [(row, result)]))
-    # S=512, m=1: upstream 1.6 + 0.56 = 2.16 us; the kernel's 2.00 device us meets it
-    assert "| 48, 64, 512, 8 | 1 | 2.16 | 2.00 | 30.00 | 9.50 | 40.25 | 3 (1); 60 (0) | " \
+    # S=512, m=1: upstream 1.6 + 0.56 = 2.16 us; the kernel alone 1.25 us beside it; the
+    # candidate's 2.00 device us meets it
+    assert "| 48, 64, 512, 8 | 1 | 2.16 | 1.25 | 2.00 | 30.00 | 9.50 | 40.25 | 3 (1); 60 (0) | " \
            "2 + 1 Pallas; 300 | 0 of 4096 | met | match |" in tables["sweep"]
-    assert "| 32, 8, 64, 2 | lru | 1.50 | 2.00 | 30.00 | 9.50 | 40.25 |" in tables["geometries"]
+    assert "| 32, 8, 64, 2 | lru | 1.50 | 1.25 | 2.00 | 30.00 | 9.50 | 40.25 |" \
+        in tables["geometries"]
+    # every GPU event of an iteration by name, for the candidate, the XLA step and the floor
+    for name in ("sweep", "geometries"):
+        assert "pallas: `copy_fusion` x2 0.50 us; `pallas_cache_step` x1 1.25 us" \
+            in tables[name], tables[name]
+        assert "xla: `fusion` x60 0.50 us" in tables[name]
+        assert "floor: `loop_add` x1 0.25 us" in tables[name]
     assert "| expert-parallel | lru | 32, 8, 64, 2 | 1 | 2.00 | 30.00 |" in tables["mesh"]
     assert "| 4 | 1 | pinned_host | 20.00 | 25.00 | 1342.2 | match |" in tables["copy"]
 
@@ -180,13 +196,13 @@ def test_device_time_is_taken_on_copies_compiled_without_command_buffers(gpu_che
                 return real.as_text()
         return Program(), 0.0
 
-    def device_times(runs):
+    def device_profile(runs):
         phase[0] = "profiled"
         for run in runs:
             run()
-        return None, "stub"
+        return None, "stub", None
 
-    monkeypatch.setattr(common, "device_times", device_times)
+    monkeypatch.setattr(common, "device_profile", device_profile)
     row = common.cost_scan(ctx, "t", call, state, windows, programs=programs)
     assert row["status"] == "match"
     timed = [(name, options) for when, name, options in ran if when == "timed"]
