@@ -17,6 +17,33 @@ def _no_history(state):
     return None
 
 
+def no_bookkeeping(num_layers, num_experts, history):
+    """``EvictionPolicy.init`` of an eviction that keeps no bookkeeping."""
+    return None
+
+
+def no_tables(state):
+    """``KernelRanking.tables`` of an eviction whose kernel keeps no per-expert tables."""
+    return ()
+
+
+def from_no_tables(tables):
+    """``KernelRanking.from_tables`` of :func:`no_tables`."""
+    return None
+
+
+def no_rows(rows, routed):
+    """``KernelRanking.observe_row`` of :func:`no_tables`."""
+    return ()
+
+
+def _registered(name: str) -> "EvictionPolicy":
+    """The registered record named ``name`` (what a pickled registered record loads as)."""
+    from pallas_cache.evictions import Eviction  # the registry imports this module
+
+    return Eviction(name).policy
+
+
 class PerCall(enum.Enum):
     """A per-call input of the victim key that the fused kernel computes from the token ring
     (``KernelRanking.per_call``), not stored."""
@@ -106,3 +133,14 @@ class EvictionPolicy:
 
     def __repr__(self) -> str:
         return f"EvictionPolicy({self.name!r})"
+
+    def __reduce_ex__(self, protocol):
+        """A registered record pickles as its name and loads as the very record of the
+        registry (so a state's static ``eviction`` compares, hashes and jits as before); any
+        other record pickles field by field, as a dataclass does."""
+        from pallas_cache.evictions import Eviction
+
+        member = Eviction._missing_(self)
+        if member is not None:
+            return (_registered, (self.name,))
+        return super().__reduce_ex__(protocol)
