@@ -277,7 +277,7 @@ def _bookkeeping_type(record: EvictionPolicy) -> type:
 def _check_host_size(cache_size, E: int, C: int) -> None:
     """A usable size held on the host outside ``[E, C]`` raises ValueError (a device value is
     not read back: the ops' ``ERR_CACHE_SIZE`` refuses it)."""
-    if isinstance(cache_size, jax.Array) or isinstance(cache_size, jax.core.Tracer):
+    if isinstance(cache_size, jax.Array):  # a tracer is one too
         return
     sizes = np.asarray(cache_size)
     bad = (sizes < E) | (sizes > C)

@@ -37,11 +37,14 @@ def no_rows(rows, routed):
     return ()
 
 
-def _registered(name: str) -> "EvictionPolicy":
-    """The registered record named ``name`` (what a pickled registered record loads as)."""
-    from pallas_cache.evictions import Eviction  # the registry imports this module
+#: The registered records by name, filled by the registry (``pallas_cache.evictions``, which
+#: importing this module imports first): what a pickled registered record loads as.
+REGISTERED: dict[str, "EvictionPolicy"] = {}
 
-    return Eviction(name).policy
+
+def _registered(name: str) -> "EvictionPolicy":
+    """The registered record named ``name``."""
+    return REGISTERED[name]
 
 
 class PerCall(enum.Enum):
@@ -138,9 +141,6 @@ class EvictionPolicy:
         """A registered record pickles as its name and loads as the very record of the
         registry (so a state's static ``eviction`` compares, hashes and jits as before); any
         other record pickles field by field, as a dataclass does."""
-        from pallas_cache.evictions import Eviction
-
-        member = Eviction._missing_(self)
-        if member is not None:
+        if REGISTERED.get(self.name) is self:
             return (_registered, (self.name,))
         return super().__reduce_ex__(protocol)
