@@ -131,11 +131,13 @@ def _printable_streams() -> None:
 
 def _check_jax_platforms() -> None:
     """A ``JAX_PLATFORMS`` naming no platform this JAX can start: one line, before any work
-    (JAX's own report is a RuntimeError from the first computation, 70 lines deep)."""
+    (JAX's own report is a RuntimeError from the first computation, 70 lines deep). Unset, or
+    the CPU alone (always there), it is not checked: JAX is then imported with the work, not
+    before a refusal the parser or the request gives."""
     import os
 
     platforms = os.environ.get("JAX_PLATFORMS", "")
-    if not platforms.strip():
+    if {name.strip() for name in platforms.split(",")} <= {"", "cpu"}:
         return
     import jax
 
