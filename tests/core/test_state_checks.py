@@ -152,7 +152,10 @@ def test_a_host_usable_size_outside_e_and_capacity_is_refused(size):
 
 
 @pytest.mark.parametrize("size", [2, 9])
-@pytest.mark.parametrize("backend", ["xla", "interpret"])
+@pytest.mark.parametrize("backend", [
+    "xla", "interpret",
+    pytest.param("pallas", marks=pytest.mark.skipif(jax.default_backend() != "gpu",
+                                                    reason="the compiled kernel needs a GPU"))])
 def test_a_device_usable_size_outside_e_and_capacity_writes_nothing(size, backend):
     """FAILS if a device (or traced) ``settings.cache_size`` outside ``[E, C]`` lets a call
     through (error 0, four copies into slots -1, or a slot past the pool forgotten): ensure,
