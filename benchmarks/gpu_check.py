@@ -66,6 +66,7 @@ except Exception:  # e.g. a jax without the Pallas Triton backend the kernels im
     sys.exit(1)
 from gpu_phases.common import EVICTIONS, Context, log  # noqa: E402
 from results_file import write_section  # noqa: E402
+from script_args import out_error  # noqa: E402
 
 SKIPPED = "skipped (budget)"
 #: Seconds before the first row: imports, the device's start, the first trace.
@@ -90,9 +91,20 @@ def _phase_names(text: str) -> tuple[str, ...]:
 
 def _evictions(text: str) -> tuple[str, ...]:
     names = tuple(n.strip() for n in text.split(",") if n.strip())
-    if not names or set(names) - set(EVICTIONS):
-        raise argparse.ArgumentTypeError(f"{text!r}: give some of {', '.join(EVICTIONS)}")
+    if not names or set(names) - set(EVICTIONS) or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"{text!r}: give distinct names from "
+                                         f"{', '.join(EVICTIONS)}, comma separated")
     return names
+
+
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:  # the phases seed NumPy's generators with it plus offsets
+        raise argparse.ArgumentTypeError(f"{text!r} must be >= 0")
+    return value
 
 
 def _positive(kind):
@@ -134,7 +146,7 @@ def parse_args(argv=None):
                    help="dispatches per trial (default 5, smoke 2)")
     p.add_argument("--repeats", type=_positive(int), default=None,
                    help="trials, median taken (default 3, smoke 2)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=_seed, default=0)
     p.add_argument("--profile-graphs", action="store_true",
                    help="profile the programs as compiled by default, in CUDA graphs (XLA command "
                         "buffers); default: the profiled dispatches run copies compiled without "
@@ -144,6 +156,8 @@ def parse_args(argv=None):
     p.add_argument("--out", type=Path, default=None,
                    help="also write the report as the gpu_check section of this markdown file")
     args = p.parse_args(argv)
+    if out_error(args.out):  # before any work: a report that cannot be written wastes the run
+        p.error(out_error(args.out))
     smoke = args.smoke
     args.candidate = args.candidate or ("interpret" if smoke else "pallas")
     args.budget_seconds = args.budget_seconds or (float("inf") if smoke else 480.0)

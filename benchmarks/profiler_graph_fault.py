@@ -31,6 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from script_args import out_error, seconds_error  # this folder, first on sys.path as a script
+
 REPO = Path(__file__).resolve().parents[1]
 NO_GRAPH = {"xla_gpu_enable_command_buffer": ""}
 MODES = ("xla", "xla-traced", "xla-traced-nograph", "pallas", "pallas-traced-nograph")
@@ -155,8 +157,9 @@ def _seconds(text):
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be above 0")
+    why = seconds_error(text, value)
+    if why:
+        raise argparse.ArgumentTypeError(why)
     return value
 
 
@@ -168,6 +171,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=None, help="also write the table here")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if out_error(args.out):
+        p.error(out_error(args.out))
     if args.child:
         print(f"ok: {run_mode(args.child)}", flush=True)
         return 0

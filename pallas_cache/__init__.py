@@ -133,11 +133,12 @@ def __getattr__(name: str):  # PEP 562
     if name in __all__:
         _load()
         return globals()[name]
-    try:  # a submodule, imported on first use (the eager imports once bound them all)
-        return _importlib.import_module(f"{__name__}.{name}")
-    except ModuleNotFoundError as error:
-        if error.name != f"{__name__}.{name}":
-            raise
+    if name.isidentifier():  # a submodule, imported on first use (once bound eagerly)
+        try:
+            return _importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as error:
+            if error.name != f"{__name__}.{name}":
+                raise
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

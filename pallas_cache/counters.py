@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_cache import validate
-from pallas_cache.state import CacheState
+from pallas_cache.state import CacheState, check_state
 from pallas_cache.hints import IndexLike
 
 __all__ = ["checked_layer", "reset_routing", "reset_stats", "routing_histogram",
@@ -29,6 +29,7 @@ def reset_stats(state: CacheState) -> CacheState:
 
     Writes ``stats``, ``prefill.hit_rows`` and ``prefill.rows``.
     """
+    check_state(state)
     return state.replace(
         stats=jnp.zeros_like(state.stats),
         prefill=state.prefill.replace(hit_rows=jnp.zeros_like(state.prefill.hit_rows),
@@ -42,6 +43,7 @@ def set_collect_routing(state: CacheState, on: bool | jax.Array) -> CacheState:
 
     Writes ``settings.collect_routing``.
     """
+    check_state(state)
     if not isinstance(on, (bool, np.bool_)) and not (
         hasattr(on, "dtype") and np.shape(on) == () and jnp.issubdtype(on.dtype, jnp.bool_)
     ):
@@ -55,6 +57,7 @@ def routing_histogram(state: CacheState, layer: IndexLike) -> jax.Array:
 
     Jittable. A Python int layer is range-checked (ValueError); a traced one is clamped into
     range, since a report cannot carry an error bit."""
+    check_state(state)
     if validate.is_int(layer):
         layer = checked_layer(state, layer)
     return state.routing.freq[jnp.clip(layer, 0, state.num_layers - 1)]
@@ -65,4 +68,5 @@ def reset_routing(state: CacheState) -> CacheState:
 
     Writes ``routing.freq``.
     """
+    check_state(state)
     return state.replace(routing=state.routing.replace(freq=jnp.zeros_like(state.routing.freq)))

@@ -132,6 +132,13 @@ def route_bits(routes: jax.Array, num_experts: int) -> jax.Array:
     return jnp.where(bad, ERR_EXPERT_ID, 0).astype(jnp.int32)
 
 
+def size_bits(cache_size, num_experts: int, capacity: int) -> jax.Array:
+    """ERR_CACHE_SIZE if the state's usable size (traced) is outside ``[num_experts,
+    capacity]`` (a hand-built state), else 0 (int32 scalar)."""
+    bad = (cache_size < num_experts) | (cache_size > capacity)
+    return jnp.where(bad, ERR_CACHE_SIZE, 0).astype(jnp.int32)
+
+
 def slot_bits(slot: jax.Array, cache_size) -> jax.Array:
     """ERR_SLOT if ``slot`` is outside ``[0, cache_size)`` (the usable size, possibly traced),
     else 0 (int32 scalar)."""

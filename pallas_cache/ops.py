@@ -75,7 +75,7 @@ def ensure(state: CacheState, layer: IndexLike, expert_ids: RoutesLike, *,
     return _ensure(state, validate.as_index("layer", layer), validate.as_routes(expert_ids),
                    FetchPolicy.full(),
                    Rules.of(hybrid=False, order=FetchOrder.LOWEST_ID, admission=Admission.NONE),
-                   backend=dispatch.resolve_backend(backend))
+                   backend=dispatch.check_runs_here(dispatch.resolve_backend(backend), state))
 
 
 def ensure_hybrid(state: CacheState, layer: IndexLike, expert_ids: RoutesLike, policy: FetchPolicy,
@@ -107,7 +107,8 @@ def ensure_hybrid(state: CacheState, layer: IndexLike, expert_ids: RoutesLike, p
         raise TypeError(f"policy must be a FetchPolicy, got {policy!r}")
     policy.validate()
     return _ensure(state, validate.as_index("layer", layer), validate.as_routes(expert_ids), policy,
-                   rules, backend=dispatch.resolve_backend(backend))
+                   rules,
+                   backend=dispatch.check_runs_here(dispatch.resolve_backend(backend), state))
 
 
 def materialize_layer(state: CacheState, layer: IndexLike) -> tuple[CacheState, MaterializePlan]:
@@ -131,7 +132,7 @@ def materialize_layer(state: CacheState, layer: IndexLike) -> tuple[CacheState, 
 @jax.jit
 def _materialize_layer(state: CacheState, layer):
     L, E, C = state.num_layers, state.num_experts, state.capacity  # [0, E) is always usable
-    error = errors.layer_bits(layer, L)
+    error = errors.layer_bits(layer, L) | errors.size_bits(state.cache_size, E, C)
     accepted = error == 0
     state = clock.rebase_if_due(state, accepted)
     layer_c = jnp.clip(layer, 0, L - 1)
@@ -176,13 +177,16 @@ def forget_slot(state: CacheState, slot: IndexLike) -> tuple[CacheState, ForgetP
       ``(state, ForgetPlan)``; ``plan.old`` is the flat id it held or -1. A slot outside
       ``[0, S)`` (``S`` the usable size ``state.cache_size``) sets ERR_SLOT (state unchanged).
     """
+    check_state(state)
     return _forget_slot(state, validate.as_index("slot", slot))
 
 
 @jax.jit
 def _forget_slot(state: CacheState, slot):
     L, E, C = state.num_layers, state.num_experts, state.capacity
-    error = errors.slot_bits(slot, state.cache_size)  # an unusable slot is out of range
+    # An unusable slot is out of range; so is every slot of a hand-built state whose usable
+    # size is outside [E, C].
+    error = errors.slot_bits(slot, state.cache_size) | errors.size_bits(state.cache_size, E, C)
     accepted = error == 0
     slot_c = jnp.clip(slot, 0, C - 1)
     old = jnp.where(accepted, state.residency.id_of_slot[slot_c], -1)

@@ -16,7 +16,7 @@ import numpy as np
 from jax import lax
 
 from pallas_cache import errors, reprs, validate
-from pallas_cache.state import CacheState, Residency
+from pallas_cache.state import CacheState, Residency, check_state
 from pallas_cache.hints import IndexLike
 from pallas_cache.tree import Record, pytree_dataclass
 
@@ -163,11 +163,13 @@ def prefill_overlap_fits(state: CacheState) -> jax.Array:
     """Whether the usable pool can lend the two buffers their ``2E`` slots (``S >= 2E``), as a
     bool[] (traced under ``jit``: the usable size is data). Always False when the capacity is
     below ``2E``."""
+    check_state(state)
     fits = state.capacity >= 2 * state.num_experts
     return jnp.asarray(fits) & (state.cache_size >= 2 * state.num_experts)
 
 
 def _require_fit(state: CacheState):
+    check_state(state)
     if state.capacity < 2 * state.num_experts:
         raise PrefillDoesNotFit(state.capacity, state.num_experts)
 
@@ -355,6 +357,7 @@ def release_prefill_layer(state: CacheState, layer: IndexLike) -> CacheState:
     A layer that is not the one its buffer holds (out of range included) is ignored. Returns the
     state only (docs/design.md).
     """
+    check_state(state)
     layer = validate.as_index("layer", layer)
     buffer_id = jnp.remainder(layer, 2)
     holds = (layer >= 0) & (layer < state.num_layers) & (state.prefill.layer[buffer_id] == layer)

@@ -165,27 +165,49 @@ class CacheState(Record):
         return self.residency.id_of_slot.shape[-1]
 
 
-def check_state(state: CacheState) -> CacheState:
-    """Refuse, at call/trace time, a state whose leaves do not have the shapes and dtypes
-    :func:`init` gives (a hand-built or mangled state): ``TypeError`` for a dtype or a part of the
-    wrong type, ``ValueError`` for a shape, naming the leaf by its path (``state.residency.usage``),
-    what it has and what the geometry ``L, E, C`` (read from ``residency``) asks for. The expected
-    leaves are those of the cold state of that geometry (``jax.eval_shape`` of it), so every leaf
-    of every part is checked, with no list to keep. Unchecked, a wrong shape is read with clamped
+def check_state(state: CacheState, *, batched: bool = False) -> CacheState:
+    """Refuse, at call/trace time, a state whose parts do not have the types, shapes and dtypes
+    :func:`init` gives (a hand-built or mangled state): ``TypeError`` for a dtype, a part of the
+    wrong type or an eviction record that does not match the bookkeeping, ``ValueError`` for a
+    shape or a usable size outside ``[E, C]``, naming the part by its path
+    (``state.residency.usage``), what it has and what the geometry ``L, E, C`` (read from
+    ``residency``) asks for. The expected leaves are those of the cold state of that geometry
+    (``jax.eval_shape`` of it), so every leaf of every part is checked, with no list to keep.
+    ``batched``: leading batch axes, the same on every leaf, are allowed (the host reports).
+
+    A usable size held on the host (a Python or NumPy integer) is range-checked here; one on
+    the device is not read back (that would stall the call): the ops refuse it with
+    ``ERR_CACHE_SIZE`` instead, writing nothing. Unchecked, a wrong shape is read with clamped
     indices or fails deep inside a ``lax.cond``, and a float ``usage`` compares rounded steps."""
     if not isinstance(state, CacheState):
-        raise TypeError(f"state must be a CacheState (from init), got {type(state).__name__}")
+        raise TypeError(f"state must be a CacheState (from pc.init), got "
+                        f"{_kind_of(state)}")
+    record = state.eviction
+    if not isinstance(record, EvictionPolicy):
+        member = record if isinstance(record, Eviction) else None
+        if isinstance(record, str):
+            member = next((m for m in Eviction if m.value == record.lower()), None)
+        hint = (f"; the registry member's record is pc.Eviction.{member.name}.policy, but an "
+                f"eviction is fixed by pc.init(..., eviction=...) with its bookkeeping"
+                if member is not None else "")
+        raise TypeError(f"state.eviction must be an EvictionPolicy record (pc.init sets it), "
+                        f"got {record!r} ({type(record).__name__}){hint}")
     residency = state.residency
     if not isinstance(residency, Residency):
         raise TypeError(f"state.residency must be a Residency, got {type(residency).__name__}")
-    if np.ndim(residency.slot_for_id) != 2 or np.ndim(residency.id_of_slot) != 1:
+    lead = tuple(np.shape(residency.id_of_slot)[:-1]) if batched else ()
+    if (np.ndim(residency.slot_for_id) != 2 + len(lead)
+            or np.ndim(residency.id_of_slot) != 1 + len(lead)
+            or tuple(np.shape(residency.slot_for_id)[:len(lead)]) != lead):
         raise ValueError(f"state.residency.slot_for_id must be [L, E] and "
-                         f"state.residency.id_of_slot [C], got shapes "
+                         f"state.residency.id_of_slot [C]"
+                         f"{' after the same batch axes' if batched else ''}, got shapes "
                          f"{list(np.shape(residency.slot_for_id))} and "
-                         f"{list(np.shape(residency.id_of_slot))} (vmap over a stacked state)")
-    L, E = np.shape(residency.slot_for_id)
-    (C,) = np.shape(residency.id_of_slot)
-    cold = _cold_shapes(L, E, C, state.eviction, state.eviction.history_of(state.eviction_state))
+                         f"{list(np.shape(residency.id_of_slot))}"
+                         f"{'' if batched else _BATCH_HINT}")
+    L, E = np.shape(residency.slot_for_id)[len(lead):]
+    (C,) = np.shape(residency.id_of_slot)[len(lead):]
+    cold = _cold_shapes(L, E, C, record, _history(state, record, len(lead)))
     for name in ("clock", "routing", "prefill", "settings"):
         want, got = type(getattr(cold, name)), getattr(state, name)
         if not isinstance(got, want):
@@ -194,23 +216,75 @@ def check_state(state: CacheState) -> CacheState:
     leaves, _ = jax.tree_util.tree_flatten_with_path(state)
     if [path for path, _ in leaves] != [path for path, _ in expected]:
         raise TypeError(f"state has leaves {[_path(p) for p, _ in leaves]}, expected "
-                        f"{[_path(p) for p, _ in expected]}")
+                        f"{[_path(p) for p, _ in expected]} (eviction {record.name!r})")
     for (path, value), (_, spec) in zip(leaves, expected):
         name = _path(path)
-        if type(value) in (int, bool) and spec.shape == ():  # a Python scalar: weakly typed
+        if type(value) in (int, bool) and spec.shape == () and not lead:  # weakly typed
             if (type(value) is bool) != (spec.dtype == np.bool_):
                 raise TypeError(f"{name} is {value!r}, expected {spec.dtype.name}")
             continue
         got_dtype = getattr(value, "dtype", None)
         if got_dtype is None:
             got_dtype = np.asarray(value).dtype
-        if tuple(np.shape(value)) != spec.shape:
+        if tuple(np.shape(value)) != lead + spec.shape:
             raise ValueError(f"{name} has shape {list(np.shape(value))}, expected "
-                             f"{list(spec.shape)} for L={L} layers, E={E} experts, C={C} slots")
+                             f"{list(lead + spec.shape)} for L={L} layers, E={E} experts, "
+                             f"C={C} slots")
         if np.dtype(got_dtype) != spec.dtype:
             raise TypeError(f"{name} has dtype {np.dtype(got_dtype).name}, expected "
                             f"{spec.dtype.name}")
+    _check_host_size(state.settings.cache_size, E, C)
     return state
+
+
+_BATCH_HINT = " (a batch of states: vmap over it, or take one with pc.take_state)"
+
+
+def _kind_of(value) -> str:
+    """What a wrong ``state`` argument is, saying so for the NumPy reference's state."""
+    kind = type(value)
+    if kind.__module__.startswith("pallas_cache.reference"):
+        return (f"a {kind.__name__} of the NumPy reference (pallas_cache.reference): its ops "
+                f"take it, the library's take the state of pc.init")
+    return kind.__name__
+
+
+def _history(state: CacheState, record: EvictionPolicy, batch_axes: int):
+    """The ring size the bookkeeping holds, once its type is the record's (a record of another
+    eviction than the bookkeeping, set by ``state.replace(eviction=...)``, is refused here)."""
+    bookkeeping = state.eviction_state
+    want = _bookkeeping_type(record)
+    if type(bookkeeping) is not want:
+        raise TypeError(f"state.eviction_state is {type(bookkeeping).__name__}, but "
+                        f"state.eviction {record.name!r} keeps {want.__name__}: the record and "
+                        f"the bookkeeping come from different evictions (an eviction is fixed "
+                        f"by pc.init(..., eviction=...))")
+    if bookkeeping is None:
+        return None
+    try:
+        return record.history_of(bookkeeping)
+    except (AttributeError, IndexError, TypeError) as error:
+        raise ValueError(f"state.eviction_state ({type(bookkeeping).__name__}) cannot give "
+                         f"{record.name!r} its ring size: {error}") from None
+
+
+@functools.lru_cache(maxsize=16)
+def _bookkeeping_type(record: EvictionPolicy) -> type:
+    """The type of ``record``'s bookkeeping (``type(None)`` for none)."""
+    return type(jax.eval_shape(lambda: record.init(1, 1, 1)))
+
+
+def _check_host_size(cache_size, E: int, C: int) -> None:
+    """A usable size held on the host outside ``[E, C]`` raises ValueError (a device value is
+    not read back: the ops' ``ERR_CACHE_SIZE`` refuses it)."""
+    if isinstance(cache_size, jax.Array):  # a tracer is one too
+        return
+    sizes = np.asarray(cache_size)
+    bad = (sizes < E) | (sizes > C)
+    if np.any(bad):
+        raise ValueError(f"state.settings.cache_size is {sizes[bad].ravel()[0]}, outside "
+                         f"[E, capacity] = [{E}, {C}]: the usable pool must hold one layer and "
+                         f"fit the allocation (pc.resize changes it)")
 
 
 @functools.lru_cache(maxsize=64)
@@ -366,6 +440,7 @@ def reset(state: CacheState) -> CacheState:
     cleared. The routing-collection switch, the rebase threshold, the capacity and the usable
     size are settings or geometry, not contents, and are kept. Jittable.
     """
+    check_state(state)
     return _empty_state(state.num_layers, state.num_experts, state.capacity, state.cache_size,
                         state.settings.rebase_threshold, state.settings.collect_routing,
                         state.eviction, state.eviction.history_of(state.eviction_state))
@@ -389,6 +464,7 @@ def rebuild(state: CacheState, cache_size: int, *, capacity: int | None = None) 
       TypeError: ``cache_size`` or ``capacity`` is not an integer. ValueError: ``capacity <
         cache_size``, or a size int32 cannot represent (as :func:`init`).
     """
+    check_state(state)
     requested = validate.as_host_int("cache_size", cache_size)
     if requested < state.num_experts:
         raise RebuildRejected(requested=requested, minimum=state.num_experts)
@@ -423,6 +499,7 @@ def resize(state: CacheState, cache_size: IndexLike) -> tuple[CacheState, Resize
     Raises:
       TypeError / ValueError: ``cache_size`` is not an integer scalar.
     """
+    check_state(state)
     return _resize(state, validate.as_index("cache_size", cache_size))
 
 

@@ -136,7 +136,8 @@ def ensure_with_rules(state: CacheState, layer, routes, policy: FetchPolicy, rul
                                    cpu=plan.cpu.reshape(routes.shape))
 
     observed, is_route = _observe_routes(flat_routes, E)
-    error, accepted, layer_c = _validate(layer, flat_routes, L, E)
+    error, accepted, layer_c = _validate(layer, flat_routes, L, E, state.cache_size,
+                                         state.capacity)
     state = clock.rebase_if_due(state, accepted)
     step = state.step + 1
     hits, eviction_state = _classify(state, observed, layer_c, accepted)
@@ -181,10 +182,11 @@ def _observe_routes(flat_routes, num_experts: int):
     return observed, is_route
 
 
-def _validate(layer, flat_routes, num_layers: int, num_experts: int):
+def _validate(layer, flat_routes, num_layers: int, num_experts: int, cache_size, capacity: int):
     """Phase validate (docs/semantics.md §6): ``(error, accepted, layer_c)``, ``layer_c`` any
     in-range index (a refused call writes nothing)."""
-    error = errors.layer_bits(layer, num_layers) | errors.route_bits(flat_routes, num_experts)
+    error = (errors.layer_bits(layer, num_layers) | errors.route_bits(flat_routes, num_experts)
+             | errors.size_bits(cache_size, num_experts, capacity))
     return error, error == 0, jnp.clip(layer, 0, num_layers - 1)
 
 

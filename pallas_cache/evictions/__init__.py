@@ -8,7 +8,7 @@ from __future__ import annotations
 import enum
 
 from pallas_cache import selection, validate
-from pallas_cache.evictions import lru, pair_lfu, route_knn, route_lfu
+from pallas_cache.evictions import base, lru, pair_lfu, route_knn, route_lfu
 from pallas_cache.evictions.base import EvictionPolicy, KernelRanking, PerCall, PerCallInputs
 from pallas_cache.evictions.pair_lfu import DECAY_Q16, ONE_Q16, PairLfuState, decay_q16
 from pallas_cache.evictions.ring import NEIGHBOURS, TokenRingState, ring_bits
@@ -46,6 +46,9 @@ class Eviction(enum.Enum):
     @classmethod
     def coerce(cls, value: "Eviction | str") -> "Eviction":
         return validate.coerce_enum(cls, value, "eviction")
+
+
+base.REGISTERED.update({member.value: member.policy for member in Eviction})
 
 
 def coerce(eviction) -> EvictionPolicy:

@@ -17,6 +17,36 @@ def _no_history(state):
     return None
 
 
+def no_bookkeeping(num_layers, num_experts, history):
+    """``EvictionPolicy.init`` of an eviction that keeps no bookkeeping."""
+    return None
+
+
+def no_tables(state):
+    """``KernelRanking.tables`` of an eviction whose kernel keeps no per-expert tables."""
+    return ()
+
+
+def from_no_tables(tables):
+    """``KernelRanking.from_tables`` of :func:`no_tables`."""
+    return None
+
+
+def no_rows(rows, routed):
+    """``KernelRanking.observe_row`` of :func:`no_tables`."""
+    return ()
+
+
+#: The registered records by name, filled by the registry (``pallas_cache.evictions``, which
+#: importing this module imports first): what a pickled registered record loads as.
+REGISTERED: dict[str, "EvictionPolicy"] = {}
+
+
+def _registered(name: str) -> "EvictionPolicy":
+    """The registered record named ``name``."""
+    return REGISTERED[name]
+
+
 class PerCall(enum.Enum):
     """A per-call input of the victim key that the fused kernel computes from the token ring
     (``KernelRanking.per_call``), not stored."""
@@ -106,3 +136,11 @@ class EvictionPolicy:
 
     def __repr__(self) -> str:
         return f"EvictionPolicy({self.name!r})"
+
+    def __reduce_ex__(self, protocol):
+        """A registered record pickles as its name and loads as the very record of the
+        registry (so a state's static ``eviction`` compares, hashes and jits as before); any
+        other record pickles field by field, as a dataclass does."""
+        if REGISTERED.get(self.name) is self:
+            return (_registered, (self.name,))
+        return super().__reduce_ex__(protocol)

@@ -90,13 +90,20 @@ def _kernel_key(tables, occupant, usage, own, computed):
     return _key(freq, prot, occupant < 0, usage)
 
 
+def _tables(state):
+    return state.freq, state.prot
+
+
+def _from_tables(tables):
+    return PairLfuState(*tables)
+
+
 POLICY = EvictionPolicy(
     name="pair_lfu",
     init=_init,
     observe=_observe,
     victim_keys=_victim_keys,
-    kernel=KernelRanking(tables=lambda state: (state.freq, state.prot),
-                         from_tables=lambda tables: PairLfuState(*tables), width=2,
+    kernel=KernelRanking(tables=_tables, from_tables=_from_tables, width=2,
                          key=_kernel_key, observe_row=_observe_row),
     view_columns=("prot", "freq"),
 )

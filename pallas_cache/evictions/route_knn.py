@@ -11,7 +11,8 @@ from jax import lax
 
 from pallas_cache import selection
 from pallas_cache.evictions import ring as ring_module
-from pallas_cache.evictions.base import EvictionPolicy, KernelRanking, PerCall
+from pallas_cache.evictions.base import (EvictionPolicy, KernelRanking, PerCall,
+                                         from_no_tables, no_rows, no_tables)
 from pallas_cache.evictions.ring import NEIGHBOURS
 from pallas_cache.validate import INT32_MAX
 
@@ -159,13 +160,12 @@ def _next_use_per_slot(ring, id_of_slot, layer, num_experts, neighbour, found, b
 
 POLICY = EvictionPolicy(
     name="route_knn",
-    init=lambda num_layers, num_experts, history: ring_module.init(
-        num_layers, num_experts, history, counts=False),
+    init=functools.partial(ring_module.init, counts=False),
     observe=ring_module.observe,
     victim_keys=_victim_keys,
     start_token=ring_module.start_token,
     history_of=ring_module.history_of,
-    kernel=KernelRanking(tables=lambda state: (), from_tables=lambda tables: None, width=2,
-                         key=_kernel_key, observe_row=lambda rows, routed: (),
+    kernel=KernelRanking(tables=no_tables, from_tables=from_no_tables, width=2,
+                         key=_kernel_key, observe_row=no_rows,
                          per_call=(PerCall.NEXT_USE,)),
 )

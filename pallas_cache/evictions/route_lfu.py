@@ -5,11 +5,14 @@ use (docs/semantics.md §5.16)."""
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 from jax import lax
 
 from pallas_cache.evictions import ring
-from pallas_cache.evictions.base import EvictionPolicy, KernelRanking, PerCall
+from pallas_cache.evictions.base import (EvictionPolicy, KernelRanking, PerCall,
+                                         from_no_tables, no_rows, no_tables)
 from pallas_cache.evictions.ring import unpacked
 from pallas_cache.evictions.route_knn import next_use
 
@@ -49,13 +52,12 @@ def ring_frequency_key(ring, id_of_slot, layer, num_experts, cache_size=None):
 
 POLICY = EvictionPolicy(
     name="route_lfu",
-    init=lambda num_layers, num_experts, history: ring.init(num_layers, num_experts, history,
-                                                            counts=True),
+    init=functools.partial(ring.init, counts=True),
     observe=ring.observe,
     victim_keys=_victim_keys,
     start_token=ring.start_token,
     history_of=ring.history_of,
-    kernel=KernelRanking(tables=lambda state: (), from_tables=lambda tables: None, width=3,
-                         key=_kernel_key, observe_row=lambda rows, routed: (),
+    kernel=KernelRanking(tables=no_tables, from_tables=from_no_tables, width=3,
+                         key=_kernel_key, observe_row=no_rows,
                          per_call=(PerCall.NEXT_USE, PerCall.PROT, PerCall.FREQ)),
 )

@@ -12,7 +12,7 @@ import numpy as np
 
 from pallas_cache.counters import checked_layer
 from pallas_cache.host.metrics import COVERAGE_FRACTION, histogram_metrics, oracle_slots_for
-from pallas_cache.state import CacheState
+from pallas_cache.state import CacheState, check_state
 
 __all__ = [
     "COVERAGE_FRACTION",
@@ -106,6 +106,7 @@ class CacheStats:
 
 def _counters(state: CacheState) -> np.ndarray:
     """The per-layer counters as int64[..., L, 4] on the host (leading axes: a batch)."""
+    check_state(state, batched=True)
     if isinstance(state.stats, jax.core.Tracer):
         raise TypeError(
             "stats reads the counters on the host and cannot run under jit/vmap; call it on the "
@@ -191,6 +192,7 @@ def routing_skew(state: CacheState) -> RoutingSkewReport | None:
     """The :class:`RoutingSkewReport` of the observed histogram, or None if nothing was observed.
 
     One cache: a batch raises ``ValueError`` (take one with :func:`~pallas_cache.take_state`)."""
+    check_state(state, batched=True)
     if np.ndim(state.routing.freq) != 2:
         raise ValueError(f"routing_skew reads one cache, got a batch of shape "
                          f"{np.shape(state.routing.freq)[:-2]}; take one with "

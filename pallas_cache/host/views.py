@@ -13,7 +13,7 @@ import jax
 import numpy as np
 
 from pallas_cache import evictions
-from pallas_cache.state import CacheState
+from pallas_cache.state import CacheState, check_state
 from pallas_cache.validate import INT32_MIN
 
 __all__ = ["CacheDiff", "CacheView", "SlotEntry", "SlotRow", "describe", "diff"]
@@ -181,6 +181,7 @@ def describe(state: CacheState) -> CacheView | list[Any]:
       it in a notebook for an HTML table, or read ``view.rows`` / ``view.residents``. For a
       batch, a list with one per cache (nested, one level per batch axis).
     """
+    check_state(state, batched=True)
     if isinstance(state.residency.id_of_slot, jax.core.Tracer):
         raise TypeError("describe reads the state on the host and cannot run under jit/vmap; "
                         "call it on the state the compiled function returns")
@@ -285,6 +286,8 @@ def diff(before: CacheState, after: CacheState) -> CacheDiff:
       ValueError: the two states have different geometries or evictions (compare states
         of one pool only).
     """
+    check_state(before)
+    check_state(after)
     names = ["residency.id_of_slot", "residency.usage", "step", "residency.slot_for_id"]
     old, new = _host_fields(before, names), _host_fields(after, names)
     if old["eviction"] != new["eviction"]:

@@ -8,8 +8,8 @@ import functools
 
 import jax
 
-__all__ = ["BACKENDS", "TRITON_DEPRECATION", "fused_step_for", "has_pallas_triton",
-           "import_kernel", "resolve_backend", "triton_deprecation_is_error"]
+__all__ = ["BACKENDS", "TRITON_DEPRECATION", "check_runs_here", "fused_step_for",
+           "has_pallas_triton", "import_kernel", "resolve_backend", "triton_deprecation_is_error"]
 
 BACKENDS = ("xla", "pallas", "interpret")
 
@@ -55,6 +55,27 @@ def resolve_backend(backend) -> str:
                          f"{jax.__version__} {why}; use backend='xla' (or None), or install "
                          f"jax<0.13 without the deprecation made an error (docs/backends.md)")
     return backend
+
+
+def check_runs_here(backend: str, state) -> str:
+    """``backend`` (resolved), refused for an eager call (a state of concrete arrays, which
+    compiles and runs now) under ``"pallas"`` where no GPU is in sight: the kernel compiles for
+    a GPU only, and JAX would answer "Only interpret mode is supported" from inside the
+    compile. Under a trace any backend may be traced and lowered (for another platform too)."""
+    if backend != "pallas" or isinstance(state.clock.step, jax.core.Tracer) or _gpu_in_sight():
+        return backend
+    raise ValueError(f"backend 'pallas' compiles the fused kernel for a GPU, and JAX's default "
+                     f"backend here is {jax.default_backend()!r}: use backend='interpret' (the "
+                     f"same kernel in the Pallas interpreter) or 'xla' (or None, the platform's "
+                     f"default)")
+
+
+def _gpu_in_sight() -> bool:
+    """A GPU is the default backend, or the abstract mesh in use is of GPUs."""
+    if jax.default_backend() == "gpu":
+        return True
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    return getattr(device, "platform", None) == "gpu"
 
 
 def import_kernel() -> None:

@@ -200,7 +200,7 @@ def step_kernel(
     lanes = (_route_lanes(call.routes, state.residency.slot_for_id, layer_c, sz)
              if K <= _RANK_ROUTES else None)
     observed, bad = _observe_routes(call.routes, e_idx, sz, lanes)
-    error, accepted = _validate(layer, bad, L)
+    error, accepted = _validate(layer, bad, L, limit, E, C)
     row = (layer_c, e_idx)  # the layer's row of an [L, E] ref
     stats_idx = (layer_c, lax.iota(jnp.int32, 4))
     step = _rebase_if_due(call, state, state_out, step0, accepted, block=block,
@@ -299,13 +299,15 @@ def _observe_routes(routes_ref, e_idx, sz: _Sizes, lanes: _Lanes | None):
     return lax.fori_loop(0, sz.num_chunks, observe, init)
 
 
-def _validate(layer, bad, num_layers: int):
+def _validate(layer, bad, num_layers: int, size, num_experts: int, capacity: int):
     """Phase validate (docs/semantics.md §6): ``(error, accepted)`` (a refused call writes
-    nothing)."""
+    nothing); ``size`` the state's usable size, outside ``[E, C]`` only in a hand-built state."""
     bad_layer = (layer < 0) | (layer >= num_layers)
+    bad_size = (size < num_experts) | (size > capacity)
     error = (jnp.where(bad_layer, jnp.int32(errors.ERR_LAYER), jnp.int32(0))
-             | jnp.where(bad, jnp.int32(errors.ERR_EXPERT_ID), jnp.int32(0)))
-    return error, ~(bad_layer | bad)
+             | jnp.where(bad, jnp.int32(errors.ERR_EXPERT_ID), jnp.int32(0))
+             | jnp.where(bad_size, jnp.int32(errors.ERR_CACHE_SIZE), jnp.int32(0)))
+    return error, ~(bad_layer | bad | bad_size)
 
 
 def _rebase_if_due(call, state, state_out, step0, accepted, *, block, stamp_block):

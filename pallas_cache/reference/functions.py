@@ -24,7 +24,16 @@ def init(num_layers, num_experts, cache_size, *, capacity=None, rebase_threshold
 
 
 def copy_state(state: ReferenceCache) -> ReferenceCache:
-    """An independent copy of ``state`` (its arrays and eviction bookkeeping copied)."""
+    """An independent copy of ``state`` (its arrays and eviction bookkeeping copied); anything
+    but a reference state (the library's ``CacheState`` included) raises TypeError saying what
+    it got."""
+    if not isinstance(state, ReferenceCache):
+        kind = type(state)
+        library = kind.__module__.startswith("pallas_cache") and kind.__name__ == "CacheState"
+        raise TypeError(
+            f"state must be a reference state (pallas_cache.reference.init), got "
+            + ("the library's CacheState (pallas_cache.init): the library's ops take it"
+               if library else kind.__name__))
     twin = copy.copy(state)
     for name, value in vars(state).items():
         if isinstance(value, (np.ndarray, Part)):

@@ -11,11 +11,26 @@ raise ``ValueError`` naming the text.
 
 from __future__ import annotations
 
+import decimal
 import math
 import re
 
-__all__ = ["parse_bytes", "parse_bandwidth", "parse_duration", "parse_memory_size", "format_bytes",
-           "format_bandwidth", "format_duration"]
+__all__ = ["NUMBER", "parse_bytes", "parse_bandwidth", "parse_duration", "parse_memory_size",
+           "format_bytes", "format_bandwidth", "format_duration", "scaled"]
+
+#: The one reading of a number on the command line: ASCII digits, an optional fraction and
+#: exponent (``float()`` and ``Decimal()`` also take ``'٠.٠٧'`` and ``'０.０７'``).
+NUMBER = r"[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?"
+# Decimal arithmetic over every exponent a text can hold, nothing trapped: a product past the
+# double range is an infinity (refused as such), never a decimal.Overflow.
+_EXACT = decimal.Context(prec=40, Emax=decimal.MAX_EMAX, Emin=decimal.MIN_EMIN, traps=[])
+
+
+def scaled(number: str, scale: str) -> float:
+    """``number * scale``, both decimal texts, as the double nearest the decimal product: 0.07
+    ms is ``7e-05`` s, as ``0.07 / 1000`` is written, not ``0.07 * 1e-3`` =
+    ``7.000000000000001e-05``; ``inf`` or ``0.0`` beyond the double range, ``nan`` for nan."""
+    return float(_EXACT.multiply(_EXACT.create_decimal(number), _EXACT.create_decimal(scale)))
 
 _PREFIX = {
     "": 1, "k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
@@ -100,20 +115,20 @@ def format_bandwidth(rate: float) -> str:
     return f"{rate:.4g}B/s"
 
 
-_DURATION = re.compile(r"^\s*(?P<number>[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*"
-                       r"(?P<unit>s|ms|us|µs|ns)\s*$")
-_SECONDS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
+_DURATION = re.compile(rf"^\s*(?P<number>{NUMBER})\s*(?P<unit>s|ms|us|µs|ns)\s*$")
+_SECONDS = {"s": "1", "ms": "1e-3", "us": "1e-6", "µs": "1e-6", "ns": "1e-9"}
 
 
-def parse_duration(text: str) -> float:
+def parse_duration(text: str, *, finite: bool = True) -> float:
     """``"0.08ms"`` -> ``8e-5`` seconds; ``s``, ``ms``, ``us`` (or ``µs``) and ``ns``; the unit is
-    required, and 0 is allowed (``"0ms"``)."""
+    required, and 0 is allowed (``"0ms"``). ``finite=False``: a time past the double range is
+    ``inf`` (for the caller to refuse in its own words) rather than a ValueError."""
     match = _DURATION.match(str(text))
     if match is None:
         raise ValueError(f"bad duration {text!r}: expected a number with a unit such as "
                          f"0.08ms, 80us or 0s")
-    value = float(match.group("number")) * _SECONDS[match.group("unit")]
-    if not math.isfinite(value):
+    value = scaled(match.group("number"), _SECONDS[match.group("unit")])
+    if finite and not math.isfinite(value):
         raise ValueError(f"bad duration {text!r}: not finite")
     return value
 

@@ -20,6 +20,9 @@ class _Host:
     """One unbatched state's fields as NumPy arrays."""
 
     def __init__(self, state: CacheState, what: str):
+        if not isinstance(state, CacheState):
+            raise TypeError(f"{what} must be a CacheState (from pc.init), got "
+                            f"{type(state).__name__}")
         if np.ndim(state.residency.id_of_slot) != 1:
             raise ValueError(f"check_plan takes one cache; {what} is a batch of shape "
                              f"{np.shape(state.residency.id_of_slot)[:-1]} (take one with "
@@ -74,7 +77,7 @@ def check_state(state: CacheState) -> None:
     """Raise ``AssertionError`` if one state breaks docs/semantics.md §3's invariants: the two
     maps mutually inverse, every resident in a usable slot, unusable slots empty with usage 0,
     no usage above the clock."""
-    _check_maps(_Host(state, "the state"), "the state")
+    _check_maps(_Host(state, "state"), "the state")
 
 
 def _as_int(name: str, value: Any) -> int:
@@ -110,6 +113,9 @@ def check_plan(state_before: CacheState, layer: Any, routes: Any, plan: EnsurePl
     reference, only the states around the call.
     """
     before, after = _Host(state_before, "state_before"), _Host(state_after, "state_after")
+    if not isinstance(plan, EnsurePlan):
+        raise TypeError(f"plan must be the EnsurePlan of the call (pc.ensure(...)[1]), got "
+                        f"{type(plan).__name__}")
     L, E = before.num_layers, before.num_experts
     layer = _as_int("layer", layer)
     try:  # read as the library reads them: an id outside int32 is refused, never wrapped

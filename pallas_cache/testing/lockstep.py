@@ -210,6 +210,9 @@ def assert_lockstep(sequence: Sequence[Operation], *, geometry: Geometry,
     from pallas_cache.kernels.dispatch import resolve_backend
 
     resolve_backend(backend)  # an unknown backend is the caller's mistake, not a refusal
+    if not isinstance(geometry, Geometry):
+        raise TypeError(f"geometry must be a Geometry (e.g. Geometry(num_layers=2, "
+                        f"num_experts=4, cache_size=6)), got {geometry!r}")
     for index, op in enumerate(sequence):
         if not isinstance(op, Operation):
             raise TypeError(f"sequence[{index}] is not an operation record: {op!r}")

@@ -83,7 +83,9 @@ POLICY_KINDS = ("fraction", "fixed_cap", "full")
 class PolicySpec:
     """A :class:`~pallas_cache.FetchPolicy` as plain data: ``kind`` is ``"fraction"`` (``value``
     the fraction ``q``), ``"fixed_cap"`` (``value`` the cap) or ``"full"`` (``value`` None).
-    Another ``kind`` raises ``ValueError`` naming it, when the spec is made."""
+    Another ``kind``, or a value the policy's constructor refuses (a NaN or string fraction, a
+    negative or fractional cap, a value for ``full``), raises when the spec is made, naming it
+    (``TypeError`` for a type, ``ValueError`` for a value)."""
 
     kind: str
     value: float | int | None = None
@@ -92,6 +94,14 @@ class PolicySpec:
         if self.kind not in POLICY_KINDS:
             raise ValueError(f"unknown policy kind {self.kind!r}; expected one of "
                              f"{', '.join(POLICY_KINDS)}")
+        if self.kind == "full":
+            if self.value is not None:
+                raise ValueError(f"PolicySpec('full') takes no value, got {self.value!r}")
+            return
+        try:
+            self.build()
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"PolicySpec({self.kind!r}, {self.value!r}): {error}") from None
 
     def build(self, policy: Any = None) -> Any:
         """The :class:`~pallas_cache.FetchPolicy` this spec names, or ``policy``'s: a class with
@@ -160,6 +170,12 @@ class EnsureHybrid(Operation):
     policy: PolicySpec
     order: str = "recency"
     admission: str = "promote_one"
+
+    def __post_init__(self):
+        if not isinstance(self.policy, PolicySpec):
+            raise TypeError(f"EnsureHybrid.policy must be a PolicySpec (plain data, e.g. "
+                            f"PolicySpec('fraction', 0.4)), got {self.policy!r} "
+                            f"({type(self.policy).__name__})")
 
     def _call(self, api, state, routes, policy, ensure_options):
         return api.ensure_hybrid(state, self.layer, routes(self.routes), policy(self.policy),

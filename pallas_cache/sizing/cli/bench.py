@@ -4,6 +4,7 @@ cpu_partial_timing`) and print them as replay flags, a line on stderr per phase.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 from pallas_cache.sizing.cli.parser import UsageError
@@ -54,19 +55,21 @@ def run_bench(args) -> int:
     from pallas_cache.formats import bytes_per_expert
     from pallas_cache.sizing.units import format_bytes, format_duration
 
+    shrunk = False
     if default_bank:
         d_expert, shrunk = bench_bank_columns(d_model, d_expert, available_memory(), dtype)
-        if shrunk:
-            progress(f"the default bank shrinks to --d-expert {d_expert} to fit this machine's "
-                     f"available memory")
     from pallas_cache.sizing.cli.checks import check_bench_memory
     from pallas_cache.sizing.traces.memory import DEFAULT_MEMORY_FRACTION, default_memory_limit
 
     try:
         check_bench_memory(args.mib, d_model, d_expert,
-                           int(default_memory_limit() / DEFAULT_MEMORY_FRACTION), dtype)
+                           int(default_memory_limit() / DEFAULT_MEMORY_FRACTION), dtype,
+                           d_expert_given=not default_bank)
     except ValueError as error:
         raise UsageError(f"pallas-cache: {error}") from None
+    if shrunk:
+        progress(f"the default bank shrinks to --d-expert {d_expert} to fit this machine's "
+                 f"available memory")
     progress("starting JAX")
     import jax
 
@@ -75,13 +78,17 @@ def run_bench(args) -> int:
     device = jax.devices()[0]
     progress(f"B_link: {args.repeats + 1} copies of {args.mib}MiB to {device.platform}:"
              f"{device.id}")
-    link = link_bandwidth(args.mib * 2**20, args.repeats, device)
+    with _out_of_memory_is_one_line(f"--mib {args.mib}"):
+        link = link_bandwidth(args.mib * 2**20, args.repeats, device)
     expert = format_bytes(bytes_per_expert(d_model, d_expert, dtype))
     progress(f"B_cpu, T_cpu: a host bank of {MOST_CPU_EXPERTS} {dtype} SwiGLU experts of 3 x "
              f"{d_model} x {d_expert} ({expert} each, "
              f"{format_bytes(bank_bytes(d_model, d_expert, dtype))}), {args.repeats + 1} runs "
              f"of 8 layer-calls per count")
-    timing = cpu_partial_timing(d_model, d_expert, args.repeats, progress=progress, dtype=dtype)
+    with _out_of_memory_is_one_line(f"--d-model {d_model} x "
+                                    f"{'--d-expert ' if not default_bank else ''}{d_expert}"):
+        timing = cpu_partial_timing(d_model, d_expert, args.repeats, progress=progress,
+                                    dtype=dtype)
     cpu, fixed = timing.bandwidth, timing.fixed
     print(f"device: {device.platform}:{device.id} ({device.device_kind})")
     where = "host -> device" if device.platform != "cpu" else "host -> host (no accelerator)"
@@ -101,6 +108,20 @@ def run_bench(args) -> int:
           f" --cpu-fixed-cost {format_duration(fixed)}  # B_cpu of {dtype} experts: replay "
           f"them with --model NAME:{dtype}")
     return 0
+
+
+@contextlib.contextmanager
+def _out_of_memory_is_one_line(sizes: str):
+    """An allocation the process's memory (an address-space limit, a full device) refuses, as
+    NumPy's MemoryError or XLA's RESOURCE_EXHAUSTED: one line naming the ``sizes``, exit 2."""
+    try:
+        yield
+    except Exception as error:  # noqa: BLE001 - XLA's runtime error has no stable public type
+        if not isinstance(error, MemoryError) and "RESOURCE_EXHAUSTED" not in str(error):
+            raise
+        first = str(error).strip().splitlines()[0] if str(error).strip() else "MemoryError"
+        raise UsageError(f"pallas-cache: bench-bandwidth: {sizes} ran out of memory ({first}); "
+                         f"lower it") from None
 
 
 #: CPU experts of bench-bandwidth's bank (pallas_cache.sizing.bandwidth.MOST, which imports

@@ -5,13 +5,12 @@ memory a replay would take, once the trace's geometry is known."""
 
 from __future__ import annotations
 
-import decimal
 import math
 import os
 import re
 import tempfile
 
-from pallas_cache.sizing.units import parse_duration
+from pallas_cache.sizing.units import NUMBER, parse_duration, scaled
 
 __all__ = ["COMPILE_BYTES_PER_WIDTH", "COMPILE_BYTES_PER_WIDTH_WIDE", "COMPILE_FACTOR_JAXLIB_0_11",
            "COMPILE_WIDE_ABOVE", "INT32_MAX", "check_batch_memory", "check_before_reading",
@@ -209,17 +208,22 @@ def clamped(policy: str) -> str:
     return policy
 
 
+_BARE_MILLISECONDS = re.compile(rf"\s*([+-]?(?:{NUMBER}|nan|inf|infinity))\s*", re.IGNORECASE)
+
+
 def milliseconds(flag: str, text: str) -> float:
-    """A ``--gpu-*-ms`` value in seconds: a bare number is milliseconds, or a duration with
-    its unit (``70us``); finite and at least 0."""
-    try:  # the double nearest the decimal's seconds: 0.07 ms is 7e-05 s, not 7.000000000000001e-05
-        seconds = float(decimal.Decimal(text.strip()) / 1000)
-    except (decimal.InvalidOperation, ValueError):
+    """A ``--gpu-*-ms`` value in seconds: a bare number (ASCII digits, as every flag reads
+    them) is milliseconds, or a duration with its unit (``70us``); finite and at least 0. Both
+    read the decimal exactly: ``0.07`` and ``0.07ms`` are ``7e-05`` s."""
+    bare = _BARE_MILLISECONDS.fullmatch(text)
+    if bare is not None:
+        seconds = scaled(bare.group(1), "1e-3")
+    else:
         try:
-            seconds = parse_duration(text)
+            seconds = parse_duration(text, finite=False)
         except ValueError:
-            raise ValueError(f"{flag} {text!r}: expected milliseconds such as 0.07 (or a "
-                             f"duration such as 70us)") from None
+            raise ValueError(f"{flag} {text!r}: expected milliseconds such as 0.07 in ASCII "
+                             f"digits (or a duration such as 70us)") from None
     if not math.isfinite(seconds) or seconds < 0:
         raise ValueError(f"{flag} {text!r}: must be a finite time of at least 0 ms")
     return seconds + 0.0  # -0 is 0
@@ -277,13 +281,20 @@ def check_modeled_numbers(cost, num_layers: int, top_k: int) -> None:
     if not width or not rates:
         return
     worst = float(width) * num_layers * top_k * 2e3 / min(rates)
-    gpu = ((getattr(cost, "gpu_layer_seconds", None) or 0.0)
-           + top_k * (getattr(cost, "gpu_expert_seconds", None) or 0.0))
-    worst += float(gpu) * num_layers * 1e3
     if not math.isfinite(worst):
         raise ValueError(f"the expert size {float(width):.4g} bytes over the bandwidth "
                          f"{min(rates):g} B/s gives a modeled time that overflows a float; "
                          f"check --expert-bytes and the bandwidths")
+    layer = getattr(cost, "gpu_layer_seconds", None) or 0.0
+    expert = getattr(cost, "gpu_expert_seconds", None) or 0.0
+    worst += (float(layer) + top_k * float(expert)) * num_layers * 1e3
+    if not math.isfinite(worst):
+        flags = [flag for flag, value in (("--gpu-layer-ms", layer), ("--gpu-expert-ms", expert))
+                 if value]
+        raise ValueError(f"--gpu-layer-ms {layer * 1e3:g} and --gpu-expert-ms "
+                         f"{expert * 1e3:g} over {num_layers} layers of top-{top_k} give a "
+                         f"modeled time per token that overflows a float; check "
+                         f"{' and '.join(flags)}")
     fixed = float(cost.cpu_fixed_seconds or 0.0)
     if not math.isfinite(worst + fixed * num_layers * 2e3):
         raise ValueError(f"--cpu-fixed-cost {fixed:g}s per layer-call gives a modeled time that "
@@ -429,17 +440,20 @@ BENCH_BANK_COPIES = 2 * 4
 
 
 def check_bench_memory(mib: int, d_model: int, d_expert: int, limit: int,
-                       dtype: str = "fp32") -> None:
+                       dtype: str = "fp32", *, d_expert_given: bool = True) -> None:
     """Refuse ``bench-bandwidth`` flags whose arrays cannot fit ``limit`` (the machine's memory),
     before any is allocated: ``--mib`` sizes the copied buffer, ``--d-model x --d-expert`` the
-    SwiGLU experts in format ``dtype``. ValueError, the one line the CLI prints."""
+    SwiGLU experts in format ``dtype``. ValueError, the one line the CLI prints, naming the flags
+    the user gave (``d_expert_given`` False: ``d_expert`` is the default bank's, not a flag's)."""
     from pallas_cache.formats import bytes_per_expert
     from pallas_cache.sizing.units import format_bytes
 
     link = BENCH_LINK_COPIES * mib * 2**20
     bank = BENCH_BANK_COPIES * bytes_per_expert(d_model, d_expert, dtype)
+    columns = (f"--d-expert {d_expert}" if d_expert_given else
+               f"the default bank's {d_expert} columns (shrunk to fit, give --d-expert to choose)")
     for nbytes, what in ((link, f"--mib {mib}: the copied buffer and its device copy"),
-                         (bank, f"--d-model {d_model} x --d-expert {d_expert}: four {dtype} "
+                         (bank, f"--d-model {d_model} x {columns}: four {dtype} "
                                 f"SwiGLU experts and their copies")):
         if nbytes > limit:
             raise ValueError(f"{what} would need about {format_bytes(nbytes)}, above this "

@@ -102,14 +102,69 @@ def console_main() -> int:
     return status
 
 
+#: The non-ASCII characters of the CLI's text and what a stream that cannot encode them gets.
+_ASCII_FALLBACK = {"§": "sec. ", "µ": "u", "×": "x", "≤": "<=", "≥": ">=", "—": "--", "–": "-",
+                   "→": "->", "…": "...", "·": ".", "≈": "~", "±": "+-", "−": "-"}
+
+
+def _ascii_fallback(error: UnicodeEncodeError):
+    """The codecs error handler of :func:`_printable_streams`: known characters spelled in
+    ASCII, any other as ``?``."""
+    bad = error.object[error.start:error.end]
+    return "".join(_ASCII_FALLBACK.get(ch, "?") for ch in bad), error.end
+
+
+def _printable_streams() -> None:
+    """Make stdout and stderr print the CLI's text (the legend's ``§``, ``µs``) in any stream
+    encoding (``PYTHONIOENCODING=ascii``, a C locale): where the encoding lacks them, they are
+    written in ASCII rather than ending the run in a UnicodeEncodeError."""
+    import codecs
+
+    try:
+        codecs.lookup_error("pallas_cache_ascii")
+    except LookupError:
+        codecs.register_error("pallas_cache_ascii", _ascii_fallback)
+    for stream in (sys.stdout, sys.stderr):
+        encoding = getattr(stream, "encoding", None)
+        if not encoding or not hasattr(stream, "reconfigure"):
+            continue
+        try:
+            "".join(_ASCII_FALLBACK).encode(encoding)
+        except UnicodeEncodeError:
+            stream.reconfigure(errors="pallas_cache_ascii")
+        except LookupError:
+            continue
+
+
+def _check_jax_platforms() -> None:
+    """A ``JAX_PLATFORMS`` naming no platform this JAX can start: one line, before any work
+    (JAX's own report is a RuntimeError from the first computation, 70 lines deep). Unset, or
+    the CPU alone (always there), it is not checked: JAX is then imported with the work, not
+    before a refusal the parser or the request gives."""
+    import os
+
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    if {name.strip() for name in platforms.split(",")} <= {"", "cpu"}:
+        return
+    import jax
+
+    try:
+        jax.devices()
+    except RuntimeError as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise UsageError(f"pallas-cache: JAX_PLATFORMS={platforms!r}: {first}") from None
+
+
 def _main(argv, *, compile_cache: bool) -> int:
     try:
         if IMPORT_INTERRUPTS:
             IMPORT_INTERRUPTS.clear()
             raise KeyboardInterrupt
+        _printable_streams()
         args = build_parser().parse_args(argv)
         if compile_cache and compile_cache_wanted(args.no_compile_cache):
             enable_compile_cache()
+        _check_jax_platforms()
         return _COMMANDS[args.command](args)
     except UsageError as error:  # every refusal: one line, exit 2
         print(error, file=sys.stderr)
