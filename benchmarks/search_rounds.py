@@ -6,7 +6,7 @@ evictions, a first-use round.
 Each loop is found by the Python source lines its instructions carry (the PTX assembled with
 ``ptxas -lineinfo``, read back with ``nvdisasm -g``): the innermost loop whose instructions
 come most from the body of ``victim_round`` and the helper it calls (``_next``,
-kernels/step.py) or of ``first_uses`` (kernels/ring.py). One pass of its body is walked with
+kernels/search.py) or of ``first_uses`` (kernels/ring.py). One pass of its body is walked with
 benchmarks/sass_walk.py's counting (instructions per warp, barriers, cross-warp reductions,
 dependent global round trips) along the round's common path: a conditional branch that skips
 code holding a barrier (the exact two-reduction minimum of a round whose packed key does not
@@ -40,7 +40,7 @@ from benchmarks import kernel_compile, sass_walk  # noqa: E402
 # (L, E, S, k): a small and a large model at two pool sizes each; the last pool streams.
 GEOMETRIES = kernel_compile.WALK_GEOMETRIES
 # The functions whose lines a round's instructions carry (a name absent from a tree is skipped).
-ROUNDS = {"victim": ("kernels/step.py", ("victim_round", "_next")),
+ROUNDS = {"victim": ("kernels/search.py", ("victim_round", "_next")),
           "first_use": ("kernels/ring.py", ("first_uses",))}
 
 

@@ -20,6 +20,8 @@ from pallas_cache.kernels import dispatch
 from pallas_cache.kernels import step as fused
 
 ROOT = Path(__file__).resolve().parents[2] / "pallas_cache"
+# The fused kernel's modules: its refs and call, its phases, its searches.
+KERNEL_STEP = tuple(ROOT / "kernels" / name for name in ("step.py", "phases.py", "search.py"))
 
 
 @pytest.mark.parametrize("eviction", ["lru", "pair_lfu"])
@@ -57,7 +59,7 @@ def _imports(path: Path) -> set[str]:
 def test_no_import_circle_between_the_ops_and_the_kernel():
     """FAILS if the kernel module imports the ops (the circle of a reference wrapper) or the ops
     import the kernel module themselves rather than through kernels/dispatch.py."""
-    assert not {m for m in _imports(ROOT / "kernels" / "step.py")
+    assert not {m for path in KERNEL_STEP for m in _imports(path)
                 if m == "pallas_cache.ops" or m.startswith("pallas_cache.ops.")}
     assert "pallas_cache.kernels.step" not in _imports(ROOT / "ops.py")
     assert not hasattr(fused, "fused_step_reference")
@@ -67,7 +69,7 @@ def test_the_plans_are_below_the_ops_and_both_steps():
     """FAILS if the fused kernel or the hybrid layer imports the ops or the XLA step for a plan
     class (an import circle once the step left ops.py), or if the kernel returns anything but
     the plan record."""
-    for path in (ROOT / "kernels" / "step.py", ROOT / "hybrid.py"):
+    for path in (*KERNEL_STEP, ROOT / "hybrid.py"):
         assert not {m for m in _imports(path) if m.split(".")[:2] in (["pallas_cache", "ops"],
                                                                      ["pallas_cache", "step"])}
     state = pc.init(2, 4, 6)
@@ -171,8 +173,7 @@ def test_the_kernels_ring_names_no_eviction_and_hands_the_key_typed_inputs():
     assert route_knn.NEIGHBOURS is ring.NEIGHBOURS == kernel_ring.NEIGHBOURS
     source = (ROOT / "evictions" / "route_knn.py").read_text()
     assert not re.search(r"^NEIGHBOURS\s*=", source, flags=re.M)
-    for text in ((ROOT / "kernels" / "ring.py").read_text(),
-                 (ROOT / "kernels" / "step.py").read_text()):
+    for text in (path.read_text() for path in (ROOT / "kernels" / "ring.py", *KERNEL_STEP)):
         assert "SimpleNamespace" not in text
     assert kernel_ring.per_slot(None, None, None, (), num_layers=2, num_experts=4) is None
     inputs = evictions.PerCallInputs(num_layers=2, next_use=jnp.int32(1))
