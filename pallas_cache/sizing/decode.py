@@ -89,6 +89,10 @@ class Geometry:
         return self.num_layers * self.num_experts
 
 
+#: The symmetric codes of each quantized format: ``2 m + 1`` levels ``-m .. m``.
+_LEVELS = {"int8": 255, "int4": 15}
+
+
 def _expert_fn_and_bank(geometry: Geometry, *, seed: int = 0, device=None,
                         progress: Callable[[str], None] = lambda line: None):
     """``(expert_fn, host_bank)``: :data:`pallas_cache.experts.swiglu` and a bank of random
@@ -121,10 +125,6 @@ def _expert_fn_and_bank(geometry: Geometry, *, seed: int = 0, device=None,
         if bank[name] is not leaf:
             leaf.delete()
     return experts.swiglu, bank
-
-
-#: The symmetric codes of each quantized format: ``2 m + 1`` levels ``-m .. m``.
-_LEVELS = {"int8": 255, "int4": 15}
 
 
 def _device_sharding(device):
