@@ -31,6 +31,8 @@ import numpy as np
 from jax import lax
 
 import pallas_cache as pc
+from pallas_cache import experts
+from pallas_cache.formats import int4_groups
 from pallas_cache.hybrid import device_partial
 from pallas_cache.moe import apply_copy_plan, put_host_bank
 from pallas_cache.sizing.sweep import ReplayConfig, parse_policy, replay
@@ -38,11 +40,8 @@ from pallas_cache.sizing.sweep.cost import CostModel, overlap_times
 from pallas_cache.sizing.traces import Trace
 from pallas_cache.sizing.units import format_bandwidth
 
-__all__ = ["ATTENTION_LINE", "DecodeRun", "EXPERT_DTYPES", "Geometry", "Parameters", "Row",
+__all__ = ["ATTENTION_LINE", "DecodeRun", "Geometry", "Parameters", "Row",
            "RowSpec", "bench_decode", "check_expert_dtype", "gap_line", "slope_rate"]
-
-#: The dtypes an expert function exists for, and their JAX types.
-EXPERT_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
 
 #: What the decode leaves out, said once wherever its numbers are shown.
 ATTENTION_LINE = ("each layer is its MoE block alone: no attention, dense layers or LM head; the "
@@ -53,10 +52,11 @@ SLOPE_TIME_LIMIT = 120.0
 
 
 def check_expert_dtype(dtype: str) -> None:
-    """Raise ``ValueError`` for a dtype with no expert function (one line, for the CLI)."""
-    if dtype not in EXPERT_DTYPES:
-        raise ValueError(f"no expert function yet for {dtype} (bench-decode runs "
-                         f"{', '.join(EXPERT_DTYPES)} experts)")
+    """Raise ``ValueError`` for a dtype no expert function of :mod:`pallas_cache.experts` reads
+    (one line, for the CLI)."""
+    if dtype not in experts.FORMATS:
+        raise ValueError(f"no expert function for {dtype} (bench-decode runs the library's "
+                         f"expert formats: {', '.join(experts.FORMATS)})")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,9 +65,9 @@ class Geometry:
 
     Attributes:
       num_layers / num_experts / top_k: ``L``, ``E`` and routes per layer-call.
-      d_model / d_expert: one SwiGLU expert's ``w1, w3 [d_model, d_expert]``, ``w2 [d_expert,
-        d_model]``.
-      dtype: the weights' dtype, a key of :data:`EXPERT_DTYPES`.
+      d_model / d_expert: one SwiGLU expert's three matrices, each stored as ``d_expert`` rows of
+        ``d_model`` weights (:mod:`pallas_cache.experts`' layout).
+      dtype: the bank's format, one of ``pallas_cache.experts.FORMATS``.
     """
 
     num_layers: int
@@ -79,8 +79,9 @@ class Geometry:
 
     @property
     def expert_bytes(self) -> int:
-        """``W``: one expert's three matrices."""
-        return 3 * self.d_model * self.d_expert * jnp.dtype(EXPERT_DTYPES[self.dtype]).itemsize
+        """``W``: one expert's three matrices as the bank stores them, scales included
+        (:func:`pallas_cache.experts.bytes_per_expert`)."""
+        return experts.bytes_per_expert(self.d_model, self.d_expert, self.dtype)
 
     @property
     def resident_slots(self) -> int:
@@ -88,42 +89,42 @@ class Geometry:
         return self.num_layers * self.num_experts
 
 
-def swiglu(weights, x):
-    """One expert on one token ``[H]``: ``(silu(x @ w1) * (x @ w3)) @ w2``, the matmuls in the
-    weights' dtype accumulated in float32, float32 out. No literal: inside the CPU partial's
-    host region jax 0.12 places one in device memory and refuses to add it to a host array
-    (``jax.nn.silu`` and ``lax.logistic`` lower with a ``1``), so the ``1`` of the sigmoid is
-    made from the data, ``exp(g - g)``, where the data lives (finite weights: random ones)."""
-    def mm(a, w):
-        return jnp.matmul(a.astype(w.dtype), w, preferred_element_type=jnp.float32)
-
-    gate = mm(x, weights["w1"])
-    one = jnp.exp(gate - gate)
-    return mm(gate * (one / (one + jnp.exp(-gate))) * mm(x, weights["w3"]), weights["w2"])
+#: The symmetric codes of each quantized format: ``2 m + 1`` levels ``-m .. m``.
+_LEVELS = {"int8": 255, "int4": 15}
 
 
 def _expert_fn_and_bank(geometry: Geometry, *, seed: int = 0, device=None,
                         progress: Callable[[str], None] = lambda line: None):
-    """``(expert_fn, host_bank)``: the expert function of ``geometry.dtype`` and a bank
-    ``{w1, w3: [L, E, H, F], w2: [L, E, F, H]}`` of random weights, made a leaf at a time on the
-    device and moved into host memory (``put_host_bank``), so neither NumPy nor the device ever
-    holds more than one leaf. The one place that knows how a dtype's experts are laid out."""
+    """``(expert_fn, host_bank)``: :data:`pallas_cache.experts.swiglu` and a bank of random
+    weights in the experts' layout of ``geometry.dtype`` (``w1, w3, w2: [L, E, F, H]``; bf16 as
+    uint16 bits, int8 codes with float32 ``<matrix>_scale`` per output channel, int4 packed
+    ``[L, E, F, H / 2]`` with ``[L, E, F, groups]`` scales), made a leaf at a time on the device
+    and moved into host memory (``put_host_bank``), so neither NumPy nor the device ever holds
+    more than one leaf."""
     check_expert_dtype(geometry.dtype)
     g = geometry
     device = jax.devices()[0] if device is None else device
-    shapes = {"w1": (g.d_model, g.d_expert), "w3": (g.d_model, g.d_expert),
-              "w2": (g.d_expert, g.d_model)}
+    lead = (g.num_layers, g.num_experts)
+    shape = lead + (g.d_expert, g.d_model)
+    leaves = []
+    for index, name in enumerate(("w1", "w3", "w2")):
+        fan_in = g.d_expert if name == "w2" else g.d_model
+        leaves.append((name, functools.partial(_random_leaf, shape=shape, fmt=g.dtype,
+                                               fan_in=fan_in, seed=3 * seed + index)))
+        if g.dtype in _LEVELS:
+            scale_shape = lead + ((g.d_model if name == "w2" else g.d_expert,) if g.dtype == "int8"
+                                  else (g.d_expert, int4_groups(g.d_model)))
+            value = math.sqrt(12.0 / fan_in / (_LEVELS[g.dtype] ** 2 - 1))  # variance 1/fan_in
+            leaves.append((f"{name}_scale", functools.partial(jnp.full, scale_shape, value,
+                                                              jnp.float32)))
     bank = {}
-    for index, (name, shape) in enumerate(shapes.items()):
-        progress(f"bank leaf {name} {[g.num_layers, g.num_experts, *shape]} {g.dtype}")
-        fill = jax.jit(functools.partial(_random_leaf, shape=(g.num_layers, g.num_experts) + shape,
-                                         dtype=EXPERT_DTYPES[g.dtype], seed=3 * seed + index),
-                       out_shardings=_device_sharding(device))
-        leaf = fill()
+    for name, make in leaves:
+        leaf = jax.jit(make, out_shardings=_device_sharding(device))()
+        progress(f"bank leaf {name} {list(leaf.shape)} {leaf.dtype} ({g.dtype})")
         bank[name] = put_host_bank(leaf, device)
         if bank[name] is not leaf:
             leaf.delete()
-    return swiglu, bank
+    return experts.swiglu, bank
 
 
 def _device_sharding(device):
@@ -133,10 +134,12 @@ def _device_sharding(device):
     return make(device) if make is not None else jax.sharding.SingleDeviceSharding(device)
 
 
-def _random_leaf(shape, dtype, seed):
-    """``[L, E, rows, cols]`` uniform values of variance ``1 / rows``: a hash of each element's
-    (layer, expert) and its index inside the expert, elementwise (one fused loop, no draw of
-    float32 first)."""
+def _random_leaf(shape, fmt, fan_in, seed):
+    """One stored matrix ``[L, E, F, H]`` of format ``fmt``: uniform weights of variance
+    ``1 / fan_in`` (quantized: uniform codes ``-m .. m`` of :data:`_LEVELS`, whose scale leaf
+    gives that variance), from a hash of each stored element's (layer, expert) and its index
+    inside the expert, elementwise (one fused loop, no draw of float32 first). int4 takes two
+    codes from each byte's hash, the even weight in the low nibble."""
     def mix(x):
         x = x ^ (x >> 16)
         x = x * jnp.uint32(0x7FEB352D)
@@ -144,12 +147,29 @@ def _random_leaf(shape, dtype, seed):
         x = x * jnp.uint32(0x846CA68B)
         return x ^ (x >> 16)
 
-    iota = functools.partial(lax.broadcasted_iota, jnp.uint32, shape)
-    expert = iota(0) * jnp.uint32(shape[1]) + iota(1) + jnp.uint32(seed * 0x9E3779B9 % 2**32)
-    inner = iota(2) * jnp.uint32(shape[3]) + iota(3)
+    stored = shape[:-1] + (shape[-1] // 2,) if fmt == "int4" else shape
+    iota = functools.partial(lax.broadcasted_iota, jnp.uint32, stored)
+    expert = iota(0) * jnp.uint32(stored[1]) + iota(1) + jnp.uint32(seed * 0x9E3779B9 % 2**32)
+    inner = iota(2) * jnp.uint32(stored[3]) + iota(3)
     bits = mix(mix(expert) + inner)
-    unit = (bits >> 8).astype(jnp.float32) * (1.0 / 2**24) - 0.5  # [-0.5, 0.5): variance 1/12
-    return (unit * math.sqrt(12.0 / shape[2])).astype(dtype)
+
+    def unit(shift, width):  # [-0.5, 0.5) from ``width`` bits of the hash: variance 1/12
+        return ((bits >> shift) & jnp.uint32(2**width - 1)).astype(jnp.float32) / 2**width - 0.5
+
+    if fmt not in _LEVELS:
+        weights = unit(8, 24) * math.sqrt(12.0 / fan_in)
+        if fmt == "bf16":  # the bits, as the experts' banks store them
+            return lax.bitcast_convert_type(weights.astype(jnp.bfloat16), jnp.uint16)
+        return weights
+    levels = _LEVELS[fmt]
+
+    def codes(shift, width):
+        return jnp.floor(unit(shift, width) * levels + 0.5).astype(jnp.int32)  # -m .. m
+
+    if fmt == "int8":
+        return codes(8, 24).astype(jnp.int8)
+    low, high = codes(8, 12), codes(20, 12)
+    return ((low & 0xF) | ((high & 0xF) << 4)).astype(jnp.uint8)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -368,18 +388,17 @@ class _Decoder:
                                  .astype(np.float32))
         self.x0 = jnp.asarray(rng.standard_normal((1, g.d_model)).astype(np.float32))
         self.programs = {}
-        experts = jnp.arange(g.num_experts, dtype=jnp.int32)
+        every = jnp.arange(g.num_experts, dtype=jnp.int32)
 
         @functools.partial(jax.jit, donate_argnums=(1,))
         def prime_layer(state, pool, bank, layer):
-            state, plan = pc.ensure(state, layer, experts)
+            state, plan = pc.ensure(state, layer, every)
             return state, apply_copy_plan(pool, bank, plan, layer=layer)
 
         self._prime_layer = prime_layer
 
     def pool(self, slots):
-        return {name: jnp.zeros((slots,) + leaf.shape[2:], leaf.dtype)
-                for name, leaf in self.bank.items()}
+        return experts.pool_like(self.bank, slots, layer_axis=True)
 
     def start(self, spec: RowSpec):
         """The cold (or, for the floor, primed) state and pool of a row."""

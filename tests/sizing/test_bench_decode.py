@@ -4,7 +4,10 @@ before any bank is made)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
+import io
 import json
 
 import numpy as np
@@ -20,17 +23,24 @@ COLUMNS = {"measured_ms_per_token", "modeled_ms_per_token", "fetched_per_token",
            "measured_over_modeled", "row", "cache_size", "policy", "eviction"}
 
 
-@pytest.fixture(scope="module")
-def tiny_rows():
-    """The JSON rows of one tiny run (2 layers, 8 tokens, d_model 64, one cache size)."""
-    import contextlib
-    import io
-
+@functools.lru_cache(maxsize=None)
+def _tiny_run(model=None, policies=()):
+    """The JSON rows of one tiny run (2 layers, 8 tokens, d_model 64, one cache size), of
+    ``--model`` when given (``--small``: float32), with ``--policy`` and both evictions when
+    ``policies`` are given (else the default rows)."""
+    argv = TINY + (["--model", model] if model else [])
+    if policies:
+        argv += ["--policy", *policies, "--eviction", "lru", "route_knn"]
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        status = cli.main(TINY)
+        status = cli.main(argv)
     assert status == 0
     return json.loads(out.getvalue())
+
+
+@pytest.fixture(scope="module")
+def tiny_rows():
+    return _tiny_run()
 
 
 def _tiny_trace():
@@ -56,12 +66,16 @@ def test_rows_have_the_columns_and_the_default_configurations(tiny_rows):
                      ("cache", "fraction", "lru")]
 
 
-def test_counts_equal_the_replays_on_the_same_routes(tiny_rows):
+@pytest.mark.parametrize("model", [None, "mixtral-8x7b:int8", "mixtral-8x7b:int4"])
+def test_counts_equal_the_replays_on_the_same_routes(model):
     """FAILS if the decode's fetched or CPU experts per token differ from a replay of the same
     routes and configuration (e.g. a decode that ignores the eviction, or the split), or the
     no-cache row does not copy every distinct routed expert of every call, or the floor fetches
-    anything."""
+    anything; for int8 and int4 banks (scale leaves copied with their rows, read in place by
+    the CPU partial) as for float32 ones, or if those formats are refused."""
     from pallas_cache.sizing import ReplayConfig, replay
+
+    tiny_rows = _tiny_run(model, ("full", "fraction:0.5"))  # a fixed split: CPU experts
 
     trace = _tiny_trace()
     cached = [r for r in tiny_rows if r["kind"] == "cache"]
@@ -113,9 +127,11 @@ def _refusal(capsys, monkeypatch, argv):
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["--model", "deepseek-v3"], "no expert function yet for fp8-b128"),
-    (["--model", "gpt-oss-120b"], "no expert function yet for mxfp4"),
-    (["--model", "mixtral-8x7b:int8"], "no expert function yet for int8"),
+    (["--model", "deepseek-v3"], "no expert function for fp8-b128"),
+    (["--model", "gpt-oss-120b"], "no expert function for mxfp4"),
+    (["--model", "mixtral-8x7b:fp16"], "no expert function for fp16"),
+    (["--model", "mixtral-8x7b:fp8"], "no expert function for fp8"),
+    (["--small", "--model", "mixtral-8x7b:int4", "--d-model", "63"], "d_model must be even"),
     (["--small", "--host-memory", "1MiB"], "fits no layer"),
     (["--small", "--bank-memory", "pinned_host"], "needs a GPU"),
     (["--small", "--cache-size", "4"], "outside [8, 32]"),
@@ -169,34 +185,43 @@ def test_the_floor_is_left_out_where_the_device_cannot_hold_it():
     assert not plan.floor and any("floor row is left out" in line for line in plan.lines)
 
 
-def test_the_bank_is_random_per_expert_and_lives_in_host_memory():
-    """FAILS if the bank is not in the host memory kind the backend offers (pinned_host), if
-    two experts or two layers hold the same weights, or their scale is not 1/sqrt(rows)."""
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "int8", "int4"])
+def test_the_bank_is_the_experts_format_random_per_expert_in_host_memory(dtype):
+    """FAILS if the bank is not in the host memory kind the backend offers (pinned_host), is not
+    a bank of ``dtype`` in pallas_cache.experts' layout (``[L, E, F, H]`` rows, bf16 bits,
+    int8/int4 codes with their scale leaves), if the model's W differs from the bytes stored per
+    expert, if two experts or two layers hold the same weights, or if their scale is not
+    1/sqrt(fan_in)."""
+    from pallas_cache import experts
     from pallas_cache.moe import host_memory_kind
     from pallas_cache.sizing.decode import Geometry, _expert_fn_and_bank
 
-    _, bank = _expert_fn_and_bank(Geometry(2, 4, 2, 64, 32, "bf16"))
-    assert {n: v.shape for n, v in bank.items()} == {"w1": (2, 4, 64, 32), "w3": (2, 4, 64, 32),
-                                                      "w2": (2, 4, 32, 64)}
+    geometry = Geometry(2, 4, 2, 64, 32, dtype)
+    expert_fn, bank = _expert_fn_and_bank(geometry)
+    assert expert_fn is experts.swiglu
+    assert experts.bank_format(bank, lead=2) == dtype
     for leaf in bank.values():
-        assert leaf.sharding.memory_kind == host_memory_kind() and leaf.dtype == "bfloat16"
-    w1 = np.asarray(bank["w1"], np.float32)
-    flat = w1.reshape(8, -1)
-    assert len({row.tobytes() for row in flat}) == 8
+        assert leaf.sharding.memory_kind == host_memory_kind()
+    assert sum(leaf.nbytes for leaf in bank.values()) == 8 * geometry.expert_bytes
+    weights = experts.dequantize({n: np.asarray(v) for n, v in bank.items()})
+    assert {n: v.shape for n, v in weights.items()} == {n: (2, 4, 32, 64) for n in weights}
+    w1 = np.asarray(weights["w1"])
+    assert len({row.tobytes() for row in w1.reshape(8, -1)}) == 8
     assert np.std(w1) == pytest.approx(1 / np.sqrt(64), rel=0.05)
-    assert not np.array_equal(w1, np.asarray(bank["w3"], np.float32))
+    assert np.std(np.asarray(weights["w2"])) == pytest.approx(1 / np.sqrt(32), rel=0.05)
+    assert not np.array_equal(w1, np.asarray(weights["w3"]))
 
 
-def test_the_expert_is_a_swiglu():
-    """FAILS if the expert function is not ``(silu(x @ w1) * (x @ w3)) @ w2`` (its sigmoid is
-    written without literals, for the host region of jax 0.12)."""
-    from pallas_cache.sizing.decode import swiglu
+def test_the_pool_is_the_experts_pool_of_the_bank():
+    """FAILS if a row's pool is not ``experts.pool_like`` of the bank (an int4 pool without its
+    scale leaves, or of other shapes or dtypes, could not take apply_copy_plan's rows)."""
+    from pallas_cache import experts
+    from pallas_cache.sizing.decode import Geometry, _Decoder
 
-    rng = np.random.default_rng(0)
-    w = {"w1": rng.standard_normal((8, 16)), "w3": rng.standard_normal((8, 16)),
-         "w2": rng.standard_normal((16, 8))}
-    x = rng.standard_normal(8)
-    gate = x @ w["w1"]
-    want = (gate / (1 + np.exp(-gate)) * (x @ w["w3"])) @ w["w2"]
-    got = swiglu({k: v.astype(np.float32) for k, v in w.items()}, x.astype(np.float32))
-    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
+    geometry = Geometry(1, 8, 2, 64, 32, "int4")
+    decoder = _Decoder(geometry, np.zeros((2, 1, 2), np.int32), 0, lambda line: None)
+    pool = decoder.pool(3)
+    want = experts.pool_like(decoder.bank, 3, layer_axis=True)
+    assert {n: (v.shape, v.dtype) for n, v in pool.items()} == {
+        n: (v.shape, v.dtype) for n, v in want.items()}
+    assert experts.bank_format(pool, lead=1) == "int4"

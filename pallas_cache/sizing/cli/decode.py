@@ -46,9 +46,12 @@ def _checked_args(args):
         model, dtype = resolve_model(text)
     except ValueError as error:
         _fail(str(error).replace(" (or give --expert-bytes)", ""))
-    if dtype not in ("fp32", "bf16", "fp16"):
-        _fail(f"no expert function yet for {dtype} (--model {text}; bench-decode runs fp32, "
-              f"bf16 and fp16 experts)")
+    from pallas_cache.sizing.decode import check_expert_dtype
+
+    try:
+        check_expert_dtype(dtype)
+    except ValueError as error:
+        _fail(f"--model {text}: {error}")
     return model, dtype
 
 
@@ -63,6 +66,8 @@ def plan_run(args, platform: str, device_memory: int | None) -> Plan:
     small = SMALL if args.small else {}
     d_model = args.d_model or small.get("d_model", model.d_model)
     d_expert = args.d_expert or small.get("d_expert", model.d_expert)
+    if dtype == "int4" and d_model % 2:
+        _fail(f"int4 packs two weights per byte: d_model must be even, got {d_model}")
     probe = Geometry(1, model.routed_experts, model.top_k, d_model, d_expert, dtype)
     layer_bytes = model.routed_experts * probe.expert_bytes
     # On a CPU the pools share the host's memory: the floor's L*E slots beside the bank; and one

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from pallas_cache.formats import FORMATS
 from pallas_cache.sizing.cli import names as cli_names
 from pallas_cache.sizing.models import MODELS
 
@@ -48,8 +49,8 @@ def add_parser(commands, common, memory_size, default_preset: str) -> argparse.A
         description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter, parents=[common])
     parser.add_argument("--model", metavar="NAME[:DTYPE]", default=None,
                         help=f"the expert geometry and dtype: {', '.join(MODELS)} (default: "
-                             f"{DEFAULT_MODEL}; --small: float32); expert functions exist for "
-                             f"fp32, bf16 and fp16")
+                             f"{DEFAULT_MODEL}; --small: float32); the library's expert "
+                             f"functions read {', '.join(FORMATS)}")
     parser.add_argument("--small", action="store_true",
                         help=f"a small geometry: d_model {SMALL['d_model']}, d_expert "
                              f"{SMALL['d_expert']}, {SMALL['dtype']}, {SMALL['layers']} layers, "
