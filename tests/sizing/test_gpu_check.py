@@ -6,24 +6,13 @@ profiled dispatch."""
 
 from __future__ import annotations
 
-import importlib
 import os
 import re
 import sys
 
 import pytest
 
-BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                          "benchmarks")
-
-
-@pytest.fixture(scope="module")
-def gpu_check():
-    sys.path.insert(0, BENCHMARKS)
-    try:
-        yield importlib.import_module("gpu_check")
-    finally:
-        sys.path.remove(BENCHMARKS)
+from tests.sizing.conftest import BENCHMARKS
 
 
 def test_the_dry_run_fits_the_budget_with_every_phase(gpu_check, capsys):

@@ -4,24 +4,13 @@ folder cannot be made, a duplicated eviction, a time limit no wait can take."""
 
 from __future__ import annotations
 
-import importlib
 import os
 import subprocess
 import sys
 
 import pytest
 
-BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__)))), "benchmarks")
-
-
-@pytest.fixture(scope="module")
-def gpu_check():
-    sys.path.insert(0, BENCHMARKS)
-    try:
-        yield importlib.import_module("gpu_check")
-    finally:
-        sys.path.remove(BENCHMARKS)
+from tests.sizing.conftest import BENCHMARKS
 
 
 def _refused(capsys, call, script):
