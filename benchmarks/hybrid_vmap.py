@@ -81,7 +81,8 @@ def main(argv=None) -> None:
         header,
         f"One layer-call per cache (`ensure_hybrid` at `fraction:0`, which copies nothing, "
         f"then `moe_hybrid` with `pc.experts.swiglu`, bf16 experts {H} x {F}, {E} experts, one "
-        f"token, top-{TOP_K}: 2 CPU experts per cache, different ones per cache); "
+        f"token, top-{TOP_K}: 2 CPU experts per cache, different ones per cache; the bank an "
+        f"argument of both programs, shared by the caches); "
         f"{args.rounds} interleaved rounds. Load average {min(loads):.1f}-{max(loads):.1f}.",
         markdown_table(["call", "ms (median)"], rows),
         f"`jit(vmap(layer))` over {n} caches / {n} x one cache's, per round: **{ratio:.2f}x** "
