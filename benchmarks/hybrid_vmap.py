@@ -30,6 +30,34 @@ from timing import (interleaved, load_average, markdown_table, publish, run_head
 E, H, F, TOP_K = 8, 1024, 3584, 2
 
 
+def calls(n: int, *, num_experts: int = E, d_model: int = H, d_expert: int = F):
+    """The jitted layer for one cache and its ``vmap`` over ``n``, with their arguments:
+    ``(one, one_args, many, many_args)``.
+
+    The bank is an argument of both, shared by the caches (``in_axes`` None), not closed over:
+    jax <= 0.11 makes a closed-over array a constant of the program, which XLA:CPU rebuilds on
+    every call (the filler bank, a splat, from a broadcast: 176 MB here, most of a call's time on
+    those versions, which made 4 caches look cheaper than one)."""
+    bank = experts.filler_bank(num_experts, d_model, d_expert, "bf16")
+    pool = experts.pool_like(bank, num_experts)
+    policy = pc.FetchPolicy.fraction(0.0)
+
+    def layer(state, pool, ids, x, bank):
+        gates = jnp.full(ids.shape, 0.5, jnp.float32)
+        state, plan = pc.ensure_hybrid(state, 0, ids, policy)
+        # fraction:0 fetches nothing: the pool stays as it is (no apply_copy_plan to time).
+        return pc.moe_hybrid(x, ids, gates, plan, pool, bank, experts.swiglu)
+
+    ids = jnp.asarray([[(2 * c) % num_experts, (2 * c + 1) % num_experts] for c in range(n)],
+                      jnp.int32)[:, None]
+    x = jnp.full((n, 1, d_model), 0.01, jnp.float32)
+    state = pc.init(1, num_experts, num_experts)
+    states = pc.stack_states([state] * n)
+    pools = jax.tree.map(lambda leaf: jnp.stack([leaf] * n), pool)
+    return (jax.jit(layer), (state, pool, ids[0], x[0], bank),
+            jax.jit(jax.vmap(layer, in_axes=(0, 0, 0, 0, None))), (states, pools, ids, x, bank))
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=21)
@@ -37,25 +65,9 @@ def main(argv=None) -> None:
     parser.add_argument("--write", action="store_true")
     args = parser.parse_args(argv)
     n = args.caches
-    bank = experts.filler_bank(E, H, F, "bf16")
-    pool = experts.pool_like(bank, E)
-    policy = pc.FetchPolicy.fraction(0.0)
-
-    def layer(state, pool, ids, x):
-        gates = jnp.full(ids.shape, 0.5, jnp.float32)
-        state, plan = pc.ensure_hybrid(state, 0, ids, policy)
-        # fraction:0 fetches nothing: the pool stays as it is (no apply_copy_plan to time).
-        return pc.moe_hybrid(x, ids, gates, plan, pool, bank, experts.swiglu)
-
-    ids = jnp.asarray([[(2 * c) % E, (2 * c + 1) % E] for c in range(n)], jnp.int32)[:, None]
-    x = jnp.full((n, 1, H), 0.01, jnp.float32)
-    state = pc.init(1, E, E)
-    states = pc.stack_states([state] * n)
-    pools = jax.tree.map(lambda leaf: jnp.stack([leaf] * n), pool)
-    one = jax.jit(layer)
-    many = jax.jit(jax.vmap(layer))
-    variants = {"one cache": lambda: one(state, pool, ids[0], x[0]).block_until_ready(),
-                f"vmap over {n}": lambda: many(states, pools, ids, x).block_until_ready()}
+    one, one_args, many, many_args = calls(n)
+    variants = {"one cache": lambda: one(*one_args).block_until_ready(),
+                f"vmap over {n}": lambda: many(*many_args).block_until_ready()}
     loads = [load_average()]
     times = interleaved(variants, args.rounds)
     loads.append(load_average())
@@ -69,7 +81,8 @@ def main(argv=None) -> None:
         header,
         f"One layer-call per cache (`ensure_hybrid` at `fraction:0`, which copies nothing, "
         f"then `moe_hybrid` with `pc.experts.swiglu`, bf16 experts {H} x {F}, {E} experts, one "
-        f"token, top-{TOP_K}: 2 CPU experts per cache, different ones per cache); "
+        f"token, top-{TOP_K}: 2 CPU experts per cache, different ones per cache; the bank an "
+        f"argument of both programs, shared by the caches); "
         f"{args.rounds} interleaved rounds. Load average {min(loads):.1f}-{max(loads):.1f}.",
         markdown_table(["call", "ms (median)"], rows),
         f"`jit(vmap(layer))` over {n} caches / {n} x one cache's, per round: **{ratio:.2f}x** "

@@ -7,7 +7,10 @@ sizes equal to what the sizing model counts; bad banks refused naming the leaf."
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import re
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -314,6 +317,23 @@ def test_under_vmap_a_batch_of_banks_or_pools_is_read_in_place_too():
     for fn in (cpu, device):
         hlo = jax.jit(jax.vmap(fn)).lower(banks, ids, gates, x).compile().as_text()
         assert _whole_matrix_ops(hlo, size) == [], fn.__name__
+
+
+def test_the_vmap_benchmark_times_the_layer_not_a_rebuilt_bank():
+    """FAILS if benchmarks/hybrid_vmap.py closes its layer over the bank: jax <= 0.11 then makes
+    the bank a constant of the program, which XLA:CPU rebuilds on every call (an op the size of
+    the bank in both programs), so the benchmark times that rebuild and 4 caches look cheaper than
+    one; on jax 0.12 the closed-over bank is an argument and this passes either way."""
+    benchmarks = str(Path(__file__).resolve().parents[2] / "benchmarks")
+    sys.path.insert(0, benchmarks)
+    try:
+        bench = importlib.import_module("hybrid_vmap")
+    finally:
+        sys.path.remove(benchmarks)
+    one, one_args, many, many_args = bench.calls(2, num_experts=4, d_model=128, d_expert=256)
+    size = 4 * 256 * 128
+    for fn, args in ((one, one_args), (many, many_args)):
+        assert _whole_matrix_ops(fn.lower(*args).compile().as_text(), size) == []
 
 
 # ---- bad banks ----------------------------------------------------------------------------------
