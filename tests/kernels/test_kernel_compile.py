@@ -27,11 +27,7 @@ CASES = [(geometry, eviction, variant) for geometry in kernel_compile.TEST_GEOME
 # Known spills, each a strict xfail: (geometry, eviction, variant) -> the reason; the case fails
 # the run once it stops spilling (drop it here) (benchmarks/RESULTS.md, "Spills of the combined
 # kernel" and "The kernel's operands").
-KNOWN_SPILLS: dict[tuple, str] = {
-    ((64, 512, 16384, 8), "route_knn", "ensure_hybrid/recency/promote_one"):
-        "16 B stored / 8 B loaded at 128 registers since the state leaves keep their shapes "
-        "(issue #60; was 146 registers, no spill): owed",
-}
+KNOWN_SPILLS: dict[tuple, str] = {}
 
 
 def _case(geometry, eviction, variant):
