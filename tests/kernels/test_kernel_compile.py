@@ -2,7 +2,9 @@
 IR Pallas emits is compiled for sm_90a by the ``triton`` package (the ``test`` and ``compile``
 extras pin it) and assembled by its ptxas, and a call with no miss walked through its SASS
 (benchmarks/sass_walk.py). Runs wherever ``triton`` is installed; a Triton IR that fails to parse
-or assemble fails here, it does not skip. Each kernel is compiled once per session."""
+or assemble fails here, it does not skip. Each kernel is lowered and compiled once per session
+(``kernel_compile.measure`` keeps its rows); a kernel an earlier run compiled with the same
+``triton`` is read from that package's cache, even where only its source lines moved."""
 
 from __future__ import annotations
 
