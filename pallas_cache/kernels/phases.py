@@ -252,6 +252,11 @@ def victims_needed(num_fetch, num_missing, accepted, *, promote_one: bool, reuse
     return jnp.where(accepted, need, 0)
 
 
+def streamed(capacity: int, block: int) -> bool:
+    """Whether :func:`rank_victims` streams the pool (more than one block of slots)."""
+    return -(-capacity // block) > 1
+
+
 def rank_victims(call, state, state_out, scratch, hits: _Hits, need, o_idx, *, step, base,
                  limit, layer_c, ranking, block, sz: Sizes, barrier):
     """Phase rank victims: the first ``need`` victims ``(victims, usage, occupants)``
@@ -299,7 +304,7 @@ def rank_victims(call, state, state_out, scratch, hits: _Hits, need, o_idx, *, s
                                      layer_c=layer_c, size=limit, searching=searching,
                                      num_layers=sz.L, capacity=C, barrier=barrier)
                   if state.ring else None)
-    if -(-C // block) == 1:
+    if not streamed(C, block):
         return search.victims_one_block(pool_block, state.residency.id_of_slot, need, o_idx,
                                         width=ranking.width, block=block)
     # PAIR_LFU's key (the tables gathered per slot) with the next block's loads held through

@@ -107,10 +107,11 @@ def step_kernel(
     stamp_block: int, interpret: bool,
 ):
     """The step's phases in the XLA step's order (pallas_cache/step.py), plus the kernel's own
-    writes of the state and the plan at the end; the count's reads of the layer's rows come
-    right after the victim search, ahead of admit (docs/design.md, "The step in phases"). Every
-    read of a state leaf comes before any write to it (the outputs alias the inputs), but for the
-    stamps, which are read back after the rebase and the hit refresh wrote them."""
+    writes of the state and the plan at the end; the count's reads of the layer's rows (and
+    the fetch order, after a streamed search) come right after the victim search, ahead of
+    admit (docs/design.md, "The step in phases"). Every read of a state leaf comes before any
+    write to it (the outputs alias the inputs), but for the stamps, which are read back after
+    the rebase and the hit refresh wrote them."""
     L, E = num_layers, num_experts
     K, C = call.routes.shape[0], state.residency.id_of_slot.shape[0]
     e_width, o_width = common.next_pow2(E), common.next_pow2(num_out)
@@ -140,14 +141,23 @@ def step_kernel(
     phases.refresh_hits(state_out, hits, step, accepted)
     barrier()  # the hit refresh (and the ring) before the scan's loads by other threads
     o_idx = lax.iota(jnp.int32, o_width)
-    experts, recs = phases.fetch_order(lanes, state_out.routing.recency, layer_c, hits.miss,
-                                       hits.num_missing, o_idx, num_experts=E,
-                                       by_recency=by_recency, with_recs=promote_one or reuse)
+    order = functools.partial(phases.fetch_order, lanes, state_out.routing.recency, layer_c,
+                              hits.miss, hits.num_missing, o_idx, num_experts=E,
+                              by_recency=by_recency, with_recs=promote_one or reuse)
+    # The fetch order after a streamed victim search (a loop over the pool's blocks), which does
+    # not read it: held across that loop it made ptxas spill ROUTE_KNN at (64, 512, 16384, 8);
+    # before a search of one block, where after it made ROUTE_LFU spill at (48, 128, 4096, 8)
+    # (docs/design.md, "Registers").
+    streamed = phases.streamed(C, block)
+    if not streamed:
+        experts, recs = order()
     need = phases.victims_needed(num_fetch, hits.num_missing, accepted, promote_one=promote_one,
                                  reuse=reuse)
     victims, vusage, occupants = phases.rank_victims(
         call, state, state_out, scratch, hits, need, o_idx, step=step, base=base, limit=limit,
         layer_c=layer_c, ranking=ranking, block=block, sz=sz, barrier=barrier)
+    if streamed:
+        experts, recs = order()
     # The layer's rows, the collect flag and the route counts after the victim search, not in
     # the first waves: held across it they made ptxas spill (benchmarks/RESULTS.md, "Spills").
     rows = phases.read_count_rows(state, stats_idx, row, e_ok,

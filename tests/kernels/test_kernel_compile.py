@@ -2,7 +2,9 @@
 IR Pallas emits is compiled for sm_90a by the ``triton`` package (the ``test`` and ``compile``
 extras pin it) and assembled by its ptxas, and a call with no miss walked through its SASS
 (benchmarks/sass_walk.py). Runs wherever ``triton`` is installed; a Triton IR that fails to parse
-or assemble fails here, it does not skip. Each kernel is compiled once per session."""
+or assemble fails here, it does not skip. Each kernel is lowered and compiled once per session
+(``kernel_compile.measure`` keeps its rows); a kernel an earlier run compiled with the same
+``triton`` is read from that package's cache, even where only its source lines moved."""
 
 from __future__ import annotations
 
@@ -27,11 +29,7 @@ CASES = [(geometry, eviction, variant) for geometry in kernel_compile.TEST_GEOME
 # Known spills, each a strict xfail: (geometry, eviction, variant) -> the reason; the case fails
 # the run once it stops spilling (drop it here) (benchmarks/RESULTS.md, "Spills of the combined
 # kernel" and "The kernel's operands").
-KNOWN_SPILLS: dict[tuple, str] = {
-    ((64, 512, 16384, 8), "route_knn", "ensure_hybrid/recency/promote_one"):
-        "16 B stored / 8 B loaded at 128 registers since the state leaves keep their shapes "
-        "(issue #60; was 146 registers, no spill): owed",
-}
+KNOWN_SPILLS: dict[tuple, str] = {}
 
 
 def _case(geometry, eviction, variant):
