@@ -57,6 +57,17 @@ PROFILE = os.environ.get("PALLAS_CACHE_PROFILE", "ci")
 os.environ["PALLAS_CACHE_NO_COMPILE_CACHE"] = "1"
 settings.load_profile(PROFILE)
 
+#: Whether XLA compiles with most of its optimizations off (``jax_disable_most_optimizations``:
+#: LLVM at -O0): the default of the ``ci`` profile, whose time is mostly XLA:CPU compiling small
+#: programs that run a few times (a quarter less CPU in the lockstep tests). Under ``deep``, or
+#: with ``JAX_DISABLE_MOST_OPTIMIZATIONS=0``, the tests compile as users do; a test that reads
+#: XLA's optimized program takes the :func:`optimized_xla` fixture. Set in the environment too,
+#: so the subprocesses the tests start (the CLI, the four-device mesh checks) compile alike.
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1" if PROFILE == "ci" else "0")
+FAST_COMPILE = os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"].lower() in ("1", "true", "yes", "y",
+                                                                         "t", "on")
+jax.config.update("jax_disable_most_optimizations", FAST_COMPILE)
+
 
 #: A test the ``deep`` profile runs and ``ci`` skips (visibly): one whose rules other tests of the
 #: fast profile already cover on another path.
@@ -90,6 +101,20 @@ def adapters_for(definition):
         return ADAPTERS
     added = {name for marker, name in MARKED_ADAPTERS.items() if definition.get_closest_marker(marker)}
     return tuple(name for name in ADAPTERS if name in ("reference", "jax-eager") or name in added)
+
+
+@pytest.fixture
+def optimized_xla():
+    """XLA's optimizations on for one test (one that reads the program XLA:CPU compiles, as
+    users get it), whatever :data:`FAST_COMPILE` says; the compiled programs are dropped before
+    and after, so none crosses from one setting to the other."""
+    jax.clear_caches()
+    jax.config.update("jax_disable_most_optimizations", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_disable_most_optimizations", FAST_COMPILE)
+        jax.clear_caches()
 
 
 @pytest.fixture(autouse=True, scope="module")

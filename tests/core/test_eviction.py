@@ -188,6 +188,7 @@ def test_the_cli_sweeps_evictions_and_refuses_reuse_with_pair_lfu(capsys):
 # ---- the ring evictions' bookkeeping (ROUTE_KNN, ROUTE_LFU) --------------------------------
 
 
+@pytest.mark.usefixtures("optimized_xla")
 @pytest.mark.parametrize("eviction", evictions_under_test(ring=True))
 def test_ring_bookkeeping_is_one_branch_on_cpu(eviction):
     """FAILS if the ring's bookkeeping of a call, and the prediction table ROUTE_KNN's ranking

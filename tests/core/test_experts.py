@@ -270,6 +270,7 @@ def _whole_matrix_ops(hlo: str, size: int) -> list[str]:
     return found
 
 
+@pytest.mark.usefixtures("optimized_xla")
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_cpu_partial_reads_the_library_experts_in_place(fmt):
     """FAILS if the compiled cpu_partial computes any array as large as one expert matrix: a
@@ -292,6 +293,7 @@ def test_cpu_partial_reads_the_library_experts_in_place(fmt):
     assert _whole_matrix_ops(compiled(lambda w, t: experts.swiglu(w, t)), size)
 
 
+@pytest.mark.usefixtures("optimized_xla")
 def test_under_vmap_a_batch_of_banks_or_pools_is_read_in_place_too():
     """FAILS if vmapping the partials over a batch of banks (cpu_partial) or of pools
     (device_partial) slices each element's bank or pool out of the batch (a copy of all its
