@@ -20,7 +20,7 @@ from pallas_cache.sizing.units import format_bytes
 
 __all__ = ["COLUMN_LEGEND", "CONFIG_KEYS", "FORMATS", "GPU_LEGEND", "GPU_RECORD_KEYS",
            "NOT_RECORDED", "RECORD_KEYS", "TABLE_WIDTH", "config_label", "format_records", "legend_text",
-           "merged_configs", "records", "table_columns"]
+           "merged_configs", "pick_label", "records", "table_columns"]
 
 #: The output formats of :func:`format_records` (``pallas-cache replay --format``).
 FORMATS = ("table", "json", "jsonl", "csv", "markdown")
@@ -262,6 +262,13 @@ def merged_configs(rows: Sequence[dict]) -> dict[tuple, tuple]:
 def config_label(config: tuple, shown: Sequence[str] = ("policy",)) -> str:
     """``policy=fraction:0.4`` (with the other configuration keys in ``shown``)."""
     return " ".join(f"{key}={value}" for key, value in zip(CONFIG_KEYS, config) if key in shown)
+
+
+def pick_label(row: dict) -> str:
+    """A picked record's configuration, every key of :data:`CONFIG_KEYS` (the eviction only
+    where it is not ``lru``): ``policy=full order=recency admission=promote_one``."""
+    return config_label(tuple(row[key] for key in CONFIG_KEYS),
+                        [key for key in CONFIG_KEYS if key != "eviction" or row[key] != "lru"])
 
 
 #: Columns that depend on the cache size (and batch) alone: a table too wide for

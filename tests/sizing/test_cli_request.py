@@ -30,7 +30,9 @@ def test_the_request_is_frozen_and_holds_library_types():
     assert got.admissions == (Admission.PROMOTE_ONE,)
     assert got.evictions == (Eviction.LRU, Eviction.ROUTE_KNN)
     assert isinstance(got.cost, CostModel) and got.cost.link_bandwidth == 25e9
-    assert got.cache_sizes == (CacheSize("64", slots=64), CacheSize("12GiB", nbytes=12 * 2**30),
+    assert got.cache_sizes == (CacheSize("64", slots=64),
+                               CacheSize("12GiB", slots=12 * 2**30 // (336 * 2**20),
+                                         nbytes=12 * 2**30),
                                CacheSize("auto"))
     assert got.source == SyntheticSource("mixtral-like", 8, 0, {"num_layers": 32,
                                                                "num_experts": 8, "top_k": 2})

@@ -431,6 +431,7 @@ def test_lines_say_a_trace_is_synthetic_and_which_sizes_it_is_too_short_for():
     of the Mixtral-calibrated generator, or a size where most of a ``full`` row's misses are
     cold (the first use of an expert) is not named, or a recorded trace is called synthetic."""
     from pallas_cache.sizing import synthetic
+    from pallas_cache.sizing.cli.findings import coverage
     from pallas_cache.sizing.cli.output import trace_lines
     from pallas_cache.sizing.synthetic import RealisticParams
 
@@ -442,9 +443,9 @@ def test_lines_say_a_trace_is_synthetic_and_which_sizes_it_is_too_short_for():
             {"cache_size": 64, "policy": "full", "missing": distinct},  # every expert: plain
             {"cache_size": 32, "policy": "full", "missing": distinct},
             {"cache_size": 32, "policy": "fraction:0.4", "missing": distinct}]
-    lines = trace_lines(rows, trace, "mixtral-realistic")
+    lines = trace_lines(coverage(rows, trace, "mixtral-realistic"))
     assert len(lines) == 2
     assert "calibrated on Mixtral-8x7B" in lines[0] and "stretched" in lines[0]
     assert lines[1].startswith("The trace is too short for cache_size 32:")
     assert f"{distinct} experts" in lines[1]
-    assert trace_lines(rows[:1], trace, None) == []
+    assert trace_lines(coverage(rows[:1], trace, None)) == []

@@ -9,6 +9,7 @@ import json
 import types
 
 from pallas_cache.sizing.cli import output as cli_output
+from pallas_cache.sizing.cli.findings import stops_copying
 from pallas_cache.sizing.report import (RECORD_KEYS, TABLE_WIDTH, _split_key, format_records,
                                         merged_configs)
 
@@ -115,10 +116,10 @@ def test_a_fraction_that_copies_nothing_at_this_width_says_so_when_best():
     best with no word that it stops copying once the pool is full, or a fraction that does
     copy (0.4 copies 1 of 2) gets that line."""
     trace = types.SimpleNamespace(top_k=2, num_experts=8)
-    lines = cli_output._stops_copying(_sweep(), trace)
+    lines = cli_output.stops_copying_lines(stops_copying(_sweep(), trace))
     assert len(lines) == 1 and lines[0].startswith("fraction:0.2941 is marked best")
     assert "stops copying" in lines[0]
     rows = [dict(r, best=r["policy"] == "fraction:0.4", budget_best=False) for r in _sweep()]
-    assert cli_output._stops_copying(rows, trace) == []
+    assert stops_copying(rows, trace) == ()
     # merged into one call of 8 requests' routes, 0.2941 copies some of up to 16 misses
-    assert cli_output._stops_copying(_sweep(batch=8), trace) == []
+    assert stops_copying(_sweep(batch=8), trace) == ()
