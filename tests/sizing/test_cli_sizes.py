@@ -9,7 +9,6 @@ import types
 
 import pytest
 
-from pallas_cache import Admission, Eviction, FetchOrder
 from pallas_cache.sizing.cli import replay
 from pallas_cache.sizing.cli.parser import build_parser
 from pallas_cache.sizing.cli.request import build_request
@@ -69,15 +68,3 @@ def test_no_other_cli_module_decides_what_a_cache_size_means():
         text = path.read_text()
         for name in ("auto_cache_sizes", "budget_fit", "nbytes //", ".nbytes is not None"):
             assert name not in text, f"{path.name} uses {name}"
-
-
-def test_the_axes_reach_the_sweep_as_enum_members():
-    """FAILS if the request turns its axes back into strings for the sweep to coerce again: the
-    configurations carry the members the request holds."""
-    got = request("--cache-size", "64", "--order", "lowest_id", "--admission", "none",
-                  "--eviction", "route_knn")
-    geometry = types.SimpleNamespace(num_layers=32, num_experts=8, top_k=2)
-    [config] = replay.configurations(got, geometry, ["full"]).configs
-    assert config.order is FetchOrder.LOWEST_ID
-    assert config.admission is Admission.NONE
-    assert config.eviction is Eviction.ROUTE_KNN

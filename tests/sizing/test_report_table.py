@@ -123,3 +123,23 @@ def test_a_fraction_that_copies_nothing_at_this_width_says_so_when_best():
     assert stops_copying(rows, trace) == ()
     # merged into one call of 8 requests' routes, 0.2941 copies some of up to 16 misses
     assert stops_copying(_sweep(batch=8), trace) == ()
+
+
+def test_the_printer_replays_nothing_and_runs_no_array_code():
+    """FAILS if ``cli/output.py`` computes what it prints (per-layer LRU replayed for the
+    cliffs, NumPy over the trace's routes, JAX for the split, the budget's fit): it takes the
+    results of ``cli/findings.py`` and ``cli/sizes.py`` and turns them into text."""
+    import ast
+    import pathlib
+
+    source = pathlib.Path(cli_output.__file__).read_text()
+    imported = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            imported |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            imported.add(node.module)
+    heavy = {name for name in imported if name.split(".")[0] in ("jax", "numpy")
+             or name in ("pallas_cache.sizing.trace_stats", "pallas_cache.sizing.sweep.records")}
+    assert not heavy, heavy
+    assert not hasattr(cli_output, "budget_fit") and not hasattr(cli_output, "with_budget_fit")

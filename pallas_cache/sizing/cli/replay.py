@@ -15,7 +15,6 @@ import numpy as np
 
 from pallas_cache.evictions import Eviction
 from pallas_cache.mesh import expert_sharding
-from pallas_cache.policy import Admission
 from pallas_cache.sizing import devices as sizing_devices
 from pallas_cache.sizing import sweep, synthetic
 from pallas_cache.sizing.batching import batched_records, split_requests
@@ -275,14 +274,20 @@ def knn_companions(request: ReplayRequest, configs) -> list:
     policies = [c.policy for c in configs]
     policy = "full" if "full" in policies else policies[0]
     # the grid's first configuration of that policy route_knn takes (it refuses reuse)
-    first = next((c for c in configs if c.policy == policy
-                  and (Eviction.ROUTE_KNN.policy.allows_reuse
-                       or c.admission is not Admission.REUSE)), None)
+    first = next(filter(None, (_as_route_knn(c) for c in configs if c.policy == policy)), None)
     if first is None:
         return []
     sizes = dict.fromkeys(c.cache_size for c in configs)
-    return [dataclasses.replace(first, cache_size=size, eviction=Eviction.ROUTE_KNN)
-            for size in sizes]
+    return [dataclasses.replace(first, cache_size=size) for size in sizes]
+
+
+def _as_route_knn(config):
+    """``config`` with route_knn's eviction, or ``None`` where route_knn refuses it (an
+    admission only LRU takes: ``ReplayConfig`` checks it)."""
+    try:
+        return dataclasses.replace(config, eviction=Eviction.ROUTE_KNN)
+    except ValueError:
+        return None
 
 
 def _precompile_synthetic(request: ReplayRequest) -> threading.Thread | None:
