@@ -1,9 +1,9 @@
 """What a replay's results and its trace tell beyond the rows, computed once, before anything is
 printed (:func:`findings`): the cliffs (per-layer LRU replayed at each thin size), what the trace
 covers (its distinct experts, the sizes it is too short for), the fraction splits that copy
-nothing, the GPU-time model's prefetch and eviction bounds, route_knn's changes, and each row's
-hit rates per layer. :mod:`~pallas_cache.sizing.cli.output` turns a :class:`Findings` into
-text."""
+nothing, the GPU-time model's prefetch and eviction bounds, route_knn's changes, the fastest
+size within common budgets, and each row's hit rates per layer.
+:mod:`~pallas_cache.sizing.cli.output` turns a :class:`Findings` into text."""
 
 from __future__ import annotations
 
@@ -13,14 +13,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_cache.evictions import Eviction
-from pallas_cache.sizing.report import CONFIG_KEYS
+from pallas_cache.sizing.report import CONFIG_KEYS, merged_configs
 from pallas_cache.sizing.sweep.cost import ranking_figure
 from pallas_cache.sizing.sweep.records import parse_policy
 from pallas_cache.sizing.trace_stats import per_layer_lru_hit_rate
 
-__all__ = ["COLD_SHARE", "Cliffs", "Coverage", "EvictionBounds", "Findings", "KnnChanges",
-           "Prefetch", "cliffs", "coverage", "eviction_bounds", "findings", "knn_changes",
-           "layer_hit_rates", "prefetch", "stops_copying"]
+__all__ = ["COLD_SHARE", "COMMON_BUDGETS", "Cliffs", "Coverage", "EvictionBounds", "Findings",
+           "Frontier", "FrontierGroup", "KnnChanges", "Prefetch", "cliffs", "coverage",
+           "eviction_bounds", "findings", "frontier", "knn_changes", "layer_hit_rates",
+           "prefetch", "stops_copying"]
 
 #: A size is too short a trace's when more than this share of a ``full`` row's misses are cold
 #: (the first use of an expert, which every cache pays once).
@@ -92,6 +93,32 @@ class KnnChanges:
     changes: tuple[tuple[int, float], ...]
 
 
+#: The expert-pool budgets a table without ``--device-budget`` names a size for (frontier).
+COMMON_BUDGETS = tuple(gib * 2 ** 30 for gib in (16, 24, 48, 72))
+
+
+@dataclasses.dataclass(frozen=True)
+class FrontierGroup:
+    """One batch's (``None``: a one-token table's) frontier: the common budget below its
+    smallest pool (``None``: none, or the grid's own sizes are the budgets), that pool's bytes,
+    and ``(budget, the fastest record that fits)`` per budget."""
+
+    batch: int | None
+    below: int | None
+    smallest: int
+    picks: tuple[tuple[int, dict], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Frontier:
+    """The fastest size within each expert-pool budget (:func:`frontier`): the figure ranked
+    by, the configuration keys that vary among the shown rows, a group per batch."""
+
+    key: str
+    varying: tuple[str, ...]
+    groups: tuple[FrontierGroup, ...]
+
+
 @dataclasses.dataclass(frozen=True)
 class Findings:
     """Everything the printer shows beyond the rows, computed for the asked format (``None``
@@ -106,6 +133,7 @@ class Findings:
     prefetch: Prefetch | None = None
     eviction: EvictionBounds | None = None
     knn: KnnChanges | None = None
+    frontier: Frontier | None = None
 
 
 def findings(request, trace, results, rows, companions=(), knn_results=()) -> Findings:
@@ -122,7 +150,38 @@ def findings(request, trace, results, rows, companions=(), knn_results=()) -> Fi
                     stops_copying(rows, trace),
                     prefetch(results, trace, cost) if cost.gpu else None,
                     eviction_bounds(results, cost) if cost.gpu else None,
-                    knn_changes(results, companions, knn_results))
+                    knn_changes(results, companions, knn_results), frontier(rows))
+
+
+def frontier(rows) -> Frontier | None:
+    """For each common expert-pool budget (:data:`COMMON_BUDGETS`; the grid's own pool sizes
+    when fewer than two of them fall in its range), the record that fits with the lowest
+    ms/token by :func:`ranking_figure` (the smallest pool of equally fast ones); per batch in a
+    batched table. In this model a bigger cache is never slower, so the fastest row alone names
+    the largest size: a budget is what picks one. ``None`` without bytes or a figure."""
+    key = ranking_figure(rows)
+    if key is None or any(r["cache_bytes"] is None for r in rows):
+        return None
+    merged = merged_configs(rows)
+    shown = [r for r in rows if tuple(r[k] for k in CONFIG_KEYS) not in merged]
+    varying = tuple(k for k in CONFIG_KEYS if k == "policy" or len({r[k] for r in shown}) > 1)
+    groups = []
+    for batch in dict.fromkeys(r.get("batch") for r in shown):
+        group = [r for r in shown if r.get("batch") == batch]
+        pools = sorted({r["cache_bytes"] for r in group})
+        budgets = [b for b in COMMON_BUDGETS if b >= pools[0]]
+        past = next((i for i, b in enumerate(budgets) if b >= pools[-1]), len(budgets) - 1)
+        budgets = budgets[:past + 1]
+        if budgets and pools[-1] > budgets[-1]:  # the grid's largest pool, past every budget
+            budgets.append(pools[-1])
+        below = [b for b in COMMON_BUDGETS if b < pools[0]]
+        if len(budgets) < 2:
+            budgets, below = pools, []
+        picks = tuple((budget, min((r for r in group if r["cache_bytes"] <= budget),
+                                   key=lambda r: (r[key], r["cache_bytes"])))
+                      for budget in budgets)
+        groups.append(FrontierGroup(batch, below[-1] if below else None, pools[0], picks))
+    return Frontier(key, varying, tuple(groups))
 
 
 def cliffs(results, trace) -> Cliffs:

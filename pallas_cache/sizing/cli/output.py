@@ -11,16 +11,16 @@ import sys
 import tempfile
 import textwrap
 
-from pallas_cache.sizing.cli.devices import device_header, tensor_records
+from pallas_cache.sizing.cli.devices import device_header
 from pallas_cache.sizing.cli.findings import (Cliffs, Coverage, EvictionBounds, Findings,
-                                              KnnChanges, Prefetch)
+                                              Frontier, KnnChanges, Prefetch)
 from pallas_cache.sizing.cli.parser import UsageError
 from pallas_cache.sizing.report import (CONFIG_KEYS, config_label, format_records, merged_configs,
                                        pick_label)
 from pallas_cache.sizing.sweep.cost import figure_words, ranking_figure
 from pallas_cache.sizing.units import format_bandwidth, format_bytes, format_duration
 
-__all__ = ["COMMON_BUDGETS", "KNN_POINTER", "budget_pick_lines", "cliff_lines", "eviction_line",
+__all__ = ["KNN_POINTER", "budget_pick_lines", "cliff_lines", "eviction_line",
            "frontier_lines", "knn_line", "legend", "model_mismatch", "per_layer_lines",
            "prefetch_lines", "print_rows", "stops_copying_lines", "trace_lines", "write_plot"]
 
@@ -31,7 +31,6 @@ def print_rows(request, rows, found: Findings, size_lines, auto_k) -> None:
     rates per layer under them, or in the records, with ``--per-layer``. ``found``: what the
     replay tells beyond the rows (:func:`~pallas_cache.sizing.cli.findings.findings`)."""
     fmt = request.output.format
-    rows = tensor_records(rows, request.devices, request.parallel)
     per_layer = []
     if request.output.per_layer and fmt in ("table", "markdown"):
         per_layer = per_layer_lines(found.layer_hit_rates, rows)
@@ -52,7 +51,8 @@ def print_rows(request, rows, found: Findings, size_lines, auto_k) -> None:
     # the fastest size within each common budget, right under the table.
     picks = budget_pick_lines(rows, request.cost, per_device)
     print(format_records(rows, "table", header + device_header(request) + picks,
-                         under_table=() if picks else frontier_lines(rows, per_device)))
+                         under_table=() if picks else frontier_lines(found.frontier,
+                                                                     per_device)))
     knn = knn_line(found.knn, request.lru_only)
     print("\n".join(legend(found, request.cost, knn, about_trace) + per_layer))
 
@@ -204,46 +204,25 @@ def _budget_picks(rows, budget: str, per_device: bool) -> list[str]:
     return lines
 
 
-#: The expert-pool budgets a table without ``--device-budget`` names a size for (frontier).
-COMMON_BUDGETS = tuple(gib * 2 ** 30 for gib in (16, 24, 48, 72))
-
-
-def frontier_lines(rows, per_device: bool = False) -> list[str]:
-    """The lines right under a table without ``--device-budget``: for each common expert-pool
-    budget (:data:`COMMON_BUDGETS`; the grid's own pool sizes when fewer than two of them fall
-    in its range), the size that fits with the lowest ms/token by :func:`ranking_figure` (the
-    smallest pool of equally fast ones), with its bytes and ms/token; per batch in a batched
-    table. In this model a bigger cache is never slower, so the fastest row alone names the
-    largest size: a budget is what picks one. None without bytes or a figure."""
-    key = ranking_figure(rows)
-    if key is None or any(r["cache_bytes"] is None for r in rows):
+def frontier_lines(found: Frontier | None, per_device: bool = False) -> list[str]:
+    """The lines right under a table without ``--device-budget``: for each expert-pool budget
+    of :func:`~pallas_cache.sizing.cli.findings.frontier`, the size that fits with the lowest
+    ms/token, with its bytes and ms/token; per batch in a batched table. None without bytes or
+    a figure."""
+    if found is None:
         return []
-    merged = merged_configs(rows)
-    shown = [r for r in rows if tuple(r[k] for k in CONFIG_KEYS) not in merged]
-    varying = [k for k in CONFIG_KEYS if k == "policy" or len({r[k] for r in shown}) > 1]
+    key = found.key
     lines = [f"Fastest within each expert-pool budget{' per device' if per_device else ''}, by "
              f"{key} (--device-budget B names one):"]
-    for batch in dict.fromkeys(r.get("batch") for r in shown):
-        group = [r for r in shown if r.get("batch") == batch]
-        pools = sorted({r["cache_bytes"] for r in group})
-        budgets = [b for b in COMMON_BUDGETS if b >= pools[0]]
-        past = next((i for i, b in enumerate(budgets) if b >= pools[-1]), len(budgets) - 1)
-        budgets = budgets[:past + 1]
-        if budgets and pools[-1] > budgets[-1]:  # the grid's largest pool, past every budget
-            budgets.append(pools[-1])
-        below = [b for b in COMMON_BUDGETS if b < pools[0]]
-        if len(budgets) < 2:
-            budgets, below = pools, []
-        at = "" if batch is None else f" at batch={batch}"
-        if below:
-            lines.append(f"  {format_bytes(below[-1])}{at}: nothing fits (the smallest pool "
-                         f"takes {format_bytes(pools[0])})")
-        for budget in budgets:
-            pick = min((r for r in group if r["cache_bytes"] <= budget),
-                       key=lambda r: (r[key], r["cache_bytes"]))
+    for group in found.groups:
+        at = "" if group.batch is None else f" at batch={group.batch}"
+        if group.below is not None:
+            lines.append(f"  {format_bytes(group.below)}{at}: nothing fits (the smallest pool "
+                         f"takes {format_bytes(group.smallest)})")
+        for budget, pick in group.picks:
             lines.append(f"  {format_bytes(budget)}{at}: cache_size={pick['cache_size']} "
                          f"({format_bytes(pick['cache_bytes'])}) "
-                         f"{config_label(tuple(pick[k] for k in CONFIG_KEYS), varying)}: "
+                         f"{config_label(tuple(pick[k] for k in CONFIG_KEYS), found.varying)}: "
                          f"{pick[key]:.1f} ms/token")
     return lines
 

@@ -22,7 +22,8 @@ from pallas_cache.sizing.cli import output
 from pallas_cache.sizing.cli.checks import (check_batch_memory, check_grid,
                                             check_modeled_numbers, check_state_memory,
                                             check_step_memory, policy_warnings)
-from pallas_cache.sizing.cli.devices import check_device_count, print_expert_parallel
+from pallas_cache.sizing.cli.devices import (check_device_count, print_expert_parallel,
+                                             tensor_records)
 from pallas_cache.sizing.cli.findings import findings
 from pallas_cache.sizing.cli.parser import UsageError
 from pallas_cache.sizing.cli.process import (CheckedProgress, InterruptLatch,
@@ -76,6 +77,7 @@ def run(request: ReplayRequest, progress: Progress, latch: InterruptLatch) -> in
     _start(loaded, progress)
     results, rows, knn_results = _replay(request, trace, plan.configs, companions, progress)
     latch.check()  # nothing is written after a Ctrl-C, even one a compile callback swallowed
+    rows = tensor_records(rows, request.devices, request.parallel)
     found = findings(request, trace, results, rows, companions, knn_results)
     output.print_rows(request, rows, found, plan.sizes.lines, loaded.auto_k)
     return output.write_plot(request, rows)
