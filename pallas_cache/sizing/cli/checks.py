@@ -1,8 +1,9 @@
 """The checks of ``pallas-cache``'s command line, each raising ``ValueError`` with the one line
 the CLI prints (exit 2): those the flags alone decide, run before the trace is read
 (:func:`check_before_reading` and the ones it names), and those of the modeled numbers and the
-memory a replay would take, once the trace's geometry is known. Imports no JAX or NumPy (its functions
-import what they need): ``bench-bandwidth`` refuses its flags with them before they start."""
+memory a replay would take, once the trace's geometry is known. Imports no JAX or NumPy (its
+functions import what they need): ``bench-bandwidth`` refuses its flags with them before they
+start."""
 
 from __future__ import annotations
 
