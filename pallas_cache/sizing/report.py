@@ -164,8 +164,7 @@ def table_columns(rows: Sequence[dict]) -> list[str]:
     weighed = any(r["cache_bytes"] is not None for r in rows)
     timed = any(r["modeled_ms_per_token"] is not None for r in rows)
     columns = ["cache_size"] + (["cache_bytes"] if weighed else []) + ["policy"]
-    columns += [key for key in ("order", "admission", "eviction")
-                if len({r[key] for r in rows}) > 1]
+    columns += [key for key in CONFIG_KEYS[1:] if len({r[key] for r in rows}) > 1]
     columns += ["hit_rate", "belady_hit_rate", "bypass_optimum_hit_rate", "oracle_hit_rate"]
     columns += (["fetched_bytes_per_token", "cpu_bytes_per_token"] if weighed
                 else ["fetched_per_token", "cpu_experts_per_token"])
@@ -208,7 +207,7 @@ def _preamble(rows: Sequence[dict]) -> list[str]:
     first = rows[0]
     shown = set(table_columns(rows))
     # The default eviction (lru) goes unsaid, so an LRU sweep prints as it always has.
-    constant = "".join(f" {key}={first[key]}" for key in ("order", "admission", "eviction")
+    constant = "".join(f" {key}={first[key]}" for key in CONFIG_KEYS[1:]
                        if key not in shown and (key, first[key]) != ("eviction", "lru"))
     return [f"trace: {first['source']}  layers={first['layers']} experts={first['experts']} "
             f"top_k={first['top_k']} calls={first['calls']} tokens={first['tokens']} "
