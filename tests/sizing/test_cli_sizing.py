@@ -10,6 +10,7 @@ import json
 import numpy as np
 import pytest
 
+from pallas_cache import Eviction
 from tests.sizing.conftest import one_line_error
 from pallas_cache.sizing import cli
 from pallas_cache.sizing.cli import output as cli_output
@@ -73,7 +74,8 @@ def test_the_route_knn_legend_comes_from_the_sweeps_own_replay(capsys, replays, 
     assert code == 0, err
     [line] = knn_lines(out)
     assert len(replays) == 1
-    knn = [(size, policy) for eviction, size, policy in replays[0] if eviction == "route_knn"]
+    knn = [(size, policy) for eviction, size, policy in replays[0]
+           if eviction is Eviction.ROUTE_KNN]
     assert knn == [(64, "full"), (96, "full"), (128, "full")]
     assert outside == []
 
@@ -91,7 +93,7 @@ def test_the_route_knn_legend_is_off_unless_asked_for(capsys, replays, off):
     assert knn_lines(with_line) != knn_lines(without)
     assert without_knn(with_line) == without_knn(without)
     assert max(map(len, with_line.splitlines() + without.splitlines())) <= 100
-    assert [e for e, _, _ in replays[1]] == ["lru"] * 6
+    assert [e for e, _, _ in replays[1]] == [Eviction.LRU] * 6
 
 
 @pytest.mark.parametrize("flags", [["--format", "json"], ["--eviction", "lru", "route_knn"],

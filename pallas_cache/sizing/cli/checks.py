@@ -1,6 +1,6 @@
 """The checks of ``pallas-cache``'s command line, each raising ``ValueError`` with the one line
 the CLI prints (exit 2): those the flags alone decide, run before the trace is read
-(:func:`check_before_reading` and the ones it names), and those of the modeled numbers and the
+(:func:`check_source`, :func:`check_sweep` and the ones they name), and those of the modeled numbers and the
 memory a replay would take, once the trace's geometry is known. Imports no JAX or NumPy (its
 functions import what they need): ``bench-bandwidth`` refuses its flags with them before they
 start."""
@@ -18,10 +18,11 @@ from pallas_cache.sizing.cli.parser import DEFAULT_PLOT_NAME
 from pallas_cache.sizing.units import NUMBER, format_bytes, parse_duration, scaled
 
 __all__ = ["COMPILE_BYTES_PER_WIDTH", "COMPILE_BYTES_PER_WIDTH_WIDE", "COMPILE_FACTOR_JAXLIB_0_11",
-           "COMPILE_WIDE_ABOVE", "INT32_MAX", "check_batch_memory", "check_before_reading",
+           "COMPILE_WIDE_ABOVE", "INT32_MAX", "check_batch_memory",
            "check_bench_memory", "check_gpu_policies", "check_grid",
            "check_knn_legend", "check_modeled_numbers", "check_per_layer",
-           "check_plot_path", "check_state_memory", "check_step_memory", "clamped",
+           "check_plot_path", "check_source", "check_state_memory", "check_step_memory",
+           "check_sweep", "clamped",
            "compile_factor", "milliseconds", "policy_warnings"]
 
 #: The largest slot count, layer count or expert count the cache state holds (int32).
@@ -33,23 +34,14 @@ def _check_count(flag: str, value, low: int = 1) -> None:
         raise ValueError(f"{flag} {value} is outside [{low}, {INT32_MAX}]")
 
 
-def check_before_reading(path: str | None, layers: int | None, experts: int | None,
-                         cache_sizes, cost, policies, axes) -> tuple:
-    """Everything the flags alone decide, before the trace is read or generated; returns the
-    ``--cache-size`` values, each read once as a
-    :class:`~pallas_cache.sizing.cli.sizes.CacheSize`.
-
-    ``path`` is ``--trace`` (``None`` for a synthetic trace), ``layers`` and ``experts`` the
-    ``--num-layers`` and ``--num-experts`` given, ``cache_sizes`` the ``--cache-size`` texts,
-    ``cost`` the :class:`~pallas_cache.sizing.sweep.cost.CostModel` of the flags, ``policies``
-    the resolved policy texts and ``axes`` the orders, admissions and evictions (enum members).
+def check_source(path: str | None, layers: int | None, experts: int | None) -> None:
+    """The trace's flags, before it is read or generated: ``path`` is ``--trace`` (``None`` for
+    a synthetic trace), ``layers`` and ``experts`` the ``--num-layers`` and ``--num-experts``
+    given.
 
     Raises:
         ValueError: the one-line reason, naming the flag and the value.
     """
-    from pallas_cache.sizing.cli.sizes import CacheSize
-    from pallas_cache.sizing.sweep.records import config_grid
-
     if path is not None and path == "":
         raise ValueError("--trace '' is an empty path (an unset shell variable?); give a trace "
                          "file, or leave --trace out for the synthetic trace")
@@ -58,7 +50,18 @@ def check_before_reading(path: str | None, layers: int | None, experts: int | No
     if layers and experts and layers * experts > INT32_MAX:
         raise ValueError(f"--num-layers {layers} x --num-experts {experts} = "
                          f"{layers * experts} experts, above the cache's {INT32_MAX}")
-    sizes = tuple(CacheSize.parse(text, cost.expert_bytes) for text in cache_sizes)
+
+
+def check_sweep(cost, policies, axes) -> None:
+    """The sweep's flags, before the trace is read or generated: ``cost`` the
+    :class:`~pallas_cache.sizing.sweep.cost.CostModel` of the flags, ``policies`` the resolved
+    policy texts and ``axes`` the orders, admissions and evictions (enum members).
+
+    Raises:
+        ValueError: the one-line reason, naming the flag and the value.
+    """
+    from pallas_cache.sizing.sweep.records import config_grid
+
     for text in policies:
         if not re.fullmatch(r"[a-z]+(:[0-9eE+.-]+)?", str(text)):
             raise ValueError(f"bad policy {text!r}: expected full, fraction:Q (0 <= Q <= 1) or "
@@ -66,7 +69,6 @@ def check_before_reading(path: str | None, layers: int | None, experts: int | No
     check_grid(config_grid([1], policies, *axes), axes[2])
     check_gpu_policies(cost, policies)
     check_modeled_numbers(cost, 1, 1)
-    return sizes
 
 
 def check_grid(configs, evictions) -> None:

@@ -187,8 +187,9 @@ def _build(args) -> ReplayRequest:
     if args.trace and args.tokens is not None:  # ('' is refused below as an empty path)
         raise ValueError(f"--tokens {args.tokens} sets the length of a --synthetic trace; a "
                          f"--trace file has its own tokens")
-    sizes = checks.check_before_reading(args.trace, args.num_layers, args.num_experts,
-                                        args.cache_size, cost, policies, request.axes)
+    checks.check_source(args.trace, args.num_layers, args.num_experts)
+    sizes = tuple(CacheSize.parse(text, cost.expert_bytes) for text in args.cache_size)
+    checks.check_sweep(cost, policies, request.axes)
     return dataclasses.replace(request, cache_sizes=sizes)
 
 
