@@ -25,7 +25,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from pallas_cache.sizing.cli.decode import format_run, plan_and_run  # noqa: E402
+from pallas_cache.sizing.cli.decode import (build_decode_request, format_run,  # noqa: E402
+                                            plan_and_run)
 from pallas_cache.sizing.cli.parser import UsageError, build_parser  # noqa: E402
 from pallas_cache.sizing.decode import slope_rate  # noqa: E402,F401 (test_benchmark_rounds)
 from timing import publish, run_header  # noqa: E402
@@ -50,7 +51,7 @@ def main(argv=None):
     wall = time.perf_counter()
     try:
         decode_args = build_parser().parse_args(["bench-decode", *flags])
-        plan, run = plan_and_run(decode_args)
+        plan, run = plan_and_run(build_decode_request(decode_args))
     except UsageError as error:
         raise SystemExit(str(error)) from None
     elapsed = time.perf_counter() - wall

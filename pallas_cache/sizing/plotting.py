@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterable, Sequence
 
+from pallas_cache.sizing.report import CONFIG_KEYS
+
 __all__ = ["plot", "series_style"]
 
 #: Ten colours (matplotlib's tab10), four line styles and seven markers: series ``i`` takes
@@ -119,7 +121,7 @@ def plot(results: Sequence, axes=None, *, title: str | None = None):
     options: dict[str, int] = {}
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        option = f"{r['policy']} / {r['order']} / {r['admission']}"
+        option = " / ".join(str(r[key]) for key in CONFIG_KEYS if key != "eviction")
         options.setdefault(option, len(options))
         groups.setdefault((option, r.get("eviction", "lru")), []).append(r)
     ms_axes = traffic_axes.twinx() if timed else None

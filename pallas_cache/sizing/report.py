@@ -20,7 +20,7 @@ from pallas_cache.sizing.units import format_bytes
 
 __all__ = ["COLUMN_LEGEND", "CONFIG_KEYS", "FORMATS", "GPU_LEGEND", "GPU_RECORD_KEYS",
            "NOT_RECORDED", "RECORD_KEYS", "TABLE_WIDTH", "config_label", "format_records", "legend_text",
-           "merged_configs", "records", "table_columns"]
+           "merged_configs", "pick_label", "records", "table_columns"]
 
 #: The output formats of :func:`format_records` (``pallas-cache replay --format``).
 FORMATS = ("table", "json", "jsonl", "csv", "markdown")
@@ -164,8 +164,7 @@ def table_columns(rows: Sequence[dict]) -> list[str]:
     weighed = any(r["cache_bytes"] is not None for r in rows)
     timed = any(r["modeled_ms_per_token"] is not None for r in rows)
     columns = ["cache_size"] + (["cache_bytes"] if weighed else []) + ["policy"]
-    columns += [key for key in ("order", "admission", "eviction")
-                if len({r[key] for r in rows}) > 1]
+    columns += [key for key in CONFIG_KEYS[1:] if len({r[key] for r in rows}) > 1]
     columns += ["hit_rate", "belady_hit_rate", "bypass_optimum_hit_rate", "oracle_hit_rate"]
     columns += (["fetched_bytes_per_token", "cpu_bytes_per_token"] if weighed
                 else ["fetched_per_token", "cpu_experts_per_token"])
@@ -208,7 +207,7 @@ def _preamble(rows: Sequence[dict]) -> list[str]:
     first = rows[0]
     shown = set(table_columns(rows))
     # The default eviction (lru) goes unsaid, so an LRU sweep prints as it always has.
-    constant = "".join(f" {key}={first[key]}" for key in ("order", "admission", "eviction")
+    constant = "".join(f" {key}={first[key]}" for key in CONFIG_KEYS[1:]
                        if key not in shown and (key, first[key]) != ("eviction", "lru"))
     return [f"trace: {first['source']}  layers={first['layers']} experts={first['experts']} "
             f"top_k={first['top_k']} calls={first['calls']} tokens={first['tokens']} "
@@ -262,6 +261,13 @@ def merged_configs(rows: Sequence[dict]) -> dict[tuple, tuple]:
 def config_label(config: tuple, shown: Sequence[str] = ("policy",)) -> str:
     """``policy=fraction:0.4`` (with the other configuration keys in ``shown``)."""
     return " ".join(f"{key}={value}" for key, value in zip(CONFIG_KEYS, config) if key in shown)
+
+
+def pick_label(row: dict) -> str:
+    """A picked record's configuration, every key of :data:`CONFIG_KEYS` (the eviction only
+    where it is not ``lru``): ``policy=full order=recency admission=promote_one``."""
+    return config_label(tuple(row[key] for key in CONFIG_KEYS),
+                        [key for key in CONFIG_KEYS if key != "eviction" or row[key] != "lru"])
 
 
 #: Columns that depend on the cache size (and batch) alone: a table too wide for

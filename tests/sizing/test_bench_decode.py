@@ -155,10 +155,11 @@ def test_a_trace_with_fewer_layers_than_asked_is_refused(capsys, monkeypatch, tm
 
 
 def _plan(argv, platform="cpu", device_memory=None):
-    from pallas_cache.sizing.cli.decode import plan_run
+    from pallas_cache.sizing.cli.decode import build_decode_request, plan_run
     from pallas_cache.sizing.cli.parser import build_parser
 
-    return plan_run(build_parser().parse_args(["bench-decode", *argv]), platform, device_memory)
+    return plan_run(build_decode_request(build_parser().parse_args(["bench-decode", *argv])),
+                    platform, device_memory)
 
 
 def test_the_layer_count_is_what_the_host_budget_fits():

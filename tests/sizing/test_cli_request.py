@@ -30,7 +30,9 @@ def test_the_request_is_frozen_and_holds_library_types():
     assert got.admissions == (Admission.PROMOTE_ONE,)
     assert got.evictions == (Eviction.LRU, Eviction.ROUTE_KNN)
     assert isinstance(got.cost, CostModel) and got.cost.link_bandwidth == 25e9
-    assert got.cache_sizes == (CacheSize("64", slots=64), CacheSize("12GiB", nbytes=12 * 2**30),
+    assert got.cache_sizes == (CacheSize("64", slots=64),
+                               CacheSize("12GiB", slots=12 * 2**30 // (336 * 2**20),
+                                         nbytes=12 * 2**30),
                                CacheSize("auto"))
     assert got.source == SyntheticSource("mixtral-like", 8, 0, {"num_layers": 32,
                                                                "num_experts": 8, "top_k": 2})
@@ -102,3 +104,32 @@ def test_one_byte_grammar_says_where_8gb_is_bytes():
     for text in ("8gi", "8 bits", "0.5"):
         with pytest.raises(ValueError):
             parse_memory_size(text)
+
+
+def test_the_bench_commands_parse_into_checked_frozen_requests():
+    """FAILS if ``bench-bandwidth`` or ``bench-decode`` hands its argparse namespace to the
+    work instead of one frozen request, built and checked in one place: the model and dtype
+    resolved, the defaults left to the run (``None``), a bad flag refused by the builder."""
+    from pallas_cache.sizing.cli.bench import BandwidthRequest, build_bandwidth_request
+    from pallas_cache.sizing.cli.decode import DecodeRequest, build_decode_request
+
+    def parsed(*argv):
+        return build_parser().parse_args(list(argv))
+
+    got = build_bandwidth_request(parsed("bench-bandwidth", "--model", "mixtral-8x7b:int8",
+                                         "--mib", "8"))
+    assert got == BandwidthRequest(mib=8, dtype="int8", d_model=4096, d_expert=None, repeats=5)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        got.mib = 1  # type: ignore[misc]
+    with pytest.raises(UsageError, match="--mib, --d-model, --d-expert and --repeats"):
+        build_bandwidth_request(parsed("bench-bandwidth", "--mib", "0"))
+    decode = build_decode_request(parsed("bench-decode", "--small", "--cache-size", "8", "12",
+                                         "--eviction", "lru"))
+    assert isinstance(decode, DecodeRequest) and decode.dtype == "fp32"
+    assert decode.model.name == "mixtral-8x7b" and decode.small
+    assert decode.cache_sizes == ("8", "12") and decode.evictions == ("lru",)
+    assert decode.policies is None and decode.layers is None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        decode.small = False  # type: ignore[misc]
+    with pytest.raises(UsageError, match="--layers must be >= 1, got 0"):
+        build_decode_request(parsed("bench-decode", "--layers", "0"))

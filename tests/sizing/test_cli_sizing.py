@@ -10,6 +10,7 @@ import json
 import numpy as np
 import pytest
 
+from pallas_cache import Eviction
 from tests.sizing.conftest import one_line_error
 from pallas_cache.sizing import cli
 from pallas_cache.sizing.cli import output as cli_output
@@ -73,7 +74,8 @@ def test_the_route_knn_legend_comes_from_the_sweeps_own_replay(capsys, replays, 
     assert code == 0, err
     [line] = knn_lines(out)
     assert len(replays) == 1
-    knn = [(size, policy) for eviction, size, policy in replays[0] if eviction == "route_knn"]
+    knn = [(size, policy) for eviction, size, policy in replays[0]
+           if eviction is Eviction.ROUTE_KNN]
     assert knn == [(64, "full"), (96, "full"), (128, "full")]
     assert outside == []
 
@@ -91,7 +93,7 @@ def test_the_route_knn_legend_is_off_unless_asked_for(capsys, replays, off):
     assert knn_lines(with_line) != knn_lines(without)
     assert without_knn(with_line) == without_knn(without)
     assert max(map(len, with_line.splitlines() + without.splitlines())) <= 100
-    assert [e for e, _, _ in replays[1]] == ["lru"] * 6
+    assert [e for e, _, _ in replays[1]] == [Eviction.LRU] * 6
 
 
 @pytest.mark.parametrize("flags", [["--format", "json"], ["--eviction", "lru", "route_knn"],
@@ -431,6 +433,7 @@ def test_lines_say_a_trace_is_synthetic_and_which_sizes_it_is_too_short_for():
     of the Mixtral-calibrated generator, or a size where most of a ``full`` row's misses are
     cold (the first use of an expert) is not named, or a recorded trace is called synthetic."""
     from pallas_cache.sizing import synthetic
+    from pallas_cache.sizing.cli.findings import coverage
     from pallas_cache.sizing.cli.output import trace_lines
     from pallas_cache.sizing.synthetic import RealisticParams
 
@@ -442,9 +445,9 @@ def test_lines_say_a_trace_is_synthetic_and_which_sizes_it_is_too_short_for():
             {"cache_size": 64, "policy": "full", "missing": distinct},  # every expert: plain
             {"cache_size": 32, "policy": "full", "missing": distinct},
             {"cache_size": 32, "policy": "fraction:0.4", "missing": distinct}]
-    lines = trace_lines(rows, trace, "mixtral-realistic")
+    lines = trace_lines(coverage(rows, trace, "mixtral-realistic"))
     assert len(lines) == 2
     assert "calibrated on Mixtral-8x7B" in lines[0] and "stretched" in lines[0]
     assert lines[1].startswith("The trace is too short for cache_size 32:")
     assert f"{distinct} experts" in lines[1]
-    assert trace_lines(rows[:1], trace, None) == []
+    assert trace_lines(coverage(rows[:1], trace, None)) == []

@@ -9,6 +9,7 @@ import json
 import types
 
 from pallas_cache.sizing.cli import output as cli_output
+from pallas_cache.sizing.cli.findings import stops_copying
 from pallas_cache.sizing.report import (RECORD_KEYS, TABLE_WIDTH, _split_key, format_records,
                                         merged_configs)
 
@@ -115,10 +116,30 @@ def test_a_fraction_that_copies_nothing_at_this_width_says_so_when_best():
     best with no word that it stops copying once the pool is full, or a fraction that does
     copy (0.4 copies 1 of 2) gets that line."""
     trace = types.SimpleNamespace(top_k=2, num_experts=8)
-    lines = cli_output._stops_copying(_sweep(), trace)
+    lines = cli_output.stops_copying_lines(stops_copying(_sweep(), trace))
     assert len(lines) == 1 and lines[0].startswith("fraction:0.2941 is marked best")
     assert "stops copying" in lines[0]
     rows = [dict(r, best=r["policy"] == "fraction:0.4", budget_best=False) for r in _sweep()]
-    assert cli_output._stops_copying(rows, trace) == []
+    assert stops_copying(rows, trace) == ()
     # merged into one call of 8 requests' routes, 0.2941 copies some of up to 16 misses
-    assert cli_output._stops_copying(_sweep(batch=8), trace) == []
+    assert stops_copying(_sweep(batch=8), trace) == ()
+
+
+def test_the_printer_replays_nothing_and_runs_no_array_code():
+    """FAILS if ``cli/output.py`` computes what it prints (per-layer LRU replayed for the
+    cliffs, NumPy over the trace's routes, JAX for the split, the budget's fit): it takes the
+    results of ``cli/findings.py`` and ``cli/sizes.py`` and turns them into text."""
+    import ast
+    import pathlib
+
+    source = pathlib.Path(cli_output.__file__).read_text()
+    imported = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            imported |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            imported.add(node.module)
+    heavy = {name for name in imported if name.split(".")[0] in ("jax", "numpy")
+             or name in ("pallas_cache.sizing.trace_stats", "pallas_cache.sizing.sweep.records")}
+    assert not heavy, heavy
+    assert not hasattr(cli_output, "budget_fit") and not hasattr(cli_output, "with_budget_fit")

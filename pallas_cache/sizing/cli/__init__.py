@@ -1,8 +1,11 @@
 """The ``pallas-cache`` command line (``pallas-cache = pallas_cache.sizing.cli:console_main``):
-:mod:`.entry` (the entry points), :mod:`.parser`, :mod:`.request` (the typed request and every
-check made before reading), :mod:`.replay` (load -> sizes -> configurations -> memory checks ->
-replay -> output), :mod:`.devices`, :mod:`.output`, :mod:`.checks`, :mod:`.bench`,
-:mod:`.process` (signals, exit, the compile cache) and :mod:`.names`.
+:mod:`.entry` (the entry points), :mod:`.parser`, :mod:`.request` (``replay``'s typed request
+and every check made before reading), :mod:`.sizes` (what a ``--cache-size`` means, decided
+once), :mod:`.replay` (load -> sizes -> configurations -> memory checks -> replay ->
+findings -> output), :mod:`.findings` (what the results tell beyond the rows, computed),
+:mod:`.output` (printed), :mod:`.devices`, :mod:`.checks`, :mod:`.bench` and :mod:`.decode`
+(the bench commands, each with its typed request), :mod:`.process` (signals, exit, the compile
+cache) and :mod:`.names`.
 
 This module's first lines put a handler on SIGINT that only records it, so that a Ctrl-C while
 the rest imports is reported by the entry point as one line and exit 130, not a traceback from

@@ -1,7 +1,9 @@
 """The checks of ``pallas-cache``'s command line, each raising ``ValueError`` with the one line
 the CLI prints (exit 2): those the flags alone decide, run before the trace is read
-(:func:`check_before_reading` and the ones it names), and those of the modeled numbers and the
-memory a replay would take, once the trace's geometry is known."""
+(:func:`check_source`, :func:`check_sweep` and the ones they name), and those of the modeled numbers and the
+memory a replay would take, once the trace's geometry is known. Imports no JAX or NumPy (its
+functions import what they need): ``bench-bandwidth`` refuses its flags with them before they
+start."""
 
 from __future__ import annotations
 
@@ -9,20 +11,22 @@ import math
 import os
 import re
 import tempfile
+from importlib import metadata
 
-from pallas_cache.sizing.units import NUMBER, parse_duration, scaled
+from pallas_cache.formats import bytes_per_expert
+from pallas_cache.sizing.cli.parser import DEFAULT_PLOT_NAME
+from pallas_cache.sizing.units import NUMBER, format_bytes, parse_duration, scaled
 
 __all__ = ["COMPILE_BYTES_PER_WIDTH", "COMPILE_BYTES_PER_WIDTH_WIDE", "COMPILE_FACTOR_JAXLIB_0_11",
-           "COMPILE_WIDE_ABOVE", "INT32_MAX", "check_batch_memory", "check_before_reading",
-           "check_bench_memory", "check_geometry", "check_gpu_policies", "check_grid",
+           "COMPILE_WIDE_ABOVE", "INT32_MAX", "check_batch_memory",
+           "check_bench_memory", "check_gpu_policies", "check_grid",
            "check_knn_legend", "check_modeled_numbers", "check_per_layer",
-           "check_plot_path", "check_state_memory", "check_step_memory", "clamped",
+           "check_plot_path", "check_source", "check_state_memory", "check_step_memory",
+           "check_sweep", "clamped",
            "compile_factor", "milliseconds", "policy_warnings"]
 
 #: The largest slot count, layer count or expert count the cache state holds (int32).
 INT32_MAX = 2**31 - 1
-
-_ASCII_SLOTS = re.compile(r"[0-9]+")
 
 
 def _check_count(flag: str, value, low: int = 1) -> None:
@@ -30,21 +34,14 @@ def _check_count(flag: str, value, low: int = 1) -> None:
         raise ValueError(f"{flag} {value} is outside [{low}, {INT32_MAX}]")
 
 
-def check_before_reading(path: str | None, layers: int | None, experts: int | None,
-                         cache_sizes, cost, policies, axes) -> list[tuple[int | None, int | None]]:
-    """Everything the flags alone decide, before the trace is read or generated; returns each
-    ``--cache-size`` value as ``(slots, bytes)`` (both ``None`` for ``auto``).
-
-    ``path`` is ``--trace`` (``None`` for a synthetic trace), ``layers`` and ``experts`` the
-    ``--num-layers`` and ``--num-experts`` given, ``cache_sizes`` the ``--cache-size`` texts,
-    ``cost`` the :class:`~pallas_cache.sizing.sweep.cost.CostModel` of the flags, ``policies``
-    the resolved policy texts and ``axes`` the orders, admissions and evictions as given.
+def check_source(path: str | None, layers: int | None, experts: int | None) -> None:
+    """The trace's flags, before it is read or generated: ``path`` is ``--trace`` (``None`` for
+    a synthetic trace), ``layers`` and ``experts`` the ``--num-layers`` and ``--num-experts``
+    given.
 
     Raises:
         ValueError: the one-line reason, naming the flag and the value.
     """
-    from pallas_cache.sizing.sweep.records import config_grid
-
     if path is not None and path == "":
         raise ValueError("--trace '' is an empty path (an unset shell variable?); give a trace "
                          "file, or leave --trace out for the synthetic trace")
@@ -53,7 +50,18 @@ def check_before_reading(path: str | None, layers: int | None, experts: int | No
     if layers and experts and layers * experts > INT32_MAX:
         raise ValueError(f"--num-layers {layers} x --num-experts {experts} = "
                          f"{layers * experts} experts, above the cache's {INT32_MAX}")
-    sizes = [_cache_size(text, cost) for text in cache_sizes]
+
+
+def check_sweep(cost, policies, axes) -> None:
+    """The sweep's flags, before the trace is read or generated: ``cost`` the
+    :class:`~pallas_cache.sizing.sweep.cost.CostModel` of the flags, ``policies`` the resolved
+    policy texts and ``axes`` the orders, admissions and evictions (enum members).
+
+    Raises:
+        ValueError: the one-line reason, naming the flag and the value.
+    """
+    from pallas_cache.sizing.sweep.records import config_grid
+
     for text in policies:
         if not re.fullmatch(r"[a-z]+(:[0-9eE+.-]+)?", str(text)):
             raise ValueError(f"bad policy {text!r}: expected full, fraction:Q (0 <= Q <= 1) or "
@@ -61,43 +69,14 @@ def check_before_reading(path: str | None, layers: int | None, experts: int | No
     check_grid(config_grid([1], policies, *axes), axes[2])
     check_gpu_policies(cost, policies)
     check_modeled_numbers(cost, 1, 1)
-    return sizes
 
 
 def check_grid(configs, evictions) -> None:
-    """An empty grid of configurations: every admission was ``reuse``, which only LRU takes."""
+    """An empty grid of configurations: every admission was ``reuse``, which only LRU takes
+    (``evictions``: the :class:`~pallas_cache.Eviction` members swept)."""
     if not configs:
         raise ValueError(f"admission reuse needs eviction lru; got --eviction "
-                         f"{' '.join(evictions)}")
-
-
-def _cache_size(text: str, cost) -> tuple[int | None, int | None]:
-    """One ``--cache-size`` value, ``(slots, bytes)``: ``auto``, a slot count in ``[1, 2**31)``,
-    or bytes that make at least one and at most ``2**31 - 1`` slots of the expert size."""
-    from pallas_cache.sizing.units import parse_bytes
-
-    if text == "auto":
-        return None, None
-    if _ASCII_SLOTS.fullmatch(text):
-        if not 1 <= int(text) <= INT32_MAX:
-            raise ValueError(f"cache size {text} is outside [1, {INT32_MAX}] slots")
-        return int(text), None
-    if re.fullmatch(r"\s*-\s*[0-9.]+\s*[a-zA-Z]*\s*", text):
-        raise ValueError(f"cache size {text!r} must be positive: a slot count (at least one "
-                         f"layer's experts) or bytes such as 12GiB")
-    try:
-        wanted = parse_bytes(text)
-    except ValueError:
-        raise ValueError(f"cache size {text!r} is not auto, a slot count (ASCII digits) or "
-                         f"bytes such as 12GiB") from None
-    if cost.expert_bytes is None:
-        raise ValueError(f"cache size {text!r} is in bytes: give --model or --expert-bytes to "
-                         f"turn it into slots")
-    slots = wanted // cost.expert_bytes
-    if not 1 <= slots <= INT32_MAX:
-        raise ValueError(f"cache size {text} is {slots} slots of {cost.expert_bytes} bytes, "
-                         f"outside [1, {INT32_MAX}]")
-    return None, wanted
+                         f"{' '.join(eviction.value for eviction in evictions)}")
 
 
 def check_plot_path(path: str) -> str:
@@ -113,7 +92,6 @@ def check_plot_path(path: str) -> str:
         from matplotlib.backend_bases import FigureCanvasBase
     except ImportError:
         raise ValueError("--plot needs matplotlib: pip install 'pallas-cache[plot]'") from None
-    from pallas_cache.sizing.cli.parser import DEFAULT_PLOT_NAME
 
     if os.path.isdir(path):
         path = os.path.join(path, DEFAULT_PLOT_NAME)
@@ -245,13 +223,17 @@ def check_gpu_policies(cost, policies) -> None:
 
 def check_knn_legend(fmt: str, evictions, batched, parallel: str | None) -> None:
     """``--route-knn-legend`` ends the legend of an LRU-only table of one-token calls; refuse it
-    where there is no such legend (ValueError, one line)."""
+    where there is no such legend (ValueError, one line). ``evictions``: the
+    :class:`~pallas_cache.Eviction` members swept."""
     if fmt != "table":
         raise ValueError(f"--route-knn-legend is a line of the table's legend; --format {fmt} "
                          f"has none")
-    if set(evictions) != {"lru"}:
+    from pallas_cache.evictions import Eviction
+
+    if set(evictions) != {Eviction.LRU}:
         raise ValueError(f"--route-knn-legend compares route_knn with an LRU-only sweep; "
-                         f"--eviction {' '.join(evictions)} shows each eviction's rows")
+                         f"--eviction {' '.join(eviction.value for eviction in evictions)} "
+                         f"shows each eviction's rows")
     if batched:
         raise ValueError("--route-knn-legend is not computed for --batch; add --eviction lru "
                          "route_knn to see its rows")
@@ -301,16 +283,6 @@ def check_modeled_numbers(cost, num_layers: int, top_k: int) -> None:
                          f"overflows a float (a row would show none); check --cpu-fixed-cost")
 
 
-def check_geometry(num_layers: int, num_experts: int, sizes) -> None:
-    """The trace's geometry and the cache sizes against the cache state's int32 counts."""
-    if num_layers * num_experts > INT32_MAX:
-        raise ValueError(f"{num_layers} layers x {num_experts} experts = "
-                         f"{num_layers * num_experts} experts, above the cache's {INT32_MAX}")
-    too_big = [size for size in sizes if size > INT32_MAX]
-    if too_big:
-        raise ValueError(f"cache size {too_big[0]} is above the cache's {INT32_MAX} slots")
-
-
 #: Bytes of the replay step's temporaries per (distinct route, slot) pair of one configuration:
 #: the victim search compares each of a call's ``K' = min(top_k, E)`` distinct routes with every
 #: one of the bucket's ``C`` slots (int32 and bool tables, a few alive at once).
@@ -340,8 +312,6 @@ COMPILE_FACTOR_JAXLIB_0_11 = 12
 def compile_factor() -> int:
     """:data:`COMPILE_FACTOR_JAXLIB_0_11` where the installed jaxlib is 0.11 or later, else 1
     (read from the package's metadata: JAX is not imported)."""
-    from importlib import metadata
-
     try:
         major, minor = (int(part) for part in metadata.version("jaxlib").split(".")[:2])
     except (metadata.PackageNotFoundError, ValueError):
@@ -445,9 +415,6 @@ def check_bench_memory(mib: int, d_model: int, d_expert: int, limit: int,
     before any is allocated: ``--mib`` sizes the copied buffer, ``--d-model x --d-expert`` the
     SwiGLU experts in format ``dtype``. ValueError, the one line the CLI prints, naming the flags
     the user gave (``d_expert_given`` False: ``d_expert`` is the default bank's, not a flag's)."""
-    from pallas_cache.formats import bytes_per_expert
-    from pallas_cache.sizing.units import format_bytes
-
     link = BENCH_LINK_COPIES * mib * 2**20
     bank = BENCH_BANK_COPIES * bytes_per_expert(d_model, d_expert, dtype)
     columns = (f"--d-expert {d_expert}" if d_expert_given else

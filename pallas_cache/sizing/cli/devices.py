@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 
 from pallas_cache.sizing.cli.checks import INT32_MAX
-from pallas_cache.sizing.report import format_records
+from pallas_cache.sizing.report import format_records, pick_label
 from pallas_cache.sizing.sweep.cost import CostModel, figure_words, ranking_figure
 from pallas_cache.sizing.units import format_bytes
 
@@ -107,9 +107,7 @@ def budget_lines(rows: list[dict], cost: CostModel) -> list[str]:
         return [f"No configuration fits the {budget} device budget (the smallest pool takes "
                 f"{format_bytes(smallest)})."]
     return [f"Best within {budget}: cache_size={row['cache_size']} "
-            f"({format_bytes(row['cache_bytes'])}) policy={row['policy']} order={row['order']} "
-            f"admission={row['admission']}"
-            f"{'' if row['eviction'] == 'lru' else ' eviction=' + row['eviction']}: "
+            f"({format_bytes(row['cache_bytes'])}) {pick_label(row)}: "
             f"{row[key]:.1f} {figure_words(key)}." for row in chosen]
 
 

@@ -8,6 +8,8 @@ line and exit 2."""
 
 from __future__ import annotations
 
+import codecs
+import os
 import signal
 import sys
 
@@ -42,15 +44,15 @@ def _replay(args) -> int:
 
 
 def _bench_bandwidth(args) -> int:
-    from pallas_cache.sizing.cli.bench import run_bench
+    from pallas_cache.sizing.cli.bench import build_bandwidth_request, run_bench
 
-    return run_bench(args)
+    return run_bench(build_bandwidth_request(args))
 
 
 def _bench_decode(args) -> int:
-    from pallas_cache.sizing.cli.decode import run_bench_decode
+    from pallas_cache.sizing.cli.decode import build_decode_request, run_bench_decode
 
-    return run_bench_decode(args)
+    return run_bench_decode(build_decode_request(args))
 
 
 def _scenarios(_args) -> int:
@@ -118,8 +120,6 @@ def _printable_streams() -> None:
     """Make stdout and stderr print the CLI's text (the legend's ``§``, ``µs``) in any stream
     encoding (``PYTHONIOENCODING=ascii``, a C locale): where the encoding lacks them, they are
     written in ASCII rather than ending the run in a UnicodeEncodeError."""
-    import codecs
-
     try:
         codecs.lookup_error("pallas_cache_ascii")
     except LookupError:
@@ -141,8 +141,6 @@ def _check_jax_platforms() -> None:
     (JAX's own report is a RuntimeError from the first computation, 70 lines deep). Unset, or
     the CPU alone (always there), it is not checked: JAX is then imported with the work, not
     before a refusal the parser or the request gives."""
-    import os
-
     platforms = os.environ.get("JAX_PLATFORMS", "")
     if {name.strip() for name in platforms.split(",")} <= {"", "cpu"}:
         return

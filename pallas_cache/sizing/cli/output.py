@@ -11,31 +11,33 @@ import sys
 import tempfile
 import textwrap
 
-from pallas_cache.sizing.cli.devices import device_header, tensor_records
+from pallas_cache.sizing.cli.devices import device_header
+from pallas_cache.sizing.cli.findings import (Cliffs, Coverage, EvictionBounds, Findings,
+                                              Frontier, KnnChanges, Prefetch)
 from pallas_cache.sizing.cli.parser import UsageError
-from pallas_cache.sizing.report import CONFIG_KEYS, config_label, format_records, merged_configs
+from pallas_cache.sizing.report import (CONFIG_KEYS, config_label, format_records, merged_configs,
+                                       pick_label)
 from pallas_cache.sizing.sweep.cost import figure_words, ranking_figure
 from pallas_cache.sizing.units import format_bandwidth, format_bytes, format_duration
 
-__all__ = ["COLD_SHARE", "COMMON_BUDGETS", "KNN_POINTER", "budget_fit", "budget_pick_lines",
-           "cliff_lines", "eviction_line", "frontier_lines", "knn_line", "layer_hit_rates",
-           "legend", "model_mismatch", "per_layer_lines", "prefetch_lines", "print_rows",
-           "trace_lines", "with_budget_fit", "write_plot"]
+__all__ = ["KNN_POINTER", "budget_pick_lines", "cliff_lines", "eviction_line",
+           "frontier_lines", "knn_line", "legend", "model_mismatch", "per_layer_lines",
+           "prefetch_lines", "print_rows", "stops_copying_lines", "trace_lines", "write_plot"]
 
 
-def print_rows(request, trace, results, rows, size_lines, auto_k, knn) -> None:
+def print_rows(request, rows, found: Findings, size_lines, auto_k) -> None:
     """The rows of one replay on stdout: records in the asked format (the lines about the trace
     on stderr, unless quiet), or the table under its header lines with its legend; the hit
-    rates per layer under them, or in the records, with ``--per-layer``."""
+    rates per layer under them, or in the records, with ``--per-layer``. ``found``: what the
+    replay tells beyond the rows (:func:`~pallas_cache.sizing.cli.findings.findings`)."""
     fmt = request.output.format
-    rows = tensor_records(rows, request.devices, request.parallel)
     per_layer = []
     if request.output.per_layer and fmt in ("table", "markdown"):
-        per_layer = per_layer_lines(results, rows)
+        per_layer = per_layer_lines(found.layer_hit_rates, rows)
     elif request.output.per_layer:
-        rows = [dict(row, layer_hit_rates=layer_hit_rates(result))
-                for row, result in zip(rows, results)]
-    about_trace = trace_lines(rows, trace, getattr(request.source, "preset", None))
+        rows = [dict(row, layer_hit_rates=rates)
+                for row, rates in zip(rows, found.layer_hit_rates)]
+    about_trace = trace_lines(found.coverage)
     if fmt != "table":
         print(format_records(rows, fmt))
         for line in per_layer:
@@ -49,8 +51,10 @@ def print_rows(request, trace, results, rows, size_lines, auto_k, knn) -> None:
     # the fastest size within each common budget, right under the table.
     picks = budget_pick_lines(rows, request.cost, per_device)
     print(format_records(rows, "table", header + device_header(request) + picks,
-                         under_table=() if picks else frontier_lines(rows, per_device)))
-    print("\n".join(legend(results, trace, request.cost, knn, rows, about_trace) + per_layer))
+                         under_table=() if picks else frontier_lines(found.frontier,
+                                                                     per_device)))
+    knn = knn_line(found.knn, request.lru_only)
+    print("\n".join(legend(found, request.cost, knn, about_trace) + per_layer))
 
 
 def _header_lines(request, auto_k) -> list[str]:
@@ -110,36 +114,28 @@ KNN_POINTER = ("route_knn (the eviction that wins on real Mixtral routing): add 
                "route_knn to see its rows, or --route-knn-legend for one line of its changes.")
 
 
-def knn_line(results, companions, knn_results, lru_table: bool) -> str | None:
-    """The legend's line: route_knn's hit rate minus LRU's, at each size of the companions'
-    series; ``knn_results`` are the companions' replay results. Without companions, an LRU-only
-    table (``lru_table``) gets :data:`KNN_POINTER`, any other ``None``."""
-    if not companions or len(knn_results) != len(companions):
+def knn_line(knn: KnnChanges | None, lru_table: bool) -> str | None:
+    """The legend's line: route_knn's hit rate minus LRU's at each size of its series. Without
+    companions (``knn`` ``None``), an LRU-only table (``lru_table``) gets :data:`KNN_POINTER`,
+    any other ``None``."""
+    if knn is None:
         return KNN_POINTER if lru_table else None
-    hit_rates = [r.hit_rate for r in knn_results]
-    first = companions[0]
-    lru = {r.cache_size: r.hit_rate for r in results
-           if (r.policy, r.order, r.admission, r.eviction)
-           == (first.policy, first.order, first.admission, "lru")}
-    changes = ", ".join(f"{rate - lru[knn.cache_size]:+.3f} at {knn.cache_size}"
-                        for knn, rate in zip(companions, hit_rates) if knn.cache_size in lru)
+    changes = ", ".join(f"{change:+.3f} at {size}" for size, change in knn.changes)
     return (f"route_knn (the eviction that wins on real Mixtral routing) on this trace, policy "
-            f"{first.policy}: hit rate {changes} (add --eviction lru route_knn to see its rows).")
+            f"{knn.policy}: hit rate {changes} (add --eviction lru route_knn to see its rows).")
 
 
-def legend(results, trace, cost, knn_line: str | None = None, rows=None,
-           about_trace=()) -> list[str]:
+def legend(found: Findings, cost, knn_line: str | None = None, about_trace=()) -> list[str]:
     """What a newcomer needs to read the table: the bounds, the model, how its verdicts rank,
     and (an LRU sweep) what route_knn changes (wrapped as the rest; the verdicts themselves are
-    above or right under the table). ``rows``: the table's records (the configurations marked
-    best); ``about_trace``: what the trace can tell (first)."""
-    k = min(trace.top_k, trace.num_experts)
-    cliffs = cliff_lines(results, trace)
+    above or right under the table). ``about_trace``: what the trace can tell (first)."""
+    covered = found.coverage
+    k = min(covered.top_k, covered.num_experts)
     paragraphs = [
         "hit_rate = 1 - missing/active per layer-call. Bounds: belady_hit_rate bounds the `full` "
         "rows (every miss admitted); bypass_optimum_hit_rate bounds every row (a miss may be "
         "served without being admitted); oracle_hit_rate (a fixed max(1, round(S/L)) slots per "
-        f"layer) is a reference, not a bound. L*k = {trace.num_layers * k} slots hold one "
+        f"layer) is a reference, not a bound. L*k = {covered.num_layers * k} slots hold one "
         "token's experts.",
     ]
     if not cost.expert_bytes:
@@ -150,14 +146,13 @@ def legend(results, trace, cost, knn_line: str | None = None, rows=None,
         paragraphs.append("For modeled ms per token add --link-bandwidth and --cpu-bandwidth.")
     else:
         fixed = " + T_cpu if cpu_experts > 0" if cost.cpu_fixed_seconds else ""
-        key = ranking_figure(results)
+        key = found.ranking
         paragraphs.append("modeled_ms_per_token: per layer-call max(fetched*W/B_link, "
                           f"cpu_experts*W/B_cpu{fixed}), summed per token (docs/semantics.md "
                           f"§11); best = the fastest row at its cache_size, by {key}"
                           + (" (the GPU's time included, below)." if key and
                              key.startswith("overlap") else "."))
-    if rows is not None:
-        paragraphs += _stops_copying(rows, trace)
+    paragraphs += stops_copying_lines(found.stops_copying)
     if cost.gpu:
         paragraphs.append(
             "overlap_ms_per_token: the layer-calls one after the other, each taking A, then its "
@@ -166,10 +161,11 @@ def legend(results, trace, cost, knn_line: str | None = None, rows=None,
             "device's wait; prefetch_bound = 1 - busiest resource/overlap, on rows whose CPU "
             "computes no expert (- where it does: there it would measure how unevenly the link "
             "and the CPU share the work, not what prefetch saves) (docs/semantics.md §11.6).")
-        paragraphs += prefetch_lines(results, trace, cost)
-        paragraphs += eviction_line(results, cost)
+        paragraphs += prefetch_lines(found.prefetch)
+        paragraphs += eviction_line(found.eviction)
     return [textwrap.fill(text, width=100, break_on_hyphens=False)
-            for text in [*about_trace, *cliffs, *paragraphs, *([knn_line] if knn_line else [])]]
+            for text in [*about_trace, *cliff_lines(found.cliffs), *paragraphs,
+                         *([knn_line] if knn_line else [])]]
 
 
 def budget_pick_lines(rows, cost, per_device: bool = False) -> list[str]:
@@ -203,287 +199,150 @@ def _budget_picks(rows, budget: str, per_device: bool) -> list[str]:
                  f"{' at batch=' + str(r['batch']) if 'batch' in r else ''}")
         lines.append(
             f"{where}: cache_size={r['cache_size']} ({format_bytes(r['cache_bytes'])}) "
-            f"policy={r['policy']} order={r['order']} admission={r['admission']}"
-            f"{'' if r['eviction'] == 'lru' else ' eviction=' + r['eviction']}: "
-            f"{r[key]:.1f} {figure_words(key)}"
+            f"{pick_label(r)}: {r[key]:.1f} {figure_words(key)}"
             + (f" (the same rows as {', '.join(same)})." if same else "."))
     return lines
 
 
-#: The expert-pool budgets a table without ``--device-budget`` names a size for (frontier).
-COMMON_BUDGETS = tuple(gib * 2 ** 30 for gib in (16, 24, 48, 72))
-
-
-def frontier_lines(rows, per_device: bool = False) -> list[str]:
-    """The lines right under a table without ``--device-budget``: for each common expert-pool
-    budget (:data:`COMMON_BUDGETS`; the grid's own pool sizes when fewer than two of them fall
-    in its range), the size that fits with the lowest ms/token by :func:`ranking_figure` (the
-    smallest pool of equally fast ones), with its bytes and ms/token; per batch in a batched
-    table. In this model a bigger cache is never slower, so the fastest row alone names the
-    largest size: a budget is what picks one. None without bytes or a figure."""
-    key = ranking_figure(rows)
-    if key is None or any(r["cache_bytes"] is None for r in rows):
+def frontier_lines(found: Frontier | None, per_device: bool = False) -> list[str]:
+    """The lines right under a table without ``--device-budget``: for each expert-pool budget
+    of :func:`~pallas_cache.sizing.cli.findings.frontier`, the size that fits with the lowest
+    ms/token, with its bytes and ms/token; per batch in a batched table. None without bytes or
+    a figure."""
+    if found is None:
         return []
-    merged = merged_configs(rows)
-    shown = [r for r in rows if tuple(r[k] for k in CONFIG_KEYS) not in merged]
-    varying = [k for k in CONFIG_KEYS if k == "policy" or len({r[k] for r in shown}) > 1]
+    key = found.key
     lines = [f"Fastest within each expert-pool budget{' per device' if per_device else ''}, by "
              f"{key} (--device-budget B names one):"]
-    for batch in dict.fromkeys(r.get("batch") for r in shown):
-        group = [r for r in shown if r.get("batch") == batch]
-        pools = sorted({r["cache_bytes"] for r in group})
-        budgets = [b for b in COMMON_BUDGETS if b >= pools[0]]
-        past = next((i for i, b in enumerate(budgets) if b >= pools[-1]), len(budgets) - 1)
-        budgets = budgets[:past + 1]
-        if budgets and pools[-1] > budgets[-1]:  # the grid's largest pool, past every budget
-            budgets.append(pools[-1])
-        below = [b for b in COMMON_BUDGETS if b < pools[0]]
-        if len(budgets) < 2:
-            budgets, below = pools, []
-        at = "" if batch is None else f" at batch={batch}"
-        if below:
-            lines.append(f"  {format_bytes(below[-1])}{at}: nothing fits (the smallest pool "
-                         f"takes {format_bytes(pools[0])})")
-        for budget in budgets:
-            pick = min((r for r in group if r["cache_bytes"] <= budget),
-                       key=lambda r: (r[key], r["cache_bytes"]))
+    for group in found.groups:
+        at = "" if group.batch is None else f" at batch={group.batch}"
+        if group.below is not None:
+            lines.append(f"  {format_bytes(group.below)}{at}: nothing fits (the smallest pool "
+                         f"takes {format_bytes(group.smallest)})")
+        for budget, pick in group.picks:
             lines.append(f"  {format_bytes(budget)}{at}: cache_size={pick['cache_size']} "
                          f"({format_bytes(pick['cache_bytes'])}) "
-                         f"{config_label(tuple(pick[k] for k in CONFIG_KEYS), varying)}: "
+                         f"{config_label(tuple(pick[k] for k in CONFIG_KEYS), found.varying)}: "
                          f"{pick[key]:.1f} ms/token")
     return lines
 
 
-def _stops_copying(rows, trace) -> list[str]:
-    """Why a ``fraction:Q`` marked best copies no miss once the pool is full: at this trace's
-    routes per call its split rounds every call's misses down to 0 (docs/semantics.md §5.3),
-    so only the admission rule fills empty slots, and the CPU computes every miss after."""
-    import jax.numpy as jnp
-
-    from pallas_cache.sizing.sweep.records import parse_policy
-
-    lines = []
-    for policy in dict.fromkeys(r["policy"] for r in rows if r["best"] or r["budget_best"]):
-        kind, _, value = policy.partition(":")
-        if kind != "fraction":
-            continue
-        widths = {min(trace.top_k, trace.num_experts) * r.get("batch", 1) for r in rows
-                  if r["policy"] == policy}
-        split = parse_policy(policy).split  # the library's own rule
-        for k in sorted(widths):
-            if int(jnp.max(split(jnp.arange(1, k + 1, dtype=jnp.int32)))) == 0:
-                lines.append(
-                    f"{policy} is marked best, but at {k} routes per call its balanced split "
-                    f"copies none of a call's 1-{k} misses (docs/semantics.md §5.3): only the "
-                    f"admission rule fills empty slots, so once the pool is full it stops "
-                    f"copying and the CPU computes every miss, which the model finds fastest "
-                    f"there.")
-                break
-    return lines
+def stops_copying_lines(stops) -> list[str]:
+    """Why a ``fraction:Q`` marked best copies no miss once the pool is full (``stops``:
+    ``(policy, k)`` pairs, :func:`~pallas_cache.sizing.cli.findings.stops_copying`): at ``k``
+    routes per call its split rounds every call's misses down to 0 (docs/semantics.md §5.3), so
+    only the admission rule fills empty slots, and the CPU computes every miss after."""
+    return [f"{policy} is marked best, but at {k} routes per call its balanced split copies "
+            f"none of a call's 1-{k} misses (docs/semantics.md §5.3): only the admission rule "
+            f"fills empty slots, so once the pool is full it stops copying and the CPU computes "
+            f"every miss, which the model finds fastest there." for policy, k in stops]
 
 
-def prefetch_lines(results, trace, cost) -> list[str]:
+def prefetch_lines(found: Prefetch | None) -> list[str]:
     """The line under a table with the GPU's time (docs/semantics.md §11.6): at each cache size,
     the fastest row's ``prefetch_bound`` among rows whose CPU computes no expert (what any
-    prefetch of the next layers could save; on a row with CPU experts it is not given), then
-    the regime: one expert's copy time beside one layer's GPU work."""
-    timed = [r for r in results if r.overlap_ms_per_token is not None]
-    if not timed:
+    prefetch of the next layers could save), then the regime: one expert's copy time beside
+    one layer's GPU work."""
+    if found is None:
         return []
-    fastest = {}
-    for r in timed:  # the first of equally fast rows
-        if r.prefetch_bound is None:
-            continue
-        best = fastest.get(r.cache_size)
-        if best is None or r.overlap_ms_per_token < best.overlap_ms_per_token:
-            fastest[r.cache_size] = r
-    rows = [fastest[size] for size in sorted(fastest)]
-    prefetch = ", ".join(f"{100 * r.prefetch_bound:.1f}% at S = {r.cache_size}" for r in rows)
-    A = cost.gpu_layer_seconds or 0.0
-    C = cost.gpu_expert_seconds or 0.0
-    k = min(trace.top_k, trace.num_experts)
-    tau = cost.expert_bytes / cost.link_bandwidth
-    layer = A + k * C
+    prefetch = ", ".join(f"{100 * bound:.1f}% at S = {size}" for size, bound in found.bounds)
+    tau, layer = found.tau, found.layer
     ratio = f"{tau / layer:.3g}x" if layer > 0 else "unbounded"
     text = (f"prefetch_bound: any prefetch of the next layers could save at most {prefetch} "
             f"here (the fastest row whose CPU computes no expert at each size, by "
-            f"overlap_ms_per_token). " if rows else "")
+            f"overlap_ms_per_token). " if found.bounds else "")
     text += (f"One expert's copy takes tau = W/B_link = {1e3 * tau:.3g} ms, one layer's GPU "
              f"work A + k*C = {1e3 * layer:.3g} ms ({ratio}): prefetch can pay only where "
              f"they are near (docs/replay.md).")
     return [text]
 
 
-def eviction_line(results, cost) -> list[str]:
+def eviction_line(found: EvictionBounds | None) -> list[str]:
     """The line under a table with the GPU's time on what better eviction could save, per cache
-    size, from that size's ``full`` row with the fewest misses (Belady's optimum bounds the
-    ``full`` rows, whichever row is fastest): the most any eviction with demand copies could
-    save there (:func:`_eviction_bound`), and the sizes where the row already misses no more
-    than Belady, which no eviction can improve; without timed ``full`` rows, a line saying how
-    to get them."""
-    full = {}
-    for r in results:
-        if (r.policy in ("full", "fraction:1") and r.belady_hit_rate is not None
-                and r.overlap_ms_per_token):
-            kept = full.get(r.cache_size)
-            if kept is None or r.missing < kept.missing:
-                full[r.cache_size] = r
-    if not full:
+    size (:func:`~pallas_cache.sizing.cli.findings.eviction_bounds`), and the sizes where the
+    ``full`` row already misses no more than Belady; without timed ``full`` rows, a line saying
+    how to get them."""
+    if found is None:
+        return []
+    if not found.has_full:
         return (["Eviction: Belady's optimum bounds only the full rows, and this sweep has none: "
                  "add --policy full to see what better eviction could save."]
-                if any(r.overlap_ms_per_token for r in results) else [])
-    bounds, reached = [], []
-    for size in sorted(full):
-        r = full[size]
-        if r.missing <= round(r.active * (1.0 - r.belady_hit_rate)):
-            reached.append(str(size))
-        else:
-            bounds.append(f"{100 * _eviction_bound(r, cost):.0f}% at S = {size}")
+                if found.timed else [])
     parts = []
-    if bounds:
-        parts.append(f"better eviction could save the full rows up to {', '.join(bounds)} "
+    if found.bounds:
+        bounds = ", ".join(f"{100 * bound:.0f}% at S = {size}" for size, bound in found.bounds)
+        parts.append(f"better eviction could save the full rows up to {bounds} "
                      f"(Belady's misses as demand copies)")
-    if reached:
-        parts.append(f"at S = {', '.join(reached)} the full row already misses no more than "
-                     f"Belady's optimum: no eviction does better there")
+    if found.reached:
+        parts.append(f"at S = {', '.join(map(str, found.reached))} the full row already misses "
+                     f"no more than Belady's optimum: no eviction does better there")
     return ["Eviction: " + "; ".join(parts) + "."]
 
 
-def _eviction_bound(result, cost) -> float:
-    """For a ``full`` row with its Belady hit rate: ``1 - (A * calls + max(C * active,
-    tau * Belady's misses)) / overlap``, the most any eviction with demand copies could save
-    (each call takes at least ``A`` plus the larger of its device work and its copies, and no
-    eviction misses less than Belady)."""
-    A = cost.gpu_layer_seconds or 0.0
-    C = cost.gpu_expert_seconds or 0.0
-    tau = cost.expert_bytes / cost.link_bandwidth
-    misses = result.active * (1.0 - result.belady_hit_rate)
-    floor = A * result.calls + max(C * result.active, tau * misses)
-    total = result.overlap_ms_per_token * max(result.tokens, 1) / 1e3
-    return max(0.0, 1.0 - floor / total)
-
-
-def budget_fit(cost, num_layers: int, num_experts: int) -> int | None:
-    """The pool size that exactly fills ``--device-budget``: ``floor(budget / W)`` slots, at most
-    ``L * E`` (every expert resident; a bigger pool holds nothing more); ``None`` without a
-    budget or when it holds less than one layer's ``E`` experts."""
-    if cost.device_budget is None or cost.expert_bytes is None:
-        return None
-    slots = min(cost.device_budget // cost.expert_bytes, num_layers * num_experts)
-    return slots if slots >= num_experts else None
-
-
-def with_budget_fit(sizes, lines, cost, num_layers: int, num_experts: int):
-    """``(sizes, lines)`` of the sweep with :func:`budget_fit`'s size added beside the grid's
-    (sorted in), and a line saying so; unchanged when the grid has it already or there is none."""
-
-    fit = budget_fit(cost, num_layers, num_experts)
-    if fit is None or fit in sizes:
-        return sizes, lines
-    whole = " (every expert)" if fit == num_layers * num_experts else ""
-    line = (f"--device-budget {format_bytes(cost.device_budget)} fits {fit} slots of "
-            f"{format_bytes(cost.expert_bytes)} ({format_bytes(fit * cost.expert_bytes)})"
-            f"{whole}: replayed beside the grid")
-    return sorted([*sizes, fit]), [*lines, line]
-
-
-def cliff_lines(results, trace) -> list[str]:
+def cliff_lines(found: Cliffs | None) -> list[str]:
     """The lines under the table that name the sizes past a cliff (docs/semantics.md §11.3):
     below ``L*k`` slots, one token's working set, where global LRU thrashes (with each size's
-    measured hit rate, the best row's of that size); and, beside the stationary per-layer
-    oracle, sizes whose ``round(S/L)`` slots per layer are below ``3 * top_k``, where per-layer
-    LRU falls far below the oracle (peers measured about no hits there on fine-grained models),
-    with per-layer LRU's hit rate measured on this trace at ``round(S/L)`` slots per layer."""
-    from pallas_cache.sizing.trace_stats import per_layer_lru_hit_rate
-
-    num_layers, top_k = trace.num_layers, min(trace.top_k, trace.num_experts)
-    sizes = sorted({r.cache_size for r in results})
+    best hit rate); and, beside the stationary per-layer oracle, sizes whose ``round(S/L)``
+    slots per layer are below ``3 * top_k``, where per-layer LRU falls far below the oracle
+    (peers measured about no hits there on fine-grained models), with per-layer LRU's hit rate
+    measured on this trace."""
+    if found is None:
+        return []
     lines = []
-    below = [size for size in sizes if size < num_layers * top_k]
-    if below:
-        best = {size: max(r.hit_rate for r in results if r.cache_size == size) for size in below}
-        lines.append(f"Below one token's working set (S < L*k = {num_layers * top_k}): "
-                     + ", ".join(f"S = {size} (hit rate {best[size]:.3f})" for size in below)
+    if found.below:
+        lines.append(f"Below one token's working set (S < L*k = {found.working_set}): "
+                     + ", ".join(f"S = {size} (hit rate {rate:.3f})" for size, rate in found.below)
                      + ": LRU evicts what the next token's same layer needs.")
-    thin = [size for size in sizes if round(size / num_layers) < 3 * top_k]
-    if thin:
-        measured = []
-        for size in thin:
-            per_layer = round(size / num_layers)
-            if per_layer < trace.top_k:
-                measured.append(f"S = {size}: {per_layer} < top_k slots per layer")
-            else:
-                rate = per_layer_lru_hit_rate(trace, per_layer * num_layers)
-                measured.append(f"S = {size}: {rate:.3f}")
-        lines.append(f"Per-layer cliff (round(S/L) < 3*top_k = {3 * top_k} slots per layer; "
-                     f"oracle_hit_rate assumes each layer's best fixed set): per-layer LRU "
+    if found.thin:
+        measured = [f"S = {size}: {per_layer} < top_k slots per layer" if rate is None
+                    else f"S = {size}: {rate:.3f}" for size, per_layer, rate in found.thin]
+        lines.append(f"Per-layer cliff (round(S/L) < 3*top_k = {found.per_layer_floor} slots per "
+                     f"layer; oracle_hit_rate assumes each layer's best fixed set): per-layer LRU "
                      f"measured on this trace, {'; '.join(measured)}.")
     return lines
 
 
-#: A size is too short a trace's when more than this share of a ``full`` row's misses are cold
-#: (the first use of an expert, which every cache pays once).
-COLD_SHARE = 0.5
-
-
-def trace_lines(rows, trace, synthetic_preset: str | None) -> list[str]:
+def trace_lines(found: Coverage) -> list[str]:
     """The lines under the table (or on stderr) that say what the trace can tell: that it is
     synthetic, and from which generator (``mixtral-realistic`` is calibrated on Mixtral-8x7B
     decode traces, and stretched to another geometry it is that calibration's guess); and the
-    cache sizes it is too short for, where more than :data:`COLD_SHARE` of a ``full`` row's
-    misses are cold (the first use of each of the ``D`` distinct experts it routes), short of
-    a pool of every expert."""
-    import numpy as np
-
+    cache sizes it is too short for, where more than half of a ``full`` row's misses are cold
+    (the first use of each of the distinct experts it routes), short of a pool of every
+    expert."""
     lines = []
-    geometry = f"{trace.num_layers} layers x {trace.num_experts} experts, top-{trace.top_k}"
-    if synthetic_preset is not None:
-        calibrated = synthetic_preset == "mixtral-realistic"
-        stretched = (trace.num_layers, trace.num_experts, trace.top_k) != (32, 8, 2)
+    geometry = f"{found.num_layers} layers x {found.num_experts} experts, top-{found.top_k}"
+    preset = found.synthetic_preset
+    if preset is not None:
+        calibrated = preset == "mixtral-realistic"
+        stretched = (found.num_layers, found.num_experts, found.top_k) != (32, 8, 2)
         lines.append(
-            f"The trace is synthetic ({synthetic_preset}, {trace.num_tokens} tokens, "
-            f"{geometry}): " + (
+            f"The trace is synthetic ({preset}, {found.num_tokens} tokens, {geometry}): " + (
                 "a generator calibrated on Mixtral-8x7B decode traces"
                 + (", stretched to this geometry, so its hit rates are a guess for this model"
                    if stretched else "") if calibrated else
                 "a generator calibrated on no model's routing")
             + ". Replay a recorded trace of your model (--trace) before trusting a size.")
-    routes = trace.routes
-    valid = routes >= 0
-    flat = (np.broadcast_to(trace.layers[:, None], routes.shape).astype(np.int64)
-            * trace.num_experts + routes)[valid]
-    distinct = int(np.unique(flat).size)
-    # (a pool of every expert, S >= L*E, misses nothing but cold: its steady state is plain)
-    short = sorted({r["cache_size"] for r in rows if r["policy"] == "full" and r["missing"]
-                    and distinct > COLD_SHARE * r["missing"]
-                    and r["cache_size"] < trace.num_layers * trace.num_experts})
-    if short:
+    if found.short_sizes:
         lines.append(
-            f"The trace is too short for cache_size {', '.join(map(str, short))}: there more "
-            f"than half of the misses are cold, the first use of one of the {distinct} experts "
-            f"it routes, which any cache pays once; a longer trace (--tokens, or more "
-            f"requests) shows what those sizes hold in steady state.")
+            f"The trace is too short for cache_size {', '.join(map(str, found.short_sizes))}: "
+            f"there more than half of the misses are cold, the first use of one of the "
+            f"{found.distinct_experts} experts it routes, which any cache pays once; a longer "
+            f"trace (--tokens, or more requests) shows what those sizes hold in steady state.")
     return lines
 
 
-def layer_hit_rates(result) -> list[float | None]:
-    """A replay result's hit rate per layer, ``1 - missing/active`` of each layer's counters
-    (``ReplayResult.layer_stats``); ``None`` for a layer no call routed."""
-    return [None if not stats.active else 1.0 - stats.missing / stats.active
-            for stats in result.layer_stats]
-
-
-def per_layer_lines(results, rows, per_line: int = 12) -> list[str]:
+def per_layer_lines(layer_rates, rows, per_line: int = 12) -> list[str]:
     """The lines under the table of ``--per-layer``: for each row, its cache size and the
-    configuration keys that vary, then its hit rate per layer, ``per_line`` layers a line after
-    their range (``-`` for a layer no call routed); within 100 columns for any layer count."""
+    configuration keys that vary, then its hit rate per layer (``layer_rates``, one list per
+    row), ``per_line`` layers a line after their range (``-`` for a layer no call routed);
+    within 100 columns for any layer count."""
 
     varying = [key for key in CONFIG_KEYS if len({row[key] for row in rows}) > 1]
     lines = ["Hit rate per layer (- where no call routed the layer):"]
-    for result, row in zip(results, rows):
+    for layer_rate, row in zip(layer_rates, rows):
         lines.append(" ".join([f"cache_size={row['cache_size']}"]
                               + [f"{key}={row[key]}" for key in varying]))
-        rates = ["-" if rate is None else f"{rate:.3f}" for rate in layer_hit_rates(result)]
+        rates = ["-" if rate is None else f"{rate:.3f}" for rate in layer_rate]
         width = len(str(max(len(rates) - 1, 0)))
         for first in range(0, len(rates), per_line):
             last = min(first + per_line, len(rates)) - 1

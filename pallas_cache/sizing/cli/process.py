@@ -9,6 +9,7 @@ import os
 import signal
 import stat
 import sys
+import tempfile
 import threading
 
 from pallas_cache.sizing.progress import Progress
@@ -209,8 +210,6 @@ def private_cache_problem(path: str, base: str) -> str | None:
     down to ``path`` must belong to the user and be writable by neither group nor others (anyone
     who can write one could swap in a program the next run executes); ``path`` must be writable
     (a real write: permission bits say nothing on a read-only mount)."""
-    import tempfile
-
     base, path = os.path.abspath(base), os.path.abspath(path)
     relative = os.path.relpath(path, base)
     folders = [base] + [os.path.join(base, *relative.split(os.sep)[:i + 1])

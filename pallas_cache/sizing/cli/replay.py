@@ -1,7 +1,7 @@
 """``pallas-cache replay``: :func:`run` carries a :class:`~pallas_cache.sizing.cli.request.
-ReplayRequest` through load -> sizes -> configurations -> memory checks -> replay -> output;
-the expert-parallel replay takes the same steps per device. Ctrl-C exits 130 with no partial
-output."""
+ReplayRequest` through load -> sizes -> configurations -> memory checks -> replay -> findings
+-> output; the expert-parallel replay takes the same steps per device. Ctrl-C exits 130 with no
+partial output."""
 
 from __future__ import annotations
 
@@ -13,21 +13,31 @@ import time
 
 import numpy as np
 
-from pallas_cache.sizing import synthetic
+from pallas_cache.evictions import Eviction
+from pallas_cache.mesh import expert_sharding
+from pallas_cache.sizing import devices as sizing_devices
+from pallas_cache.sizing import sweep, synthetic
+from pallas_cache.sizing.batching import batched_records, split_requests
 from pallas_cache.sizing.cli import output
-from pallas_cache.sizing.cli.checks import (check_batch_memory, check_geometry, check_grid,
+from pallas_cache.sizing.cli.checks import (check_batch_memory, check_grid,
                                             check_modeled_numbers, check_state_memory,
                                             check_step_memory, policy_warnings)
-from pallas_cache.sizing.cli.devices import check_device_count, print_expert_parallel
+from pallas_cache.sizing.cli.devices import (check_device_count, print_expert_parallel,
+                                             tensor_records)
+from pallas_cache.sizing.cli.findings import findings
 from pallas_cache.sizing.cli.parser import UsageError
 from pallas_cache.sizing.cli.process import (CheckedProgress, InterruptLatch,
                                              compile_started)
 from pallas_cache.sizing.cli.request import REFUSED, ReplayRequest, TraceFile, synthetic_params
+from pallas_cache.sizing.cli.sizes import SweepSizes, resolve_sizes
 from pallas_cache.sizing.progress import Bar, Progress
+from pallas_cache.sizing.report import records
+from pallas_cache.sizing.sweep import config_grid, precompile
+from pallas_cache.sizing.sweep.cost import with_costs
 from pallas_cache.sizing.traces import load_trace
 from pallas_cache.sizing.units import format_bytes
 
-__all__ = ["Loaded", "Plan", "READ_PROGRESS_AFTER", "cache_sizes", "configurations",
+__all__ = ["Loaded", "Plan", "READ_PROGRESS_AFTER", "configurations",
            "knn_companions", "load", "memory_checks", "run", "run_replay"]
 
 
@@ -67,8 +77,9 @@ def run(request: ReplayRequest, progress: Progress, latch: InterruptLatch) -> in
     _start(loaded, progress)
     results, rows, knn_results = _replay(request, trace, plan.configs, companions, progress)
     latch.check()  # nothing is written after a Ctrl-C, even one a compile callback swallowed
-    output.print_rows(request, trace, results, rows, plan.size_lines, loaded.auto_k,
-                      output.knn_line(results, companions, knn_results, request.lru_only))
+    rows = tensor_records(rows, request.devices, request.parallel)
+    found = findings(request, trace, results, rows, companions, knn_results)
+    output.print_rows(request, rows, found, plan.sizes.lines, loaded.auto_k)
     return output.write_plot(request, rows)
 
 
@@ -135,92 +146,45 @@ def _trace(request: ReplayRequest, progress: Progress | None = None):
                                       max_memory=request.max_memory,
                                       geometry=dict(source.geometry))
     if source.requests is not None:
-        from pallas_cache.sizing.batching import split_requests
-
         trace = split_requests(trace, source.requests, source.seed)
     return trace
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """The sweep of one trace (or one device's): its cache sizes, the lines saying how byte sizes
-    became slots, and the configurations."""
+    """The sweep of one trace (or one device's): its cache sizes, resolved at its geometry, and
+    the configurations."""
 
-    sizes: list
-    size_lines: list
+    sizes: SweepSizes
     configs: list
 
     @property
     def per_size(self) -> int:
-        return len(self.configs) // len(set(self.sizes))
+        return len(self.configs) // len(self.sizes.slots)
 
 
 def configurations(request: ReplayRequest, geometry, policies) -> Plan:
-    """Sizes -> configurations: ``--cache-size`` at ``geometry`` (a trace's, or a synthetic
-    preset's parameters) with the device budget's exact fit, checked against the cache's int32
-    counts, and the grid of the policies and the request's axes."""
-    from pallas_cache.sizing.sweep import config_grid
-
-    cost = request.cost
-    sizes, size_lines = output.with_budget_fit(*cache_sizes(request, geometry), cost,
-                                               geometry.num_layers, geometry.num_experts)
-    check_geometry(geometry.num_layers, geometry.num_experts, sizes)
-    configs = config_grid(sizes, policies, *request.axes)
-    check_grid(configs, request.axes[2])
-    return Plan(sizes, size_lines, configs)
-
-
-def cache_sizes(request: ReplayRequest, geometry) -> tuple[list[int], list[str]]:
-    """``(slot counts, lines saying how byte sizes were rounded)`` of ``--cache-size`` at
-    ``geometry``; a size past every expert (``L*E`` slots) is clamped to ``L*E``, with a line
-    saying so."""
-    from pallas_cache.sizing.sweep import auto_cache_sizes
-
-    width = request.cost.expert_bytes
-    sizes, shown = [], []
-    for size in request.cache_sizes:
-        if size.nbytes is not None:
-            slots = size.nbytes // width
-            shown.append(f"{size.text} = {slots} slots of {format_bytes(width)} "
-                         f"({format_bytes(slots * width)})")
-            if slots < geometry.num_experts:
-                raise ValueError(f"cache size {size.text} holds {slots} experts of "
-                                 f"{format_bytes(width)}, fewer than one layer's "
-                                 f"{geometry.num_experts}")
-            sizes.append(slots)
-        elif size.slots is not None:
-            sizes.append(size.slots)
-        else:
-            sizes += auto_cache_sizes(geometry.num_layers, geometry.num_experts, geometry.top_k)
-    too_small = [s for s in sizes if s < geometry.num_experts]
-    if too_small:
-        raise ValueError(f"cache size {min(too_small)} cannot hold one layer of "
-                         f"{geometry.num_experts} experts")
-    # A pool past every expert (L*E slots) holds nothing more and replays as L*E: it is replayed
-    # as L*E, and a line says so (its bytes would price slots nothing fills).
-    every = geometry.num_layers * geometry.num_experts
-    above = sorted({s for s in sizes if s > every})
-    if above:
-        pool = f" ({format_bytes(every * width)})" if width else ""
-        shown.append(f"{', '.join(map(str, above))} slots {'is' if len(above) == 1 else 'are'} "
-                     f"more than every expert (L*E = {geometry.num_layers}*"
-                     f"{geometry.num_experts}): replayed as {every}{pool}, every expert "
-                     f"resident")
-    return sorted({min(s, every) for s in sizes}), shown
+    """Sizes -> configurations: the request's cache sizes at ``geometry`` (a trace's, or a
+    synthetic preset's parameters) and the grid of the policies and the request's axes."""
+    sizes = resolve_sizes(request.cache_sizes, request.cost, geometry.num_layers,
+                          geometry.num_experts, geometry.top_k)
+    configs = config_grid(sizes.slots, policies, *request.axes)
+    check_grid(configs, request.evictions)
+    return Plan(sizes, configs)
 
 
 def memory_checks(request: ReplayRequest, geometry, plan: Plan, lanes: int, *, held: int = 0,
                   hit_counts: bool = False, batches=None) -> None:
     """Refuse a sweep whose states (``lanes`` configurations), step, or batched calls would not
     fit ``--max-memory`` beside ``held`` bytes of arrays, before any is allocated."""
-    per_size = plan.per_size
-    states = check_state_memory(plan.sizes, lanes // len(set(plan.sizes)), geometry.num_layers,
+    per_size, slots = plan.per_size, plan.sizes.slots
+    states = check_state_memory(slots, lanes // len(slots), geometry.num_layers,
                                 geometry.num_experts, request.max_memory)
     # the arrays and the states stay alive while the step compiles and runs: one sum
-    check_step_memory(plan.sizes, per_size, geometry.num_experts, geometry.top_k,
+    check_step_memory(slots, per_size, geometry.num_experts, geometry.top_k,
                       request.max_memory, states + held, hit_counts=hit_counts)
     if batches:
-        check_batch_memory(batches, plan.sizes, per_size, geometry, request.max_memory,
+        check_batch_memory(batches, slots, per_size, geometry, request.max_memory,
                            states + held, hit_counts=hit_counts)
 
 
@@ -242,14 +206,8 @@ def _replay(request: ReplayRequest, trace, configs, companions, progress):
     """``(results, rows, knn_results)`` of the sweep (batched, or with the legend's route_knn
     lanes riding in its own programs; the costs and the budget pick are the swept rows'
     alone)."""
-    from pallas_cache.sizing import sweep
-    from pallas_cache.sizing.report import records
-    from pallas_cache.sizing.sweep.cost import with_costs
-
     cost = request.cost
     if request.batches:
-        from pallas_cache.sizing.batching import batched_records
-
         results, rows = batched_records(trace, configs, cost, list(request.batches),
                                         sweep.replay, progress)
         return results, rows, []
@@ -264,16 +222,11 @@ def _run_expert_parallel(request: ReplayRequest, loaded: Loaded, progress: Progr
     """The expert-parallel replay: device ``d``'s trace (its share of every layer's experts)
     through the same steps, every device planned and checked before any replays, then printed
     per device with the busiest device's row of each configuration."""
-    from pallas_cache.mesh import expert_sharding
-    from pallas_cache.sizing import sweep
-    from pallas_cache.sizing.devices import device_traces
-    from pallas_cache.sizing.report import records
-
     trace = loaded.trace
     plans = []
     with refusals(TypeError, ValueError):
         sharding = expert_sharding(trace.num_experts, request.devices)
-        for device_trace in device_traces(trace, sharding):
+        for device_trace in sizing_devices.device_traces(trace, sharding):
             plan = configurations(request, device_trace, loaded.policies)
             memory_checks(request, device_trace, plan, len(plan.configs),
                           held=_bytes(device_trace.routes, trace.routes, trace.layers,
@@ -286,7 +239,7 @@ def _run_expert_parallel(request: ReplayRequest, loaded: Loaded, progress: Progr
     latch.check()
     progress.close()
     print_expert_parallel(request, trace, sharding, per_device,
-                          [plan.size_lines for _, plan in plans])
+                          [plan.sizes.lines for _, plan in plans])
     return 0
 
 
@@ -314,28 +267,35 @@ class _ReadProgress:
 def knn_companions(request: ReplayRequest, configs) -> list:
     """When the sweep is LRU alone, printed as a table, with the legend's route_knn line asked
     for (``--route-knn-legend``): route_knn at each size of one LRU series (policy
-    ``full`` if swept, else the first policy; the first order; the first admission route_knn
+    ``full`` if swept, else the first policy; on every other axis the first value route_knn
     takes). They are replayed by the sweep itself, as lanes of one more compiled program, for
     the legend's one line only (the rows, their costs and the budget pick stay LRU's)."""
-    from pallas_cache.sizing.sweep import ReplayConfig
-
-    orders, admissions, _ = request.axes
-    admissions = [a for a in admissions if a != "reuse"]
     if (request.output.format != "table" or not request.output.knn_legend
-            or not request.lru_only or not configs or not admissions):
+            or not request.lru_only or not configs):
         return []
     policies = [c.policy for c in configs]
     policy = "full" if "full" in policies else policies[0]
+    # the grid's first configuration of that policy route_knn takes (it refuses reuse)
+    first = next(filter(None, (_as_route_knn(c) for c in configs if c.policy == policy)), None)
+    if first is None:
+        return []
     sizes = dict.fromkeys(c.cache_size for c in configs)
-    return [ReplayConfig(size, policy, orders[0], admissions[0], "route_knn") for size in sizes]
+    return [dataclasses.replace(first, cache_size=size) for size in sizes]
+
+
+def _as_route_knn(config):
+    """``config`` with route_knn's eviction, or ``None`` where route_knn refuses it (an
+    admission only LRU takes: ``ReplayConfig`` checks it)."""
+    try:
+        return dataclasses.replace(config, eviction=Eviction.ROUTE_KNN)
+    except ValueError:
+        return None
 
 
 def _precompile_synthetic(request: ReplayRequest) -> threading.Thread | None:
     """A thread compiling the replay's programs while the synthetic trace is generated (its
     geometry is the preset's, so the sweep is known before the trace), or ``None`` where the
     sweep's options are off (the replay reports them after the trace, as for a trace file)."""
-    from pallas_cache.sizing.sweep import precompile
-
     if request.batches:
         return None  # the merged calls' width is B * top_k: other programs than the trace's
     cost = request.cost

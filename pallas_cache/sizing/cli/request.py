@@ -15,6 +15,7 @@ from pallas_cache.sizing.cli import checks
 from pallas_cache.sizing.cli.devices import check_device_count, device_cost
 from pallas_cache.sizing.cli.parser import (DEFAULT_POLICIES, DEFAULT_PRESET,
                                             DEFAULT_TIMED_POLICIES, UsageError)
+from pallas_cache.sizing.cli.sizes import CacheSize
 from pallas_cache.sizing.models import MoEModel, resolve_model
 from pallas_cache.sizing.sweep.cost import CostModel
 from pallas_cache.sizing.traces import (RUN_FIXED_BYTES, ProcessBudget, TraceError,
@@ -54,16 +55,6 @@ class SyntheticSource:
 
 
 @dataclasses.dataclass(frozen=True)
-class CacheSize:
-    """One ``--cache-size`` value: ``auto`` (``slots`` and ``nbytes`` ``None``), a slot count,
-    or a byte size (``nbytes``; its slots are whole experts of ``W``)."""
-
-    text: str
-    slots: int | None = None
-    nbytes: int | None = None
-
-
-@dataclasses.dataclass(frozen=True)
 class Output:
     """How the rows are shown: ``format`` (one of ``report.FORMATS``), the plot's file, no
     progress (``quiet``), the legend's route_knn line, the hit rates per layer."""
@@ -81,9 +72,12 @@ class ReplayRequest:
 
     Attributes:
       source: a :class:`TraceFile` or a :class:`SyntheticSource`.
-      cache_sizes: the ``--cache-size`` values, in order.
+      cache_sizes: the ``--cache-size`` values, in order, each read once (its slots at the
+        cost model's ``W``; :func:`~pallas_cache.sizing.cli.sizes.resolve_sizes` places them at
+        a trace's geometry).
       policies: ``--policy`` as given (``None``: the defaults of the cost model).
-      orders, admissions, evictions: the sweep's axes.
+      orders, admissions, evictions: the sweep's axes, enum members (``config_grid`` takes
+        them as they are).
       cost: the cost model of one device (``W / T`` per slot tensor-parallel, ``B_cpu / D``).
       model: the ``--model``, if any; ``weight_label`` says what ``W`` is.
       devices, parallel: ``--devices D --parallel expert|tensor`` (``None``: one device).
@@ -111,10 +105,10 @@ class ReplayRequest:
     auto_k: int | None
 
     @property
-    def axes(self) -> tuple[list[str], list[str], list[str]]:
-        """``(orders, admissions, evictions)`` as the names ``config_grid`` takes."""
-        return ([o.value for o in self.orders], [a.value for a in self.admissions],
-                [e.value for e in self.evictions])
+    def axes(self) -> tuple[tuple[FetchOrder, ...], tuple[Admission, ...], tuple[Eviction, ...]]:
+        """``(orders, admissions, evictions)``, the sweep's axes after the cache size and the
+        policy, in ``config_grid``'s order."""
+        return self.orders, self.admissions, self.evictions
 
     @property
     def lru_only(self) -> bool:
@@ -175,28 +169,28 @@ def _build(args) -> ReplayRequest:
     if batched and args.devices is not None:
         raise ValueError(f"--batch replays one device's cache; it does not combine with "
                          f"--devices {args.devices}")
+    orders = tuple(FetchOrder.coerce(o) for o in args.order)
+    admissions = tuple(Admission.coerce(a) for a in args.admission)
+    evictions = tuple(Eviction.coerce(e) for e in args.eviction)
     if output.knn_legend:
-        checks.check_knn_legend(output.format, args.eviction, batched, args.parallel)
+        checks.check_knn_legend(output.format, evictions, batched, args.parallel)
     if output.per_layer:
         checks.check_per_layer(batched, args.parallel)
     auto_k = _auto_top_k(source, cost, max_memory)
     request = ReplayRequest(
-        source, (), None if args.policy is None else tuple(args.policy),
-        tuple(FetchOrder.coerce(o) for o in args.order),
-        tuple(Admission.coerce(a) for a in args.admission),
-        tuple(Eviction.coerce(e) for e in args.eviction), cost, model, label, args.devices,
-        args.parallel, None if batched is None else tuple(batched), max_memory, output, auto_k)
+        source, (), None if args.policy is None else tuple(args.policy), orders, admissions,
+        evictions, cost, model, label, args.devices, args.parallel,
+        None if batched is None else tuple(batched), max_memory, output, auto_k)
     # fraction:auto with a fixed CPU cost waits for a trace file's routes per call (auto_k 0);
     # until then the policies are checked as resolved at one route per call
     _, policies = request.resolved_policies(1 if auto_k == 0 else auto_k)
     if args.trace and args.tokens is not None:  # ('' is refused below as an empty path)
         raise ValueError(f"--tokens {args.tokens} sets the length of a --synthetic trace; a "
                          f"--trace file has its own tokens")
-    sizes = checks.check_before_reading(args.trace, args.num_layers, args.num_experts,
-                                        args.cache_size, cost, policies,
-                                        (args.order, args.admission, args.eviction))
-    return dataclasses.replace(request, cache_sizes=tuple(
-        CacheSize(text, slots, nbytes) for text, (slots, nbytes) in zip(args.cache_size, sizes)))
+    checks.check_source(args.trace, args.num_layers, args.num_experts)
+    sizes = tuple(CacheSize.parse(text, cost.expert_bytes) for text in args.cache_size)
+    checks.check_sweep(cost, policies, request.axes)
+    return dataclasses.replace(request, cache_sizes=sizes)
 
 
 def process_budget(max_memory: int | None) -> ProcessBudget:
