@@ -30,7 +30,8 @@ from pallas_cache.sizing.sweep import config_grid, replay
 from pallas_cache.sizing.synthetic import synthetic_trace
 from pallas_cache.sizing.traces import Trace
 
-DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")
+DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                    "data")
 MIXTRAL_W = 3 * 4096 * 14336 * 2  # mixtral-8x7b bf16, 336 MiB
 
 
@@ -272,7 +273,7 @@ SMALL = ["replay", "--synthetic", "mixtral-like", "--tokens", "6", "--cache-size
 def test_the_table_shows_the_columns_and_the_prefetch_line(capsys):
     """FAILS if the table lacks the new columns, the line under it, or the line's numbers are
     not the fastest row's bound at each size."""
-    from tests.sizing.test_cli import table_keys
+    from tests.sizing.cli.test_cli import table_keys
 
     assert cli.main(SMALL + ["--policy", "full", "--gpu-layer-ms", "0.07", "-q"]) == 0
     out = capsys.readouterr().out

@@ -24,7 +24,7 @@ from pallas_cache.sizing.traces import RUN_FIXED_BYTES
 
 replay_mod = importlib.import_module("pallas_cache.sizing.sweep")  # the module of replay()
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 SMALL = ["replay", "--synthetic", "mixtral-like", "--tokens", "4", "--cache-size", "64",
          "--policy", "full"]
 

@@ -23,7 +23,7 @@ from pallas_cache.sizing import bounds as bounds_module
 from pallas_cache.sizing.bounds import BypassOptimumResult, oracle_slots_for, stationary_oracle
 from pallas_cache.sizing.synthetic import PRESETS, SyntheticParams, synthetic_trace
 
-from tests.sizing.exhaustive import (distinct_calls, exhaustive_min_misses, textbook_belady,  # noqa: E402
+from tests.sizing.bounds.exhaustive import (distinct_calls, exhaustive_min_misses, textbook_belady,  # noqa: E402
                         textbook_bypass)
 
 
