@@ -1,7 +1,7 @@
 """The offline bounds (docs/semantics.md §5.14): Belady, the bypass optimum, the stationary oracle.
 
-Checked against exhaustive searches and set-based textbook transcriptions (tests/sizing/exhaustive.py),
-against a simulation of the cache's LRU, and against replays; every optimum test runs on both
+Checked against exhaustive searches and set-based textbook transcriptions
+(tests/sizing/bounds/exhaustive.py), against a simulation of the cache's LRU, and against replays; every optimum test runs on both
 executors of the loops (the ``optima_loop`` fixture: interpreted and Numba-compiled).
 """
 
