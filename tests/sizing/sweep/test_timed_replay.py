@@ -1,8 +1,9 @@
 """The replay timed with the GPU's compute beside the copies (docs/semantics.md §11.6): the event
 rules evaluated on the exact ``(hits, fetched, cpu_experts, calls)`` histogram agree with a
 literal, call-by-call simulation of the same rules over the NumPy reference's plans; the prefetch
-bound is the busiest resource's; the acceptance rows of the issue; the flags' refusals; and
-every output without the flags is today's, byte for byte.
+bound is the busiest resource's; a mixtral-8x7b replay's rows agree with an independent
+implementation of the rules; the flags' refusals; and every output without the flags is
+today's, byte for byte.
 
 The simulation below knows nothing of the histogram or of the closed form in
 ``pallas_cache.sizing.sweep.cost``: it keeps the link's free time, each expert's arrival (the end of
@@ -221,7 +222,7 @@ def acceptance_rows():
 
 
 def test_acceptance_rows_agree_with_the_independent_implementation(acceptance_rows):
-    """FAILS if a row of the issue's acceptance command is more than 1% from the independent
+    """FAILS if a row of the ``ACCEPTANCE`` command is more than 1% from the independent
     implementation's, at 25 GB/s (the replay) or at 50 GB/s (the same call counts re-timed on
     the host, no replay). Naive versions miss by far more: copies and compute summed would add
     most of the 8 ms of device work per token back."""
