@@ -1,6 +1,6 @@
 """What a call lowers to, without a GPU: the one StableHLO op counter of the benchmarks and the
 tests (docs/semantics.md §7's counting rule; tests/kernels/test_kernels.py checks the rule, the
-program-size tests of tests/kernels/test_loop_free.py and tests/sizing/test_replay.py count with
+program-size tests of tests/kernels/test_loop_free.py and tests/sizing/sweep/test_replay.py count with
 it) and :func:`abstract_gpu`, the abstract H200 that lets a CPU host lower the fused kernel for
 CUDA.
 

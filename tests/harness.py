@@ -53,7 +53,7 @@ PROFILE = os.environ.get("PALLAS_CACHE_PROFILE", "ci")
 
 # The console script keeps compiled programs in the user's cache directory; no test may (this
 # keeps the subprocesses running ``python -m pallas_cache.sizing.cli`` off it too;
-# tests/sizing/test_cli_progress.py clears it where it tests that cache, in a temporary home).
+# tests/sizing/cli/test_cli_progress.py clears it where it tests that cache, in a temporary home).
 os.environ["PALLAS_CACHE_NO_COMPILE_CACHE"] = "1"
 settings.load_profile(PROFILE)
 

@@ -1,6 +1,6 @@
-"""Bad input to the library (issue #39): no NaN from an expert a token never chose, nothing read
-for a traced layer outside the bank, no silent wrap of a policy cap or a recorded id, and every
-static misuse refused at trace time naming the value and its range."""
+"""Bad input to the library: no NaN from an expert a token never chose, nothing read for a traced
+layer outside the bank, no silent wrap of a policy cap or a recorded id, and every static misuse
+refused at trace time naming the value and its range."""
 
 from __future__ import annotations
 

@@ -5,14 +5,8 @@ one_line_error``). The suite's shared ones stay in tests/harness.py."""
 from __future__ import annotations
 
 import importlib
-import os
-import sys
 
 import pytest
-
-#: benchmarks/, where the GPU scripts the sizing tests load live.
-BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__)))), "benchmarks")
 
 
 def one_line_error(capsys, code):
@@ -34,14 +28,3 @@ def no_replay(monkeypatch):
         raise AssertionError("the replay ran before the refusal was reported")
 
     monkeypatch.setattr(importlib.import_module("pallas_cache.sizing.sweep"), "replay", replay)
-
-
-@pytest.fixture(scope="module")
-def gpu_check():
-    """``benchmarks/gpu_check.py`` imported as its sibling scripts import it (benchmarks/ first
-    on the path, removed after the module)."""
-    sys.path.insert(0, BENCHMARKS)
-    try:
-        yield importlib.import_module("gpu_check")
-    finally:
-        sys.path.remove(BENCHMARKS)

@@ -105,7 +105,7 @@ def test_machine_formats_round_trip_through_pandas(rows):
 def test_table_and_markdown_headers_are_record_keys(rows):
     """FAILS if a table or markdown header is not a record key (``belady`` for
     ``belady_hit_rate``), or markdown loses a row."""
-    from tests.sizing.test_cli import all_table_keys, table_keys
+    from tests.sizing.cli.test_cli import all_table_keys, table_keys
 
     _, _, recs = rows
     columns = table_columns(recs)

@@ -49,7 +49,7 @@ def lane_key(config: ReplayConfig) -> LaneKey:
     (docs/semantics.md §5.5): with ``f == 0`` it never acts, and with ``full`` (``F = M``)
     PROMOTE_ONE needs ``F == 0 < M`` and REUSE only looks past ``F = M``. The order is kept even
     with ``full``: it decides which of a step's installs takes which slot, so which of them a
-    later tie on usage evicts (tests/sizing/test_replay.py has a trace where it matters).
+    later tie on usage evicts (tests/sizing/sweep/test_replay.py has a trace where it matters).
     """
     policy = parse_policy(config.policy)
     fraction16, cap = int(policy.fraction16), int(policy.cap)

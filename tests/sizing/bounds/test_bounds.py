@@ -1,7 +1,7 @@
 """The offline bounds (docs/semantics.md §5.14): Belady, the bypass optimum, the stationary oracle.
 
-Checked against exhaustive searches and set-based textbook transcriptions (tests/sizing/exhaustive.py),
-against a simulation of the cache's LRU, and against replays; every optimum test runs on both
+Checked against exhaustive searches and set-based textbook transcriptions
+(tests/sizing/bounds/exhaustive.py), against a simulation of the cache's LRU, and against replays; every optimum test runs on both
 executors of the loops (the ``optima_loop`` fixture: interpreted and Numba-compiled).
 """
 
@@ -23,7 +23,7 @@ from pallas_cache.sizing import bounds as bounds_module
 from pallas_cache.sizing.bounds import BypassOptimumResult, oracle_slots_for, stationary_oracle
 from pallas_cache.sizing.synthetic import PRESETS, SyntheticParams, synthetic_trace
 
-from tests.sizing.exhaustive import (distinct_calls, exhaustive_min_misses, textbook_belady,  # noqa: E402
+from tests.sizing.bounds.exhaustive import (distinct_calls, exhaustive_min_misses, textbook_belady,  # noqa: E402
                         textbook_bypass)
 
 

@@ -28,7 +28,7 @@ from pallas_cache.sizing.sweep import program as sweep_program
 from pallas_cache.sizing.progress import Bar, Progress
 from pallas_cache.sizing.sweep import config_grid, replay
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 SMALL = ["replay", "--synthetic", "mixtral-like", "--tokens", "12", "--cache-size", "8", "128",
          "--policy", "full", "fraction:0.4", "--format", "json"]
 

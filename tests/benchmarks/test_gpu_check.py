@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from tests.sizing.conftest import BENCHMARKS
+from tests.benchmarks.conftest import BENCHMARKS
 
 
 def test_the_dry_run_fits_the_budget_with_every_phase(gpu_check, capsys):

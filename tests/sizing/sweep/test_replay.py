@@ -29,7 +29,7 @@ from pallas_cache.sizing.traces import Trace
 from pallas_cache import reference
 from pallas_cache.reference import ReferenceCache, ReferencePolicy
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def small_trace():

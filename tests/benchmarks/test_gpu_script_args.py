@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.sizing.conftest import BENCHMARKS
+from tests.benchmarks.conftest import BENCHMARKS
 
 
 def _refused(capsys, call, script):

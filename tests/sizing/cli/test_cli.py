@@ -24,7 +24,7 @@ from pallas_cache.sizing.traces import RUN_FIXED_BYTES
 
 replay_mod = importlib.import_module("pallas_cache.sizing.sweep")  # the module of replay()
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 SMALL = ["replay", "--synthetic", "mixtral-like", "--tokens", "4", "--cache-size", "64",
          "--policy", "full"]
 
@@ -502,7 +502,8 @@ def test_cli_mistakes_fail_before_the_replay_with_one_line(capsys):
 
 def test_a_model_that_does_not_match_the_trace_is_warned_about(tmp_path, capsys):
     """FAILS if a geometry mismatch between --model and a trace file passes silently, or a
-    match is warned about. (A synthetic trace takes --model's geometry: tests/sizing/test_cli_sizing.py.)"""
+    match is warned about. (A synthetic trace takes --model's geometry:
+    tests/sizing/cli/test_cli_sizing.py.)"""
     path = tmp_path / "mixtral.npy"
     np.save(path, np.random.default_rng(0).integers(0, 8, size=(2, 32, 2)).astype(np.int32))
     code, _, err = run(capsys, "--trace", str(path), "--num-experts", "8", "--cache-size",

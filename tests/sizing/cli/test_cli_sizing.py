@@ -355,7 +355,7 @@ def test_the_notebooks_replay_text_names_columns_of_the_table_it_prints():
 
     from pallas_cache.sizing.report import RECORD_KEYS, table_columns
 
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))),
                         "examples", "explore_cache.ipynb")
     cells = json.load(open(path, encoding="utf-8"))["cells"]
     outro = "".join(next(c["source"] for c in cells if c.get("id") == "c-outro"))

@@ -19,7 +19,7 @@ import pytest
 
 from tests.harness import PROFILE
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 RUNS = 3 if PROFILE == "deep" else 1
 
 #: The console script with the reading phase's line shown from the first block (it waits

@@ -17,7 +17,7 @@ import pytest
 
 from pallas_cache.sizing import cli
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 MISSING = "/nonexistent/pallas-cache-routes.jsonl"
 
 

@@ -113,12 +113,12 @@ def test_gap_line_names_the_parameter_that_closes_the_gap():
 
 
 def _refusal(capsys, monkeypatch, argv):
-    from pallas_cache.sizing import decode
+    from pallas_cache.sizing.decode import decoder
 
     def no_bank(*args, **kwargs):
         raise AssertionError("a bank was made before the refusal")
 
-    monkeypatch.setattr(decode, "_expert_fn_and_bank", no_bank)
+    monkeypatch.setattr(decoder, "expert_fn_and_bank", no_bank)
     status = cli.main(argv)
     err = capsys.readouterr().err
     assert status == 2, err
@@ -195,10 +195,10 @@ def test_the_bank_is_the_experts_format_random_per_expert_in_host_memory(dtype):
     1/sqrt(fan_in)."""
     from pallas_cache import experts
     from pallas_cache.moe import host_memory_kind
-    from pallas_cache.sizing.decode import Geometry, _expert_fn_and_bank
+    from pallas_cache.sizing.decode.bank import Geometry, expert_fn_and_bank
 
     geometry = Geometry(2, 4, 2, 64, 32, dtype)
-    expert_fn, bank = _expert_fn_and_bank(geometry)
+    expert_fn, bank = expert_fn_and_bank(geometry)
     assert expert_fn is experts.swiglu
     assert experts.bank_format(bank, lead=2) == dtype
     for leaf in bank.values():
@@ -217,10 +217,11 @@ def test_the_pool_is_the_experts_pool_of_the_bank():
     """FAILS if a row's pool is not ``experts.pool_like`` of the bank (an int4 pool without its
     scale leaves, or of other shapes or dtypes, could not take apply_copy_plan's rows)."""
     from pallas_cache import experts
-    from pallas_cache.sizing.decode import Geometry, _Decoder
+    from pallas_cache.sizing.decode.bank import Geometry
+    from pallas_cache.sizing.decode.decoder import Decoder
 
     geometry = Geometry(1, 8, 2, 64, 32, "int4")
-    decoder = _Decoder(geometry, np.zeros((2, 1, 2), np.int32), 0, lambda line: None)
+    decoder = Decoder(geometry, np.zeros((2, 1, 2), np.int32), 0, lambda line: None)
     pool = decoder.pool(3)
     want = experts.pool_like(decoder.bank, 3, layer_axis=True)
     assert {n: (v.shape, v.dtype) for n, v in pool.items()} == {

@@ -13,7 +13,7 @@ import pytest
 
 import pallas_cache
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 HEAVY = ("jax", "jaxlib", "numpy")
 
 

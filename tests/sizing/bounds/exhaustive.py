@@ -1,4 +1,5 @@
-"""Offline optima computed the slow, obvious way, for tests/sizing/test_bounds.py (test-only).
+"""Offline optima computed the slow, obvious way, for tests/sizing/bounds/test_bounds.py
+(test-only).
 
 Independent of ``pallas_cache.sizing.bounds``: a search over every schedule of the model, and
 set-based transcriptions of docs/semantics.md §5.14's two rules.

@@ -1,8 +1,9 @@
 """The replay timed with the GPU's compute beside the copies (docs/semantics.md §11.6): the event
 rules evaluated on the exact ``(hits, fetched, cpu_experts, calls)`` histogram agree with a
 literal, call-by-call simulation of the same rules over the NumPy reference's plans; the prefetch
-bound is the busiest resource's; the acceptance rows of the issue; the flags' refusals; and
-every output without the flags is today's, byte for byte.
+bound is the busiest resource's; a mixtral-8x7b replay's rows agree with an independent
+implementation of the rules; the flags' refusals; and every output without the flags is
+today's, byte for byte.
 
 The simulation below knows nothing of the histogram or of the closed form in
 ``pallas_cache.sizing.sweep.cost``: it keeps the link's free time, each expert's arrival (the end of
@@ -30,7 +31,8 @@ from pallas_cache.sizing.sweep import config_grid, replay
 from pallas_cache.sizing.synthetic import synthetic_trace
 from pallas_cache.sizing.traces import Trace
 
-DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")
+DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                    "data")
 MIXTRAL_W = 3 * 4096 * 14336 * 2  # mixtral-8x7b bf16, 336 MiB
 
 
@@ -220,7 +222,7 @@ def acceptance_rows():
 
 
 def test_acceptance_rows_agree_with_the_independent_implementation(acceptance_rows):
-    """FAILS if a row of the issue's acceptance command is more than 1% from the independent
+    """FAILS if a row of the ``ACCEPTANCE`` command is more than 1% from the independent
     implementation's, at 25 GB/s (the replay) or at 50 GB/s (the same call counts re-timed on
     the host, no replay). Naive versions miss by far more: copies and compute summed would add
     most of the 8 ms of device work per token back."""
@@ -272,7 +274,7 @@ SMALL = ["replay", "--synthetic", "mixtral-like", "--tokens", "6", "--cache-size
 def test_the_table_shows_the_columns_and_the_prefetch_line(capsys):
     """FAILS if the table lacks the new columns, the line under it, or the line's numbers are
     not the fastest row's bound at each size."""
-    from tests.sizing.test_cli import table_keys
+    from tests.sizing.cli.test_cli import table_keys
 
     assert cli.main(SMALL + ["--policy", "full", "--gpu-layer-ms", "0.07", "-q"]) == 0
     out = capsys.readouterr().out

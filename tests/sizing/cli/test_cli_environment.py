@@ -8,7 +8,7 @@ import pathlib
 import subprocess
 import sys
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
+REPO = pathlib.Path(__file__).resolve().parents[3]
 REPLAY = ["replay", "--synthetic", "mixtral-like", "--tokens", "4", "--cache-size", "64",
           "--model", "mixtral-8x7b", "--link-bandwidth", "25GB/s", "--cpu-bandwidth", "60GB/s",
           "-q", "--no-compile-cache"]
