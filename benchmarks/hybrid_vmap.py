@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import pallas_cache as pc  # noqa: E402
 from pallas_cache import experts  # noqa: E402

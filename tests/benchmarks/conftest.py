@@ -1,9 +1,8 @@
-"""The fixtures of the benchmark scripts' tests: ``script``, the script a test module names, and
-``gpu_check``; ``BENCHMARKS``, the scripts' folder."""
+"""The fixture of the benchmark scripts' tests: ``script``, the script a test module names
+(``SCRIPT``); ``BENCHMARKS``, the scripts' folder, for a test that runs a script as a program."""
 
 import importlib
 import os
-import sys
 
 import pytest
 
@@ -19,13 +18,3 @@ def script(request):
     loads is the same module)."""
     return importlib.import_module(f"benchmarks.{request.module.SCRIPT}")
 
-
-@pytest.fixture(scope="module")
-def gpu_check():
-    """``benchmarks/gpu_check.py`` imported as its sibling scripts import it (benchmarks/ first
-    on the path, removed after the module)."""
-    sys.path.insert(0, BENCHMARKS)
-    try:
-        yield importlib.import_module("gpu_check")
-    finally:
-        sys.path.remove(BENCHMARKS)

@@ -14,11 +14,13 @@ import pytest
 
 from tests.benchmarks.conftest import BENCHMARKS
 
+SCRIPT = "gpu_check"
 
-def test_the_dry_run_fits_the_budget_with_every_phase(gpu_check, capsys):
+
+def test_the_dry_run_fits_the_budget_with_every_phase(script, capsys):
     """FAILS if the estimate exceeds the 480 s budget (659 s before the split; 416 s before the
     profiled copies without CUDA graphs) or a phase has no row in it."""
-    assert gpu_check.main(["--dry-run"]) == 0
+    assert script.main(["--dry-run"]) == 0
     out = capsys.readouterr().out
     total = float(re.search(r"^estimated (\d+) s \(", out, re.M).group(1))
     assert total <= 480, out
@@ -30,15 +32,15 @@ def test_the_dry_run_fits_the_budget_with_every_phase(gpu_check, capsys):
     assert out.index("LRU, vmap") < out.index("8192 slots")
 
 
-def test_rows_cut_by_the_budget_are_skipped_not_matched(gpu_check, capsys, tmp_path):
+def test_rows_cut_by_the_budget_are_skipped_not_matched(script, capsys, tmp_path):
     """FAILS if a row the budget cut counts as matched: before, every check "skipped (budget)"
     still printed "all matched" and exited 0. Here the budget cuts every row (no JAX work)."""
     out_file = tmp_path / "report.md"
-    status = gpu_check.main(["--candidate", "interpret", "--budget-seconds", "0.001",
+    status = script.main(["--candidate", "interpret", "--budget-seconds", "0.001",
                              "--out", str(out_file)])
     captured = capsys.readouterr()
     report = out_file.read_text()
-    assert status == gpu_check.EXIT_INCOMPLETE == 4
+    assert status == script.EXIT_INCOMPLETE == 4
     assert "all matched" not in report and "INCOMPLETE" in report
     for phase in ("equality", "mesh", "geometries", "sweep", "copy"):
         assert re.search(rf"phase {phase}: 0 of [1-9]\d* rows ran", report), phase
@@ -46,11 +48,11 @@ def test_rows_cut_by_the_budget_are_skipped_not_matched(gpu_check, capsys, tmp_p
     assert "FAILED (exit 4)" in captured.err
 
 
-def test_a_smoke_run_runs_the_first_check_of_a_phase_and_cuts_the_rest(gpu_check, capsys):
+def test_a_smoke_run_runs_the_first_check_of_a_phase_and_cuts_the_rest(script, capsys):
     """FAILS if --smoke lets the budget cut its first check, or calls a cut run a pass: the
     first equality case runs (interpret against xla, on the CPU) and matches, every later one
     is reported as skipped, and the run exits 4."""
-    status = gpu_check.main(["--smoke", "--phases", "equality", "--budget-seconds", "0.001",
+    status = script.main(["--smoke", "--phases", "equality", "--budget-seconds", "0.001",
                              "--case-steps", "4"])
     out = capsys.readouterr().out
     assert status == 4
@@ -62,15 +64,15 @@ def test_a_smoke_run_runs_the_first_check_of_a_phase_and_cuts_the_rest(gpu_check
 
 @pytest.mark.parametrize("argv", [["--phases", "equality,nope"], ["--phases", "copy,copy"],
                                   ["--budget-seconds", "0"], ["--mesh-evictions", "fifo"]])
-def test_a_bad_argument_is_one_line_and_exit_2(gpu_check, capsys, argv):
+def test_a_bad_argument_is_one_line_and_exit_2(script, capsys, argv):
     with pytest.raises(SystemExit) as stop:
-        gpu_check.main(["--dry-run", *argv])
+        script.main(["--dry-run", *argv])
     err = capsys.readouterr().err
     assert stop.value.code == 2
     assert len(err.strip().splitlines()) == 1 and err.startswith("gpu_check.py: error:"), err
 
 
-def test_device_time_sums_the_gpu_stream_lines_one_cluster_per_dispatch(gpu_check):
+def test_device_time_sums_the_gpu_stream_lines_one_cluster_per_dispatch(script):
     """FAILS if the host's events, or the derived module/op lines that repeat the kernels, are
     counted, or two dispatches run apart are summed as one."""
     from gpu_phases.common import cluster_sums, clusters, events_by_name, gpu_events, kernel_mean_us
@@ -99,11 +101,11 @@ def test_device_time_sums_the_gpu_stream_lines_one_cluster_per_dispatch(gpu_chec
     assert kernel_mean_us(first) == 5.0  # the kernel alone, not the copy beside it
 
 
-def test_a_smoke_run_of_the_cost_phases_completes_and_matches(gpu_check, capsys):
+def test_a_smoke_run_of_the_cost_phases_completes_and_matches(script, capsys):
     """FAILS if a cost row's path breaks on the CPU: the sweep's row (schedule, warm-up, both
     backends, the floor program, the profiler trace read back, the lowered op count) and the
     copy row run, compare, and the complete run exits 0."""
-    status = gpu_check.main(["--smoke", "--phases", "sweep,copy"])
+    status = script.main(["--smoke", "--phases", "sweep,copy"])
     out = capsys.readouterr().out
     assert status == 0, out
     assert "all matched**: 2 rows, none skipped" in out
@@ -111,13 +113,13 @@ def test_a_smoke_run_of_the_cost_phases_completes_and_matches(gpu_check, capsys)
     assert "Device trace: no GPU events: not a GPU" in out
 
 
-def test_the_tables_print_a_gpu_runs_device_times_and_the_upstream_verdict(gpu_check):
+def test_the_tables_print_a_gpu_runs_device_times_and_the_upstream_verdict(script):
     """FAILS if a table breaks on the figures only a GPU run has (device us, GB/s): each
     phase's markdown with them, and the sweep's verdict against upstream (device us at or below
     upstream's base + slope * m, one Pallas call per iteration)."""
     from gpu_phases import PHASES
 
-    args = gpu_check.parse_args(["--candidate", "pallas"])
+    args = script.parse_args(["--candidate", "pallas"])
     cost = {"status": "match", "us": {"pallas": 9.5, "xla": 40.25},
             "device_us": {"pallas": 2.0, "xla": 30.0}, "kernels": {"pallas": (3, 1),
                                                                    "xla": (60, 0)},
@@ -155,7 +157,7 @@ def test_the_tables_print_a_gpu_runs_device_times_and_the_upstream_verdict(gpu_c
 
 
 @pytest.mark.parametrize("profile_graphs", [False, True])
-def test_device_time_is_taken_on_copies_compiled_without_command_buffers(gpu_check, monkeypatch,
+def test_device_time_is_taken_on_copies_compiled_without_command_buffers(script, monkeypatch,
                                                                           profile_graphs):
     """FAILS if a cost row profiles the programs as compiled by default (in CUDA graphs on a
     GPU, where tracing a graph launch faulted on an H200), times the wall clock on the copies
@@ -164,7 +166,7 @@ def test_device_time_is_taken_on_copies_compiled_without_command_buffers(gpu_che
     import pallas_cache as pc
     from gpu_phases import common
 
-    ctx = common.Context(gpu_check.parse_args(["--smoke"] + ["--profile-graphs"] * profile_graphs))
+    ctx = common.Context(script.parse_args(["--smoke"] + ["--profile-graphs"] * profile_graphs))
     state = pc.init(2, 8, 8)
     windows = [(jnp.asarray([0, 1], jnp.int32), jnp.asarray([[1, 2], [3, 4]], jnp.int32))] * 5
     phase, ran = ["timed"], []
@@ -228,13 +230,13 @@ def test_the_profiler_fault_probe_runs_each_mode_in_its_own_process(tmp_path):
     assert "| pallas | ok | interpret: " in table and "equal to xla" in table, table
 
 
-def test_the_copy_table_has_a_row_per_count_and_says_what_each_moved(gpu_check):
+def test_the_copy_table_has_a_row_per_count_and_says_what_each_moved(script):
     """FAILS if the copy phase loses its rows for 0, 1, 2 and 8 of 8 entries at 64 MiB rows, or
     its table divides by bytes the plan did not move (a GB/s for 0 of 8) or misses the device
     time over 8 of 8 that says whether the copies scale with the rows asked."""
     from gpu_phases import copy
 
-    args = gpu_check.parse_args([])
+    args = script.parse_args([])
     rows = [row for row, _ in copy.plan(args)]
     assert [row["m"] for row in rows if row["mib"] == 64] == [0, 1, 2, 8]
     results = {0: 50.0, 1: 1400.0, 2: 2800.0, 8: 11200.0}

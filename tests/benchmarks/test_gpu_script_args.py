@@ -12,6 +12,8 @@ import pytest
 
 from tests.benchmarks.conftest import BENCHMARKS
 
+SCRIPT = "gpu_check"
+
 
 def _refused(capsys, call, script):
     with pytest.raises(SystemExit) as stop:
@@ -23,39 +25,39 @@ def _refused(capsys, call, script):
 
 
 @pytest.fixture
-def no_work(gpu_check, monkeypatch):
+def no_work(script, monkeypatch):
     """Make any phase fail the test: the refusal must come before the work."""
     def run_phases(*args, **kwargs):
         raise AssertionError("the phases ran before the refusal")
 
-    monkeypatch.setattr(gpu_check, "run_phases", run_phases)
+    monkeypatch.setattr(script, "run_phases", run_phases)
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--smoke", "--phases", "copy", "--seed", "-5"], "--seed: '-5' must be >= 0"),
     (["--smoke", "--phases", "copy", "--mesh-evictions", "lru,lru"], "give distinct names"),
 ], ids=["negative-seed", "duplicated-eviction"])
-def test_gpu_check_refuses_a_bad_argument_before_the_work(gpu_check, capsys, no_work, argv,
+def test_gpu_check_refuses_a_bad_argument_before_the_work(script, capsys, no_work, argv,
                                                          message):
     """FAILS if ``--seed -5`` reaches NumPy's generator (a traceback reported as a failed
     backend) or ``--mesh-evictions lru,lru`` doubles the mesh rows: one line, exit 2, before
     any phase, as a duplicated ``--phases`` is."""
-    assert message in _refused(capsys, lambda: gpu_check.main(argv), "gpu_check.py")
+    assert message in _refused(capsys, lambda: script.main(argv), "gpu_check.py")
 
 
-def test_gpu_check_checks_the_report_folder_before_the_work(gpu_check, capsys, no_work,
+def test_gpu_check_checks_the_report_folder_before_the_work(script, capsys, no_work,
                                                            tmp_path):
     """FAILS if ``--out <file>/sub/report.md`` fails with ``NotADirectoryError`` after the
     phases ran (on a GPU lease, device time lost): one line naming the folder, before them."""
     blocker = tmp_path / "file"
     blocker.write_text("")
     out = blocker / "sub" / "report.md"
-    err = _refused(capsys, lambda: gpu_check.main(["--smoke", "--phases", "copy", "--out",
+    err = _refused(capsys, lambda: script.main(["--smoke", "--phases", "copy", "--out",
                                                    str(out)]), "gpu_check.py")
     assert f"--out {out}: cannot make its folder" in err
     folder = tmp_path / "folder"
     folder.mkdir()
-    err = _refused(capsys, lambda: gpu_check.main(["--smoke", "--out", str(folder)]),
+    err = _refused(capsys, lambda: script.main(["--smoke", "--out", str(folder)]),
                    "gpu_check.py")
     assert "is a folder" in err
 

@@ -6,13 +6,16 @@ the bank reads from it: a slice reads its output, anything else the whole bank. 
 runs, not what the code says, makes a copy rule structural: a loop over a plan's width reads its
 padding even where a scatter drops it. A ``shard_map`` is run as one device's program (the
 ``device`` argument: its blocks of the sharded inputs, its ``axis_index``). Used by
-tests/core/test_copy_path.py and tests/core/mesh_checks.py.
+tests/core/test_copy_path.py and tests/core/mesh_checks.py. :func:`whole_matrix_ops` finds
+the operations of a compiled program that make an array the size of a whole stored matrix
+(tests/core/test_experts.py, tests/benchmarks/test_hybrid_vmap.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 import jax
 import jax.extend.core
@@ -141,3 +144,21 @@ def _eval_scan(params, vals, marks, run):
     if params["reverse"]:
         ys.reverse()
     return carry + [jnp.stack([y[k] for y in ys]) for k in range(len(ys[0]))] if ys else carry
+
+
+_WHOLE = re.compile(r"=\s*\w+\[([\d,]+)\]")
+
+
+def whole_matrix_ops(hlo: str, size: int) -> list[str]:
+    """Lines of optimized HLO that compute an array of at least one whole stored matrix
+    (``size`` elements), other than the parameters and the loop/tuple plumbing that pass the
+    bank along."""
+    found = []
+    for line in hlo.splitlines():
+        if re.search(r"parameter\(|get-tuple-element\(|tuple\(|while\(|conditional\(|"
+                     r"bitcast\(|call\(|custom-call\(", line):
+            continue
+        for dims in _WHOLE.findall(line):
+            if np.prod([int(d) for d in dims.split(",")]) >= size:
+                found.append(line.strip()[:160])
+    return found

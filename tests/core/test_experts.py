@@ -7,10 +7,7 @@ sizes equal to what the sizing model counts; bad banks refused naming the leaf."
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import re
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +17,7 @@ import pytest
 import pallas_cache as pc
 from pallas_cache import experts, formats, hybrid
 from pallas_cache.moe import apply_copy_plan, put_host_bank
+from tests.core.bank_reads import whole_matrix_ops
 
 L, E, S = 2, 4, 5
 H, F = 256, 160  # F: with 64-row blocks, two of them and a tail of 32
@@ -252,22 +250,6 @@ def test_under_vmap_each_element_evaluates_only_its_own_experts():
 
 # ---- reading in place ---------------------------------------------------------------------------
 
-_WHOLE = re.compile(r"=\s*\w+\[([\d,]+)\]")
-
-
-def _whole_matrix_ops(hlo: str, size: int) -> list[str]:
-    """Lines of optimized HLO that compute an array of at least one whole stored matrix
-    (``size`` elements), other than the parameters and the loop/tuple plumbing that pass the
-    bank along."""
-    found = []
-    for line in hlo.splitlines():
-        if re.search(r"parameter\(|get-tuple-element\(|tuple\(|while\(|conditional\(|"
-                     r"bitcast\(|call\(|custom-call\(", line):
-            continue
-        for dims in _WHOLE.findall(line):
-            if np.prod([int(d) for d in dims.split(",")]) >= size:
-                found.append(line.strip()[:160])
-    return found
 
 
 @pytest.mark.usefixtures("optimized_xla")
@@ -288,9 +270,9 @@ def test_cpu_partial_reads_the_library_experts_in_place(fmt):
             bank).compile().as_text()
 
     size = bank["w1"][0].size
-    assert _whole_matrix_ops(compiled(experts.swiglu), size) == []
+    assert whole_matrix_ops(compiled(experts.swiglu), size) == []
     # The same experts as a plain function are given each expert sliced out of the bank.
-    assert _whole_matrix_ops(compiled(lambda w, t: experts.swiglu(w, t)), size)
+    assert whole_matrix_ops(compiled(lambda w, t: experts.swiglu(w, t)), size)
 
 
 @pytest.mark.usefixtures("optimized_xla")
@@ -318,24 +300,7 @@ def test_under_vmap_a_batch_of_banks_or_pools_is_read_in_place_too():
     size = bank["w1"][0].size
     for fn in (cpu, device):
         hlo = jax.jit(jax.vmap(fn)).lower(banks, ids, gates, x).compile().as_text()
-        assert _whole_matrix_ops(hlo, size) == [], fn.__name__
-
-
-def test_the_vmap_benchmark_times_the_layer_not_a_rebuilt_bank():
-    """FAILS if benchmarks/hybrid_vmap.py closes its layer over the bank: jax <= 0.11 then makes
-    the bank a constant of the program, which XLA:CPU rebuilds on every call (an op the size of
-    the bank in both programs), so the benchmark times that rebuild and 4 caches look cheaper than
-    one; on jax 0.12 the closed-over bank is an argument and this passes either way."""
-    benchmarks = str(Path(__file__).resolve().parents[2] / "benchmarks")
-    sys.path.insert(0, benchmarks)
-    try:
-        bench = importlib.import_module("hybrid_vmap")
-    finally:
-        sys.path.remove(benchmarks)
-    one, one_args, many, many_args = bench.calls(2, num_experts=4, d_model=128, d_expert=256)
-    size = 4 * 256 * 128
-    for fn, args in ((one, one_args), (many, many_args)):
-        assert _whole_matrix_ops(fn.lower(*args).compile().as_text(), size) == []
+        assert whole_matrix_ops(hlo, size) == [], fn.__name__
 
 
 # ---- bad banks ----------------------------------------------------------------------------------
