@@ -76,7 +76,7 @@ def put_host_bank(bank: PyTree, device: jax.Device | None = None, *,
     """
     device = jax.devices()[0] if device is None else device
     kind = host_memory_kind(device) if prefer_host else None
-    sharding = jax.sharding.SingleDeviceSharding(device, memory_kind=kind)
+    sharding = jax.sharding.make_single_device_sharding(device, memory_kind=kind)
     return jax.tree.map(lambda leaf: jax.device_put(leaf, sharding), bank)
 
 

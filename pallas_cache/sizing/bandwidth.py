@@ -139,7 +139,8 @@ def cpu_partial_timing(d_model: int = 4096, d_expert: int = 14336, repeats: int 
 
     d_model, d_expert = int(d_model), int(d_expert)
     device = jax.devices()[0]
-    sharding = jax.sharding.SingleDeviceSharding(device, memory_kind=host_memory_kind(device))
+    sharding = jax.sharding.make_single_device_sharding(
+        device, memory_kind=host_memory_kind(device))
     # The values do not matter to the time; constants (not denormals) fill buffers made by
     # JAX, with no NumPy array to stage them through (on an accelerator they are made in device
     # memory and moved to host memory; on the CPU backend the move is a no-op).

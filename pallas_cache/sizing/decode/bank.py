@@ -87,7 +87,7 @@ def expert_fn_and_bank(geometry: Geometry, *, seed: int = 0, device=None,
                                                               jnp.float32)))
     bank = {}
     for name, make in leaves:
-        leaf = jax.jit(make, out_shardings=_device_sharding(device))()
+        leaf = jax.jit(make, out_shardings=jax.sharding.make_single_device_sharding(device))()
         progress(f"bank leaf {name} {list(leaf.shape)} {leaf.dtype} ({g.dtype})")
         bank[name] = put_host_bank(leaf, device)
         if bank[name] is not leaf:
@@ -95,11 +95,6 @@ def expert_fn_and_bank(geometry: Geometry, *, seed: int = 0, device=None,
     return experts.swiglu, bank
 
 
-def _device_sharding(device):
-    """A one-device sharding in the device's default memory (jax 0.12 renamed the class's
-    constructor)."""
-    make = getattr(jax.sharding, "make_single_device_sharding", None)
-    return make(device) if make is not None else jax.sharding.SingleDeviceSharding(device)
 
 
 def _random_leaf(shape, fmt, fan_in, seed):
