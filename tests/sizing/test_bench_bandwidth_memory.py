@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import pathlib
-import resource
 import subprocess
 import sys
 
@@ -33,14 +32,15 @@ def test_an_allocation_the_address_space_refuses_is_one_line():
     says it ran out of memory. Two buffers of 1500 MiB (source and copy) and JAX's own
     mappings cannot fit in 3 GiB; two of 1000 MiB fit beside jax 0.12.1, so 1000 proved
     nothing there."""
-    def limit():
-        resource.setrlimit(resource.RLIMIT_AS, (3 * 2**30, 3 * 2**30))
-
-    done = subprocess.run([sys.executable, "-m", "pallas_cache.sizing.cli", "bench-bandwidth",
-                           "--mib", "1500", "--d-model", "64", "--d-expert", "64",
-                           "--repeats", "1"], cwd=REPO, capture_output=True, text=True,
-                          preexec_fn=limit, timeout=600,
-                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    # The limit is set by a Python that then execs the CLI (the limit stays across exec), not
+    # by preexec_fn, which forks this multithreaded (JAX) process.
+    limited = ("import os, resource, sys; "
+               "resource.setrlimit(resource.RLIMIT_AS, (3 * 2**30, 3 * 2**30)); "
+               "os.execv(sys.executable, [sys.executable] + sys.argv[1:])")
+    done = subprocess.run([sys.executable, "-c", limited, "-m", "pallas_cache.sizing.cli",
+                           "bench-bandwidth", "--mib", "1500", "--d-model", "64", "--d-expert",
+                           "64", "--repeats", "1"], cwd=REPO, capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr
     last = done.stderr.strip().splitlines()[-1]
