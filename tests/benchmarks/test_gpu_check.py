@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
 import sys
 
 import pytest
@@ -209,20 +210,18 @@ def test_the_profiler_fault_probe_runs_each_mode_in_its_own_process(tmp_path):
     """FAILS if the probe the next GPU run carries breaks on the CPU: a traced mode and the
     fused kernel's mode (interpret here, every plan against the XLA step's) each report ``ok``
     from a process of their own into the table, and a bad mode is one line and exit 2."""
-    import subprocess
-
-    script = os.path.join(BENCHMARKS, "profiler_graph_fault.py")
+    probe = os.path.join(BENCHMARKS, "profiler_graph_fault.py")
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    bad = subprocess.run([sys.executable, script, "--modes", "xla,nope"], env=env,
+    bad = subprocess.run([sys.executable, probe, "--modes", "xla,nope"], env=env,
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
     assert "nope" not in bad.stdout and "Traceback" not in bad.stderr
     for argv in (["--timeout", "0"], ["--timeout", "soon"]):
-        bad = subprocess.run([sys.executable, script, *argv], env=env, capture_output=True,
+        bad = subprocess.run([sys.executable, probe, *argv], env=env, capture_output=True,
                              text=True, timeout=60)
         assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
     out = tmp_path / "probe.md"
-    done = subprocess.run([sys.executable, script, "--modes", "xla-traced,pallas", "--out",
+    done = subprocess.run([sys.executable, probe, "--modes", "xla-traced,pallas", "--out",
                            str(out)], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     table = out.read_text()
